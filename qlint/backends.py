@@ -1,0 +1,143 @@
+"""What each quantized backend can do, read from torch's public BackendConfig objects.
+
+Rules ask questions in op kinds ("can x86 fuse conv2d-batch_norm-relu?", "which
+activation dtypes does qnnpack accept for linear?"), never in torch classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import torch
+import torch.ao.quantization.quantize_fx  # noqa: F401  (loads backend_config helpers torch needs)
+from torch.ao.quantization.backend_config import (
+    BackendConfig,
+    get_fbgemm_backend_config,
+    get_onednn_backend_config,
+    get_qnnpack_backend_config,
+)
+from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
+
+from qlint.ops import function_kind, module_kind
+
+_GETTERS = {
+    "x86": get_x86_backend_config,
+    "fbgemm": get_fbgemm_backend_config,
+    "qnnpack": get_qnnpack_backend_config,
+    "onednn": get_onednn_backend_config,
+}
+
+# add-relu is fused at lowering time (quantized::add_relu) rather than by a fuser method.
+_LOWERING_FUSIONS = (("add", "relu"),)
+
+
+@dataclasses.dataclass(frozen=True)
+class DTypeSupport:
+    """One accepted dtype combination for an op, with the constraints the backend imposes."""
+
+    input_dtype: Optional[str]
+    output_dtype: Optional[str]
+    weight_dtype: Optional[str]
+    is_dynamic: bool
+    input_quant_min: Optional[int] = None
+    input_quant_max: Optional[int] = None
+    weight_quant_min: Optional[int] = None
+    weight_quant_max: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    fusable: frozenset[tuple[str, ...]]
+    dtypes: dict[str, tuple[DTypeSupport, ...]]
+    per_channel_kinds: frozenset[str]
+    # fbgemm/x86 kernels can overflow 16-bit intermediate sums on CPUs without VNNI,
+    # which torch avoids with 7-bit activations (reduce_range=True).
+    wants_reduce_range: bool
+
+    def can_fuse(self, kinds: tuple[str, ...]) -> bool:
+        return kinds in self.fusable
+
+    def supports(self, kind: str) -> bool:
+        return kind in self.dtypes
+
+    def dtype_options(self, kind: str) -> tuple[DTypeSupport, ...]:
+        return self.dtypes.get(kind, ())
+
+
+def _kind_of_pattern_element(element: Any) -> Optional[str]:
+    if isinstance(element, type) and issubclass(element, torch.nn.Module):
+        try:
+            return module_kind(element.__new__(element))
+        except Exception:  # a class whose __new__ needs arguments: fall back on its name
+            return None
+    if isinstance(element, str):
+        from qlint.ops import method_kind
+
+        return method_kind(element)
+    if callable(element):
+        return function_kind(element)
+    return None
+
+
+def _pattern_kinds(pattern: Any) -> Optional[tuple[str, ...]]:
+    elements = pattern if isinstance(pattern, tuple) else (pattern,)
+    kinds = tuple(_kind_of_pattern_element(e) for e in elements)
+    if any(k is None or ":" in k for k in kinds):
+        return None
+    return kinds  # type: ignore[return-value]
+
+
+def _describe(dtype_config: Any) -> DTypeSupport:
+    def bounds(constraint: Any) -> tuple[Optional[int], Optional[int]]:
+        if constraint is None:
+            return None, None
+        return (getattr(constraint, "quant_min_lower_bound", None),
+                getattr(constraint, "quant_max_upper_bound", None))
+
+    in_min, in_max = bounds(getattr(dtype_config, "input_dtype_with_constraints", None))
+    w_min, w_max = bounds(getattr(dtype_config, "weight_dtype_with_constraints", None))
+    as_text = lambda d: None if d is None else str(d)  # noqa: E731
+    return DTypeSupport(
+        input_dtype=as_text(dtype_config.input_dtype),
+        output_dtype=as_text(dtype_config.output_dtype),
+        weight_dtype=as_text(dtype_config.weight_dtype),
+        is_dynamic=bool(dtype_config.is_dynamic),
+        input_quant_min=in_min, input_quant_max=in_max,
+        weight_quant_min=w_min, weight_quant_max=w_max,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def backend_info(name: str) -> BackendInfo:
+    if name not in _GETTERS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_GETTERS)}")
+    config: BackendConfig = _GETTERS[name]()
+    fusable: set[tuple[str, ...]] = set(_LOWERING_FUSIONS)
+    dtypes: dict[str, list[DTypeSupport]] = {}
+    for pattern_config in config.configs:
+        kinds = _pattern_kinds(pattern_config.pattern)
+        if kinds is None:
+            continue
+        if pattern_config.fuser_method is not None and len(kinds) > 1:
+            fusable.add(kinds)
+        if len(kinds) == 1:
+            bucket = dtypes.setdefault(kinds[0], [])
+            for dtype_config in pattern_config.dtype_configs:
+                described = _describe(dtype_config)
+                if described not in bucket:
+                    bucket.append(described)
+    weighted_static = frozenset(
+        kind for kind, options in dtypes.items()
+        if kind in ("conv1d", "conv2d", "conv3d", "linear")
+        and any(o.weight_dtype == "torch.qint8" for o in options)
+    )
+    return BackendInfo(
+        name=name,
+        fusable=frozenset(fusable),
+        dtypes={k: tuple(v) for k, v in dtypes.items()},
+        per_channel_kinds=weighted_static,
+        wants_reduce_range=name in ("x86", "fbgemm"),
+    )

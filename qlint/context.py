@@ -1,0 +1,33 @@
+"""The read-only context every rule receives, built once per lint run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from torch.ao.quantization import QConfigMapping
+
+from qlint.backends import BackendInfo
+from qlint.graph import ModelGraph
+
+# How the user stated their quantization intent.
+INTENT_DEFAULT = "backend default mapping"
+INTENT_MAPPING = "user QConfigMapping"
+INTENT_PREPARED = "prepared model (observers in the graph)"
+INTENT_EAGER = "eager .qconfig attributes"
+
+
+@dataclasses.dataclass(frozen=True)
+class LintContext:
+    graph: ModelGraph
+    backend: BackendInfo
+    intent: str
+    qconfig_mapping: Optional[QConfigMapping]
+    example_inputs: Optional[tuple[Any, ...]] = None
+    statistics: Any = None  # calibration statistics view, when calibration data was given
+    model_name: str = "model"
+
+    @property
+    def eager_flow(self) -> bool:
+        """QuantStub/DeQuantStub mark a model meant for eager-mode quantization."""
+        return self.graph.uses_eager_stubs()

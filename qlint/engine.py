@@ -1,0 +1,232 @@
+"""The lint pipeline: load → trace → ModelGraph → rules → Report."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.ao.quantization import QConfigMapping
+
+from qlint import __version__
+from qlint.backends import backend_info
+from qlint.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
+from qlint.errors import ConfigError, QlintError
+from qlint.findings import Notice, QConfigRow, Report, Severity, SkippedRule, Timing
+from qlint.graph import ModelGraph, OpNode
+from qlint.intent import (BACKENDS, CallDescription, NodeQConfig, QConfigResolver, default_mapping,
+                          describe_observer, load_mapping_object, node_qconfig)
+from qlint.ops import module_kind
+from qlint.registry import Registry
+from qlint.rule import Need, Rule
+from qlint.tracing import GraphBuilder, Traced, private_copy, propagate_shapes, trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """What every later stage shares: the traced copy, its graph and the intent."""
+
+    graph: ModelGraph
+    traced: Traced
+    intent: str
+    qconfig_mapping: Optional[QConfigMapping]
+    notices: tuple[Notice, ...]
+
+
+def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: str,
+            qconfig_mapping: Any = None, exported_program: Any = None) -> Analysis:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not isinstance(model, nn.Module):
+        raise QlintError(f"expected an nn.Module, got {type(model).__name__}")
+    working = private_copy(model) if exported_program is None else model
+    traced = trace(working, example_inputs, exported_program)
+    notices = [Notice(message=n) for n in traced.notes]
+    shape_note = propagate_shapes(traced, example_inputs)
+    if shape_note:
+        notices.append(Notice(message=shape_note))
+    intent, mapping, resolve = _intent(working, traced, backend, qconfig_mapping)
+    graph = GraphBuilder(traced, working, resolve).build()
+    return Analysis(graph, traced, intent, mapping, tuple(notices))
+
+
+def _intent(model: nn.Module, traced: Traced, backend: str, user_mapping: Any):
+    if user_mapping is not None:
+        try:
+            mapping = load_mapping_object(user_mapping, backend)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"bad qconfig mapping: {error}") from error
+        return INTENT_MAPPING, mapping, _mapping_resolver(mapping)
+    if _has_observer_nodes(traced.graph_module):
+        return INTENT_PREPARED, None, _prepared_resolver(traced.graph_module)
+    if any(getattr(m, "qconfig", None) is not None for m in model.modules()):
+        return INTENT_EAGER, None, _eager_resolver(model)
+    mapping = default_mapping(backend)
+    return INTENT_DEFAULT, mapping, _mapping_resolver(mapping)
+
+
+def _mapping_resolver(mapping: QConfigMapping):
+    resolver = QConfigResolver(mapping)
+
+    def resolve(call: CallDescription, _node: fx.Node, _info: OpNode) -> Optional[NodeQConfig]:
+        qconfig, source = resolver.resolve(call)
+        return node_qconfig(qconfig, source)
+
+    return resolve
+
+
+def _has_observer_nodes(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            try:
+                if module_kind(gm.get_submodule(str(node.target))) == "observer":
+                    return True
+            except AttributeError:
+                continue
+    return False
+
+
+def _prepared_resolver(gm: fx.GraphModule):
+    def resolve(call: CallDescription, _node: fx.Node, info: OpNode) -> Optional[NodeQConfig]:
+        weight = None
+        if info.module is not None:
+            module = gm.get_submodule(info.module)
+            weight_observer = getattr(module, "weight_fake_quant", None)
+            qconfig = getattr(module, "qconfig", None)
+            if weight_observer is not None:
+                weight = describe_observer(weight_observer)
+            elif qconfig is not None and info.weight is not None:
+                weight = describe_observer(qconfig.weight)
+        activation = info.observed_output.activation if info.observed_output else None
+        if activation is None and weight is None:
+            return None
+        return NodeQConfig(activation=activation, weight=weight, source="prepared")
+
+    return resolve
+
+
+def _eager_resolver(model: nn.Module):
+    def qconfig_of(path: str):
+        while True:
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:
+                module = None
+            qconfig = getattr(module, "qconfig", None) if module is not None else None
+            if qconfig is not None or not path:
+                return qconfig
+            path = path.rpartition(".")[0]
+
+    def resolve(call: CallDescription, _node: fx.Node, _info: OpNode) -> Optional[NodeQConfig]:
+        return node_qconfig(qconfig_of(call.module_path), "module .qconfig")
+
+    return resolve
+
+
+def qconfig_rows(graph: ModelGraph) -> list[QConfigRow]:
+    rows = []
+    for node in graph.ops():
+        qc = node.qconfig
+        act = qc.activation if qc else None
+        weight = qc.weight if qc else None
+        inputs = [p.qconfig.activation.dtype for p in graph.producers(node.name)
+                  if p.qconfig is not None and p.qconfig.activation is not None]
+        rows.append(QConfigRow(
+            node=node.name, target=node.display, kind=node.kind, quantized=node.is_quantized,
+            input_dtype=inputs[0] if inputs else ("torch.float32" if graph.producers(node.name) else None),
+            output_dtype=act.dtype if act else "torch.float32",
+            weight_dtype=weight.dtype if weight and node.weight else None,
+            activation_observer=act.observer if act else None,
+            weight_observer=weight.observer if weight and node.weight else None,
+            weight_qscheme=weight.qscheme if weight and node.weight else None,
+            ch_axis=weight.ch_axis if weight and node.weight else None,
+        ))
+    return rows
+
+
+def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
+    findings, skipped, notices = [], [], []
+    for rule in rules:
+        missing = _missing_needs(rule, ctx, has_statistics)
+        if missing:
+            skipped.append(SkippedRule(rule=rule.code, name=rule.name, reason=missing))
+            continue
+        try:
+            findings.extend(rule.check(ctx))
+        except QlintError:
+            raise
+        except Exception as error:  # one broken rule must not hide every other finding
+            reason = f"rule crashed: {type(error).__name__}: {error}"
+            skipped.append(SkippedRule(rule=rule.code, name=rule.name, reason=reason[:300]))
+            notices.append(Notice(level=Severity.ERROR, message=f"{rule.code} {reason}"[:400]))
+    findings.sort(key=lambda f: (-f.severity.rank, f.rule, ctx.graph.position(f.data["node"])
+                                 if isinstance(f.data.get("node"), str) and f.data["node"] in ctx.graph
+                                 else 0, f.target))
+    return findings, skipped, notices
+
+
+def _missing_needs(rule: Rule, ctx: LintContext, has_statistics: bool) -> Optional[str]:
+    if Need.EXAMPLE_INPUTS in rule.requires and not ctx.example_inputs:
+        return "no example inputs (pass --input-shape or --example-inputs)"
+    if Need.STATISTICS in rule.requires and not has_statistics:
+        return ("no calibration data: pass --calibration FILE_OR_DIR "
+                "(or --random-calibration N to run on random data)")
+    return None
+
+
+def instantiate_rules(classes: Iterable[type[Rule]], options: Mapping[str, Mapping[str, Any]]) -> list[Rule]:
+    rules = []
+    for cls in classes:
+        raw = options.get(cls.code) or options.get(cls.name) or {}
+        try:
+            rules.append(cls(cls.Options(**raw)))
+        except Exception as error:  # pydantic ValidationError: unknown or bad option
+            first = str(error).splitlines()
+            detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(error)
+            raise ConfigError(f"bad options for {cls.code} ({cls.name}): {detail}") from error
+    return rules
+
+
+def lint(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None, calibration: Any = None,
+         backend: str = "x86", qconfig_mapping: Any = None, select: Optional[Iterable[str]] = None,
+         ignore: Optional[Iterable[str]] = None, *, options: Optional[Mapping[str, Mapping[str, Any]]] = None,
+         model_name: Optional[str] = None, exported_program: Any = None,
+         registry: Optional[Registry] = None, calibration_options: Any = None) -> Report:
+    """Lint ``model`` for quantization problems; the model itself is never modified."""
+    timings: list[Timing] = []
+    start = time.perf_counter()
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    example = tuple(example_inputs) if example_inputs is not None else None
+    registry = registry or Registry.default()
+    rules = instantiate_rules(registry.select(select, ignore), options or {})
+    analysis = analyse(model, example, backend, qconfig_mapping, exported_program)
+    timings.append(Timing(stage="trace", seconds=time.perf_counter() - start))
+    notices = list(analysis.notices)
+    statistics = None
+    if calibration is not None and any(Need.STATISTICS in r.requires for r in rules):
+        from qlint.calibration import collect_statistics
+
+        stage = time.perf_counter()
+        statistics, calibration_notices = collect_statistics(
+            analysis, rules, calibration, calibration_options)
+        notices.extend(calibration_notices)
+        timings.append(Timing(stage="calibrate", seconds=time.perf_counter() - stage))
+    ctx = LintContext(graph=analysis.graph, backend=backend_info(backend), intent=analysis.intent,
+                      qconfig_mapping=analysis.qconfig_mapping, example_inputs=example,
+                      statistics=statistics, model_name=model_name or type(model).__name__)
+    stage = time.perf_counter()
+    findings, skipped, rule_notices = run_rules(ctx, rules, has_statistics=statistics is not None)
+    notices.extend(rule_notices)
+    timings.append(Timing(stage="rules", seconds=time.perf_counter() - stage))
+    timings.append(Timing(stage="total", seconds=time.perf_counter() - start))
+    layers = statistics.layer_rows(findings) if statistics is not None and hasattr(statistics, "layer_rows") else []
+    return Report(
+        qlint_version=__version__, torch_version=torch.__version__,
+        model=ctx.model_name, backend=backend, frontend=analysis.graph.frontend,
+        findings=findings, skipped=skipped, notices=notices, timings=timings,
+        layers=layers, qconfig_table=qconfig_rows(analysis.graph),
+    )

@@ -1,0 +1,23 @@
+"""User-facing errors: the CLI prints their message on one line and exits 2."""
+
+from __future__ import annotations
+
+
+class QlintError(Exception):
+    """A problem with the user's input (model file, options, data), not a bug in qlint."""
+
+
+class LoadError(QlintError):
+    """The model, weights, example inputs or calibration data could not be loaded."""
+
+
+class TraceError(QlintError):
+    """No front end could turn the model into a graph."""
+
+
+class ConfigError(QlintError):
+    """Bad options: unknown rule codes, bad [tool.qlint] values, bad CLI flags."""
+
+
+class RuleLoadError(QlintError):
+    """A third-party rule package failed to import or defines an invalid rule."""

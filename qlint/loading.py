@@ -1,0 +1,271 @@
+"""Safe loading of models, weights and example inputs.
+
+Nothing here unpickles arbitrary objects unless the caller passes
+``trust_pickle=True``: every ``torch.load`` uses ``weights_only=True`` first,
+and a file that needs more is refused with a message that says why and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import logging
+import os
+import pickle
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from qlint.errors import LoadError
+
+MODEL_SUFFIXES = (".pt2", ".pt", ".pth", ".ckpt", ".bin")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    module: nn.Module
+    name: str
+    example_inputs: Optional[tuple[Any, ...]] = None
+    exported_program: Any = None  # torch.export.ExportedProgram for .pt2 files
+
+
+def is_factory_spec(spec: str) -> bool:
+    """'package.module:factory' or 'path/to/file.py:factory' (but not an existing path)."""
+    if os.path.exists(spec) or ":" not in spec:
+        return False
+    module_part, _, attr = spec.rpartition(":")
+    return bool(module_part) and attr.isidentifier()
+
+
+def load_model(spec: str, *, weights: Optional[str] = None, trust_pickle: bool = False) -> LoadedModel:
+    if is_factory_spec(spec):
+        module = build_from_factory(spec)
+        if weights is not None:
+            load_weights_into(module, weights)
+        return LoadedModel(module=module, name=spec)
+    path = _existing_file(spec, what="model file")
+    if weights is not None:
+        raise LoadError("--weights only applies to a 'module:factory' model")
+    if path.suffix == ".pt2":
+        return _load_pt2(path)
+    return _load_pickled_module(path, trust_pickle)
+
+
+def _existing_file(spec: str, what: str) -> Path:
+    path = Path(spec)
+    if not path.exists():
+        raise LoadError(f"{what} not found: {spec}")
+    if path.is_dir():
+        raise LoadError(f"{spec} is a directory, expected a {what}")
+    if path.stat().st_size == 0:
+        raise LoadError(f"{spec} is empty (0 bytes), expected a {what}")
+    return path
+
+
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[None]:
+    """torch logs full tracebacks for bad archives; the user gets our one line instead."""
+    loggers = [logging.getLogger(n) for n in ("torch.export", "torch._export", "torch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _load_pt2(path: Path) -> LoadedModel:
+    if not zipfile.is_zipfile(path):
+        raise LoadError(f"{path} is not a valid .pt2 archive (truncated or not written by torch.export.save)")
+    try:
+        with _quiet_torch():
+            program = torch.export.load(str(path))
+    except Exception as error:  # torch raises many types for corrupt archives
+        raise LoadError(f"{path} could not be read as a .pt2 archive: {_short(error)}") from error
+    example = None
+    if getattr(program, "example_inputs", None) is not None:
+        args, kwargs = program.example_inputs
+        if kwargs:
+            raise LoadError(f"{path} has keyword example inputs, which qlint does not support yet")
+        example = tuple(args)
+    return LoadedModel(module=program.module(), name=path.name, example_inputs=example,
+                       exported_program=program)
+
+
+def _load_pickled_module(path: Path, trust_pickle: bool) -> LoadedModel:
+    try:
+        with _quiet_torch():
+            obj = torch.load(str(path), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:
+        if not trust_pickle:
+            raise LoadError(
+                f"{path} contains pickled Python objects (such as a whole nn.Module); loading it "
+                "would run code from the file. If you trust its source, pass --trust-pickle; "
+                "otherwise save a state_dict and use 'package.module:factory --weights FILE', "
+                "or save with torch.export.save to a .pt2"
+            ) from error
+        obj = _load_trusted(path)
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        raise LoadError(f"{path} is not a readable PyTorch file (truncated or corrupt?): {_short(error)}") from error
+    if isinstance(obj, nn.Module):
+        return LoadedModel(module=obj, name=path.name)
+    if _looks_like_state_dict(obj):
+        raise LoadError(
+            f"{path} holds only a state_dict ({len(_unwrap_state_dict(obj))} tensors), not a model; "
+            f"pass the architecture as 'package.module:factory --weights {path}'"
+        )
+    raise LoadError(f"{path} holds a {type(obj).__name__}, not an nn.Module")
+
+
+def _load_trusted(path: Path) -> Any:
+    try:
+        with _quiet_torch():
+            return torch.load(str(path), weights_only=False, map_location="cpu")
+    except Exception as error:  # code from the file may raise anything
+        raise LoadError(f"{path} could not be unpickled: {_short(error)}") from error
+
+
+def _looks_like_state_dict(obj: Any) -> bool:
+    inner = _unwrap_state_dict(obj)
+    return isinstance(inner, dict) and bool(inner) and all(
+        isinstance(k, str) and torch.is_tensor(v) for k, v in inner.items())
+
+
+def _unwrap_state_dict(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        for key in ("state_dict", "model_state_dict", "model"):
+            if key in obj and isinstance(obj[key], dict):
+                return obj[key]
+    return obj
+
+
+def build_from_factory(spec: str) -> nn.Module:
+    factory = resolve_object(spec)
+    if isinstance(factory, nn.Module):
+        return factory
+    if not callable(factory):
+        raise LoadError(f"{spec} is not callable and not an nn.Module")
+    try:
+        module = factory()
+    except Exception as error:  # the user's factory may raise anything
+        raise LoadError(f"factory {spec} raised {_short(error)}") from error
+    if not isinstance(module, nn.Module):
+        raise LoadError(f"factory {spec} returned {type(module).__name__}, expected an nn.Module")
+    return module
+
+
+def resolve_object(spec: str) -> Any:
+    """Import 'package.module:attr' or 'path/to/file.py:attr' and return the attribute."""
+    module_part, _, attr = spec.rpartition(":")
+    if not module_part or not attr:
+        raise LoadError(f"expected 'package.module:name', got {spec!r}")
+    try:
+        if module_part.endswith(".py"):
+            file_path = Path(module_part)
+            if not file_path.is_file():
+                raise LoadError(f"python file not found: {module_part}")
+            module_spec = importlib.util.spec_from_file_location(file_path.stem, file_path)
+            if module_spec is None or module_spec.loader is None:
+                raise LoadError(f"cannot import {module_part}")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            cwd = os.getcwd()
+            if cwd not in sys.path:
+                sys.path.insert(0, cwd)  # 'examples.tiny:build' works from a project root
+            module = importlib.import_module(module_part)
+    except LoadError:
+        raise
+    except Exception as error:  # import errors, syntax errors, errors at import time
+        raise LoadError(f"cannot import {module_part}: {_short(error)}") from error
+    if not hasattr(module, attr):
+        raise LoadError(f"{module_part} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def load_weights_into(module: nn.Module, weights: str) -> None:
+    path = _existing_file(weights, what="weights file")
+    try:
+        with _quiet_torch():
+            obj = torch.load(str(path), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:
+        raise LoadError(f"{path} is not a plain state_dict (it holds pickled objects)") from error
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        raise LoadError(f"{path} is not a readable PyTorch file (truncated or corrupt?): {_short(error)}") from error
+    state = _unwrap_state_dict(obj)
+    if not _looks_like_state_dict(state):
+        raise LoadError(f"{path} does not hold a state_dict")
+    result = module.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise LoadError(
+            f"{path} does not fit the model: missing {_preview(result.missing_keys)}, "
+            f"unexpected {_preview(result.unexpected_keys)}"
+        )
+
+
+def _preview(keys: Sequence[str]) -> str:
+    if not keys:
+        return "none"
+    shown = ", ".join(keys[:3])
+    return f"{shown} (+{len(keys) - 3} more)" if len(keys) > 3 else shown
+
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "long": torch.int64,
+    "int32": torch.int32, "int": torch.int32, "bool": torch.bool, "uint8": torch.uint8,
+}
+
+
+def parse_input_shape(text: str) -> torch.Tensor:
+    """'1,3,224,224' or '1,128:int64' → a deterministic example tensor."""
+    shape_text, _, dtype_text = text.partition(":")
+    try:
+        shape = tuple(int(d) for d in shape_text.replace("x", ",").split(",") if d.strip())
+    except ValueError:
+        raise LoadError(f"bad --input-shape {text!r}: expected comma-separated integers like 1,3,224,224")
+    if not shape or any(d <= 0 for d in shape):
+        raise LoadError(f"bad --input-shape {text!r}: dimensions must be positive integers")
+    dtype = _DTYPES.get(dtype_text.strip().lower() or "float32")
+    if dtype is None:
+        raise LoadError(f"bad dtype in --input-shape {text!r}; use one of {', '.join(sorted(_DTYPES))}")
+    generator = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    if dtype == torch.bool:
+        return torch.zeros(shape, dtype=torch.bool)
+    return torch.randint(0, 2, shape, generator=generator, dtype=dtype)
+
+
+def load_example_inputs(path_text: str) -> tuple[Any, ...]:
+    path = _existing_file(path_text, what="example inputs file")
+    try:
+        with _quiet_torch():
+            obj = torch.load(str(path), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:
+        raise LoadError(f"{path} holds pickled objects; save example inputs as tensors") from error
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        raise LoadError(f"{path} is not a readable PyTorch file: {_short(error)}") from error
+    if torch.is_tensor(obj):
+        return (obj,)
+    if isinstance(obj, (tuple, list)) and obj and all(torch.is_tensor(t) for t in obj):
+        return tuple(obj)
+    raise LoadError(f"{path} must hold a tensor or a tuple of tensors, not {type(obj).__name__}")
+
+
+def _short(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(error).__name__}: {first}"[:240] if first else type(error).__name__

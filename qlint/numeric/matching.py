@@ -1,0 +1,533 @@
+"""Match the layers of a float model with those of its quantized counterpart.
+
+The counterpart can be a prepared model (observers or fake-quant, from
+``prepare_fx`` / ``prepare_qat_fx`` / eager ``prepare``), an FX-converted int8
+model, a dynamically quantized model, or an eager-mode converted model.  All of
+them keep the float model's module names for the layers they replace, so the
+primary key is the module fqn.  Fusion is the complication: a quantized
+``ConvReLU2d`` at ``conv`` stands for the float ``conv -> bn -> relu`` chain, so
+the float side's comparison point moves to the end of that chain ("absorbed"
+ops).  Functional ops of an FX graph (``x + y`` becoming ``quantized.add``) have
+no fqn; they are paired by op kind, by the nearest module layers that feed them
+and by their occurrence order.  Whatever is left is paired in graph order.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx
+from torch import nn
+from torch.ao.quantization import DeQuantStub, FakeQuantizeBase, ObserverBase, QuantStub
+
+MODULE_SITE = "module"
+NODE_SITE = "node"
+
+
+class CounterpartKind(str, enum.Enum):
+    FLOAT = "float"
+    PREPARED = "prepared"
+    CONVERTED_FX = "converted-fx"
+    DYNAMIC = "dynamic"
+    EAGER_CONVERTED = "eager-converted"
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a value is read: a module's call (hooks) or an FX node (interpreter)."""
+
+    kind: str
+    name: str
+
+
+@dataclass
+class LayerMatch:
+    name: str  # float module fqn, or float node name for functional ops
+    kind: str
+    float_entry: Site
+    float_exit: Site
+    quant_site: Site
+    quant_class: str
+    matched_by: str
+    float_exit_relu: bool = False  # the quantized op fuses a ReLU the float side applies functionally
+    absorbed: list[str] = field(default_factory=list)
+    folded_batch_norm: Optional[str] = None  # float BN fqn folded into the quantized weight
+    quant_input_quantizer: Optional[str] = None  # observer/fake-quant fqn feeding the layer
+    quant_output_quantizer: Optional[str] = None  # observer/fake-quant fqn after the layer
+    predecessors: list[str] = field(default_factory=list)
+
+    @property
+    def is_module(self) -> bool:
+        return self.float_entry.kind == MODULE_SITE and self.quant_site.kind == MODULE_SITE
+
+
+@dataclass
+class MatchResult:
+    layers: list[LayerMatch]
+    counterpart: CounterpartKind
+    unmatched_float: list[str]
+    unmatched_quantized: list[str]
+    float_graph: Optional[torch.fx.GraphModule]
+    quant_graph: Optional[torch.fx.GraphModule]
+    notes: list[str]
+
+    def by_name(self) -> dict[str, LayerMatch]:
+        return {layer.name: layer for layer in self.layers}
+
+
+# --- what counts as a layer ---------------------------------------------------
+_WEIGHTED_PREFIXES = (
+    ("ConvTranspose", "conv_transpose"),
+    ("ConvBn", "conv"),
+    ("ConvAdd", "conv"),
+    ("ConvReLU", "conv"),
+    ("Conv", "conv"),
+    ("LinearBn", "linear"),
+    ("LinearReLU", "linear"),
+    ("LinearLeakyReLU", "linear"),
+    ("LinearTanh", "linear"),
+    ("Linear", "linear"),
+    ("LSTMCell", "lstm_cell"),
+    ("LSTM", "lstm"),
+    ("GRUCell", "gru_cell"),
+    ("GRU", "gru"),
+    ("RNNCell", "rnn_cell"),
+    ("EmbeddingBag", "embedding_bag"),
+    ("Embedding", "embedding"),
+    ("BNReLU", "batch_norm"),
+    ("BatchNorm", "batch_norm"),
+    ("LayerNorm", "layer_norm"),
+    ("GroupNorm", "group_norm"),
+    ("InstanceNorm", "instance_norm"),
+)
+_ACTIVATION_CLASSES = {
+    "ReLU", "ReLU6", "Hardswish", "Hardsigmoid", "Sigmoid", "Tanh", "GELU", "SiLU",
+    "LeakyReLU", "ELU", "Hardtanh", "PReLU", "Mish", "Softmax", "CELU",
+}
+_NOT_LAYERS = (ObserverBase, FakeQuantizeBase, QuantStub, DeQuantStub, nn.Identity, nn.Dropout)
+
+# Functional ops worth a row of their own, keyed by the op's base name.
+_FUNCTIONAL_KINDS = {
+    "add": "add", "add_": "add", "iadd": "add", "add_scalar": "add",
+    "mul": "mul", "mul_": "mul", "imul": "mul", "mul_scalar": "mul",
+    "cat": "cat", "matmul": "matmul", "bmm": "matmul",
+    "linear": "linear", "linear_dynamic": "linear",
+    "conv1d": "conv1d", "conv2d": "conv2d", "conv3d": "conv3d",
+    "relu": "relu", "relu_": "relu", "relu6": "relu6", "hardswish": "hardswish",
+    "sigmoid": "sigmoid", "tanh": "tanh", "gelu": "gelu", "silu": "silu",
+    "leaky_relu": "leaky_relu", "elu": "elu", "hardtanh": "hardtanh",
+    "layer_norm": "layer_norm", "softmax": "softmax",
+}
+
+
+def is_torch_class(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.")
+
+
+def layer_kind(module: nn.Module) -> Optional[str]:
+    """conv2d, linear, lstm, relu... for torch layer classes and their quantized twins."""
+    if isinstance(module, _NOT_LAYERS) or not is_torch_class(module):
+        return None
+    name = type(module).__name__
+    if name in _ACTIVATION_CLASSES:
+        return name.lower()
+    for prefix, kind in _WEIGHTED_PREFIXES:
+        if name.startswith(prefix):
+            dims = re.search(r"(\d)d$", name)
+            return f"{kind}{dims.group(1)}d" if dims and kind in ("conv", "conv_transpose") else kind
+    return None
+
+
+def fuses_relu(module: nn.Module) -> bool:
+    """True for fused modules (ConvReLU2d, LinearReLU, BNReLU2d...) that apply a ReLU."""
+    return "ReLU" in type(module).__name__ and layer_kind(module) not in (None, "relu")
+
+
+def _is_quantizer(module: Optional[nn.Module]) -> bool:
+    return isinstance(module, (ObserverBase, FakeQuantizeBase))
+
+
+def functional_kind(node: torch.fx.Node) -> tuple[Optional[str], bool]:
+    """(kind, fuses_relu) for a call_function / call_method node."""
+    if node.op == "call_method":
+        raw = str(node.target)
+    elif node.op == "call_function":
+        raw = getattr(node.target, "__name__", None) or str(node.target)
+        raw = str(raw).split(".")[-1]
+    else:
+        return None, False
+    fused = raw.endswith("_relu") and raw[: -len("_relu")] in _FUNCTIONAL_KINDS
+    base = raw[: -len("_relu")] if fused else raw
+    return _FUNCTIONAL_KINDS.get(base), fused
+
+
+def _is_relu_node(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return isinstance(modules.get(str(node.target)), nn.ReLU)
+    kind, _ = functional_kind(node)
+    return kind == "relu"
+
+
+def detect_counterpart(model: nn.Module) -> CounterpartKind:
+    has_quantizer = has_dynamic = has_static = False
+    for module in model.modules():
+        origin = type(module).__module__
+        if _is_quantizer(module):
+            has_quantizer = True
+        elif layer_kind(module) is None:
+            continue  # packed-params holders and containers say nothing about the kind
+        elif origin.startswith("torch.ao.nn.quantized.dynamic"):
+            has_dynamic = True
+        elif origin.startswith(("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
+            has_static = True
+    if isinstance(model, torch.fx.GraphModule):
+        quantize_ops = any(
+            node.op == "call_function" and "quantize_per" in str(getattr(node.target, "__name__", node.target))
+            for node in model.graph.nodes
+        )
+        if has_static or quantize_ops:
+            return CounterpartKind.CONVERTED_FX
+    if has_quantizer:
+        return CounterpartKind.PREPARED
+    if has_static:
+        return CounterpartKind.EAGER_CONVERTED
+    if has_dynamic:
+        return CounterpartKind.DYNAMIC
+    return CounterpartKind.FLOAT
+
+
+def quantized_layer_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Top-most layer-like modules; the insides of fused/packed modules are not layers."""
+    layers: dict[str, nn.Module] = {}
+    claimed: list[str] = []
+    for fqn, module in model.named_modules():
+        if not fqn or any(fqn.startswith(prefix + ".") for prefix in claimed):
+            continue
+        if layer_kind(module) is not None:
+            layers[fqn] = module
+            claimed.append(fqn)
+    return layers
+
+
+def float_layer_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Leaf torch layers of the float model, in registration order."""
+    return {
+        fqn: module
+        for fqn, module in model.named_modules()
+        if fqn and layer_kind(module) is not None
+        and not any(layer_kind(child) is not None for child in module.children())
+    }
+
+
+def trace_or_none(model: nn.Module, notes: list[str], label: str) -> Optional[torch.fx.GraphModule]:
+    """The model's FX graph; the model itself when already a GraphModule.
+
+    A traced float model shares its submodules with the original (tracing
+    copies nothing), which is what lets hooks and the graph see the same calls.
+    """
+    if isinstance(model, torch.fx.GraphModule):
+        return model
+    try:
+        return torch.fx.symbolic_trace(model)
+    except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, RuntimeError, AttributeError, ValueError) as error:
+        notes.append(f"{label} model is not FX-traceable ({type(error).__name__}); using module order")
+        return None
+
+
+def _kind_compatible(float_kind: str, quant_kind: str) -> bool:
+    return float_kind == quant_kind
+
+
+def _missing_or_identity(model_modules: dict[str, nn.Module], fqn: str) -> bool:
+    module = model_modules.get(fqn)
+    return module is None or isinstance(module, nn.Identity)
+
+
+def _nearest_layer_ancestors(node: torch.fx.Node, layer_of: dict[torch.fx.Node, str]) -> frozenset[str]:
+    found: set[str] = set()
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current in layer_of:
+            found.add(layer_of[current])
+        else:
+            stack.extend(current.all_input_nodes)
+    return frozenset(found)
+
+
+def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchResult:
+    notes: list[str] = []
+    counterpart = detect_counterpart(quantized_model)
+    float_graph = trace_or_none(float_model, notes, "float")
+    quant_graph = quantized_model if isinstance(quantized_model, torch.fx.GraphModule) else None
+    float_modules = dict(float_model.named_modules(remove_duplicate=False))
+    quant_modules = dict(quantized_model.named_modules(remove_duplicate=False))
+    quant_layers = quantized_layer_modules(quantized_model)
+
+    # Float module layers in forward order: graph order when traced, else registration order.
+    if float_graph is not None:
+        float_nodes = [
+            node for node in float_graph.graph.nodes
+            if node.op == "call_module" and layer_kind(float_modules.get(str(node.target), nn.Identity())) is not None
+        ]
+        float_order: list[str] = []
+        for node in float_nodes:
+            if str(node.target) not in float_order:
+                float_order.append(str(node.target))
+    else:
+        float_nodes = []
+        float_order = list(float_layer_modules(float_model))
+    node_of_fqn = {str(node.target): node for node in float_nodes}
+
+    layers: dict[str, LayerMatch] = {}
+    absorbed: set[str] = set()
+    unmatched_float: list[str] = []
+    for fqn in float_order:
+        if fqn in absorbed:
+            continue
+        float_module = float_modules[fqn]
+        quant_module = quant_layers.get(fqn)
+        if quant_module is None or not _kind_compatible(layer_kind(float_module), layer_kind(quant_module)):
+            unmatched_float.append(fqn)
+            continue
+        layer = LayerMatch(
+            name=fqn, kind=layer_kind(float_module), float_entry=Site(MODULE_SITE, fqn),
+            float_exit=Site(MODULE_SITE, fqn), quant_site=Site(MODULE_SITE, fqn),
+            quant_class=type(quant_module).__name__, matched_by="fqn",
+        )
+        _absorb_fused_followers(layer, quant_module, float_model, float_modules, quant_modules,
+                                node_of_fqn.get(fqn), float_order, absorbed)
+        layers[fqn] = layer
+    unmatched_float = [fqn for fqn in unmatched_float if fqn not in absorbed]
+
+    # Leftover module layers: pair by kind in forward order (renamed modules).
+    leftover_quant = [fqn for fqn in quant_layers if fqn not in layers]
+    for fqn in list(unmatched_float):
+        kind = layer_kind(float_modules[fqn])
+        candidate = next((q for q in leftover_quant if layer_kind(quant_layers[q]) == kind
+                          and _missing_or_identity(float_modules, q)), None)
+        if candidate is None:
+            continue
+        leftover_quant.remove(candidate)
+        unmatched_float.remove(fqn)
+        layers[fqn] = LayerMatch(
+            name=fqn, kind=kind, float_entry=Site(MODULE_SITE, fqn), float_exit=Site(MODULE_SITE, fqn),
+            quant_site=Site(MODULE_SITE, candidate), quant_class=type(quant_layers[candidate]).__name__,
+            matched_by="graph-order",
+        )
+        notes.append(f"{fqn} matched to {candidate} by graph order (no module of that name in the quantized model)")
+
+    if float_graph is not None and quant_graph is not None:
+        absorbed_by_functional = _match_functional(float_graph, quant_graph, layers, float_modules, quant_modules)
+        unmatched_float = [fqn for fqn in unmatched_float if fqn not in absorbed_by_functional]
+    if quant_graph is not None:
+        _attach_quantizers(quant_graph, layers, quant_modules)
+
+    ordered = _forward_order(layers, float_graph, float_order)
+    _attach_predecessors(ordered, float_graph)
+    return MatchResult(
+        layers=ordered, counterpart=counterpart, unmatched_float=unmatched_float,
+        unmatched_quantized=leftover_quant, float_graph=float_graph, quant_graph=quant_graph, notes=notes,
+    )
+
+
+def _absorb_fused_followers(layer, quant_module, float_model, float_modules, quant_modules,
+                            node, float_order, absorbed) -> None:
+    """Move the float comparison point past BN/ReLU that the quantized layer fused in."""
+    wants_relu = fuses_relu(quant_module)
+    if layer.kind.startswith(("conv", "linear")) or layer.kind == "batch_norm":
+        followers = _graph_followers(node, float_modules) if node is not None else _order_followers(
+            layer.name, float_order, float_modules)
+        for follower_kind, follower in followers:
+            is_module = isinstance(follower, str)
+            if follower_kind == "batch_norm" and layer.kind != "batch_norm" and is_module \
+                    and _missing_or_identity(quant_modules, follower) and layer.folded_batch_norm is None:
+                layer.folded_batch_norm = follower
+            elif follower_kind == "relu" and wants_relu and (not is_module or _missing_or_identity(quant_modules, follower)):
+                wants_relu = False
+            else:
+                break
+            layer.absorbed.append(follower if is_module else follower.name)
+            if is_module:
+                absorbed.add(follower)
+                layer.float_exit = Site(MODULE_SITE, follower)
+            else:
+                # A functional ReLU has no module to hook: apply it to the last hooked output.
+                layer.float_exit_relu = True
+            if follower_kind == "relu":
+                break
+    if wants_relu:
+        # Fused ReLU with no visible float ReLU (untraceable functional call): the quantized
+        # op's output is relu(...) whatever the float graph looks like.
+        layer.float_exit_relu = True
+
+
+def _graph_followers(node: torch.fx.Node, float_modules) -> list:
+    chain = []
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.op == "call_module":
+            kind = layer_kind(float_modules.get(str(user.target), nn.Identity()))
+            if kind not in ("batch_norm", "relu"):
+                break
+            chain.append((kind, str(user.target)))
+        elif _is_relu_node(user, float_modules):
+            chain.append(("relu", user))
+        else:
+            break
+        node = user
+    return chain
+
+
+def _order_followers(fqn: str, float_order: list[str], float_modules) -> list:
+    index = float_order.index(fqn)
+    return [(layer_kind(float_modules[name]), name) for name in float_order[index + 1: index + 3]]
+
+
+def _match_functional(float_graph, quant_graph, layers, float_modules, quant_modules) -> set[str]:
+    """Pair functional ops by (kind, nearest module layers feeding them, occurrence).
+
+    Returns the float module fqns absorbed into a fused functional op.
+    """
+    absorbed_modules: set[str] = set()
+    absorbed_nodes = {name for layer in layers.values() for name in layer.absorbed}
+    float_layer_of = {}
+    for node in float_graph.graph.nodes:
+        if node.op == "call_module" and str(node.target) in layers:
+            float_layer_of[node] = str(node.target)
+    by_float_exit = {layer.float_exit.name: layer.name for layer in layers.values()}
+    for node in float_graph.graph.nodes:
+        if node.op == "call_module" and str(node.target) in by_float_exit:
+            float_layer_of[node] = by_float_exit[str(node.target)]
+        if node.name in absorbed_nodes:
+            owner = next(layer.name for layer in layers.values() if node.name in layer.absorbed)
+            float_layer_of[node] = owner
+    quant_to_float = {layer.quant_site.name: layer.name for layer in layers.values()}
+    quant_layer_of = {
+        node: quant_to_float[str(node.target)]
+        for node in quant_graph.graph.nodes
+        if node.op == "call_module" and str(node.target) in quant_to_float
+    }
+
+    def keyed(graph, layer_of, skip):
+        seen: dict[tuple, int] = {}
+        result = {}
+        for node in graph.graph.nodes:
+            kind, fused = functional_kind(node)
+            if kind is None or node in layer_of or node.name in skip:
+                continue
+            signature = (kind, _nearest_layer_ancestors(node, layer_of))
+            index = seen.get(signature, 0)
+            seen[signature] = index + 1
+            result[signature + (index,)] = (node, fused)
+        return result
+
+    float_keys = keyed(float_graph, float_layer_of, absorbed_nodes)
+    quant_keys = keyed(quant_graph, quant_layer_of, set())
+    for key, (float_node, _) in float_keys.items():
+        if key not in quant_keys:
+            continue
+        quant_node, fused = quant_keys[key]
+        layer = LayerMatch(
+            name=float_node.name, kind=key[0], float_entry=Site(NODE_SITE, float_node.name),
+            float_exit=Site(NODE_SITE, float_node.name), quant_site=Site(NODE_SITE, quant_node.name),
+            quant_class=str(getattr(quant_node.target, "__name__", quant_node.target)), matched_by="signature",
+        )
+        if fused and len(float_node.users) == 1:
+            follower = next(iter(float_node.users))
+            if _is_relu_node(follower, float_modules):
+                # quantized add_relu / linear_relu: the float ReLU after the op is part of it.
+                is_module = follower.op == "call_module"
+                layer.absorbed.append(str(follower.target) if is_module else follower.name)
+                layer.float_exit = Site(NODE_SITE, follower.name)
+                if is_module:
+                    absorbed_modules.add(str(follower.target))
+                    layers.pop(str(follower.target), None)
+        layers[layer.name] = layer
+    return absorbed_modules
+
+
+def _attach_quantizers(quant_graph, layers, quant_modules) -> None:
+    """For prepared graphs: the observer/fake-quant feeding each layer and the one after it."""
+    module_nodes = {node.target: node for node in quant_graph.graph.nodes if node.op == "call_module"}
+    named_nodes = {node.name: node for node in quant_graph.graph.nodes}
+    for layer in layers.values():
+        if layer.quant_site.kind == MODULE_SITE:
+            node = module_nodes.get(layer.quant_site.name)
+        else:
+            node = named_nodes.get(layer.quant_site.name)
+        if node is None:
+            continue
+        if layer.quant_site.kind == MODULE_SITE and node.args and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].op == "call_module" and _is_quantizer(quant_modules.get(str(node.args[0].target))):
+            layer.quant_input_quantizer = str(node.args[0].target)
+        for user in node.users:
+            if user.op == "call_module" and _is_quantizer(quant_modules.get(str(user.target))):
+                layer.quant_output_quantizer = str(user.target)
+                break
+
+
+def _forward_order(layers, float_graph, float_order) -> list[LayerMatch]:
+    if float_graph is None:
+        position = {fqn: index for index, fqn in enumerate(float_order)}
+        return sorted(layers.values(), key=lambda layer: position.get(layer.name, len(position)))
+    position = {}
+    for index, node in enumerate(float_graph.graph.nodes):
+        key = str(node.target) if node.op == "call_module" else node.name
+        position.setdefault(key, index)
+        position.setdefault(node.name, index)
+    return sorted(layers.values(), key=lambda layer: position.get(layer.name, len(position)))
+
+
+def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
+    """Nearest upstream layers in the float DAG; a chain when the graph is unknown."""
+    if float_graph is None:
+        for previous, layer in zip(ordered, ordered[1:]):
+            layer.predecessors = [previous.name]
+        return
+    owner_of_name: dict[str, str] = {}
+    for layer in ordered:
+        for name in (layer.float_entry.name, layer.float_exit.name, *layer.absorbed):
+            owner_of_name.setdefault(name, layer.name)
+    layer_of: dict[torch.fx.Node, str] = {}
+    entry_nodes: dict[str, torch.fx.Node] = {}
+    for node in float_graph.graph.nodes:
+        key = str(node.target) if node.op == "call_module" else node.name
+        owner = owner_of_name.get(key)
+        if owner is not None:
+            layer_of[node] = owner
+            entry_nodes.setdefault(owner, node)
+    for layer in ordered:
+        node = entry_nodes.get(layer.name)
+        if node is None:
+            continue
+        ancestors = set()
+        stack, seen = list(node.all_input_nodes), set()
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            owner = layer_of.get(current)
+            if owner is not None and owner != layer.name:
+                ancestors.add(owner)
+            else:
+                stack.extend(current.all_input_nodes)
+        order = {other.name: index for index, other in enumerate(ordered)}
+        layer.predecessors = sorted(ancestors, key=lambda name: order.get(name, 0))
+
+
+# Kept public for profile/sensitivity: the functional op table is part of matching's contract.
+FUNCTIONAL_OPS = dict(_FUNCTIONAL_KINDS)
+__all__ = [
+    "CounterpartKind", "LayerMatch", "MatchResult", "Site", "MODULE_SITE", "NODE_SITE",
+    "match_layers", "layer_kind", "fuses_relu", "functional_kind", "detect_counterpart",
+    "quantized_layer_modules", "float_layer_modules", "FUNCTIONAL_OPS",
+]

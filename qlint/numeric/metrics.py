@@ -1,0 +1,222 @@
+"""Streaming pairwise error metrics between a float tensor and its quantized counterpart.
+
+Every metric here is a function of a handful of running sums, so a stream of
+batches can be folded in with constant memory: nothing of a batch is kept once
+``update`` returns.  The sums are accumulated in float64 so that a long stream
+does not lose the small error term against the large signal term.
+
+SQNR over a stream is ``10*log10(sum ||x||^2 / sum ||x - y||^2)``: the total
+signal power over the total noise power.  For a single pair this is exactly
+``torch.ao.ns.fx.utils.compute_sqnr`` (``20*log10(||x|| / ||x - y||)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+# An error-free pair has infinite SQNR.  Reports must hold finite JSON floats,
+# so the value is clamped to this cap; float32 round-off alone sits far below it.
+SQNR_CAP_DB = 200.0
+
+# Uniform rounding to a grid of step s leaves an error with standard deviation
+# s/sqrt(12); a layer whose RMSE/scale is near this number is as good as the
+# grid allows, and values far above it point at clipping or mismatched qparams.
+UNIFORM_ROUNDING_RMSE_OVER_SCALE = 1.0 / math.sqrt(12.0)
+
+
+def as_float_tensor(value: Any) -> Optional[torch.Tensor]:
+    """The float view of a layer output: dequantized, first tensor of a tuple.
+
+    Layers such as LSTM return ``(output, (h, c))``; the sequence output is the
+    part every consumer sees, so it is the part compared.
+    """
+    while isinstance(value, (tuple, list)):
+        if not value:
+            return None
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.is_quantized:
+        value = value.dequantize()
+    if not value.is_floating_point():
+        return None
+    return value.detach()
+
+
+def quantization_scale(value: Any) -> Optional[float]:
+    """The per-tensor scale of a quantized tensor, else None."""
+    while isinstance(value, (tuple, list)):
+        if not value:
+            return None
+        value = value[0]
+    if isinstance(value, torch.Tensor) and value.is_quantized:
+        if value.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            return float(value.q_scale())
+    return None
+
+
+def sqnr_db_from_powers(signal_power: float, noise_power: float) -> float:
+    """10*log10(signal/noise), clamped to +-SQNR_CAP_DB so it stays finite."""
+    if noise_power <= 0.0:
+        return SQNR_CAP_DB
+    if signal_power <= 0.0:
+        return -SQNR_CAP_DB
+    value = 10.0 * math.log10(signal_power / noise_power)
+    return max(-SQNR_CAP_DB, min(SQNR_CAP_DB, value))
+
+
+def noise_power_ratio(sqnr_db: float) -> float:
+    """The inverse of sqnr_db_from_powers: noise power over signal power."""
+    return 10.0 ** (-sqnr_db / 10.0)
+
+
+@dataclass
+class PairwiseErrorStats:
+    """Running sums for one (float, quantized) stream of tensors.
+
+    Cosine similarity is the cosine between the two streams seen as single long
+    vectors, which is what a per-batch cosine converges to for a stationary
+    stream and is exact to combine across batches.
+    """
+
+    count: int = 0
+    signal_power: float = 0.0  # sum x^2
+    quantized_power: float = 0.0  # sum y^2
+    cross_power: float = 0.0  # sum x*y
+    noise_power: float = 0.0  # sum (x-y)^2
+    abs_error_sum: float = 0.0  # sum |x-y|
+    max_abs_error: float = 0.0
+    float_min: float = math.inf
+    float_max: float = -math.inf
+    quantized_min: float = math.inf
+    quantized_max: float = -math.inf
+    scale_sum: float = 0.0
+    scale_count: int = 0
+    nonfinite_values: int = 0
+    shapes: set = field(default_factory=set)
+
+    def update(self, reference: torch.Tensor, quantized: torch.Tensor, scale: Optional[float] = None) -> None:
+        """Fold one pair in.  ``scale`` is the quantized tensor's step, when known."""
+        if reference.is_quantized:
+            reference = reference.dequantize()
+        if quantized.is_quantized:
+            if scale is None:
+                scale = quantization_scale(quantized)
+            quantized = quantized.dequantize()
+        if reference.numel() != quantized.numel():
+            raise ValueError(
+                f"cannot compare tensors of {reference.numel()} and {quantized.numel()} elements"
+            )
+        x = reference.detach().reshape(-1).to(torch.float64)
+        y = quantized.detach().reshape(-1).to(torch.float64)
+        finite = torch.isfinite(x) & torch.isfinite(y)
+        if not bool(finite.all()):
+            self.nonfinite_values += int((~finite).sum())
+            x, y = x[finite], y[finite]
+        self.shapes.add(tuple(reference.shape[1:]))
+        if x.numel() == 0:
+            return
+        error = x - y
+        self.count += x.numel()
+        self.signal_power += float(torch.dot(x, x))
+        self.quantized_power += float(torch.dot(y, y))
+        self.cross_power += float(torch.dot(x, y))
+        self.noise_power += float(torch.dot(error, error))
+        abs_error = error.abs()
+        self.abs_error_sum += float(abs_error.sum())
+        self.max_abs_error = max(self.max_abs_error, float(abs_error.max()))
+        self.float_min = min(self.float_min, float(x.min()))
+        self.float_max = max(self.float_max, float(x.max()))
+        self.quantized_min = min(self.quantized_min, float(y.min()))
+        self.quantized_max = max(self.quantized_max, float(y.max()))
+        if scale is not None and scale > 0:
+            self.scale_sum += float(scale)
+            self.scale_count += 1
+
+    # -- derived metrics -------------------------------------------------
+    @property
+    def empty(self) -> bool:
+        return self.count == 0
+
+    def sqnr_db(self) -> Optional[float]:
+        if self.empty:
+            return None
+        return sqnr_db_from_powers(self.signal_power, self.noise_power)
+
+    def cosine(self) -> Optional[float]:
+        if self.empty:
+            return None
+        norms = math.sqrt(self.signal_power) * math.sqrt(self.quantized_power)
+        if norms == 0.0:
+            # Two all-zero streams agree exactly; one all-zero stream does not.
+            return 1.0 if self.noise_power == 0.0 else 0.0
+        return max(-1.0, min(1.0, self.cross_power / norms))
+
+    def normalized_l2(self) -> Optional[float]:
+        """||x - y|| / ||x|| over the stream (torch ns's normalized L2 error)."""
+        if self.empty:
+            return None
+        if self.signal_power == 0.0:
+            return 0.0 if self.noise_power == 0.0 else None
+        return math.sqrt(self.noise_power / self.signal_power)
+
+    def rmse(self) -> Optional[float]:
+        if self.empty:
+            return None
+        return math.sqrt(self.noise_power / self.count)
+
+    def mean_abs_error(self) -> Optional[float]:
+        if self.empty:
+            return None
+        return self.abs_error_sum / self.count
+
+    def mean_scale(self) -> Optional[float]:
+        if self.scale_count == 0:
+            return None
+        return self.scale_sum / self.scale_count
+
+    def rmse_over_scale(self) -> Optional[float]:
+        """RMSE in units of the quantization step; ~0.289 is pure rounding error."""
+        rmse, scale = self.rmse(), self.mean_scale()
+        if rmse is None or scale is None:
+            return None
+        return rmse / scale
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able metrics (finite floats or None) for a report row."""
+        values = {
+            "sqnr_db": self.sqnr_db(),
+            "cosine": self.cosine(),
+            "normalized_l2": self.normalized_l2(),
+            "max_abs_error": None if self.empty else self.max_abs_error,
+            "mean_abs_error": self.mean_abs_error(),
+            "rmse": self.rmse(),
+            "scale": self.mean_scale(),
+            "rmse_over_scale": self.rmse_over_scale(),
+            "float_min": None if self.empty else self.float_min,
+            "float_max": None if self.empty else self.float_max,
+            "quantized_min": None if self.empty else self.quantized_min,
+            "quantized_max": None if self.empty else self.quantized_max,
+            "elements": self.count,
+        }
+        if self.nonfinite_values:
+            values["nonfinite_values"] = self.nonfinite_values
+        return {key: finite_or_none(value) for key, value in values.items()}
+
+
+def finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def sqnr_db(reference: torch.Tensor, quantized: torch.Tensor) -> float:
+    """One-shot SQNR of a single pair (same definition as the streaming one)."""
+    stats = PairwiseErrorStats()
+    stats.update(reference, quantized)
+    value = stats.sqnr_db()
+    return SQNR_CAP_DB if value is None else value

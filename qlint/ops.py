@@ -1,0 +1,250 @@
+"""Normalization of front-end specific ops to one vocabulary of op kinds.
+
+``nn.Conv2d``, ``F.conv2d``, ``torch.conv2d`` and ``aten.conv2d`` are all the
+kind ``conv2d``. Rules only ever see these kinds, so adding a front end means
+extending these tables and nothing else.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Quantizable layers whose weight matters; the order of checks below matters only
+# for subclasses (ConvReLU2d is a Conv2d subclass in some torch versions).
+MODULE_KINDS: list[tuple[type, str]] = [
+    (nn.Conv1d, "conv1d"),
+    (nn.Conv2d, "conv2d"),
+    (nn.Conv3d, "conv3d"),
+    (nn.ConvTranspose1d, "conv_transpose1d"),
+    (nn.ConvTranspose2d, "conv_transpose2d"),
+    (nn.ConvTranspose3d, "conv_transpose3d"),
+    (nn.Linear, "linear"),
+    (nn.Bilinear, "bilinear"),
+    (nn.BatchNorm1d, "batch_norm"),
+    (nn.BatchNorm2d, "batch_norm"),
+    (nn.BatchNorm3d, "batch_norm"),
+    (nn.LayerNorm, "layer_norm"),
+    (nn.GroupNorm, "group_norm"),
+    (nn.InstanceNorm1d, "instance_norm"),
+    (nn.InstanceNorm2d, "instance_norm"),
+    (nn.InstanceNorm3d, "instance_norm"),
+    (nn.ReLU, "relu"),
+    (nn.ReLU6, "relu6"),
+    (nn.LeakyReLU, "leaky_relu"),
+    (nn.PReLU, "prelu"),
+    (nn.ELU, "elu"),
+    (nn.GELU, "gelu"),
+    (nn.SiLU, "silu"),
+    (nn.Hardswish, "hardswish"),
+    (nn.Hardsigmoid, "hardsigmoid"),
+    (nn.Hardtanh, "hardtanh"),
+    (nn.Sigmoid, "sigmoid"),
+    (nn.Tanh, "tanh"),
+    (nn.Softmax, "softmax"),
+    (nn.LogSoftmax, "log_softmax"),
+    (nn.LSTM, "lstm"),
+    (nn.GRU, "gru"),
+    (nn.RNN, "rnn"),
+    (nn.LSTMCell, "lstm_cell"),
+    (nn.GRUCell, "gru_cell"),
+    (nn.Embedding, "embedding"),
+    (nn.EmbeddingBag, "embedding_bag"),
+    (nn.MultiheadAttention, "multihead_attention"),
+    (nn.MaxPool1d, "max_pool"),
+    (nn.MaxPool2d, "max_pool"),
+    (nn.MaxPool3d, "max_pool"),
+    (nn.AvgPool1d, "avg_pool"),
+    (nn.AvgPool2d, "avg_pool"),
+    (nn.AvgPool3d, "avg_pool"),
+    (nn.AdaptiveAvgPool1d, "adaptive_avg_pool"),
+    (nn.AdaptiveAvgPool2d, "adaptive_avg_pool"),
+    (nn.AdaptiveAvgPool3d, "adaptive_avg_pool"),
+    (nn.Dropout, "dropout"),
+    (nn.Dropout2d, "dropout"),
+    (nn.Identity, "identity"),
+    (nn.Flatten, "flatten"),
+    (nn.Upsample, "upsample"),
+    (nn.PixelShuffle, "pixel_shuffle"),
+]
+
+# Function targets, keyed by the callable itself. Method calls are keyed by name below.
+FUNCTION_KINDS: dict[Any, str] = {
+    F.conv1d: "conv1d", torch.conv1d: "conv1d",
+    F.conv2d: "conv2d", torch.conv2d: "conv2d",
+    F.conv3d: "conv3d", torch.conv3d: "conv3d",
+    F.conv_transpose1d: "conv_transpose1d",
+    F.conv_transpose2d: "conv_transpose2d",
+    F.conv_transpose3d: "conv_transpose3d",
+    F.linear: "linear",
+    F.batch_norm: "batch_norm",
+    F.layer_norm: "layer_norm",
+    F.group_norm: "group_norm",
+    F.instance_norm: "instance_norm",
+    F.relu: "relu", torch.relu: "relu", F.relu_: "relu", torch.relu_: "relu",
+    F.relu6: "relu6",
+    F.leaky_relu: "leaky_relu",
+    F.elu: "elu",
+    F.gelu: "gelu",
+    F.silu: "silu",
+    F.hardswish: "hardswish",
+    F.hardsigmoid: "hardsigmoid",
+    F.hardtanh: "hardtanh",
+    F.sigmoid: "sigmoid", torch.sigmoid: "sigmoid",
+    F.tanh: "tanh", torch.tanh: "tanh",
+    F.softmax: "softmax", torch.softmax: "softmax",
+    F.log_softmax: "log_softmax",
+    F.embedding: "embedding",
+    F.max_pool1d: "max_pool", F.max_pool2d: "max_pool", F.max_pool3d: "max_pool",
+    F.avg_pool1d: "avg_pool", F.avg_pool2d: "avg_pool", F.avg_pool3d: "avg_pool",
+    F.adaptive_avg_pool1d: "adaptive_avg_pool", F.adaptive_avg_pool2d: "adaptive_avg_pool",
+    F.adaptive_avg_pool3d: "adaptive_avg_pool",
+    F.dropout: "dropout",
+    F.interpolate: "upsample",
+    F.scaled_dot_product_attention: "sdpa",
+    torch.add: "add", operator.add: "add", operator.iadd: "add",
+    torch.sub: "sub", operator.sub: "sub",
+    torch.mul: "mul", operator.mul: "mul", operator.imul: "mul",
+    torch.div: "div", operator.truediv: "div",
+    torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "matmul", torch.mm: "matmul",
+    torch.cat: "cat", torch.concat: "cat", torch.stack: "stack",
+    torch.flatten: "flatten", torch.reshape: "reshape",
+    torch.transpose: "transpose", torch.permute: "permute",
+    torch.mean: "mean", torch.sum: "sum",
+    torch.clamp: "clamp",
+    operator.getitem: "getitem",
+}
+
+METHOD_KINDS: dict[str, str] = {
+    "relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid",
+    "tanh": "tanh", "tanh_": "tanh", "softmax": "softmax", "hardsigmoid": "hardsigmoid",
+    "add": "add", "add_": "add", "mul": "mul", "mul_": "mul", "sub": "sub", "div": "div",
+    "matmul": "matmul", "bmm": "matmul", "view": "view", "reshape": "reshape",
+    "flatten": "flatten", "transpose": "transpose", "permute": "permute",
+    "contiguous": "contiguous", "mean": "mean", "sum": "sum", "size": "size",
+    "clamp": "clamp", "chunk": "chunk", "split": "split", "unsqueeze": "unsqueeze",
+    "squeeze": "squeeze", "expand": "expand", "repeat": "repeat", "float": "to",
+    "to": "to", "dequantize": "dequantize",
+}
+
+# aten overload packets, keyed by packet name ("conv2d" for aten.conv2d.default).
+_ATEN_KINDS: dict[str, str] = {
+    "conv1d": "conv1d", "conv2d": "conv2d", "conv3d": "conv3d",
+    "conv_transpose1d": "conv_transpose1d", "conv_transpose2d": "conv_transpose2d",
+    "conv_transpose3d": "conv_transpose3d", "convolution": "conv",
+    "linear": "linear", "addmm": "linear",
+    "batch_norm": "batch_norm", "_native_batch_norm_legit_no_training": "batch_norm",
+    "_native_batch_norm_legit": "batch_norm", "native_batch_norm": "batch_norm",
+    "_native_batch_norm_legit_functional": "batch_norm",
+    "layer_norm": "layer_norm", "native_layer_norm": "layer_norm", "group_norm": "group_norm",
+    "instance_norm": "instance_norm",
+    "relu": "relu", "relu_": "relu", "relu6": "relu6", "hardtanh": "hardtanh",
+    "hardtanh_": "hardtanh", "leaky_relu": "leaky_relu", "elu": "elu", "gelu": "gelu",
+    "silu": "silu", "silu_": "silu", "hardswish": "hardswish", "hardswish_": "hardswish",
+    "hardsigmoid": "hardsigmoid", "hardsigmoid_": "hardsigmoid",
+    "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh", "tanh_": "tanh",
+    "softmax": "softmax", "_softmax": "softmax", "log_softmax": "log_softmax",
+    "lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn", "rnn_relu": "rnn",
+    "embedding": "embedding", "embedding_bag": "embedding_bag",
+    "max_pool1d": "max_pool", "max_pool2d": "max_pool", "max_pool3d": "max_pool",
+    "max_pool2d_with_indices": "max_pool",
+    "avg_pool1d": "avg_pool", "avg_pool2d": "avg_pool", "avg_pool3d": "avg_pool",
+    "adaptive_avg_pool1d": "adaptive_avg_pool", "adaptive_avg_pool2d": "adaptive_avg_pool",
+    "adaptive_avg_pool3d": "adaptive_avg_pool", "mean": "mean", "sum": "sum",
+    "dropout": "dropout", "add": "add", "add_": "add", "sub": "sub", "mul": "mul",
+    "mul_": "mul", "div": "div", "matmul": "matmul", "bmm": "matmul", "mm": "matmul",
+    "cat": "cat", "concat": "cat", "stack": "stack", "flatten": "flatten",
+    "view": "view", "reshape": "reshape", "_unsafe_view": "view", "permute": "permute",
+    "transpose": "transpose", "t": "transpose", "clamp": "clamp", "getitem": "getitem",
+    "scaled_dot_product_attention": "sdpa", "upsample_nearest2d": "upsample",
+    "upsample_bilinear2d": "upsample", "contiguous": "contiguous", "size": "size",
+    "sym_size": "size", "unsqueeze": "unsqueeze", "squeeze": "squeeze",
+    "expand": "expand", "split": "split", "chunk": "chunk", "dequantize": "dequantize",
+}
+
+# Kinds whose output is computed from a weight; the layers quantization cares most about.
+WEIGHTED_KINDS = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "linear", "bilinear", "lstm", "gru", "rnn", "lstm_cell",
+    "gru_cell", "embedding", "embedding_bag", "multihead_attention",
+})
+CONV_KINDS = frozenset({"conv1d", "conv2d", "conv3d", "conv"})
+CONV_OR_LINEAR_KINDS = CONV_KINDS | {"linear"}
+# Ops whose output range is fixed by the math; backends quantize them with fixed qparams.
+FIXED_QPARAMS_KINDS = frozenset({"sigmoid", "tanh", "hardsigmoid", "softmax"})
+# Ops that neither compute nor change values; they never need their own qparams.
+SHAPE_KINDS = frozenset({
+    "view", "reshape", "flatten", "transpose", "permute", "contiguous", "size",
+    "unsqueeze", "squeeze", "expand", "getitem", "chunk", "split", "dropout",
+    "identity", "to",
+})
+
+
+def module_kind(module: nn.Module) -> str:
+    """The op kind a leaf module computes; quantized and QAT variants map to their float kind."""
+    float_type = _float_counterpart(type(module))
+    for cls, kind in MODULE_KINDS:
+        if issubclass(float_type, cls):
+            return kind
+    intrinsic = _intrinsic_kind(type(module))
+    if intrinsic is not None:
+        return intrinsic
+    name = type(module).__name__
+    if "Observer" in name or "FakeQuant" in name:
+        return "observer"
+    if name == "QuantStub":
+        return "quant_stub"
+    if name == "DeQuantStub":
+        return "dequant_stub"
+    return "module:" + name
+
+
+def _float_counterpart(cls: type) -> type:
+    """QAT and quantized modules (torch.ao.nn.*) keep a float base class or a _FLOAT_MODULE."""
+    float_module = getattr(cls, "_FLOAT_MODULE", None)
+    if isinstance(float_module, type) and float_module.__module__.startswith("torch.nn"):
+        return float_module
+    return cls
+
+
+def _intrinsic_kind(cls: type) -> Optional[str]:
+    """Fused intrinsic modules (ConvReLU2d, LinearReLU, ConvBn2d…) report their leading op."""
+    name = cls.__name__
+    lowered = name.lower()
+    for prefix, kind in (("conv", "conv2d"), ("linear", "linear"), ("bn", "batch_norm")):
+        if lowered.startswith(prefix):
+            if kind == "conv2d":
+                if "1d" in lowered:
+                    return "conv1d"
+                if "3d" in lowered:
+                    return "conv3d"
+            return kind
+    return None
+
+
+def function_kind(target: Callable[..., Any]) -> str:
+    kind = FUNCTION_KINDS.get(target)
+    if kind is not None:
+        return kind
+    packet = _aten_packet_name(target)
+    if packet is not None:
+        return _ATEN_KINDS.get(packet, "aten:" + packet)
+    name = getattr(target, "__name__", None) or str(target)
+    return _ATEN_KINDS.get(name, "function:" + name)
+
+
+def method_kind(name: str) -> str:
+    return METHOD_KINDS.get(name, "method:" + name)
+
+
+def _aten_packet_name(target: Any) -> Optional[str]:
+    """aten.conv2d.default → "conv2d". Duck-typed so no private torch module is needed."""
+    namespace = getattr(target, "namespace", None)
+    if namespace not in ("aten", "quantized", "quantized_decomposed", "prims"):
+        return None
+    name = getattr(target, "__name__", "")
+    return name.split(".")[0] or None

@@ -1,0 +1,8 @@
+"""Reporters: they format a Report and never decide what is a problem."""
+
+from qlint.render.text import render_text
+from qlint.render.json import render_json
+
+FORMATS = {"text": render_text, "json": render_json}
+
+__all__ = ["FORMATS", "render_json", "render_text"]

@@ -1,0 +1,364 @@
+"""Front ends: turn a model into an FX GraphModule, then into a :class:`ModelGraph`.
+
+Order of attempts: an exported program from a ``.pt2`` file is used as is; a
+GraphModule (e.g. prepare_fx output) is used as is; otherwise ``symbolic_trace``
+with quantizable modules kept as leaves, falling back to
+``torch.export.export(strict=False)`` when symbolic tracing fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from qlint.errors import TraceError
+from qlint.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
+from qlint.intent import CallDescription, NodeQConfig
+from qlint.ops import MODULE_KINDS, function_kind, method_kind, module_kind
+
+FRONTEND_SYMBOLIC = "fx.symbolic_trace"
+FRONTEND_GRAPH_MODULE = "fx.GraphModule"
+FRONTEND_EXPORT = "torch.export"
+FRONTEND_PT2 = "torch.export (.pt2)"
+
+
+class LeafTracer(fx.Tracer):
+    """symbolic_trace that also keeps observers, fake-quants and stubs as leaves."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        if module_kind(module) in ("observer", "quant_stub", "dequant_stub"):
+            return True
+        if type(module).__module__.startswith("torch.ao.nn."):
+            # Fused intrinsic modules are Sequentials, which the default tracer would enter.
+            return True
+        return super().is_leaf_module(module, qualified_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    graph_module: fx.GraphModule
+    frontend: str
+    exported: bool  # aten-level graph with nn_module_stack type names as strings
+    notes: tuple[str, ...] = ()
+
+
+def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
+          exported_program: Any = None) -> Traced:
+    """Trace ``model`` (which callers pass as a private copy) to a GraphModule."""
+    if exported_program is not None:
+        return Traced(exported_program.module(), FRONTEND_PT2, exported=True)
+    if isinstance(model, fx.GraphModule):
+        return Traced(model, FRONTEND_GRAPH_MODULE, exported=False)
+    try:
+        tracer = LeafTracer()
+        graph = tracer.trace(model)
+        name = type(model).__name__
+        return Traced(fx.GraphModule(tracer.root, graph, name), FRONTEND_SYMBOLIC, exported=False)
+    except Exception as symbolic_error:  # any tracing failure means: try the next front end
+        first = _one_line(symbolic_error)
+    if not example_inputs:
+        raise TraceError(
+            f"symbolic_trace failed ({first}) and torch.export needs example inputs: "
+            "pass --input-shape or --example-inputs"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(model, tuple(example_inputs), strict=False)
+    except Exception as export_error:  # both front ends failed: report both reasons
+        raise TraceError(
+            f"cannot trace the model: symbolic_trace failed ({first}); "
+            f"torch.export failed ({_one_line(export_error)})"
+        ) from export_error
+    note = f"symbolic_trace failed ({first}); used torch.export(strict=False)"
+    return Traced(program.module(), FRONTEND_EXPORT, exported=True, notes=(note,))
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def propagate_shapes(traced: Traced, example_inputs: Optional[Sequence[Any]]) -> Optional[str]:
+    """Fill tensor metadata on every node; returns a notice when it could not."""
+    if traced.exported or not example_inputs:
+        return None if traced.exported else "no example inputs: shapes are unknown"
+    try:
+        with torch.no_grad():
+            ShapeProp(traced.graph_module).propagate(*example_inputs)
+    except Exception as error:  # shapes are evidence, not a requirement
+        return f"shape propagation failed: {_one_line(error)}"
+    return None
+
+
+def _tensor_info(node: fx.Node) -> Optional[TensorInfo]:
+    meta = node.meta.get("tensor_meta")
+    if meta is not None and hasattr(meta, "shape"):
+        return TensorInfo(tuple(int(d) for d in meta.shape), str(meta.dtype))
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        try:
+            return TensorInfo(tuple(int(d) for d in value.shape), str(value.dtype))
+        except (TypeError, RuntimeError):  # symbolic sizes
+            return None
+    return None
+
+
+_KIND_TO_MODULE_CLASS: dict[str, type] = {}
+for _cls, _kind in MODULE_KINDS:
+    _KIND_TO_MODULE_CLASS.setdefault(_kind, _cls)
+
+
+@dataclasses.dataclass
+class _Owner:
+    path: str
+    type_name: str
+    cls: Optional[type]
+
+
+def _stack(node: fx.Node) -> list[_Owner]:
+    stack = node.meta.get("nn_module_stack") or {}
+    owners = []
+    for value in stack.values():
+        path, type_ref = value
+        if isinstance(type_ref, type):
+            owners.append(_Owner(path, f"{type_ref.__module__}.{type_ref.__qualname__}", type_ref))
+        else:
+            from qlint.intent import import_type
+
+            owners.append(_Owner(path, str(type_ref), import_type(str(type_ref))))
+    return owners
+
+
+class GraphBuilder:
+    """Builds a ModelGraph from a traced GraphModule; qconfigs come from ``resolve``."""
+
+    def __init__(self, traced: Traced, module_source: nn.Module, resolve) -> None:
+        self.traced = traced
+        self.gm = traced.graph_module
+        self.module_source = module_source  # the model whose module types are real
+        self.resolve = resolve  # callable(CallDescription, fx.Node, OpNode) -> NodeQConfig|None
+        self._folded: dict[fx.Node, fx.Node] = {}
+        self._observer_of: dict[fx.Node, nn.Module] = {}
+
+    def build(self) -> ModelGraph:
+        nodes: list[OpNode] = []
+        edges: list[tuple[str, str, int]] = []
+        kept: set[str] = set()
+        for fx_node in self.gm.graph.nodes:
+            op_node = self._convert(fx_node)
+            if op_node is None:
+                continue
+            nodes.append(op_node)
+            kept.add(fx_node.name)
+            for index, arg in enumerate(_flat_args(fx_node)):
+                source = self._resolve_fold(arg)
+                if source is not None and source.name in kept:
+                    edges.append((source.name, fx_node.name, index))
+        modules = self._module_inventory()
+        parameters = dict(self.module_source.named_parameters(remove_duplicate=False))
+        parameters.update(dict(self.gm.named_parameters(remove_duplicate=False)))
+        parameters.update({k: v for k, v in self.gm.named_buffers() if k.endswith("running_var")})
+        return ModelGraph(nodes, edges, modules, self.traced.frontend, parameters)
+
+    def _resolve_fold(self, arg: fx.Node) -> Optional[fx.Node]:
+        seen = 0
+        while arg in self._folded and seen < 64:
+            arg = self._folded[arg]
+            seen += 1
+        return arg
+
+    def _convert(self, node: fx.Node) -> Optional[OpNode]:
+        if node.op == "placeholder":
+            return OpNode(name=node.name, kind="input", op="input", output=_tensor_info(node),
+                          target=str(node.target))
+        if node.op == "output":
+            return OpNode(name=node.name, kind="output", op="output", target="output")
+        if node.op == "get_attr":
+            return None
+        if node.op == "call_module":
+            return self._convert_module_call(node)
+        if node.op in ("call_function", "call_method"):
+            return self._convert_function_call(node)
+        return None
+
+    def _convert_module_call(self, node: fx.Node) -> Optional[OpNode]:
+        target = str(node.target)
+        if target.startswith("_guards"):
+            return None
+        module = self.gm.get_submodule(target)
+        kind = module_kind(module)
+        if kind == "observer":
+            source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+            if source is not None:
+                self._folded[node] = source
+                self._observer_of[source] = module
+            return None
+        cls = type(module)
+        info = OpNode(
+            name=node.name, kind=kind, op="module", module=target,
+            module_type=f"{cls.__module__}.{cls.__qualname__}",
+            scope=target.rpartition(".")[0],
+            weight=f"{target}.weight" if isinstance(getattr(module, "weight", None), torch.Tensor) else None,
+            bias=f"{target}.bias" if isinstance(getattr(module, "bias", None), torch.Tensor) else None,
+            inputs=tuple(_tensor_info(a) for a in _flat_args(node)),
+            output=_tensor_info(node), training=module.training, target=target,
+        )
+        info = dataclasses.replace(info, observed_output=self._observed(node))
+        call = CallDescription(True, (cls,), target, None)
+        return dataclasses.replace(info, qconfig=self.resolve(call, node, info))
+
+    def _convert_function_call(self, node: fx.Node) -> OpNode:
+        if node.op == "call_method":
+            kind = method_kind(str(node.target))
+            op, raw = "method", str(node.target)
+        else:
+            kind = function_kind(node.target)
+            op, raw = "function", node.target
+        owners = _stack(node)
+        owner = owners[-1] if owners else None
+        owning_module: Optional[_Owner] = None
+        if owner is not None and owner.cls is not None and _kind_of_class(owner.cls) == kind:
+            owning_module = owner
+        elif owner is not None and owner.cls is None and self.traced.exported:
+            owning_module = owner if _kind_from_type_name(owner.type_name) == kind else None
+        weight, bias = self._weight_refs(node, kind)
+        training = self._training_flag(node, kind, owning_module)
+        info = OpNode(
+            name=node.name, kind=kind, op=op,
+            module=owning_module.path if owning_module else None,
+            module_type=owning_module.type_name if owning_module else None,
+            scope=owner.path if owner else "",
+            weight=weight, bias=bias,
+            inputs=tuple(_tensor_info(a) for a in _flat_args(node)),
+            output=_tensor_info(node), training=training,
+            target=getattr(raw, "__name__", str(raw)),
+        )
+        from qlint.intent import function_candidates
+
+        if owning_module is not None and self.traced.exported and _is_torch_leaf(owning_module):
+            # An aten op that an nn leaf module produced: resolve it as that module's call,
+            # as symbolic_trace would see it, so both front ends agree.
+            cls = owning_module.cls or _KIND_TO_MODULE_CLASS.get(kind)
+            call = CallDescription(True, (cls,) if cls else (), owning_module.path, None)
+        else:
+            scope_owner = owners[-1] if owners else None
+            call = CallDescription(
+                False, function_candidates(kind, raw),
+                scope_owner.path if scope_owner else "",
+                scope_owner.cls if scope_owner else None,
+            )
+        info = dataclasses.replace(info, observed_output=self._observed(node))
+        return dataclasses.replace(info, qconfig=self.resolve(call, node, info))
+
+    def _observed(self, node: fx.Node) -> Optional[NodeQConfig]:
+        observer = None
+        for user in node.users:
+            if user.op == "call_module":
+                candidate = self.gm.get_submodule(str(user.target))
+                if module_kind(candidate) == "observer":
+                    observer = candidate
+                    break
+        if observer is None:
+            return None
+        from qlint.intent import describe_observer
+
+        return NodeQConfig(activation=describe_observer(observer), weight=None, source="prepared")
+
+    def _weight_refs(self, node: fx.Node, kind: str) -> tuple[Optional[str], Optional[str]]:
+        from qlint.ops import WEIGHTED_KINDS
+
+        if kind not in WEIGHTED_KINDS and kind != "batch_norm":
+            return None, None
+        refs: list[Optional[str]] = []
+        for position in (1, 2):
+            arg = node.args[position] if len(node.args) > position else None
+            if arg is None:
+                name = "weight" if position == 1 else "bias"
+                arg = node.kwargs.get(name)
+            refs.append(str(arg.target) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None)
+        return refs[0], refs[1]
+
+    def _training_flag(self, node: fx.Node, kind: str, owner: Optional[_Owner]) -> Optional[bool]:
+        if kind != "batch_norm":
+            return None
+        if self.traced.exported:
+            # aten.batch_norm(input, weight, bias, mean, var, training, ...)
+            if "no_training" in str(node.target):
+                return False
+            if len(node.args) > 5 and isinstance(node.args[5], bool):
+                return node.args[5]
+            return None
+        if owner is not None:
+            try:
+                return self.module_source.get_submodule(owner.path).training
+            except AttributeError:
+                return None
+        training = node.kwargs.get("training")
+        return training if isinstance(training, bool) else None
+
+    def _module_inventory(self) -> dict[str, ModuleInfo]:
+        inventory: dict[str, ModuleInfo] = {}
+        for fqn, module in self.module_source.named_modules(remove_duplicate=False):
+            if not fqn or fqn.startswith("_guards"):
+                continue
+            cls = type(module)
+            inventory[fqn] = ModuleInfo(
+                fqn=fqn, type_name=f"{cls.__module__}.{cls.__qualname__}",
+                kind=module_kind(module), is_leaf=not any(True for _ in module.children()),
+                training=module.training,
+                has_parameters=any(True for _ in module.parameters(recurse=False)),
+            )
+        return inventory
+
+
+def _flat_args(node: fx.Node) -> list[fx.Node]:
+    flat: list[fx.Node] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, fx.Node):
+            flat.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    visit(node.args)
+    visit(node.kwargs)
+    return [n for n in flat if n.op != "get_attr"]
+
+
+def _kind_of_class(cls: type) -> Optional[str]:
+    for base, kind in MODULE_KINDS:
+        if issubclass(cls, base):
+            return kind
+    return None
+
+
+def _kind_from_type_name(type_name: str) -> Optional[str]:
+    short = type_name.rpartition(".")[2]
+    for base, kind in MODULE_KINDS:
+        if base.__name__ == short:
+            return kind
+    return None
+
+
+def _is_torch_leaf(owner: _Owner) -> bool:
+    return owner.type_name.startswith("torch.nn.") or owner.type_name.startswith("torch.ao.nn.")
+
+
+def private_copy(model: nn.Module) -> nn.Module:
+    """Linting works on a copy so the user's parameters, buffers, mode and hooks stay put."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as error:  # e.g. modules holding un-copyable handles
+        raise TraceError(f"cannot copy the model for analysis: {_one_line(error)}") from error
