@@ -202,14 +202,17 @@ def import_type(qualified_name: str) -> Optional[type]:
 
 
 def function_candidates(kind: str, raw_target: Any) -> tuple[Any, ...]:
-    """Objects a QConfigMapping may key a functional op by: the callable and its aliases."""
+    """Objects a QConfigMapping may key a functional op by.
+
+    prepare_fx matches the exact callable (or method name), so a torch-level target is
+    its own only candidate. An aten target from torch.export has no torch-level callable,
+    so every function and method name of the same kind stands in for it.
+    """
     from qlint.ops import FUNCTION_KINDS, METHOD_KINDS
 
+    if isinstance(raw_target, str) or (raw_target is not None and raw_target in FUNCTION_KINDS):
+        return (raw_target,)
     found: list[Any] = []
-    if raw_target is not None and not isinstance(raw_target, str) and raw_target in FUNCTION_KINDS:
-        found.append(raw_target)
-    if isinstance(raw_target, str):
-        found.append(raw_target)
     for fn, fn_kind in FUNCTION_KINDS.items():
         if fn_kind == kind and fn not in found:
             found.append(fn)

@@ -232,8 +232,9 @@ _DTYPES = {
 def parse_input_shape(text: str) -> torch.Tensor:
     """'1,3,224,224' or '1,128:int64' → a deterministic example tensor."""
     shape_text, _, dtype_text = text.partition(":")
+    separator = "," if "," in shape_text else "x"
     try:
-        shape = tuple(int(d) for d in shape_text.replace("x", ",").split(",") if d.strip())
+        shape = tuple(int(d) for d in shape_text.split(separator))
     except ValueError:
         raise LoadError(f"bad --input-shape {text!r}: expected comma-separated integers like 1,3,224,224")
     if not shape or any(d <= 0 for d in shape):

@@ -35,6 +35,23 @@ class Need(str, enum.Enum):
     STATISTICS = "calibration statistics"
 
 
+@dataclasses.dataclass(frozen=True)
+class ObservationSpec:
+    """A tensor point a data rule needs statistics for, declared on the rule class.
+
+    The engine resolves each spec against the graph (every op whose kind is in
+    ``kinds``) and inserts exactly one observer per distinct (node, side, index,
+    channel_axis) point, shared by every rule that asks for it.
+    ``channel_axis="features"`` means axis 1 for conv inputs and the last axis for
+    linear inputs; None means per-tensor statistics only.
+    """
+
+    kinds: frozenset[str]
+    side: str  # "input" or "output"
+    index: int = 0
+    channel_axis: Any = 1
+
+
 class RuleOptions(BaseModel):
     """Base for every rule's Options: immutable, and unknown keys are errors."""
 
@@ -67,6 +84,7 @@ class Rule:
     severity: ClassVar[Severity] = Severity.WARNING
     requires: ClassVar[frozenset[Need]] = frozenset({Need.GRAPH})
     Options: ClassVar[type[RuleOptions]] = RuleOptions
+    observes: ClassVar[tuple[ObservationSpec, ...]] = ()
     VALID: ClassVar[Sequence[Example]] = ()
     INVALID: ClassVar[Sequence[Example]] = ()
 

@@ -90,11 +90,16 @@ def propagate_shapes(traced: Traced, example_inputs: Optional[Sequence[Any]]) ->
     """Fill tensor metadata on every node; returns a notice when it could not."""
     if traced.exported or not example_inputs:
         return None if traced.exported else "no example inputs: shapes are unknown"
+    import contextlib
+    import io
+
     try:
-        with torch.no_grad():
+        # ShapeProp prints a traceback to stderr before re-raising; the user gets one line.
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
             ShapeProp(traced.graph_module).propagate(*example_inputs)
-    except Exception as error:  # shapes are evidence, not a requirement
-        return f"shape propagation failed: {_one_line(error)}"
+    except Exception as error:  # the inputs do not fit the model
+        cause = error.__cause__ or error
+        raise TraceError(f"the example inputs do not fit the model: {_one_line(cause)}") from error
     return None
 
 

@@ -1,0 +1,8 @@
+"""Output formats beyond text and json, looked up by ``qlint.lint_command``."""
+
+from qlint.render.github import render_github
+from qlint.render.sarif import render_sarif
+
+EXTRA_FORMATS = {"sarif": render_sarif, "github": render_github}
+
+__all__ = ["EXTRA_FORMATS", "render_github", "render_sarif"]

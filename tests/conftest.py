@@ -1,0 +1,33 @@
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # examples/ and tests/models are importable
+
+warnings.filterwarnings("ignore", category=UserWarning)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """Run the real console script in a subprocess, from ``cwd`` (default: a temp dir)."""
+    import subprocess
+
+    def run(*args, cwd=None, env=None):
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.update(env or {})
+        return subprocess.run([sys.executable, "-m", "qlint.cli", *map(str, args)],
+                              cwd=cwd or tmp_path, env=full_env, capture_output=True, text=True,
+                              timeout=300)
+
+    return run

@@ -1,0 +1,83 @@
+"""--baseline / --write-baseline: record findings, then report only new ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qlint.baseline import filter_new, read_baseline, write_baseline
+from qlint.errors import ConfigError
+from qlint.findings import Finding, Report, Severity
+
+BADNET = ("examples.badnet:build", "--input-shape", "1,3,32,32")
+MAPPING = ("--qconfig-mapping", "examples.badnet:qconfig_mapping")
+
+
+def _finding(target: str, kind: str = "k", message: str = "m") -> Finding:
+    return Finding(rule="QL101", name="unfused-pattern", severity=Severity.WARNING, target=target,
+                   message=message, data={"kind": kind})
+
+
+def _report(*findings: Finding) -> Report:
+    return Report(qlint_version="0.1.0", torch_version="2.x", model="m.pt2", backend="x86",
+                  frontend="fx", findings=list(findings))
+
+
+def test_write_then_filter_in_process(tmp_path):
+    path = tmp_path / "sub" / "baseline.json"
+    write_baseline(_report(_finding("a"), _finding("b")), path)
+    data = json.loads(path.read_text())
+    assert data["version"] == 1
+    assert {e["target"] for e in data["fingerprints"].values()} == {"a", "b"}
+    later = _report(_finding("a", message="reworded"), _finding("b", kind="other"), _finding("c"))
+    filtered = filter_new(later, path)
+    assert [(f.target, f.data["kind"]) for f in filtered.findings] == [("b", "other"), ("c", "k")]
+    assert "1 known finding suppressed" in filtered.notices[-1].message
+    assert "1 baseline entry no longer found" in filtered.notices[-1].message
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"version": 99, "fingerprints": {}}',
+                                     '{"version": 1}', '{"version": 1, "fingerprints": [1]}'])
+def test_corrupt_baseline_is_config_error(tmp_path, content):
+    path = tmp_path / "b.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError):
+        read_baseline(path)
+
+
+def _fingerprints(result) -> set[str]:
+    return {Finding.model_validate(f).fingerprint() for f in json.loads(result.stdout)["findings"]}
+
+
+def test_cli_round_trip(run_cli, repo_root, tmp_path):
+    baseline = tmp_path / "qlint-baseline.json"
+    # Baseline the model with the default mapping.
+    before = run_cli(*BADNET, "--format", "json", cwd=repo_root)
+    assert before.returncode == 1, before.stderr
+    written = run_cli(*BADNET, "--baseline", baseline, "--write-baseline", "--format", "json", cwd=repo_root)
+    assert written.returncode == 1 and baseline.is_file()
+    assert set(json.loads(baseline.read_text())["fingerprints"]) == _fingerprints(before)
+
+    again = run_cli(*BADNET, "--baseline", baseline, cwd=repo_root)
+    assert again.returncode == 0, again.stdout + again.stderr
+
+    # The hand-written mapping brings new findings (QL103 on sigmoid at least).
+    changed = run_cli(*BADNET, *MAPPING, "--format", "json", cwd=repo_root)
+    new = _fingerprints(changed) - _fingerprints(before)
+    assert new, "the changed mapping should add a finding"
+    filtered = run_cli(*BADNET, *MAPPING, "--baseline", baseline, "--format", "json", cwd=repo_root)
+    assert filtered.returncode == 1, filtered.stderr
+    assert _fingerprints(filtered) == new
+    suppressed = len(json.loads(changed.stdout)["findings"]) - len(json.loads(filtered.stdout)["findings"])
+    notices = [n["message"] for n in json.loads(filtered.stdout)["notices"]]
+    assert any(f"{suppressed} known finding" in n for n in notices), notices
+
+
+def test_cli_corrupt_baseline_exits_2(run_cli, repo_root, tmp_path):
+    baseline = tmp_path / "broken.json"
+    baseline.write_text('{"version": 1, "fingerprints": ')
+    result = run_cli(*BADNET, "--baseline", baseline, cwd=repo_root)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qlint: error: baseline") and "not valid JSON" in lines[0]

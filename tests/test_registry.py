@@ -1,0 +1,115 @@
+"""Built-in and third-party rules load through one registry (entry-point group qlint.rules)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from qlint.errors import ConfigError
+from qlint.registry import Registry
+from qlint.rule import validate_rule_class
+
+
+def test_builtin_rules_are_valid_and_unique():
+    rules = Registry.default(include_plugins=False).all()
+    codes = [r.code for r in rules]
+    assert codes == sorted(set(codes))
+    for rule in rules:
+        assert validate_rule_class(rule) == [], rule.code
+        assert rule.__module__.startswith("qlint.rules.")
+
+
+def test_fixed_codes_and_names():
+    registry = Registry.default(include_plugins=False)
+    expected = {"QL101": "unfused-pattern", "QL102": "shared-module"}
+    for code, name in expected.items():
+        assert registry.get(code).name == name
+        assert registry.get(name).code == code
+
+
+def test_select_and_ignore_by_prefix_and_name():
+    registry = Registry.default(include_plugins=False)
+    chosen = [r.code for r in registry.select(["QL1"], ["shared-module"])]
+    assert "QL101" in chosen and "QL102" not in chosen
+    with pytest.raises(ConfigError):
+        registry.select(["QL999"])
+
+
+def test_options_are_frozen_and_forbid_unknown_keys():
+    rule = Registry.default(include_plugins=False).get("QL101")
+    options = rule.Options()
+    with pytest.raises(Exception):
+        rule.Options(no_such_option=True)
+    with pytest.raises(Exception):
+        options.include_add_relu = False
+
+
+def _make_plugin(tmp_path, name, body):
+    pkg = tmp_path / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(body))
+    dist = tmp_path / f"{name}-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[qlint.rules]\n{name} = {name}\n")
+
+
+PLUGIN = '''
+import torch
+from qlint.rule import Rule, Need, RuleOptions
+from qlint.findings import Severity
+
+class TooManyLinears(Rule):
+    """Flags models with more than a few linear layers.
+
+    ## What it does
+    Counts linear layers.
+    ## Why is this bad?
+    A demo.
+    ## Example
+    Many linears.
+    ## Use instead
+    Fewer.
+    ## Options
+    - `limit`: the most linear layers allowed.
+    ## References
+    - none
+    """
+    code = "XQ001"
+    name = "too-many-linears"
+    summary = "Too many linear layers."
+    severity = Severity.INFO
+
+    class Options(RuleOptions):
+        limit: int = 0
+
+    def check(self, ctx):
+        layers = ctx.graph.by_kind("linear")
+        if len(layers) > self.options.limit:
+            yield self.finding(layers[0].display, f"{len(layers)} linear layers", data={"kind": "count"})
+'''
+
+
+def _run(tmp_path, code):
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=300)
+
+
+def test_third_party_rule_loads_and_runs(tmp_path):
+    _make_plugin(tmp_path, "qlint_demo_plugin", PLUGIN)
+    result = _run(tmp_path, "import torch, qlint\n"
+                  "r = qlint.lint(torch.nn.Sequential(torch.nn.Linear(2, 2)), (torch.randn(1, 2),), select=['XQ001'])\n"
+                  "print([f.rule for f in r.findings])")
+    assert result.returncode == 0, result.stderr
+    assert "['XQ001']" in result.stdout
+
+
+def test_broken_plugin_names_its_package(tmp_path):
+    _make_plugin(tmp_path, "qlint_broken_plugin", "raise ImportError('missing dependency foo')\n")
+    result = _run(tmp_path, "from qlint.registry import Registry\n"
+                  "from qlint.errors import RuleLoadError\n"
+                  "try:\n    Registry.default()\nexcept RuleLoadError as e:\n    print('ERR', e)\n")
+    assert result.returncode == 0, result.stderr
+    assert "ERR" in result.stdout and "qlint_broken_plugin" in result.stdout
+    assert "missing dependency foo" in result.stdout

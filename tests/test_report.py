@@ -1,0 +1,55 @@
+import json
+
+import pytest
+import torch
+
+import qlint
+from examples.badnet import build, qconfig_mapping
+from qlint.findings import Finding, Report
+
+
+def test_report_json_round_trip():
+    report = qlint.lint(build(), (torch.randn(1, 3, 32, 32),), qconfig_mapping=qconfig_mapping())
+    assert report.findings and report.qconfig_table and report.timings
+    again = Report.model_validate_json(report.model_dump_json())
+    assert again == report
+
+
+def test_finding_is_frozen_and_rejects_non_json_data():
+    finding = Finding(rule="QL101", name="x", severity="warning", target="t", message="m", data={"a": 1})
+    with pytest.raises(Exception):
+        finding.target = "other"
+    with pytest.raises(Exception):
+        Finding(rule="QL101", name="x", severity="warning", target="t", message="m",
+                data={"bad": torch.zeros(1)})
+    with pytest.raises(Exception):
+        Finding(rule="QL101", name="x", severity="warning", target="t", message="m",
+                data={"nan": float("nan")})
+
+
+def test_example_command_json_has_all_static_rules(run_cli, repo_root):
+    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--qconfig-mapping",
+                     "examples.badnet:qconfig_mapping", "--format", "json", cwd=repo_root)
+    assert result.returncode == 1, result.stderr
+    report = Report.model_validate_json(result.stdout)
+    assert {"QL101", "QL102", "QL103", "QL104"} <= {f.rule for f in report.findings}
+    assert report.backend == "x86" and report.frontend == "fx.symbolic_trace"
+
+
+def test_text_output_table_and_summary(run_cli, repo_root):
+    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--qconfig-mapping",
+                     "examples.badnet:qconfig_mapping", "--show-qconfig", cwd=repo_root)
+    assert result.returncode == 1
+    assert "Findings" in result.stdout and "unfused-pattern" in result.stdout
+    assert "Resolved qconfig per node" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("Found ")
+
+
+def test_fail_on_and_select(run_cli, repo_root):
+    args = ["examples.badnet:build", "--input-shape", "1,3,32,32"]
+    only_errors = run_cli(*args, "--select", "QL102", "--fail-on", "error", cwd=repo_root)
+    assert only_errors.returncode == 0, only_errors.stdout
+    warnings = run_cli(*args, "--select", "QL102", cwd=repo_root)
+    assert warnings.returncode == 1
+    clean = run_cli(*args, "--select", "QL101", "--ignore", "QL101", cwd=repo_root)
+    assert clean.returncode == 0
