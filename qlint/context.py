@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch.ao.quantization import QConfigMapping
 
@@ -26,6 +26,9 @@ class LintContext:
     example_inputs: Optional[tuple[Any, ...]] = None
     statistics: Any = None  # calibration statistics view, when calibration data was given
     model_name: str = "model"
+    # Each call returns a fresh deep copy of the traced model, for rules that must run it
+    # (e.g. a trial prepare/convert); the user's model is never handed out.
+    model_factory: Optional[Callable[[], Any]] = None
 
     @property
     def eager_flow(self) -> bool:

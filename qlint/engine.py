@@ -168,9 +168,17 @@ def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
     return findings, skipped, notices
 
 
+def _copier(graph_module: fx.GraphModule):
+    import copy
+
+    return lambda: copy.deepcopy(graph_module)
+
+
 def _missing_needs(rule: Rule, ctx: LintContext, has_statistics: bool) -> Optional[str]:
     if Need.EXAMPLE_INPUTS in rule.requires and not ctx.example_inputs:
         return "no example inputs (pass --input-shape or --example-inputs)"
+    if Need.MODEL in rule.requires and ctx.model_factory is None:
+        return "no runnable model"
     if Need.STATISTICS in rule.requires and not has_statistics:
         return ("no calibration data: pass --calibration FILE_OR_DIR "
                 "(or --random-calibration N to run on random data)")
@@ -217,7 +225,8 @@ def lint(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None, calib
         timings.append(Timing(stage="calibrate", seconds=time.perf_counter() - stage))
     ctx = LintContext(graph=analysis.graph, backend=backend_info(backend), intent=analysis.intent,
                       qconfig_mapping=analysis.qconfig_mapping, example_inputs=example,
-                      statistics=statistics, model_name=model_name or type(model).__name__)
+                      statistics=statistics, model_name=model_name or type(model).__name__,
+                      model_factory=_copier(analysis.traced.graph_module))
     stage = time.perf_counter()
     findings, skipped, rule_notices = run_rules(ctx, rules, has_statistics=statistics is not None)
     notices.extend(rule_notices)

@@ -153,6 +153,16 @@ class Report(_Frozen):
     layers: list[LayerRow] = Field(default_factory=list)
     qconfig_table: list[QConfigRow] = Field(default_factory=list)
 
+    def plan(self):
+        """The quantization plan these findings call for (see qlint.plan)."""
+        from qlint.plan import plan_from_report
+
+        return plan_from_report(self)
+
+    def qconfig_mapping(self):
+        """Shortcut: ``report.plan().to_qconfig_mapping()``."""
+        return self.plan().to_qconfig_mapping()
+
     def by_rule(self, code: str) -> list[Finding]:
         return [f for f in self.findings if f.rule == code or f.name == code]
 

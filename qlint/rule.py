@@ -33,6 +33,7 @@ class Need(str, enum.Enum):
     QCONFIG = "qconfig"
     EXAMPLE_INPUTS = "example inputs"
     STATISTICS = "calibration statistics"
+    MODEL = "a runnable copy of the model"
 
 
 @dataclasses.dataclass(frozen=True)
