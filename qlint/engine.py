@@ -110,14 +110,16 @@ def _prepared_resolver(gm: fx.GraphModule):
 
 def _eager_resolver(model: nn.Module):
     def qconfig_of(path: str):
+        """Nearest module that sets ``qconfig``; an explicit None wins, as in torch's propagation."""
         while True:
             try:
                 module = model.get_submodule(path)
             except AttributeError:
                 module = None
-            qconfig = getattr(module, "qconfig", None) if module is not None else None
-            if qconfig is not None or not path:
-                return qconfig
+            if module is not None and hasattr(module, "qconfig"):
+                return module.qconfig
+            if not path:
+                return None
             path = path.rpartition(".")[0]
 
     def resolve(call: CallDescription, _node: fx.Node, _info: OpNode) -> Optional[NodeQConfig]:

@@ -207,12 +207,11 @@ class GraphBuilder:
                 self._observer_of[source] = module
             return None
         cls = type(module)
+        weight, bias = _module_weight_refs(module, target)
         info = OpNode(
             name=node.name, kind=kind, op="module", module=target,
             module_type=f"{cls.__module__}.{cls.__qualname__}",
-            scope=target.rpartition(".")[0],
-            weight=f"{target}.weight" if isinstance(getattr(module, "weight", None), torch.Tensor) else None,
-            bias=f"{target}.bias" if isinstance(getattr(module, "bias", None), torch.Tensor) else None,
+            scope=target.rpartition(".")[0], weight=weight, bias=bias,
             inputs=tuple(_tensor_info(a) for a in _flat_args(node)),
             output=_tensor_info(node), training=module.training, target=target,
         )
@@ -322,6 +321,17 @@ class GraphBuilder:
                 has_parameters=any(True for _ in module.parameters(recurse=False)),
             )
         return inventory
+
+
+def _module_weight_refs(module: nn.Module, target: str) -> tuple[Optional[str], Optional[str]]:
+    """Weight and bias fqns; a fused intrinsic module (ConvReLU2d…) keeps them in item 0."""
+    owner, prefix = module, target
+    if not isinstance(getattr(module, "weight", None), torch.Tensor) and isinstance(module, nn.Sequential) \
+            and type(module).__module__.startswith("torch.ao.nn.intrinsic") and len(module) > 0:
+        owner, prefix = module[0], f"{target}.0"
+    weight = f"{prefix}.weight" if isinstance(getattr(owner, "weight", None), torch.Tensor) else None
+    bias = f"{prefix}.bias" if isinstance(getattr(owner, "bias", None), torch.Tensor) else None
+    return weight, bias
 
 
 def _flat_args(node: fx.Node) -> list[fx.Node]:

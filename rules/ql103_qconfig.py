@@ -1,0 +1,966 @@
+"""QL103 qconfig: qconfigs that the backend rejects, ignores or pays extra for."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import Field
+from torch.ao.quantization import (DeQuantStub, QConfig, QConfigMapping, QuantStub, get_default_qconfig,
+                                   get_default_qconfig_mapping)
+from torch.ao.quantization.observer import (HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver,
+                                            default_per_channel_weight_observer)
+
+from qlint.context import INTENT_EAGER, INTENT_PREPARED, LintContext
+from qlint.engine import qconfig_rows
+from qlint.findings import Finding, QConfigRow, Severity
+from qlint.graph import ModelGraph, OpNode
+from qlint.intent import ObserverSpec, default_mapping, function_candidates, import_type, node_qconfig
+from qlint.ops import CONV_OR_LINEAR_KINDS, FIXED_QPARAMS_KINDS, SHAPE_KINDS, WEIGHTED_KINDS
+from qlint.rule import Example, Need, Rule, RuleOptions
+
+# Sub-check kinds (data["kind"]; part of each finding's fingerprint).
+KIND_FIXED_OBSERVER = "fixed-qparams-observer"
+KIND_FIXED_MISMATCH = "fixed-qparams-mismatch"
+KIND_ACT_DTYPE = "activation-dtype"
+KIND_ACT_RANGE = "activation-quant-range"
+KIND_WEIGHT_DTYPE = "weight-dtype"
+KIND_WEIGHT_RANGE = "weight-quant-range"
+KIND_WEIGHT_QSCHEME = "weight-qscheme"
+KIND_REDUCE_RANGE = "activation-reduce-range"
+KIND_REDUCE_RANGE_WASTE = "activation-reduce-range-waste"
+KIND_FLOAT_ISLAND = "float-island"
+KIND_CAT = "cat-input-qparams"
+
+_OPS = ("module", "function", "method")
+_EIGHT_BIT = ("torch.quint8", "torch.qint8")
+_CONV_TRANSPOSE_KINDS = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+_LISTED = 5  # node names spelled out in a message; data lists them all
+# The output range the math guarantees for each fixed-qparams op.
+_MATH_RANGE = {"sigmoid": (0.0, 1.0), "hardsigmoid": (0.0, 1.0), "softmax": (0.0, 1.0), "tanh": (-1.0, 1.0)}
+
+
+class QConfigCheck(Rule):
+    """Flags qconfigs that the backend rejects, silently ignores, or pays extra for.
+
+    ## What it does
+    Reads the qconfig every op resolves to (from your QConfigMapping, the backend default,
+    eager `.qconfig` attributes, or the observers of a prepared model) and checks it
+    against the backend:
+
+    - **fixed-qparams ops** (sigmoid, tanh, hardsigmoid, `nn.Softmax`) given a calibrated
+      observer instead of the `FixedQParamsObserver` the backend requires, or one with
+      the wrong scale/zero point;
+    - **backend support**: activation or weight dtypes the backend has no kernel for
+      (qint8 activations on x86/fbgemm, quint8 weights), quant ranges it rejects (qnnpack's
+      qint8 path needs weights in [-127, 127]), weight qschemes its kernels do not take
+      (affine or float-qparams weights where the kernel wants symmetric ones), and
+      `reduce_range` settings that risk overflow (off on x86/fbgemm) or waste a bit (on
+      elsewhere);
+    - **float islands**: ops left in float (qconfig `None`) between quantized ops;
+    - **cat inputs** observed with different qparams.
+
+    Each finding carries the qconfig table (node, target, kind, input/output dtype,
+    observer, ch_axis) of the nodes involved, as Horizon's `check_qat_model` prints it.
+
+    ## Why is this bad?
+    A qconfig the backend cannot run is not an error at `prepare_fx` time: the op is left
+    in float, or its qconfig is ignored with a warning that is easy to miss, so the model
+    you convert is not the model you configured. Fixed-qparams ops have a known output
+    range ([0, 1] or [-1, 1]) and their kernels use scale 1/256 with zero point 0 (or
+    2/256 with zero point 128); a calibrated observer wastes codes or clips and is
+    rejected. Every float island costs a dequantize before it and a quantize after it.
+    `prepare_fx` makes all inputs of `cat` share the first input's observer, so inputs
+    whose qconfigs disagree are quantized with someone else's scale: a sigmoid first
+    forces [0, 1) on every other input and clips them.
+
+    ## Example
+    ```python
+    mapping = QConfigMapping().set_global(get_default_qconfig("x86"))  # sigmoid gets a HistogramObserver
+    mapping.set_module_name("head.act", None)                          # GELU between two quantized convs
+    ```
+
+    ## Use instead
+    ```python
+    mapping = get_default_qconfig_mapping("x86")  # FixedQParams qconfigs for sigmoid/tanh/softmax
+    # quantize the op, or move the float op to the start or end of the model
+    ```
+
+    ## Options
+    - `fixed_qparams`: check fixed-qparams ops (sigmoid, tanh, hardsigmoid, softmax).
+    - `backend_support`: check dtypes, quant ranges and weight qschemes against the backend.
+    - `reduce_range`: check `reduce_range` of the activations entering conv and linear layers.
+    - `report_wasted_reduce_range`: also report (as info) `reduce_range=True` on backends that do not need it.
+    - `float_islands`: report float ops between quantized ops.
+    - `min_island_ops`: the number of computing (non-shape) ops an island needs to be reported.
+    - `cat_inputs`: report `cat` inputs observed with different qparams.
+
+    ## References
+    - https://pytorch.org/docs/stable/quantization.html#backend-hardware-support
+    - torch.ao.quantization.get_default_qconfig_mapping, torch.ao.quantization.backend_config
+    - torch/ao/quantization/fx/prepare.py (`_maybe_make_input_output_share_observers`)
+    - torch/ao/quantization/fx/utils.py ("QConfig must specify a FixedQParamsObserver ...")
+    """
+
+    code = "QL103"
+    name = "qconfig"
+    summary = "A qconfig does not fit the backend, leaves a float island, or splits cat's qparams."
+    severity = Severity.WARNING
+    requires = frozenset({Need.GRAPH, Need.QCONFIG})
+
+    class Options(RuleOptions):
+        fixed_qparams: bool = Field(True, description="Check fixed-qparams ops.")
+        backend_support: bool = Field(True, description="Check dtypes, ranges and qschemes.")
+        reduce_range: bool = Field(True, description="Check reduce_range of conv/linear inputs.")
+        report_wasted_reduce_range: bool = Field(True, description="Report unneeded reduce_range.")
+        float_islands: bool = Field(True, description="Report float ops between quantized ops.")
+        min_island_ops: int = Field(1, ge=1, description="Computing ops an island needs.")
+        cat_inputs: bool = Field(True, description="Report cat inputs with different qparams.")
+
+    def check(self, ctx: LintContext) -> Iterable[Finding]:
+        state = _State(ctx)
+        if self.options.fixed_qparams and not state.eager:
+            yield from self._fixed_qparams(state)
+        if self.options.backend_support:
+            yield from self._backend_support(state)
+        if self.options.reduce_range:
+            yield from self._reduce_range(state)
+        if self.options.float_islands:
+            yield from self._float_islands(state)
+        if self.options.cat_inputs and not state.eager:
+            yield from self._cat_inputs(state)
+
+    # --- fixed-qparams ops -------------------------------------------------------------
+    def _fixed_qparams(self, state: "_State") -> Iterator[Finding]:
+        ctx, graph = state.ctx, state.graph
+        for node in graph.ops():
+            if node.kind not in FIXED_QPARAMS_KINDS or not _static(node):
+                continue
+            spec = node.qconfig.activation
+            expected = state.expected_fixed(node)
+            if expected is None or not _only_fixed_options(ctx, node.kind, spec.dtype):
+                continue  # torch does not treat this call as a fixed-qparams op here
+            if state.prepared and _feeds_cat(graph, node):
+                continue  # prepare_fx replaced its observer with cat's shared one (see cat check)
+            low, high = _MATH_RANGE[node.kind]
+            wanted = (f"FixedQParamsObserver(scale={expected.fixed_scale:g}, "
+                      f"zero_point={expected.fixed_zero_point}, dtype={expected.dtype})")
+            common = {
+                "node": node.name, "op_kind": node.kind, "observer": spec.observer,
+                "dtype": spec.dtype, "source": node.qconfig.source,
+                "expected_observer": "FixedQParamsObserver",
+                "expected_scale": expected.fixed_scale, "expected_zero_point": expected.fixed_zero_point,
+                "output_range": [low, high], "qconfig_table": state.table([node]),
+            }
+            suggestion = {
+                "action": "set_qconfig", "target": node.display, "node": node.name,
+                "object_type": node.module_type or node.target,
+                "activation": "FixedQParamsObserver", "scale": expected.fixed_scale,
+                "zero_point": expected.fixed_zero_point, "dtype": expected.dtype,
+                "quant_min": expected.quant_min, "quant_max": expected.quant_max,
+                "from": f"get_default_qconfig_mapping('{ctx.backend.name}')",
+            }
+            fix = (f"Fix: give this op the qconfig that get_default_qconfig_mapping('{ctx.backend.name}') "
+                   f"sets for it ({wanted}), e.g. start from get_default_qconfig_mapping and "
+                   "override other entries, instead of QConfigMapping().set_global(...).")
+            if spec.is_fixed_qparams:
+                if (abs(spec.fixed_scale - expected.fixed_scale) <= 1e-9
+                        and spec.fixed_zero_point == expected.fixed_zero_point):
+                    continue
+                got_low, got_high = _fixed_range(spec)
+                message = (
+                    f"{node.display} ({node.kind}) has a FixedQParams observer with scale "
+                    f"{spec.fixed_scale:g} and zero point {spec.fixed_zero_point} (covers "
+                    f"[{got_low:g}, {got_high:g}]), but its output lies in [{low:g}, {high:g}] and the "
+                    f"{ctx.backend.name} kernel uses scale {_scale_text(expected.fixed_scale)}, zero point "
+                    f"{expected.fixed_zero_point}. prepare_fx rejects qparams that differ from the "
+                    "backend's and ignores this qconfig, so the op is not quantized as configured "
+                    f"and the wrong range would clip or waste codes. {fix}")
+                yield self.finding(node.display, message, suggestion=suggestion,
+                                   data={"kind": KIND_FIXED_MISMATCH, **common,
+                                         "scale": spec.fixed_scale, "zero_point": spec.fixed_zero_point})
+                continue
+            message = (
+                f"{node.display} ({node.kind}) is observed by {spec.observer} (from the "
+                f"{node.qconfig.source} qconfig), but its output range is fixed by the math: "
+                f"[{low:g}, {high:g}], which {ctx.backend.name} quantizes with scale "
+                f"{_scale_text(expected.fixed_scale)} and zero point {expected.fixed_zero_point}. A calibrated "
+                "observer wastes codes on the part of the range the data did not reach or clips "
+                "its tails, and it breaks the backend's fixed-qparams lookup: prepare_fx warns "
+                "'QConfig must specify a FixedQParamsObserver' and ignores this qconfig, so the "
+                f"op is not quantized the way the mapping says (in QAT the fake-quant learns a "
+                f"range the int8 kernel will not use). {fix}")
+            yield self.finding(node.display, message, data={"kind": KIND_FIXED_OBSERVER, **common},
+                               suggestion=suggestion)
+
+    # --- backend support: dtypes, quant ranges, qschemes --------------------------------
+    def _backend_support(self, state: "_State") -> Iterator[Finding]:
+        ctx = state.ctx
+        groups = _Groups()
+        for node in state.checked_nodes():
+            qc = node.qconfig
+            spec = qc.activation
+            options = [o for o in ctx.backend.dtype_options(node.kind)
+                       if not o.is_dynamic and o.input_dtype not in (None, "torch.float32")]
+            if not options:
+                continue  # no static kernel (float, weight-only or dynamic op): not a qconfig matter
+            matching = [o for o in options if spec.dtype in (o.output_dtype, o.input_dtype)]
+            if not matching:
+                supported = sorted({o.output_dtype for o in options if o.output_dtype})
+                groups.add((KIND_ACT_DTYPE, spec.dtype, tuple(supported)), node,
+                           dtype=spec.dtype, observer=spec.observer, supported=supported)
+                continue
+            ranged = [o for o in matching if o.input_quant_min is not None or o.input_quant_max is not None]
+            if ranged and len(ranged) == len(matching) and not spec.is_fixed_qparams:
+                if not any(_within(spec.quant_min, spec.quant_max, o.input_quant_min, o.input_quant_max)
+                           for o in ranged):
+                    bounds = [ranged[0].input_quant_min, ranged[0].input_quant_max]
+                    groups.add((KIND_ACT_RANGE, spec.dtype, spec.quant_min, spec.quant_max), node,
+                               dtype=spec.dtype, observer=spec.observer,
+                               quant_range=[spec.quant_min, spec.quant_max], supported_range=bounds)
+            weight = qc.weight
+            if (node.weight is None or node.kind not in WEIGHTED_KINDS or weight is None
+                    or weight.is_float or not any(o.weight_dtype for o in matching)):
+                continue
+            weighted = [o for o in matching if o.weight_dtype == weight.dtype]
+            if not weighted:
+                supported = sorted({o.weight_dtype for o in matching if o.weight_dtype})
+                groups.add((KIND_WEIGHT_DTYPE, weight.dtype, spec.dtype), node, dtype=weight.dtype,
+                           activation_dtype=spec.dtype, observer=weight.observer, supported=supported)
+                continue
+            if not any(_within(weight.quant_min, weight.quant_max, o.weight_quant_min, o.weight_quant_max)
+                       for o in weighted):
+                bound = next(o for o in weighted if o.weight_quant_min is not None or o.weight_quant_max is not None)
+                groups.add((KIND_WEIGHT_RANGE, weight.dtype, weight.quant_min, weight.quant_max, spec.dtype),
+                           node, dtype=weight.dtype, activation_dtype=spec.dtype, observer=weight.observer,
+                           quant_range=[weight.quant_min, weight.quant_max],
+                           supported_range=[bound.weight_quant_min, bound.weight_quant_max])
+            if node.kind in _CONV_TRANSPOSE_KINDS and node.op == "module" and weight.is_per_channel:
+                groups.add((KIND_WEIGHT_QSCHEME, weight.qscheme, "transpose"), node, qscheme=weight.qscheme,
+                           observer=weight.observer, dtype=weight.dtype, transpose=True)
+            elif node.kind in CONV_OR_LINEAR_KINDS and weight.qscheme and "symmetric" not in weight.qscheme:
+                groups.add((KIND_WEIGHT_QSCHEME, weight.qscheme), node, qscheme=weight.qscheme,
+                           observer=weight.observer, dtype=weight.dtype)
+        for key, nodes, info in groups.items():
+            yield self._support_finding(state, key[0], nodes, info)
+
+    def _support_finding(self, state: "_State", kind: str, nodes: list[OpNode], info: dict[str, Any]) -> Finding:
+        backend = state.ctx.backend.name
+        where = _where(nodes)
+        sources = sorted({n.qconfig.source for n in nodes})
+        data: dict[str, Any] = {"kind": kind, "node": nodes[0].name, "nodes": [n.name for n in nodes],
+                                "targets": [n.display for n in nodes], "sources": sources,
+                                "backend": backend, **info, "qconfig_table": state.table(nodes)}
+        targets = [n.display for n in nodes]
+        severity = Severity.ERROR
+        if kind == KIND_ACT_DTYPE:
+            supported = " or ".join(info["supported"])
+            message = (
+                f"{where} use {info['dtype']} activations ({info['observer']}), but {backend} has "
+                f"quantized kernels for these ops only with {supported} activations. prepare_fx "
+                "finds no matching dtype config and leaves them in float, so nothing you configured "
+                f"is quantized there. Fix: use {info['supported'][0]} activation observers, e.g. "
+                f"get_default_qconfig('{backend}') or get_default_qconfig_mapping('{backend}').")
+            suggestion = {"action": "set_qconfig", "targets": targets, "scope": sources,
+                          "activation_dtype": info["supported"][0], "observer": info["observer"]}
+        elif kind == KIND_ACT_RANGE:
+            message = (
+                f"{where} observe activations with quant range {info['quant_range']}, outside the "
+                f"{info['supported_range']} that {backend} accepts for them. prepare_fx rejects the "
+                "qconfig and leaves these ops in float. Fix: use an observer with quant_min/quant_max "
+                f"inside {info['supported_range']} (the defaults of get_default_qconfig('{backend}')).")
+            suggestion = {"action": "set_qconfig", "targets": targets, "scope": sources,
+                          "quant_min": info["supported_range"][0], "quant_max": info["supported_range"][1]}
+        elif kind == KIND_WEIGHT_DTYPE:
+            supported = " or ".join(info["supported"])
+            message = (
+                f"{where} quantize weights to {info['dtype']} ({info['observer']}), but {backend} "
+                f"kernels with {info['activation_dtype']} activations take only {supported} weights. "
+                "prepare_fx finds no matching dtype config and leaves these layers in float. Fix: "
+                f"use a {info['supported'][0]} weight observer (torch.ao.quantization."
+                "default_per_channel_weight_observer or default_weight_observer).")
+            suggestion = {"action": "set_weight_observer", "targets": targets, "scope": sources,
+                          "dtype": info["supported"][0], "observer": "PerChannelMinMaxObserver",
+                          "qscheme": "torch.per_channel_symmetric", "ch_axis": 0}
+        elif kind == KIND_WEIGHT_RANGE:
+            low, high = info["supported_range"]
+            message = (
+                f"{where} quantize {info['dtype']} weights to {info['quant_range']}, but {backend}'s "
+                f"kernels for {info['activation_dtype']} activations require weights in [{low}, {high}] "
+                "(the symmetric range keeps the int8 products from overflowing). prepare_fx rejects "
+                "the qconfig and leaves these layers in float. Fix: set quant_min="
+                f"{low}, quant_max={high} on the weight observer, e.g. "
+                f"MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, "
+                f"quant_min={low}, quant_max={high}).")
+            suggestion = {"action": "set_weight_observer", "targets": targets, "scope": sources,
+                          "observer": info["observer"], "dtype": info["dtype"],
+                          "quant_min": low, "quant_max": high}
+        else:  # KIND_WEIGHT_QSCHEME
+            qscheme = info["qscheme"]
+            per_channel = "per_channel" in qscheme and not info.get("transpose")
+            if info.get("transpose"):
+                why = ("prepare_fx does not support per-channel weight observers for ConvTranspose "
+                       "modules and raises 'Per channel weight observer is not supported yet for "
+                       "ConvTranspose{n}d'")
+            elif "float_qparams" in qscheme:
+                why = ("float-qparams weights are only supported by the embedding kernels; conv and "
+                       "linear prepack rejects them at convert time")
+            elif backend == "onednn":
+                why = ("oneDNN only supports symmetric weight quantization (zero point 0); "
+                       "quantized::qconv_prepack/linear_prepack fail at convert with 'ONEDNN only "
+                       "supports symmetric quantization of weight'")
+            else:
+                severity = Severity.WARNING
+                why = (f"{backend}'s kernels are built for symmetric weights (zero point 0): an "
+                       "asymmetric zero point needs extra zero-point compensation per output, "
+                       + ("and x86 cannot use its oneDNN kernels and falls back to FBGEMM"
+                          if backend == "x86" else "and buys almost no accuracy for weights, "
+                          "which are centred on zero"))
+            want = "torch.per_channel_symmetric" if per_channel or "float_qparams" in qscheme \
+                else "torch.per_tensor_symmetric"
+            observer = "PerChannelMinMaxObserver" if want.startswith("torch.per_channel") else "MinMaxObserver"
+            message = (f"{where} quantize weights with {qscheme} ({info['observer']}): {why}. Fix: use "
+                       f"{observer}.with_args(dtype=torch.qint8, qscheme={want}).")
+            suggestion = {"action": "set_weight_observer", "targets": targets, "scope": sources,
+                          "observer": observer, "qscheme": want, "dtype": "torch.qint8"}
+            if want.startswith("torch.per_channel"):
+                suggestion["ch_axis"] = 0
+        return self.finding(nodes[0].display, message, data=data, suggestion=suggestion, severity=severity)
+
+    # --- reduce_range --------------------------------------------------------------------
+    def _reduce_range(self, state: "_State") -> Iterator[Finding]:
+        ctx = state.ctx
+        wants = ctx.backend.wants_reduce_range
+        if not wants and not self.options.report_wasted_reduce_range:
+            return
+        groups = _Groups()
+        for node in state.checked_nodes():
+            if node.kind not in CONV_OR_LINEAR_KINDS:
+                continue
+            spec, source = state.input_spec(node)
+            if spec is None or spec.is_fixed_qparams or spec.dtype not in _EIGHT_BIT:
+                continue
+            reduced = _is_reduced(spec)
+            if wants and not reduced:
+                groups.add((KIND_REDUCE_RANGE, spec.qparams_key()), node, observer=spec.observer,
+                           quant_range=[spec.quant_min, spec.quant_max], reduce_range=spec.reduce_range,
+                           input_node=source.name)
+            elif not wants and reduced:
+                groups.add((KIND_REDUCE_RANGE_WASTE, spec.qparams_key()), node, observer=spec.observer,
+                           quant_range=[spec.quant_min, spec.quant_max], reduce_range=spec.reduce_range,
+                           input_node=source.name)
+        backend = ctx.backend.name
+        for key, nodes, info in groups.items():
+            kind = key[0]
+            where = _where(nodes)
+            data = {"kind": kind, "node": nodes[0].name, "nodes": [n.name for n in nodes],
+                    "targets": [n.display for n in nodes], "backend": backend,
+                    "sources": sorted({n.qconfig.source for n in nodes}), **info,
+                    "qconfig_table": state.table(nodes)}
+            if kind == KIND_REDUCE_RANGE:
+                message = (
+                    f"The activations entering {where} are quantized to the full 8-bit range "
+                    f"{info['quant_range']} ({info['observer']}, reduce_range=False). {backend}'s kernels "
+                    "multiply uint8 activations by int8 weights and add pairs of products in 16 bits "
+                    "(vpmaddubsw) on CPUs without VNNI, which can saturate and silently corrupt "
+                    "outputs. Fix: use reduce_range=True on the activation observer (7-bit "
+                    f"activations, as get_default_qconfig('{backend}') does), or deploy only on "
+                    "VNNI-capable CPUs.")
+                suggestion = {"action": "set_activation_observer", "targets": data["targets"],
+                              "observer": info["observer"], "reduce_range": True}
+                severity = Severity.WARNING
+            else:
+                message = (
+                    f"The activations entering {where} use reduce_range (range {info['quant_range']}, "
+                    f"{info['observer']}), which only x86/fbgemm need to avoid 16-bit overflow. "
+                    f"{backend}'s kernels do not overflow, so this throws away one bit of activation "
+                    "resolution (twice the rounding error) for nothing. Fix: use reduce_range=False, "
+                    f"as get_default_qconfig('{backend}') does.")
+                suggestion = {"action": "set_activation_observer", "targets": data["targets"],
+                              "observer": info["observer"], "reduce_range": False}
+                severity = Severity.INFO
+            yield self.finding(nodes[0].display, message, data=data, suggestion=suggestion, severity=severity)
+
+    # --- float islands -------------------------------------------------------------------
+    def _float_islands(self, state: "_State") -> Iterator[Finding]:
+        islands = _eager_islands(state.graph) if state.eager else _fx_islands(state.graph)
+        for island in islands:
+            compute = [n for n in island.nodes if n.kind not in SHAPE_KINDS]
+            if len(compute) < self.options.min_island_ops:
+                continue
+            yield self._island_finding(state, island, compute)
+
+    def _island_finding(self, state: "_State", island: "_Island", compute: list[OpNode]) -> Finding:
+        backend = state.ctx.backend
+        head = compute[0]
+        ops = ", ".join(f"{n.display} ({n.kind})" for n in compute[:_LISTED])
+        if len(compute) > _LISTED:
+            ops += f" and {len(compute) - _LISTED} more"
+        producers = ", ".join(dict.fromkeys(p.display for p in island.producers))
+        consumers = ", ".join(dict.fromkeys(c.display for c in island.consumers))
+        unsupported = sorted({n.kind for n in compute if not backend.supports(n.kind)})
+        if state.eager:
+            how = ("between a DeQuantStub and a QuantStub, with quantized modules on both sides")
+            fix = ("move these ops before the first QuantStub or after the last DeQuantStub, or "
+                   "quantize them and remove the stub pair")
+        else:
+            states = sorted({_float_reason(n) for n in compute})
+            how = f"({' / '.join(states)}) between quantized ops"
+            fix = ("give them a quantized qconfig (e.g. the one their neighbours use), or move them "
+                   "to the start or end of the model")
+        if unsupported:
+            fix += (f"; {backend.name} has no quantized kernel for {', '.join(unsupported)}, so moving "
+                    "it to the model edge or replacing it with a supported op is the way out")
+        message = (
+            f"{ops} run{'s' if len(compute) == 1 else ''} in float {how}: {producers} → island → "
+            f"{consumers}. Every edge into the island costs a dequantize and every edge out a "
+            f"quantize ({island.dequantize_edges} + {island.quantize_edges} here), each an extra "
+            f"pass over the tensor and an extra rounding step. Fix: {fix}.")
+        involved = list(island.producers) + list(island.nodes) + list(island.consumers)
+        neighbour = island.producers[0]
+        data = {
+            "kind": KIND_FLOAT_ISLAND, "node": head.name, "island": [n.name for n in island.nodes],
+            "island_targets": [n.display for n in island.nodes],
+            "producers": [p.name for p in island.producers], "consumers": [c.name for c in island.consumers],
+            "dequantize_edges": island.dequantize_edges, "quantize_edges": island.quantize_edges,
+            "unsupported_kinds": unsupported, "eager": state.eager,
+            "qconfig_table": state.table(_unique(involved)),
+        }
+        like = neighbour.qconfig.activation if neighbour.qconfig and neighbour.qconfig.activation else None
+        suggestion = {"action": "set_qconfig", "target": head.display,
+                      "targets": [n.display for n in compute], "like": neighbour.name,
+                      "activation": like.observer if like else None,
+                      "alternative": "move_to_model_edge"}
+        return self.finding(head.display, message, data=data, suggestion=suggestion)
+
+    # --- cat inputs ----------------------------------------------------------------------
+    def _cat_inputs(self, state: "_State") -> Iterator[Finding]:
+        graph = state.graph
+        for cat in graph.by_kind("cat"):
+            if not _static(cat):
+                continue
+            inputs = []
+            for producer in graph.producers(cat.name):
+                if producer.op not in _OPS and producer.op != "input":
+                    continue
+                spec, source = state.spec_of_input(producer, cat)
+                if spec is not None:
+                    inputs.append((producer, source, spec))
+            if len(inputs) < 2:
+                continue
+            first = inputs[0][2]
+            odd = [(p, s, spec) for p, s, spec in inputs[1:] if spec.qparams_key() != first.qparams_key()]
+            if not odd:
+                continue
+            yield self._cat_finding(state, cat, inputs, odd)
+
+    def _cat_finding(self, state: "_State", cat: OpNode, inputs, odd) -> Finding:
+        first_producer, first_source, first = inputs[0]
+        described = "; ".join(f"{s.display}: {_describe(spec)}" for _, s, spec in inputs)
+        if first.is_fixed_qparams and any(not spec.is_fixed_qparams for _, _, spec in odd):
+            low, high = _fixed_range(first)
+            effect = (f"here the first input, {first_source.display}, has fixed qparams, so every other "
+                      f"input is quantized to [{low:g}, {high:g}] and clipped outside it")
+            fix = (f"put a calibrated input first in the cat (or apply {first_source.kind} after "
+                   "the cat), and give all inputs one qconfig")
+        else:
+            effect = (f"the other inputs' observers ({', '.join(s.display for _, s, _ in odd)}) are "
+                      f"replaced by {first_source.display}'s {first.observer}, so their configured "
+                      "dtype/range is silently ignored; where observers cannot be shared (eager "
+                      "mode, other front ends) each input is requantized to cat's scale instead")
+            fix = "give every input of the cat (and the cat) the same qconfig"
+        message = (
+            f"The inputs of {cat.display} are observed with different qparams ({described}). "
+            "prepare_fx can only use one scale and zero point for cat: it makes all inputs and the "
+            f"output share the first input's observer; {effect}. Fix: {fix}.")
+        involved = _unique([s for _, s, _ in inputs] + [cat])
+        data = {
+            "kind": KIND_CAT, "node": cat.name,
+            "inputs": [{"node": s.name, "target": s.display, "observer": spec.observer,
+                        "dtype": spec.dtype, "qscheme": spec.qscheme,
+                        "quant_range": [spec.quant_min, spec.quant_max],
+                        "fixed_scale": spec.fixed_scale, "fixed_zero_point": spec.fixed_zero_point,
+                        "matches_first": spec.qparams_key() == first.qparams_key()}
+                       for _, s, spec in inputs],
+            "first_input": first_source.name, "mismatched": [s.name for _, s, _ in odd],
+            "qconfig_table": state.table(involved),
+        }
+        # The observer to share: a calibrated one (it sees every input), and it should come first.
+        calibrated = next(((s, spec) for _, s, spec in inputs if not spec.is_fixed_qparams), None)
+        shared_source, shared = calibrated if calibrated is not None else (first_source, first)
+        suggestion = {"action": "unify_qconfig", "target": cat.display, "cat": cat.name,
+                      "nodes": [s.display for _, s, _ in inputs], "activation": shared.observer,
+                      "first_input": shared_source.name}
+        return self.finding(cat.display, message, data=data, suggestion=suggestion)
+
+
+# --- shared state for one check() run -------------------------------------------------------
+
+class _State:
+    def __init__(self, ctx: LintContext) -> None:
+        self.ctx = ctx
+        self.graph: ModelGraph = ctx.graph
+        self.eager = ctx.eager_flow or ctx.intent == INTENT_EAGER
+        self.prepared = ctx.intent == INTENT_PREPARED
+        self._rows: Optional[dict[str, QConfigRow]] = None
+        self._default: Optional[QConfigMapping] = None
+
+    def checked_nodes(self) -> Iterator[OpNode]:
+        """Statically quantized ops whose qconfig the backend will look at."""
+        for node in self.graph.ops():
+            if not _static(node):
+                continue
+            if self.eager and (node.op != "module" or node.kind in ("quant_stub", "dequant_stub")):
+                continue  # eager mode quantizes modules only; functional ops keep no qconfig
+            yield node
+
+    def spec_of_input(self, producer: OpNode, consumer: OpNode) -> tuple[Optional[ObserverSpec], OpNode]:
+        """The observer that quantizes ``producer``'s output where ``consumer`` reads it."""
+        source = _through_shapes(self.graph, producer)
+        if source.op in _OPS and _static(source):
+            return source.qconfig.activation, source
+        # A float tensor is observed by the consumer's own qconfig when prepare_fx quantizes it.
+        own = consumer.qconfig.activation if consumer.qconfig else None
+        return own, source
+
+    def input_spec(self, node: OpNode) -> tuple[Optional[ObserverSpec], OpNode]:
+        if self.eager:
+            return node.qconfig.activation, node
+        producers = [p for p in self.graph.producers(node.name) if p.op in _OPS or p.op == "input"]
+        if not producers:
+            return node.qconfig.activation, node
+        return self.spec_of_input(producers[0], node)
+
+    def expected_fixed(self, node: OpNode) -> Optional[ObserverSpec]:
+        """The FixedQParams observer the backend's default mapping gives this call, if any."""
+        if self._default is None:
+            self._default = default_mapping(self.ctx.backend.name)
+        table = self._default.object_type_qconfigs
+        qconfig = None
+        cls = import_type(node.module_type) if node.module_type else None
+        if cls is not None:
+            qconfig = table.get(cls)
+        elif node.module is None:
+            for candidate in function_candidates(node.kind, node.target if node.op == "method" else None):
+                if candidate in table:
+                    qconfig = table[candidate]
+                    break
+        resolved = node_qconfig(qconfig, "default") if qconfig is not None else None
+        spec = resolved.activation if resolved else None
+        return spec if spec is not None and spec.is_fixed_qparams else None
+
+    def table(self, nodes: Sequence[OpNode]) -> list[dict[str, Any]]:
+        if self._rows is None:
+            self._rows = {row.node: row for row in qconfig_rows(self.graph)}
+        out = []
+        for node in nodes:
+            row = self._rows.get(node.name)
+            if row is None:
+                continue
+            out.append({"node": row.node, "target": row.target, "kind": row.kind,
+                        "input_dtype": row.input_dtype, "output_dtype": row.output_dtype,
+                        "observer": row.activation_observer, "ch_axis": row.ch_axis})
+        return out
+
+
+class _Groups:
+    """Findings that share a cause (usually one global qconfig) are reported once."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[tuple, list[OpNode]] = {}
+        self._info: dict[tuple, dict[str, Any]] = {}
+
+    def add(self, key: tuple, node: OpNode, **info: Any) -> None:
+        self._nodes.setdefault(key, []).append(node)
+        self._info.setdefault(key, info)
+
+    def items(self) -> Iterator[tuple[tuple, list[OpNode], dict[str, Any]]]:
+        for key, nodes in self._nodes.items():
+            yield key, nodes, dict(self._info[key])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Island:
+    nodes: tuple[OpNode, ...]
+    producers: tuple[OpNode, ...]
+    consumers: tuple[OpNode, ...]
+    dequantize_edges: int
+    quantize_edges: int
+
+
+def _static(node: OpNode) -> bool:
+    qc = node.qconfig
+    return (qc is not None and qc.quantized and not qc.is_dynamic and qc.activation is not None
+            and not qc.activation.is_float)
+
+
+def _through_shapes(graph: ModelGraph, node: OpNode) -> OpNode:
+    """Walk up through shape-only ops (they reuse their input's qparams) to the real producer."""
+    while node.op in _OPS and node.kind in SHAPE_KINDS:
+        producers = [p for p in graph.producers(node.name) if p.op in _OPS or p.op == "input"]
+        if not producers:
+            break
+        node = producers[0]
+    return node
+
+
+def _quantized_downstream(graph: ModelGraph, node: OpNode) -> list[OpNode]:
+    """Quantized computing ops reached from ``node`` through shape-only ops (``node`` included)."""
+    found, stack, seen = [], [node], set()
+    while stack:
+        current = stack.pop()
+        if current.name in seen or current.op not in _OPS:
+            continue
+        seen.add(current.name)
+        if current.kind in SHAPE_KINDS:
+            stack.extend(graph.consumers(current.name))
+        elif _static(current):
+            found.append(current)
+    return found
+
+
+def _fx_islands(graph: ModelGraph) -> list[_Island]:
+    floating = {n.name for n in graph.ops() if not _static(n)}
+    seen: set[str] = set()
+    islands = []
+    for start in graph.ops():
+        if start.name not in floating or start.name in seen:
+            continue
+        component, stack = [], [start.name]
+        seen.add(start.name)
+        while stack:
+            name = stack.pop()
+            component.append(name)
+            neighbours = list(graph.dag.predecessors(name)) + list(graph.dag.successors(name))
+            for other in neighbours:
+                if other in floating and other not in seen:
+                    seen.add(other)
+                    stack.append(other)
+        members = sorted(component, key=graph.position)
+        member_set = set(members)
+        producers: list[OpNode] = []
+        consumers: list[OpNode] = []
+        into = out = 0
+        for name in members:
+            for producer in graph.producers(name):
+                if producer.name in member_set:
+                    continue
+                source = _through_shapes(graph, producer)
+                if source.op in _OPS and _static(source):
+                    producers.append(source)
+                    into += 1
+            for consumer in graph.consumers(name):
+                if consumer.name in member_set:
+                    continue
+                reached = _quantized_downstream(graph, consumer)
+                if reached:
+                    consumers.extend(reached)
+                    out += 1
+        if producers and consumers:
+            islands.append(_Island(tuple(graph.node(n) for n in members), tuple(_unique(producers)),
+                                   tuple(_unique(consumers)), into, out))
+    return islands
+
+
+def _eager_islands(graph: ModelGraph) -> list[_Island]:
+    """Eager mode: ops between a DeQuantStub and a QuantStub, with quantized modules around."""
+    islands, covered = [], set()
+    for stub in graph.ops():
+        if stub.kind != "dequant_stub" or stub.name in covered:
+            continue
+        region, quant_stubs, stack, seen, closed = [], [], list(graph.consumers(stub.name)), set(), True
+        while stack:
+            node = stack.pop()
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            if node.op == "output":
+                closed = False  # reaches the model output: the float part is at the model edge
+                break
+            if node.kind == "quant_stub":
+                quant_stubs.append(node)
+                continue
+            region.append(node)
+            stack.extend(graph.consumers(node.name))
+        if not closed or not quant_stubs or not region:
+            continue
+        entry_stubs = [stub] + [p for n in region for p in graph.producers(n.name) if p.kind == "dequant_stub"]
+        covered.update(s.name for s in entry_stubs)
+        producers = [p for s in _unique(entry_stubs) for p in graph.producers(s.name)
+                     if p.op == "module" and p.kind not in ("quant_stub", "dequant_stub") and _static(p)]
+        consumers = [c for q in _unique(quant_stubs) for c in _quantized_modules_after(graph, q)]
+        if producers and consumers:
+            members = sorted(_unique(region), key=lambda n: graph.position(n.name))
+            islands.append(_Island(tuple(members), tuple(_unique(producers)), tuple(_unique(consumers)),
+                                   len(_unique(entry_stubs)), len(_unique(quant_stubs))))
+    return islands
+
+
+def _quantized_modules_after(graph: ModelGraph, stub: OpNode) -> list[OpNode]:
+    found, stack, seen = [], list(graph.consumers(stub.name)), set()
+    while stack:
+        node = stack.pop()
+        if node.name in seen or node.op not in _OPS:
+            continue
+        seen.add(node.name)
+        if node.op == "module" and node.kind not in SHAPE_KINDS and node.kind != "dequant_stub" and _static(node):
+            found.append(node)
+        elif node.kind in SHAPE_KINDS or node.op != "module":
+            stack.extend(graph.consumers(node.name))
+    return found
+
+
+def _feeds_cat(graph: ModelGraph, node: OpNode) -> bool:
+    stack, seen = list(graph.consumers(node.name)), set()
+    while stack:
+        current = stack.pop()
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        if current.kind == "cat":
+            return True
+        if current.kind in SHAPE_KINDS:
+            stack.extend(graph.consumers(current.name))
+    return False
+
+
+def _only_fixed_options(ctx: LintContext, kind: str, dtype: str) -> bool:
+    """True when every static kernel for this dtype requires fixed qparams (qnnpack's qint8 path does not)."""
+    options = [o for o in ctx.backend.dtype_options(kind) if not o.is_dynamic
+               and dtype in (o.output_dtype, o.input_dtype)]
+    return bool(options) and all(o.input_quant_min is not None or o.input_quant_max is not None
+                                 for o in options)
+
+
+def _float_reason(node: OpNode) -> str:
+    qc = node.qconfig
+    if qc is None:
+        return "qconfig None"
+    if qc.is_dynamic:
+        return "dynamic qconfig: float output"
+    return "float qconfig"
+
+
+def _fixed_range(spec: ObserverSpec) -> tuple[float, float]:
+    qmin = spec.quant_min if spec.quant_min is not None else 0
+    qmax = spec.quant_max if spec.quant_max is not None else 255
+    zero = spec.fixed_zero_point or 0
+    scale = spec.fixed_scale or 0.0
+    return round((qmin - zero) * scale, 6), round((qmax - zero) * scale, 6)
+
+
+def _scale_text(scale: float) -> str:
+    inverse = 1.0 / scale if scale else 0.0
+    if inverse and abs(inverse - round(inverse)) < 1e-6:
+        return f"{scale:g} (1/{round(inverse)})"
+    return f"{scale:g}"
+
+
+def _within(qmin: Optional[int], qmax: Optional[int], low: Optional[int], high: Optional[int]) -> bool:
+    if low is not None and (qmin is None or qmin < low):
+        return False
+    if high is not None and (qmax is None or qmax > high):
+        return False
+    return True
+
+
+def _is_reduced(spec: ObserverSpec) -> bool:
+    """7-bit activations: reduce_range=True, or an explicit quant range of at most 128 codes."""
+    if spec.quant_min is not None and spec.quant_max is not None:
+        return spec.quant_max - spec.quant_min <= 127
+    return spec.reduce_range
+
+
+def _describe(spec: ObserverSpec) -> str:
+    if spec.is_fixed_qparams:
+        return f"{spec.observer} scale={spec.fixed_scale:g} zero_point={spec.fixed_zero_point}"
+    return f"{spec.observer} {spec.dtype} [{spec.quant_min}, {spec.quant_max}]"
+
+
+def _where(nodes: Sequence[OpNode]) -> str:
+    names = ", ".join(n.display for n in nodes[:_LISTED])
+    if len(nodes) > _LISTED:
+        names += f" and {len(nodes) - _LISTED} more"
+    return f"{len(nodes)} op{'s' if len(nodes) != 1 else ''} ({names})"
+
+
+def _unique(nodes: Iterable[OpNode]) -> list[OpNode]:
+    return list({n.name: n for n in nodes}.values())
+
+
+# --- examples --------------------------------------------------------------------------
+
+def _seeded(build):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return build().eval()
+
+
+class _Head(nn.Module):
+    """Conv stem, a two-branch cat, a sigmoid gate, a linear head and a softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.left = nn.Conv2d(8, 8, 1)
+        self.right = nn.Conv2d(8, 8, 3, padding=1)
+        self.gate = nn.Sigmoid()
+        self.fc = nn.Linear(16, 4)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        y = F.relu(self.stem(x))
+        y = torch.cat([F.relu(self.left(y)), self.right(y)], 1)
+        y = y * self.gate(y)
+        return self.softmax(self.fc(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1)))
+
+
+class _GeluSandwich(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.act = nn.GELU()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(self.act(self.conv1(x)))
+
+
+class _GatedCat(nn.Module):
+    """cat([sigmoid(a), relu(b)]): the sigmoid branch comes first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 1)
+        self.b = nn.Conv2d(3, 4, 1)
+        self.sig = nn.Sigmoid()
+        self.out = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.out(torch.cat([self.sig(self.a(x)), torch.relu(self.b(x))], 1))
+
+
+class _EagerIsland(nn.Module):
+    def __init__(self, island: bool) -> None:
+        super().__init__()
+        self.island = island
+        self.quant = QuantStub()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.dequant1 = DeQuantStub()
+        self.norm = nn.LayerNorm([8, 8, 8])
+        self.quant2 = QuantStub()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.dequant = DeQuantStub()
+
+    def forward(self, x):
+        y = self.conv1(self.quant(x))
+        if self.island:
+            y = self.quant2(self.norm(self.dequant1(y)))
+        y = self.dequant(self.conv2(y))
+        return self.norm(y) if not self.island else y
+
+
+def _head() -> nn.Module:
+    return _seeded(_Head)
+
+
+def _gelu_sandwich() -> nn.Module:
+    return _seeded(_GeluSandwich)
+
+
+def _gated_cat() -> nn.Module:
+    return _seeded(_GatedCat)
+
+
+def _eager(island: bool) -> nn.Module:
+    model = _seeded(lambda: _EagerIsland(island))
+    model.qconfig = get_default_qconfig("x86")
+    return model
+
+
+def _eager_clean() -> nn.Module:
+    return _eager(False)
+
+
+def _eager_island() -> nn.Module:
+    return _eager(True)
+
+
+def _image() -> tuple[torch.Tensor, ...]:
+    return (torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0)),)
+
+
+def _x86_default() -> QConfigMapping:
+    return get_default_qconfig_mapping("x86")
+
+
+def _qnnpack_default() -> QConfigMapping:
+    return get_default_qconfig_mapping("qnnpack")
+
+
+def _global_only() -> QConfigMapping:
+    return QConfigMapping().set_global(get_default_qconfig("x86"))
+
+
+def _qint8_activations() -> QConfigMapping:
+    qconfig = QConfig(activation=HistogramObserver.with_args(dtype=torch.qint8, reduce_range=True),
+                      weight=default_per_channel_weight_observer)
+    return get_default_qconfig_mapping("x86").set_global(qconfig)
+
+
+def _qnnpack_symmetric_full_range() -> QConfigMapping:
+    qconfig = QConfig(activation=HistogramObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+                      weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))
+    return get_default_qconfig_mapping("qnnpack").set_global(qconfig)
+
+
+def _x86_full_range() -> QConfigMapping:
+    qconfig = QConfig(activation=HistogramObserver.with_args(reduce_range=False),
+                      weight=default_per_channel_weight_observer)
+    return get_default_qconfig_mapping("x86").set_global(qconfig)
+
+
+def _onednn_affine_weights() -> QConfigMapping:
+    qconfig = QConfig(activation=HistogramObserver.with_args(reduce_range=False),
+                      weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8,
+                                                                qscheme=torch.per_channel_affine))
+    return get_default_qconfig_mapping("onednn").set_global(qconfig)
+
+
+def _gelu_in_float() -> QConfigMapping:
+    return get_default_qconfig_mapping("x86").set_module_name("act", None)
+
+
+def _gelu_at_edge() -> QConfigMapping:
+    return get_default_qconfig_mapping("x86").set_module_name("conv2", None).set_module_name("act", None)
+
+
+VALID = (
+    Example("conv/cat/sigmoid/linear/softmax model under x86's default mapping", _head, _image,
+            qconfig_mapping=_x86_default),
+    Example("the same model under qnnpack's default mapping", _head, _image,
+            qconfig_mapping=_qnnpack_default, backend="qnnpack"),
+    Example("float ops at the end of the model are not an island", _gelu_sandwich, _image,
+            qconfig_mapping=_gelu_at_edge),
+    Example("eager model whose float LayerNorm runs after the last DeQuantStub", _eager_clean, _image),
+)
+INVALID = (
+    Example("set_global(get_default_qconfig('x86')) gives the sigmoid a HistogramObserver", _head, _image,
+            qconfig_mapping=_global_only, flagged=("gate", "softmax")),
+    Example("qint8 activations on x86", _gelu_sandwich, _image, qconfig_mapping=_qint8_activations,
+            flagged=("conv1",)),
+    Example("qnnpack qint8 activations with weights in [-128, 127]", _gelu_sandwich, _image,
+            qconfig_mapping=_qnnpack_symmetric_full_range, backend="qnnpack", flagged=("conv1",)),
+    Example("reduce_range=False activations on x86", _gelu_sandwich, _image,
+            qconfig_mapping=_x86_full_range, flagged=("conv1",)),
+    Example("per-channel affine weights on onednn", _gelu_sandwich, _image,
+            qconfig_mapping=_onednn_affine_weights, backend="onednn", flagged=("conv1",)),
+    Example("GELU with qconfig None between two quantized convs", _gelu_sandwich, _image,
+            qconfig_mapping=_gelu_in_float, flagged=("act",)),
+    Example("cat of a sigmoid branch and a relu branch", _gated_cat, _image,
+            qconfig_mapping=_x86_default, flagged=("cat",)),
+    Example("eager LayerNorm between DeQuantStub and QuantStub", _eager_island, _image, flagged=("norm",)),
+)
