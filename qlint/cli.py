@@ -57,6 +57,8 @@ def build_lint_parser() -> argparse.ArgumentParser:
                         help="calibrate on N random batches shaped like the example inputs (a warning)")
     parser.add_argument("--baseline", metavar="FILE", help="report only findings not recorded in FILE")
     parser.add_argument("--write-baseline", action="store_true", help="record current findings in --baseline")
+    parser.add_argument("--emit-plan", metavar="FILE", help="write the quantization plan (JSON)")
+    parser.add_argument("--emit-qconfig", metavar="FILE", help="write a Python file building the QConfigMapping")
     parser.add_argument("--config", metavar="PYPROJECT", help="settings file (default: nearest pyproject.toml)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -53,6 +53,10 @@ def run_lint(args: argparse.Namespace) -> int:
     if calibration_notices:
         report = report.model_copy(update={"notices": list(calibration_notices) + list(report.notices)})
     report = _apply_baseline(report, args.baseline or settings.baseline, args.write_baseline)
+    if args.emit_plan or args.emit_qconfig:
+        from qlint.plan_cli import emit_plan_outputs
+
+        emit_plan_outputs(report, args.emit_plan, args.emit_qconfig)
     _emit(report, output_format, args)
     return EXIT_FINDINGS if report.has_findings_at_least(fail_on) else EXIT_CLEAN
 

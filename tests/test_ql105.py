@@ -1,0 +1,83 @@
+"""QL105 conversion-check: names the failing node with a cause and a fix; reports SQNR on success."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch.ao.quantization import get_default_qconfig_mapping
+from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+import qlint
+from qlint.rules.ql105_conversion_check import (_ConvFlatten, _ConvView, _Decoder, _Mlp, _Upsample,
+                                                _global_per_channel_x86, _image, _rows, _seeded, output_sqnr)
+
+
+def _ql105(model, inputs, backend="x86", mapping=None, options=None):
+    report = qlint.lint(model, inputs, backend=backend, qconfig_mapping=mapping, select=["QL105"],
+                        options={"QL105": options} if options else None)
+    assert not report.skipped, report.skipped
+    return report.by_rule("QL105")
+
+
+@pytest.mark.parametrize("backend", ["x86", "qnnpack"])
+def test_view_on_channels_last_quantized_tensor(backend):
+    before = torch.backends.quantized.engine
+    (finding,) = _ql105(_seeded(_ConvView)(), _image(), backend)
+    assert torch.backends.quantized.engine == before  # restored
+    assert finding.severity.value == "error" and finding.target == "view"
+    assert finding.data["kind"] == "view-non-contiguous" and finding.data["stage"] == "quantized run"
+    assert finding.data["op"] == "call_method" and finding.data["target"] == "view"
+    assert "node 'view'" in finding.message and ".reshape" in finding.message
+    assert finding.suggestion == {"action": "rewrite", "kind": "view_to_reshape", "node": "view"}
+
+
+def test_op_without_quantized_kernel():
+    (finding,) = _ql105(_seeded(_Upsample)(), _image())
+    assert finding.target == "interpolate" and finding.data["kind"] == "no-quantized-kernel"
+    assert finding.data["target"] == "torch.nn.functional.interpolate"
+    assert "QuantizedCPU" in finding.message and "keep it in float" in finding.message
+    assert "set_object_type(torch.nn.functional.interpolate, None)" in finding.message
+
+
+def test_qconfig_the_module_cannot_take():
+    (finding,) = _ql105(_seeded(_Decoder)(), _image(), mapping=_global_per_channel_x86())
+    assert finding.target == "up" and finding.data["stage"] == "prepare_fx"
+    assert finding.data["kind"] == "unsupported-qconfig" and finding.data["module_type"] == "ConvTranspose2d"
+    assert "per-tensor weights" in finding.message
+    assert finding.suggestion["qscheme"] == "torch.per_tensor_symmetric"
+
+
+@pytest.mark.parametrize("build,inputs,backend", [(_seeded(_ConvFlatten), _image, "x86"),
+                                                  (_seeded(_Mlp), _rows, "qnnpack")])
+def test_success_reports_the_output_sqnr(build, inputs, backend):
+    (finding,) = _ql105(build(), inputs(), backend)
+    assert finding.severity.value == "info" and finding.data["kind"] == "conversion-ok"
+    # independent reference: the same trial done by hand
+    model, x = build(), inputs()
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = backend
+    try:
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping(backend), x)
+        prepared(*x)
+        expected = output_sqnr(model(*x), convert_fx(prepared)(*x))
+    finally:
+        torch.backends.quantized.engine = previous
+    assert math.isfinite(expected)
+    assert finding.data["sqnr_db"] == pytest.approx(expected, abs=0.05)
+    assert f"{expected:.1f} dB" in finding.message
+
+
+def test_min_sqnr_turns_a_low_sqnr_into_a_warning():
+    model, x = _seeded(_ConvFlatten)(), _image()
+    (ok,) = _ql105(model, x)
+    (low,) = _ql105(model, x, options={"min_sqnr_db": ok.data["sqnr_db"] + 1.0})
+    assert low.severity.value == "warning" and "below min_sqnr_db" in low.message
+    assert _ql105(model, x, options={"report_success_sqnr": False}) == []
+
+
+def test_output_sqnr_definition():
+    ref = torch.tensor([3.0, 4.0])
+    assert output_sqnr(ref, ref) == math.inf
+    assert output_sqnr(ref, ref + torch.tensor([1.0, 0.0])) == pytest.approx(10 * math.log10(25.0))
+    assert output_sqnr((ref, {"a": ref}), (ref, {"a": ref * 0})) == pytest.approx(10 * math.log10(2.0))
