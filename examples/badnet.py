@@ -5,7 +5,8 @@
 - the stem conv's output feeds both its BatchNorm and a skip branch (QL101: stays unfused);
 - one ReLU module is called twice, and an old head is never called (QL102);
 - the mapping gives sigmoid a calibrated observer instead of fixed qparams (QL103);
-- the mapping quantizes the classifier's weights per tensor (QL104).
+- the mapping quantizes the classifier's weights per tensor (QL104);
+- ``calibration_batches`` drifts in scale, has one very wide and one spiky channel (QL201-QL203).
 """
 
 from __future__ import annotations
@@ -56,5 +57,22 @@ def qconfig_mapping(backend: str = "x86") -> QConfigMapping:
 
 
 def calibration_batches(count: int = 8, batch_size: int = 4) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randn(batch_size, 3, 32, 32, generator=generator) for _ in range(count)]
+    """Calibration data with the problems the data rules look for.
+
+    The input scale drifts from batch to batch (QL201: non-stationary, dynamic quantization
+    fits better), channel 1 is 100x wider than the others (QL202: input-weight equalization
+    helps) and channel 2 has rare spikes (QL203: activation outliers).
+
+        qlint examples.badnet:build --input-shape 1,3,32,32 --calibration examples.badnet:calibration_batches
+    """
+    generator = torch.Generator().manual_seed(3)
+    drift = [1.0, 8.0, 0.25, 3.0, 20.0, 0.5, 2.0, 40.0]
+    batches = []
+    for k in range(count):
+        x = torch.randn(batch_size, 3, 32, 32, generator=generator)
+        x[:, 1] *= 100.0
+        spikes = torch.rand(batch_size, 32, 32, generator=generator) < 0.002
+        spikes[0, 0, 0] = True
+        x[:, 2][spikes] = 60.0
+        batches.append(x * drift[k % len(drift)])
+    return batches

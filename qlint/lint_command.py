@@ -87,6 +87,9 @@ def _calibration(args, per_file, settings: Settings, example):
     except ImportError as error:
         raise QlintError(f"calibration support is unavailable: {error}") from error
     if source is not None:
+        if is_factory_spec(source):
+            # A function of the user's own code that yields batches, like a model factory.
+            return _call_calibration_factory(source), []
         return load_calibration(source), []
     if not example:
         raise ConfigError("--random-calibration needs example inputs (--input-shape or --example-inputs)")
@@ -94,6 +97,18 @@ def _calibration(args, per_file, settings: Settings, example):
                     message=f"calibrating on {args.random_calibration} RANDOM batches: data-rule verdicts "
                             "describe random inputs, not your data")
     return random_calibration(example, args.random_calibration), [notice]
+
+
+def _call_calibration_factory(spec: str):
+    from qlint.errors import LoadError
+
+    factory = resolve_object(spec)
+    if not callable(factory):
+        return factory
+    try:
+        return factory()
+    except Exception as error:  # the user's function may raise anything
+        raise LoadError(f"calibration factory {spec} raised {type(error).__name__}: {error}") from error
 
 
 def _apply_baseline(report: Report, baseline: Optional[str], write: bool) -> Report:

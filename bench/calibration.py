@@ -1,0 +1,177 @@
+"""Calibration cost: plain forward vs qlint (QL201-203) vs torch ModelReport (4 detectors).
+
+    python bench/calibration.py [--batches 8] [--batch-size 8] [--models resnet18,encoder]
+
+Each (model, mode) runs in its own subprocess on the same seeded batches, so peak
+RSS (ru_maxrss) is measured per mode; times are wall-clock of the batch loop only
+(model build, tracing and observer insertion are reported separately as setup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return self.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet18(nn.Module):
+    def __init__(self, classes=1000):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+class EncoderStack(nn.Module):
+    """Transformer encoder blocks written with Linear layers (symbolically traceable)."""
+
+    def __init__(self, dim=256, heads=4, depth=4):
+        super().__init__()
+        self.heads = heads
+        self.blocks = nn.ModuleList()
+        for _ in range(depth):
+            self.blocks.append(nn.ModuleDict(dict(
+                norm1=nn.LayerNorm(dim), qkv=nn.Linear(dim, 3 * dim), proj=nn.Linear(dim, dim),
+                norm2=nn.LayerNorm(dim), fc1=nn.Linear(dim, 4 * dim), fc2=nn.Linear(4 * dim, dim))))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["norm1"](x)).chunk(3, dim=-1)
+            q = q.reshape(b, t, h, d // h).transpose(1, 2)
+            k = k.reshape(b, t, h, d // h).transpose(1, 2)
+            v = v.reshape(b, t, h, d // h).transpose(1, 2)
+            attn = torch.softmax(q @ k.transpose(-1, -2) / (d // h) ** 0.5, dim=-1)
+            x = x + blk["proj"]((attn @ v).transpose(1, 2).reshape(b, t, d))
+            x = x + blk["fc2"](torch.nn.functional.gelu(blk["fc1"](blk["norm2"](x))))
+        return x
+
+
+def build(name):
+    torch.manual_seed(0)
+    return (ResNet18() if name == "resnet18" else EncoderStack()).eval()
+
+
+def batches(name, count, size):
+    generator = torch.Generator().manual_seed(0)
+    shape = (size, 3, 224, 224) if name == "resnet18" else (size, 128, 256)
+    return [torch.randn(shape, generator=generator) for _ in range(count)]
+
+
+def run_one(name, mode, count, size):
+    model = build(name)
+    data = batches(name, count, size)
+    example = (data[0],)
+    setup = time.perf_counter()
+    if mode == "plain":
+        runner = model
+    elif mode == "qlint":
+        from qlint.calibration import insert_observers, resolve_points
+        from qlint.engine import analyse, instantiate_rules
+        from qlint.registry import Registry
+
+        analysis = analyse(model, example, "x86")
+        rules = instantiate_rules(Registry.default(include_plugins=False).select(["QL201", "QL202", "QL203"], None), {})
+        runner, _, _ = insert_observers(analysis.traced.graph_module, resolve_points(analysis.graph, rules))
+    else:
+        from torch.ao.quantization import get_default_qconfig_mapping
+        from torch.ao.quantization.fx._model_report.detector import (DynamicStaticDetector,
+                                                                      InputWeightEqualizationDetector,
+                                                                      OutlierDetector, PerChannelDetector)
+        from torch.ao.quantization.fx._model_report.model_report import ModelReport
+        from torch.ao.quantization.quantize_fx import prepare_fx
+
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), example)
+        report = ModelReport(prepared, {PerChannelDetector(), DynamicStaticDetector(),
+                                        InputWeightEqualizationDetector(0.5), OutlierDetector()})
+        runner = report.prepare_detailed_calibration()
+    setup = time.perf_counter() - setup
+    runner.eval()
+    with torch.no_grad():
+        runner(data[0])  # warm-up (not timed; also counts in peak RSS as for every mode)
+        start = time.perf_counter()
+        for batch in data:
+            runner(batch)
+        seconds = time.perf_counter() - start
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if mode == "qlint":
+        # the full engine path too: rules + report (timed separately, includes tracing)
+        import qlint
+
+        start = time.perf_counter()
+        qlint.lint(build(name), example, calibration=data, select=["QL201", "QL202", "QL203"],
+                   calibration_options={"quiet": True})
+        lint_seconds = time.perf_counter() - start
+    else:
+        lint_seconds = None
+    print(json.dumps(dict(model=name, mode=mode, seconds=seconds, setup=setup, lint_seconds=lint_seconds,
+                          peak_rss_mib=peak_mib, threads=torch.get_num_threads())))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--models", default="resnet18,encoder")
+    parser.add_argument("--modes", default="plain,qlint,modelreport")
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        run_one(args.one[0], args.one[1], args.batches, args.batch_size)
+        return
+    results = []
+    for name in args.models.split(","):
+        for mode in args.modes.split(","):
+            out = subprocess.run([sys.executable, __file__, "--one", name, mode, "--batches", str(args.batches),
+                                  "--batch-size", str(args.batch_size)], capture_output=True, text=True,
+                                 cwd=ROOT)
+            if out.returncode:
+                print(out.stderr[-2000:], file=sys.stderr)
+                continue
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"{'model':10} {'mode':12} {'batch loop s':>12} {'x plain':>8} {'peak RSS MiB':>13} {'x plain':>8}")
+    for row in results:
+        plain = next(r for r in results if r["model"] == row["model"] and r["mode"] == "plain")
+        print(f"{row['model']:10} {row['mode']:12} {row['seconds']:12.2f} {row['seconds'] / plain['seconds']:8.2f} "
+              f"{row['peak_rss_mib']:13.0f} {row['peak_rss_mib'] / plain['peak_rss_mib']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

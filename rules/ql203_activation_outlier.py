@@ -1,0 +1,292 @@
+"""QL203 activation-outlier."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from pydantic import Field
+from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
+
+from qlint.calibration import FEATURES, json_float
+from qlint.context import LintContext
+from qlint.findings import Finding, LayerRow, Severity
+from qlint.graph import OpNode
+from qlint.rule import Example, Need, ObservationSpec, Rule, RuleOptions
+
+KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv"})
+
+
+def outlier_metric(average_ratio: torch.Tensor) -> torch.Tensor:
+    """torch's per-channel p_r after its sign/flip fix-up, as torch *intends* it.
+
+    p = average over batches of max / q-quantile. torch makes a negative p positive
+    ("we care more about magnitude") and flips p < 1 to 1/p. (torch's code flips the
+    original negative value, so its p stays negative and is never an outlier; qlint
+    uses |p| as the comment intends.) Channels with no counted batch get NaN.
+    """
+    p = average_ratio.to(torch.float64).abs()
+    flipped = torch.where(p < 1, 1 / p, p)
+    return torch.where(average_ratio == 0, math.nan, flipped)
+
+
+class ActivationOutlier(Rule):
+    """Flags conv and linear layers whose input activations have outlier channels.
+
+    ## What it does
+    For every input channel of every quantized conv/linear layer it computes torch's
+    `OutlierDetector` statistic: the average over calibration batches of
+    max / `reference_percentile`-quantile of that channel. A channel is an outlier when
+    this ratio exceeds `ratio_threshold` and the ratio could be computed in at least
+    `fraction_batches_used_threshold` of the batches. It reports the outlier channels,
+    their maxima and how many bits of int8 resolution they cost the other channels.
+    It also reports channels that are constant over all calibration data (severity
+    info) and NaN or Inf activations (severity error).
+
+    Deliberate differences from torch:
+    - a batch whose reference quantile is 0 under a non-zero maximum gives torch a ratio
+      of `float32 max`; qlint records the ratio as infinite (same verdict: outlier);
+    - a negative average ratio (maximum above 0, quantile below 0) is used by magnitude,
+      as torch's comment intends; torch's code leaves it negative, never an outlier;
+    - channels with no usable batch get the metric "nan" (torch reports inf) and are
+      never outliers (neither in torch, which lacks enough batches for them);
+    - NaN/Inf values are excluded from every statistic and reported; torch's observer
+      propagates them.
+
+    ## Why is this bad?
+    A per-tensor int8 activation has 256 levels spread over its whole observed range.
+    A channel whose maximum is several times its 97.5th percentile stretches that range
+    for rare values: every other channel then gets only a few levels (lost resolution),
+    or, with a clipping observer, the spikes saturate. NaN/Inf make the qparams
+    themselves NaN/Inf, and constant channels waste computation and range.
+
+    ## Example
+    ```python
+    x = features(images)      # channel 3 is ~1 except for rare spikes of 40
+    y = classifier(x)         # one per-tensor scale must cover the spikes
+    ```
+
+    ## Use instead
+    Clip or normalise the offending channel before the layer (e.g. a clamp or a
+    LayerNorm), calibrate with a percentile/histogram observer that ignores rare spikes,
+    or keep this layer in float.
+
+    ## Options
+    - `ratio_threshold`: a channel is an outlier when its average max/percentile ratio exceeds this (torch: 3.5).
+    - `reference_percentile`: the quantile compared with the maximum (torch: 0.975).
+    - `fraction_batches_used_threshold`: minimum fraction of batches in which the ratio was computable (torch: 0.95).
+    - `report_constant_channels`: also report channels that are constant over all calibration data.
+
+    ## References
+    - torch.ao.quantization.fx._model_report.detector.OutlierDetector
+    - https://pytorch.org/docs/stable/quantization.html#model-preparation-for-quantization
+    """
+
+    code = "QL203"
+    name = "activation-outlier"
+    summary = "Input activations of a layer have outlier channels, constant channels or NaN/Inf values."
+    severity = Severity.WARNING
+    requires = frozenset({Need.GRAPH, Need.QCONFIG, Need.STATISTICS})
+    observes = (ObservationSpec(KINDS, "input", 0, FEATURES),)
+
+    class Options(RuleOptions):
+        ratio_threshold: float = Field(3.5, gt=1, description="Outlier when max/percentile ratio exceeds this.")
+        reference_percentile: float = Field(0.975, gt=0, lt=1, description="Quantile compared with the maximum.")
+        fraction_batches_used_threshold: float = Field(0.95, ge=0, le=1,
+                                                       description="Minimum fraction of usable batches.")
+        report_constant_channels: bool = Field(True, description="Report channels constant over all data.")
+
+    def evaluate(self, statistics, node: OpNode) -> Optional[dict]:
+        stats = statistics.get(node.name, "input", 0)
+        if stats is None or int(stats.batches) == 0:
+            return None
+        metric = outlier_metric(stats.average_percentile_ratio()).cpu()
+        used = stats.percentile_batches_tracked().cpu().to(torch.float64)
+        sufficient = used / float(stats.batches) >= self.options.fraction_batches_used_threshold
+        outlier = sufficient & (metric > self.options.ratio_threshold)  # NaN compares False
+        has_values = stats.count.cpu() > 0
+        constant = has_values & (stats.channel_min.cpu() == stats.channel_max.cpu())
+        nan_count = int(stats.nan_count.sum())
+        inf_count = int(stats.inf_count.sum())
+        return {
+            "metric": metric, "outlier": outlier, "sufficient": sufficient, "constant": constant,
+            "nan_count": nan_count, "inf_count": inf_count, "stats": stats,
+        }
+
+    def check(self, ctx: LintContext) -> Iterable[Finding]:
+        for node in ctx.graph.by_kind(*KINDS):
+            if node.qconfig is None or not node.is_quantized:
+                continue
+            result = self.evaluate(ctx.statistics, node)
+            if result is None:
+                continue
+            stats = result["stats"]
+            if result["nan_count"] or result["inf_count"]:
+                bad = ((stats.nan_count + stats.inf_count) > 0).nonzero().flatten().tolist()
+                yield self.finding(
+                    node.display,
+                    f"the input of {node.display} contains {result['nan_count']} NaN and {result['inf_count']} "
+                    f"Inf values during calibration (channels {_short(bad)}): observers would compute "
+                    "NaN/Inf qparams and the quantized model would produce garbage. Fix the numerics "
+                    "upstream (overflow, division by zero, log of 0) before quantizing.",
+                    data={"kind": "non-finite", "node": node.name, "nan_count": result["nan_count"],
+                          "inf_count": result["inf_count"], "channels": bad},
+                    severity=Severity.ERROR,
+                )
+            outliers = result["outlier"].nonzero().flatten().tolist()
+            if outliers:
+                yield self._outlier_finding(node, result, outliers)
+            constant = result["constant"].nonzero().flatten().tolist()
+            if constant and self.options.report_constant_channels:
+                values = [json_float(stats.channel_max[c]) for c in constant[:32]]
+                yield self.finding(
+                    node.display,
+                    f"{len(constant)} of {stats.num_channels} input channels of {node.display} are constant over "
+                    f"all calibration data (channels {_short(constant)}): they carry no information; fold them "
+                    "into the bias or prune them.",
+                    data={"kind": "constant-channels", "node": node.name, "constant_channels": constant,
+                          "values": values},
+                    severity=Severity.INFO,
+                )
+
+    def _outlier_finding(self, node: OpNode, result: dict, outliers: list[int]) -> Finding:
+        stats = result["stats"]
+        high, low = stats.channel_max.cpu(), stats.channel_min.cpu()
+        mask = torch.zeros(stats.num_channels, dtype=torch.bool)
+        mask[outliers] = True
+        finite = torch.isfinite(high) & torch.isfinite(low)
+        full = float(high[finite].max() - low[finite].min()) if bool(finite.any()) else math.nan
+        rest = ~mask & finite
+        without = float(high[rest].max() - low[rest].min()) if bool(rest.any()) else math.nan
+        loss_bits = math.log2(full / without) if full > 0 and without > 0 else math.nan
+        maxima = [json_float(high[c]) for c in outliers]
+        ratios = [json_float(result["metric"][c]) for c in outliers]
+        message = (
+            f"{len(outliers)} input channel(s) of {node.display} have outliers (channels {_short(outliers)}: "
+            f"max / {self.options.reference_percentile:g}-quantile > {self.options.ratio_threshold:g}, max up to "
+            f"{max((m for m in maxima if isinstance(m, float)), default=math.nan):.4g}). One per-tensor scale must "
+            "cover them"
+            + (f", costing the other channels about {loss_bits:.1f} bits of int8 resolution" if
+               math.isfinite(loss_bits) else "")
+            + "; clipping them instead would saturate the spikes. Clip or normalise these channels, use a "
+            "histogram/percentile observer, or keep this layer in float."
+        )
+        return self.finding(
+            node.display, message,
+            data={"kind": "outlier", "node": node.name, "outlier_channels": outliers,
+                  "channel_max": maxima, "ratios": ratios,
+                  "resolution_loss_bits": json_float(loss_bits),
+                  "int8_step": json_float(full / 255), "int8_step_without_outliers": json_float(without / 255),
+                  "ratio_threshold": self.options.ratio_threshold,
+                  "reference_percentile": self.options.reference_percentile},
+            suggestion={"action": "clip-or-observer", "module": node.display, "channels": outliers,
+                        "observer": "torch.ao.quantization.HistogramObserver"},
+        )
+
+    def layer_rows(self, statistics, findings: Sequence[Finding]) -> list[LayerRow]:
+        rows = []
+        for node in statistics.graph.by_kind(*KINDS):
+            result = self.evaluate(statistics, node)
+            if result is None:
+                continue
+            metric = result["metric"]
+            finite = metric[torch.isfinite(metric)]
+            worst = float(finite.max()) if finite.numel() else None
+            count = int(result["outlier"].sum())
+            if result["nan_count"] or result["inf_count"]:
+                verdict = "NaN/Inf"
+            elif count:
+                verdict = f"{count} outlier channel(s)"
+            else:
+                verdict = "ok"
+            rows.append(LayerRow(name=node.display, kind=node.kind, rule=self.code,
+                                 statistic="max p_r (max / quantile)", value=worst, verdict=verdict,
+                                 extra={"outlier_channels": result["outlier"].nonzero().flatten().tolist(),
+                                        "constant_channels": int(result["constant"].sum())}))
+        return rows
+
+
+def _short(channels: list[int]) -> str:
+    text = ", ".join(str(c) for c in channels[:8])
+    return text + (f", ... ({len(channels)} in all)" if len(channels) > 8 else "")
+
+
+# --- examples --------------------------------------------------------------------------
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def _head():
+    torch.manual_seed(0)
+    return _Head().eval()
+
+
+def _convnet():
+    torch.manual_seed(0)
+    return _ConvNet().eval()
+
+
+def _mapping() -> QConfigMapping:
+    return get_default_qconfig_mapping("x86")
+
+
+def _gaussian(shape, count=6):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator) for _ in range(count)]
+
+
+def _uniform(shape, count=6):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.rand(shape, generator=generator) + 1.0 for _ in range(count)]
+
+
+def _spiky(shape, channel, count=6):
+    """Positive activations with rare, large spikes in one channel (every batch has some)."""
+    batches = _uniform(shape, count)
+    generator = torch.Generator().manual_seed(1)
+    for batch in batches:
+        view = batch.select(1, channel)
+        flat = view.reshape(-1)
+        picks = torch.randperm(flat.numel(), generator=generator)[: max(1, flat.numel() // 100)]
+        flat[picks] = 40.0
+        view.copy_(flat.view_as(view))
+    return batches
+
+
+def _with_nan(shape, count=4):
+    batches = _gaussian(shape, count)
+    batches[1][0, 2] = float("nan")
+    return batches
+
+
+VALID = (
+    Example("well-behaved positive linear inputs", _head, lambda: (torch.randn(64, 16),), _mapping,
+            calibration=lambda: _uniform((64, 16))),
+    Example("well-behaved conv inputs", _convnet, lambda: (torch.randn(2, 3, 16, 16),), _mapping,
+            calibration=lambda: _uniform((2, 3, 16, 16))),
+)
+INVALID = (
+    Example("one linear input channel has rare large spikes", _head, lambda: (torch.randn(64, 16),), _mapping,
+            calibration=lambda: _spiky((64, 16), 5), flagged=("fc",)),
+    Example("one conv input channel has rare large spikes", _convnet, lambda: (torch.randn(2, 3, 16, 16),),
+            _mapping, calibration=lambda: _spiky((2, 3, 16, 16), 1), flagged=("conv",)),
+    Example("NaN in the calibration activations", _head, lambda: (torch.randn(64, 16),), _mapping,
+            calibration=lambda: _with_nan((64, 16)), flagged=("fc",)),
+)
