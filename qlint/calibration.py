@@ -154,7 +154,10 @@ def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
     points = resolve_points(graph, data_rules)
     notices: list[Notice] = []
     q = _reference_percentile(data_rules)
-    observed, observers, skipped = insert_observers(analysis.traced.graph_module, points, q)
+    if analysis.traced is not None:
+        observed, observers, skipped = insert_observers(analysis.traced.graph_module, points, q)
+    else:
+        observed, observers, skipped = insert_hook_observers(analysis.model, graph, points, q)
     for point in skipped:
         notices.append(Notice(message=f"calibration: cannot observe {point.side} {point.index} of "
                                       f"{point.node}; rules that need it skip that layer"))
@@ -222,6 +225,56 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
     observed.graph.lint()
     observed.recompile()
     return observed, observers, skipped
+
+
+def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[ObservationPoint],
+                          reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE):
+    """For graphs from the eager-hooks front end: observers fed by forward hooks on a copy.
+
+    Node k of module M in execution order is the k-th call of M in each forward pass.
+    """
+    observed = copy.deepcopy(model)
+    observers: dict[ObservationPoint, StatsObserver] = {}
+    skipped: list[ObservationPoint] = []
+    by_module: dict[str, dict[int, list[tuple[ObservationPoint, StatsObserver]]]] = {}
+    for point in points:
+        node = graph.node(point.node) if point.node in graph else None
+        if node is None or node.module is None:
+            skipped.append(point)
+            continue
+        call_index = [n.name for n in graph.call_sites(node.module)].index(node.name)
+        observer = StatsObserver(point.channel_axis, reference_percentile)
+        observers[point] = observer
+        by_module.setdefault(node.module, {}).setdefault(call_index, []).append((point, observer))
+    counters = [_attach_hooks(observed.get_submodule(fqn), per_call) for fqn, per_call in by_module.items()]
+
+    def new_batch(_module, _args):
+        for counter in counters:
+            counter["count"] = 0
+
+    observed.register_forward_pre_hook(new_batch)
+    return observed, observers, skipped
+
+
+def _attach_hooks(module: nn.Module, per_call: dict[int, list]) -> dict[str, int]:
+    """Feed observers from the module's k-th call; returns the counter the root resets."""
+    counter = {"count": 0, "current": 0}
+
+    def pre_hook(_module, args):
+        counter["current"] = counter["count"]
+        counter["count"] += 1
+        for point, observer in per_call.get(counter["current"], ()):
+            if point.side == "input" and point.index < len(args):
+                observer(args[point.index])
+
+    def post_hook(_module, _args, output):
+        for point, observer in per_call.get(counter["current"], ()):
+            if point.side == "output":
+                observer(output[0] if isinstance(output, tuple) else output)
+
+    module.register_forward_pre_hook(pre_hook)
+    module.register_forward_hook(post_hook)
+    return counter
 
 
 def _input_slot(node: fx.Node, index: int):

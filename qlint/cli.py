@@ -35,7 +35,8 @@ def _split_list(values: Optional[Sequence[str]]) -> Optional[list[str]]:
 def build_lint_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="qlint", description="Lint a PyTorch model for quantization problems.",
                      epilog="Other commands: 'qlint rule CODE', 'qlint rules', 'qlint compare FLOAT QUANT'.")
-    parser.add_argument("model", help="a .pt2 / .pt / .pth file, or package.module:factory")
+    parser.add_argument("model", nargs="+",
+                        help="one or more .pt2 / .pt / .pth files, or package.module:factory")
     parser.add_argument("--input-shape", action="append", metavar="SHAPE[:DTYPE]",
                         help="example input shape such as 1,3,224,224 (repeat for several inputs)")
     parser.add_argument("--example-inputs", metavar="FILE", help="a tensor or tuple of tensors (weights_only)")

@@ -14,7 +14,7 @@ from torch.ao.quantization import QConfigMapping
 from qlint import __version__
 from qlint.backends import backend_info
 from qlint.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
-from qlint.errors import ConfigError, QlintError
+from qlint.errors import ConfigError, QlintError, TraceError
 from qlint.findings import Notice, QConfigRow, Report, Severity, SkippedRule, Timing
 from qlint.graph import ModelGraph, OpNode
 from qlint.intent import (BACKENDS, CallDescription, NodeQConfig, QConfigResolver, default_mapping,
@@ -30,10 +30,11 @@ class Analysis:
     """What every later stage shares: the traced copy, its graph and the intent."""
 
     graph: ModelGraph
-    traced: Traced
+    traced: Optional[Traced]  # None when only the eager-hooks fallback could see the model
     intent: str
     qconfig_mapping: Optional[QConfigMapping]
     notices: tuple[Notice, ...]
+    model: Optional[nn.Module] = None  # the private working copy
 
 
 def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: str,
@@ -43,14 +44,38 @@ def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: 
     if not isinstance(model, nn.Module):
         raise QlintError(f"expected an nn.Module, got {type(model).__name__}")
     working = private_copy(model) if exported_program is None else model
-    traced = trace(working, example_inputs, exported_program)
+    try:
+        traced = trace(working, example_inputs, exported_program)
+    except TraceError as error:
+        if not example_inputs or exported_program is not None:
+            raise
+        return _eager_fallback(working, example_inputs, backend, qconfig_mapping, error)
     notices = [Notice(message=n) for n in traced.notes]
     shape_note = propagate_shapes(traced, example_inputs)
     if shape_note:
         notices.append(Notice(message=shape_note))
     intent, mapping, resolve = _intent(working, traced, backend, qconfig_mapping)
     graph = GraphBuilder(traced, working, resolve).build()
-    return Analysis(graph, traced, intent, mapping, tuple(notices))
+    return Analysis(graph, traced, intent, mapping, tuple(notices), working)
+
+
+def _eager_fallback(working: nn.Module, example_inputs: Sequence[Any], backend: str,
+                    user_mapping: Any, error: TraceError) -> Analysis:
+    """Neither tracer could read the model: build the graph from one hooked eager run."""
+    from qlint.eager_fallback import eager_analysis
+
+    if user_mapping is not None:
+        intent, mapping, resolve = _intent(working, None, backend, user_mapping)
+    elif any(getattr(m, "qconfig", None) is not None for m in working.modules()):
+        intent, mapping, resolve = INTENT_EAGER, None, _eager_resolver(working)
+    else:
+        mapping = default_mapping(backend)
+        intent, resolve = INTENT_DEFAULT, _mapping_resolver(mapping)
+    graph, notes = eager_analysis(working, example_inputs, resolve, copy_model=False)
+    notices = [Notice(level=Severity.WARNING, message=f"{error}; analysed with eager forward hooks "
+                      "instead: only leaf modules and the branch taken on the example inputs are seen")]
+    notices += [Notice(level=Severity.WARNING, message=note) for note in notes]
+    return Analysis(graph, None, intent, mapping, tuple(notices), working)
 
 
 def _intent(model: nn.Module, traced: Traced, backend: str, user_mapping: Any):
@@ -60,7 +85,7 @@ def _intent(model: nn.Module, traced: Traced, backend: str, user_mapping: Any):
         except (TypeError, ValueError) as error:
             raise ConfigError(f"bad qconfig mapping: {error}") from error
         return INTENT_MAPPING, mapping, _mapping_resolver(mapping)
-    if _has_observer_nodes(traced.graph_module):
+    if traced is not None and _has_observer_nodes(traced.graph_module):
         return INTENT_PREPARED, None, _prepared_resolver(traced.graph_module)
     if any(getattr(m, "qconfig", None) is not None for m in model.modules()):
         return INTENT_EAGER, None, _eager_resolver(model)
@@ -228,7 +253,7 @@ def lint(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None, calib
     ctx = LintContext(graph=analysis.graph, backend=backend_info(backend), intent=analysis.intent,
                       qconfig_mapping=analysis.qconfig_mapping, example_inputs=example,
                       statistics=statistics, model_name=model_name or type(model).__name__,
-                      model_factory=_copier(analysis.traced.graph_module))
+                      model_factory=_copier(analysis.traced.graph_module) if analysis.traced else None)
     stage = time.perf_counter()
     findings, skipped, rule_notices = run_rules(ctx, rules, has_statistics=statistics is not None)
     notices.extend(rule_notices)

@@ -24,16 +24,32 @@ def _pick(cli_value: Any, file_value: Any, config_value: Any) -> Any:
 
 
 def run_lint(args: argparse.Namespace) -> int:
-    model_dir = Path(args.model).resolve().parent if not is_factory_spec(args.model) else Path.cwd()
+    """Lint each model; the exit status is the worst of them (2 > 1 > 0)."""
     settings, _ = load_settings(args.config, start=Path.cwd() if args.config is None else None)
-    per_file: Optional[FileSettings] = settings.for_file(args.model)
+    models = list(args.model)
+    if len(models) > 1 and args.output:
+        raise ConfigError("--output takes one model; lint several models without it")
+    worst = EXIT_CLEAN
+    for spec in models:
+        if len(models) == 1:
+            return _lint_one(args, spec, settings)
+        try:
+            worst = max(worst, _lint_one(args, spec, settings))
+        except QlintError as error:
+            print(f"qlint: error: {spec}: {str(error).splitlines()[0]}", file=sys.stderr)
+            worst = 2
+    return worst
+
+
+def _lint_one(args: argparse.Namespace, model_spec: str, settings: Settings) -> int:
+    per_file: Optional[FileSettings] = settings.for_file(model_spec)
     backend = _pick(args.backend, per_file.backend if per_file else None, settings.backend)
     output_format = args.format or settings.format
     if output_format not in ("text", "json", "sarif", "github"):
         raise ConfigError(f"unknown format {output_format!r}")
     fail_on = Severity(_pick(args.fail_on, None, settings.fail_on))
 
-    loaded = load_model(args.model, weights=_pick(args.weights, per_file.weights if per_file else None, None),
+    loaded = load_model(model_spec, weights=_pick(args.weights, per_file.weights if per_file else None, None),
                         trust_pickle=args.trust_pickle)
     example = _example_inputs(args, per_file, settings, loaded.example_inputs)
     mapping_spec = _pick(args.qconfig_mapping, per_file.qconfig_mapping if per_file else None,

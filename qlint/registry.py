@@ -34,7 +34,11 @@ def builtin_rule_classes() -> list[type[Rule]]:
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
         if info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        try:
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+        except Exception as error:  # a broken rule file must not look like a crash elsewhere
+            raise RuleLoadError(f"built-in rule module {info.name} failed to import: "
+                                f"{type(error).__name__}: {error}") from error
         classes.extend(_rules_in_module(module))
     return classes
 

@@ -8,8 +8,11 @@ with quantizable modules kept as leaves, falling back to
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
+import logging
 import warnings
 from typing import Any, Optional, Sequence
 
@@ -69,8 +72,7 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
             "pass --input-shape or --example-inputs"
         )
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _silenced():
             program = torch.export.export(model, tuple(example_inputs), strict=False)
     except Exception as export_error:  # both front ends failed: report both reasons
         raise TraceError(
@@ -79,6 +81,18 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
         ) from export_error
     note = f"symbolic_trace failed ({first}); used torch.export(strict=False)"
     return Traced(program.module(), FRONTEND_EXPORT, exported=True, notes=(note,))
+
+
+@contextlib.contextmanager
+def _silenced():
+    """torch.export logs graph dumps on failure; qlint reports one line instead."""
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def _one_line(error: BaseException) -> str:
@@ -90,9 +104,6 @@ def propagate_shapes(traced: Traced, example_inputs: Optional[Sequence[Any]]) ->
     """Fill tensor metadata on every node; returns a notice when it could not."""
     if traced.exported or not example_inputs:
         return None if traced.exported else "no example inputs: shapes are unknown"
-    import contextlib
-    import io
-
     module = traced.graph_module
     # A forward pass updates BN running stats and observer/fake-quant buffers; calibration
     # and the rules must see them as the user left them, so restore every buffer afterwards.

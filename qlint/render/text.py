@@ -38,8 +38,11 @@ def print_report(console: Console, report: Report, *, show_qconfig: bool = False
         console.print(_layers_table(report))
     if show_qconfig and report.qconfig_table:
         console.print(_qconfig_table(report))
+    by_reason: dict[str, list[str]] = {}
     for skipped in report.skipped:
-        console.print(Text(f"skipped {skipped.rule} {skipped.name}: {skipped.reason}", style="dim"))
+        by_reason.setdefault(skipped.reason, []).append(f"{skipped.rule} {skipped.name}")
+    for reason, rules in by_reason.items():
+        console.print(Text(f"skipped {', '.join(rules)}: {reason}", style="dim"))
     console.print(summary_line(report))
 
 

@@ -1,0 +1,127 @@
+"""The pre-commit hooks, run by the real pre-commit in a temporary git repository.
+
+The test installs this checkout's ``qlint-system`` hook definition as a ``repo: local``
+hook: that works on a clean CI clone whatever HEAD holds, and ``language: system`` uses
+the current environment's torch instead of installing GBs into an isolated one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import yaml
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+
+class WithFindings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.relu(self.bn(y)) + y  # fan-out keeps conv-bn-relu unfused (QL101)
+
+
+class Clean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _hooks(repo_root: Path = ROOT) -> dict[str, dict]:
+    return {hook["id"]: hook for hook in yaml.safe_load((repo_root / ".pre-commit-hooks.yaml").read_text())}
+
+
+def test_hooks_file_declares_both_hooks(repo_root):
+    hooks = _hooks(repo_root)
+    assert set(hooks) == {"qlint", "qlint-system"}
+    assert hooks["qlint"]["language"] == "python" and hooks["qlint-system"]["language"] == "system"
+    for hook in hooks.values():
+        assert hook["require_serial"] is True
+        assert hook["files"] == r"\.(pt2|pt|pth)$"
+        assert hook["minimum_pre_commit_version"] == "3.2.0"
+        assert "qlint" in hook["entry"]
+    assert hooks["qlint"]["entry"] == hooks["qlint-system"]["entry"]
+
+
+@pytest.fixture(scope="module")
+def model_repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("precommit-repo")
+    (repo / "models").mkdir()
+    torch.export.save(torch.export.export(WithFindings().eval(), (torch.randn(1, 3, 8, 8),)),
+                      repo / "models" / "bad.pt2")
+    torch.export.save(torch.export.export(Clean().eval(), (torch.randn(2, 8),)), repo / "models" / "clean.pt2")
+    hook = dict(_hooks()["qlint-system"])
+    config = {"repos": [{"repo": "local", "hooks": [hook]}]}
+    (repo / ".pre-commit-config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (repo / "README.md").write_text("not a model\n")
+    env = _env(tmp_path_factory.mktemp("pre-commit-home"))
+    for args in (["init", "-q"], ["config", "user.email", "t@example.com"], ["config", "user.name", "t"]):
+        subprocess.run(["git", *args], cwd=repo, check=True, env=env)
+    return repo, env
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PRE_COMMIT_HOME"] = str(home)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.pop("PYTHONPATH", None)  # the hook must work from the installed qlint alone
+    env["NO_COLOR"] = "1"
+    return env
+
+
+def _run(repo: Path, env, pyproject: str, *args: str) -> subprocess.CompletedProcess:
+    (repo / "pyproject.toml").write_text(pyproject)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True, env=env)
+    return subprocess.run([sys.executable, "-m", "pre_commit", "run", *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+BASE = '[tool.qlint]\nfail-on = "warning"\n'
+
+
+def test_fails_on_model_with_findings_passes_on_clean(model_repo):
+    repo, env = model_repo
+    bad = _run(repo, env, BASE, "qlint-system", "--files", "models/bad.pt2")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "QL101" in bad.stdout and "Failed" in bad.stdout
+    clean = _run(repo, env, BASE, "qlint-system", "--files", "models/clean.pt2")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "Passed" in clean.stdout
+
+
+def test_all_files_lints_every_model_in_one_call(model_repo):
+    repo, env = model_repo
+    result = _run(repo, env, BASE, "--all-files")
+    assert result.returncode == 1, result.stdout + result.stderr
+    # both models were linted: the findings of one and the clean summary of the other
+    assert "bad.pt2" in result.stdout and "clean.pt2" in result.stdout
+    assert "QL101" in result.stdout and "No quantization problems found" in result.stdout
+    assert "README" not in result.stdout  # files: only model files reach the hook
+
+
+def test_hook_reads_tool_qlint_and_per_file_settings(model_repo):
+    repo, env = model_repo
+    ignored = _run(repo, env, BASE + 'ignore = ["QL101"]\n', "--all-files")
+    assert ignored.returncode == 0, ignored.stdout + ignored.stderr
+    per_file = BASE + '\n[[tool.qlint.files]]\npath = "models/clean.pt2"\nbackend = "no-such-backend"\n'
+    result = _run(repo, env, per_file, "qlint-system", "--files", "models/clean.pt2")
+    assert result.returncode == 1, result.stdout + result.stderr  # exit 2 from qlint fails the hook
+    assert "no-such-backend" in result.stdout
