@@ -9,6 +9,7 @@ except PackageNotFoundError:  # running from a source checkout that is not insta
 
 from qlint.findings import Finding, LayerRow, Notice, QConfigRow, Report, Severity, SkippedRule, Timing  # noqa: E402
 from qlint.engine import lint  # noqa: E402
+from qlint.verify import verify  # noqa: E402
 
 __all__ = ["Finding", "LayerRow", "Notice", "QConfigRow", "Report", "Severity", "SkippedRule",
-           "Timing", "lint", "__version__"]
+           "Timing", "lint", "verify", "__version__"]

@@ -83,4 +83,8 @@ def plan_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"plan": plan_command}
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "plan": plan_command,
+    "verify": lambda argv: __import__("qlint.verify_cli", fromlist=["verify_command"]).verify_command(argv),
+    "fix": lambda argv: __import__("qlint.verify_cli", fromlist=["fix_command"]).fix_command(argv),
+}

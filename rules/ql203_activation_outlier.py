@@ -163,13 +163,19 @@ class ActivationOutlier(Rule):
         loss_bits = math.log2(full / without) if full > 0 and without > 0 else math.nan
         maxima = [json_float(high[c]) for c in outliers]
         ratios = [json_float(result["metric"][c]) for c in outliers]
+        finite_ratios = [r for r in ratios if isinstance(r, float) and r > 1]
+        # Inside an outlier channel, calibrating to the spike leaves the bulk of its values
+        # (below the reference percentile) only 1/ratio of the range: log2(ratio) bits lost.
+        channel_bits = math.log2(max(finite_ratios)) if finite_ratios else math.nan
         message = (
             f"{len(outliers)} input channel(s) of {node.display} have outliers (channels {_short(outliers)}: "
             f"max / {self.options.reference_percentile:g}-quantile > {self.options.ratio_threshold:g}, max up to "
             f"{max((m for m in maxima if isinstance(m, float)), default=math.nan):.4g}). One per-tensor scale must "
             "cover them"
-            + (f", costing the other channels about {loss_bits:.1f} bits of int8 resolution" if
-               math.isfinite(loss_bits) else "")
+            + (f": the bulk of an outlier channel keeps 1/{max(finite_ratios):.3g} of the int8 range "
+               f"(about {channel_bits:.1f} bits lost)" if math.isfinite(channel_bits) else "")
+            + (f", and the other channels lose about {loss_bits:.1f} bits" if
+               math.isfinite(loss_bits) and loss_bits >= 0.1 else "")
             + "; clipping them instead would saturate the spikes. Clip or normalise these channels, use a "
             "histogram/percentile observer, or keep this layer in float."
         )
@@ -178,6 +184,7 @@ class ActivationOutlier(Rule):
             data={"kind": "outlier", "node": node.name, "outlier_channels": outliers,
                   "channel_max": maxima, "ratios": ratios,
                   "resolution_loss_bits": json_float(loss_bits),
+                  "outlier_channel_bits_lost": json_float(channel_bits),
                   "int8_step": json_float(full / 255), "int8_step_without_outliers": json_float(without / 255),
                   "ratio_threshold": self.options.ratio_threshold,
                   "reference_percentile": self.options.reference_percentile},

@@ -1,0 +1,366 @@
+"""Float-preserving graph rewrites applied to an fx GraphModule copy before quantizing.
+
+Two rewrites are implemented:
+
+``fold_bn_into_functional_conv``
+    A BatchNorm module (eval mode, with running statistics) whose only input is a
+    functional convolution (``F.conv*d`` / ``torch.conv*d`` with ``get_attr`` weight and
+    bias, as when an ``nn.Conv2d`` subclass with a custom forward is traced through).
+    prepare_fx cannot fuse that pair, so the conv output is rounded to int8 before the BN
+    rescales it; folding the BN statistics into the conv weight and bias removes the BN.
+
+``view_to_reshape``
+    ``x.view(...)`` on the output of an op.  After convert_fx the quantized op may return
+    a non-contiguous tensor, on which ``view`` raises; ``reshape`` is identical wherever
+    ``view`` works.
+
+Each rewrite is applied to its own copy and kept only when the float outputs on the
+example inputs stay within ``max_relative_error`` (default 1e-5, relative L2 error);
+otherwise it is refused and recorded with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+
+from qlint.errors import QlintError
+
+DEFAULT_MAX_RELATIVE_ERROR = 1e-5
+
+_FUNCTIONAL_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+class AppliedRewrite(BaseModel):
+    """One rewrite that was tried: applied (float outputs unchanged) or refused (with why)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: str
+    modules: list[str]
+    nodes: list[str]
+    applied: bool
+    requested_by_plan: bool = False
+    max_relative_error: Optional[float] = None
+    reason: Optional[str] = None
+
+
+class _Candidate:
+    def __init__(self, kind: str, modules: list[str], nodes: list[str]) -> None:
+        self.kind, self.modules, self.nodes = kind, modules, nodes
+
+
+# --------------------------------------------------------------------------- detection
+def _attr_owner(gm: fx.GraphModule, target: str) -> tuple[nn.Module, str]:
+    owner_path, _, name = target.rpartition(".")
+    return (gm.get_submodule(owner_path) if owner_path else gm), name
+
+
+def _conv_bias_node(node: fx.Node) -> Any:
+    if len(node.args) > 2:
+        return node.args[2]
+    return node.kwargs.get("bias")
+
+
+def _owner_name(target: str) -> str:
+    return target.rpartition(".")[0] or target
+
+
+def find_rewrites(gm: fx.GraphModule) -> list[_Candidate]:
+    """Every foldable functional-conv → BN pair and every ``.view`` on an op output in ``gm``."""
+    found: list[_Candidate] = []
+    modules = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(modules.get(str(node.target)), _BN_TYPES):
+            bn = modules[str(node.target)]
+            if not node.args or not isinstance(node.args[0], fx.Node):
+                continue
+            conv = node.args[0]
+            if conv.op != "call_function" or conv.target not in _FUNCTIONAL_CONVS:
+                continue
+            if len(conv.users) != 1 or bn.running_mean is None or bn.training:
+                continue
+            weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
+            bias = _conv_bias_node(conv)
+            if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+                continue
+            if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
+                continue
+            found.append(_Candidate("fold_bn_into_functional_conv",
+                                    [_owner_name(str(weight.target)), str(node.target)], [conv.name, node.name]))
+        elif node.op == "call_method" and node.target == "view":
+            source = node.args[0] if node.args else None
+            if isinstance(source, fx.Node) and source.op in ("call_module", "call_function", "call_method"):
+                found.append(_Candidate("view_to_reshape", [node.name], [node.name]))
+    return found
+
+
+# ----------------------------------------------------------------------------- applying
+def _uses_of_attr(gm: fx.GraphModule, target: str) -> list[fx.Node]:
+    return [u for n in gm.graph.nodes if n.op == "get_attr" and n.target == target for u in n.users]
+
+
+def _fold(gm: fx.GraphModule, candidate: _Candidate) -> None:
+    conv = next(n for n in gm.graph.nodes if n.name == candidate.nodes[0])
+    bn_node = next(n for n in gm.graph.nodes if n.name == candidate.nodes[1])
+    bn = gm.get_submodule(str(bn_node.target))
+    weight_node = conv.args[1] if len(conv.args) > 1 else conv.kwargs["weight"]
+    bias_node = _conv_bias_node(conv)
+    for attr in [weight_node] + ([bias_node] if bias_node is not None else []):
+        if any(u is not conv for u in _uses_of_attr(gm, str(attr.target))):
+            raise QlintError(f"{attr.target} is also used outside {conv.name}")
+    owner, name = _attr_owner(gm, str(weight_node.target))
+    weight = getattr(owner, name).detach()
+    bias = getattr(*_attr_owner(gm, str(bias_node.target))).detach() if bias_node is not None else None
+    with torch.no_grad():
+        std = torch.sqrt(bn.running_var + bn.eps)
+        gamma = bn.weight.detach() if bn.weight is not None else torch.ones_like(std)
+        beta = bn.bias.detach() if bn.bias is not None else torch.zeros_like(std)
+        factor = gamma / std
+        new_weight = weight * factor.reshape(-1, *([1] * (weight.dim() - 1)))
+        old_bias = bias if bias is not None else torch.zeros_like(bn.running_mean)
+        new_bias = (old_bias - bn.running_mean) * factor + beta
+    setattr(owner, name, nn.Parameter(new_weight.to(weight.dtype), requires_grad=False))
+    if bias_node is not None:
+        b_owner, b_name = _attr_owner(gm, str(bias_node.target))
+        setattr(b_owner, b_name, nn.Parameter(new_bias.to(weight.dtype), requires_grad=False))
+    else:
+        owner_path = str(weight_node.target).rpartition(".")[0]
+        b_name = "qlint_folded_bias"
+        owner.register_parameter(b_name, nn.Parameter(new_bias.to(weight.dtype), requires_grad=False))
+        with gm.graph.inserting_before(conv):
+            new_bias_node = gm.graph.get_attr(f"{owner_path}.{b_name}" if owner_path else b_name)
+        if len(conv.args) > 2:
+            conv.args = conv.args[:2] + (new_bias_node,) + conv.args[3:]
+        else:
+            conv.kwargs = {**conv.kwargs, "bias": new_bias_node}
+    bn_node.replace_all_uses_with(conv)
+    gm.graph.erase_node(bn_node)
+
+
+def _view_to_reshape(gm: fx.GraphModule, candidate: _Candidate) -> None:
+    node = next(n for n in gm.graph.nodes if n.name == candidate.nodes[0])
+    node.target = "reshape"
+
+
+_APPLY = {"fold_bn_into_functional_conv": _fold, "view_to_reshape": _view_to_reshape}
+
+
+def _outputs(gm: nn.Module, inputs: Sequence[Any]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = gm(*inputs)
+    flat: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            flat.append(value.detach().float())
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    walk(out)
+    return flat
+
+
+def rewrite_key(kind: str, nodes: Sequence[str]) -> str:
+    """A stable name for one rewrite of one traced graph: ``kind:node,node``."""
+    return f"{kind}:{','.join(nodes)}"
+
+
+def relative_error(reference: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
+    """Largest relative L2 error over the output tensors (inf when the structure differs)."""
+    if len(reference) != len(other):
+        return float("inf")
+    worst = 0.0
+    for a, b in zip(reference, other):
+        if a.shape != b.shape:
+            return float("inf")
+        denominator = float(a.norm()) or 1.0
+        worst = max(worst, float((a - b).norm()) / denominator)
+    return worst
+
+
+def _requested(plan: Any, candidate: _Candidate) -> bool:
+    if plan is None:
+        return False
+    for rewrite in plan.rewrites:
+        if rewrite.kind != candidate.kind:
+            continue
+        names = set(rewrite.modules) | {str(rewrite.params.get("node", ""))}
+        if names & (set(candidate.modules) | set(candidate.nodes)):
+            return True
+    return False
+
+
+def apply_rewrites(graph_module: nn.Module, plan: Any = None, example_inputs: Sequence[Any] = (), *,
+                   kinds: Optional[Sequence[str]] = None, skip: Sequence[str] = (),
+                   max_relative_error: float = DEFAULT_MAX_RELATIVE_ERROR,
+                   ) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+    """Rewrite a copy of ``graph_module``; returns (rewritten copy, every rewrite tried).
+
+    ``graph_module`` may be any traceable nn.Module (it is symbolically traced first).
+    Rewrites are found in the graph itself; ``plan`` only marks which of them its
+    findings asked for (``requested_by_plan``). ``kinds`` limits which kinds are tried;
+    ``skip`` names rewrites not to apply, by :func:`rewrite_key` (``kind:node,node``).
+    The input is never modified.
+    """
+    if not example_inputs:
+        raise QlintError("apply_rewrites needs example inputs to check that float outputs are unchanged")
+    if isinstance(graph_module, fx.GraphModule):
+        current = copy.deepcopy(graph_module)
+    else:
+        try:
+            current = fx.symbolic_trace(copy.deepcopy(graph_module))
+        except Exception as error:  # user forward may not be symbolically traceable
+            raise QlintError(f"cannot trace the model for rewriting: {type(error).__name__}: {error}") from error
+    current.eval()
+    reference = _outputs(current, example_inputs)
+    applied: list[AppliedRewrite] = []
+    for candidate in find_rewrites(current):
+        if kinds is not None and candidate.kind not in kinds:
+            continue
+        if rewrite_key(candidate.kind, candidate.nodes) in skip:
+            continue
+        trial = copy.deepcopy(current)
+        record = dict(kind=candidate.kind, modules=candidate.modules, nodes=candidate.nodes,
+                      requested_by_plan=_requested(plan, candidate))
+        try:
+            _APPLY[candidate.kind](trial, candidate)
+            trial.graph.lint()
+            trial.recompile()
+            error = relative_error(reference, _outputs(trial, example_inputs))
+        except Exception as failure:  # a rewrite that breaks the graph is refused, not fatal
+            applied.append(AppliedRewrite(**record, applied=False,
+                                          reason=f"{type(failure).__name__}: {failure}"[:300]))
+            continue
+        if error <= max_relative_error:
+            current = trial
+            applied.append(AppliedRewrite(**record, applied=True, max_relative_error=error))
+        else:
+            applied.append(AppliedRewrite(**record, applied=False, max_relative_error=min(error, 1e30),
+                                          reason=f"float outputs changed by {error:.3g} (> {max_relative_error:g})"))
+    current.delete_all_unused_submodules()
+    current.recompile()
+    return current, applied
+
+
+# ------------------------------------------------------------------------ equalization
+_POSITIVE_HOMOGENEOUS = {F.relu, torch.relu, "relu"}
+_EQ_PREVIOUS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
+_EQ_NEXT = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _equalization_path(gm: fx.GraphModule, module: str) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(previous, next) call_module nodes with only ReLUs between them and no other consumer."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) == module]
+    if len(nodes) != 1 or not isinstance(gm.get_submodule(module), _EQ_NEXT):
+        return None
+    node = nodes[0].args[0] if nodes[0].args else None
+    while isinstance(node, fx.Node):
+        if len(node.users) != 1:
+            return None
+        if node.op == "call_module":
+            sub = gm.get_submodule(str(node.target))
+            if isinstance(sub, nn.ReLU):
+                node = node.args[0]
+                continue
+            if isinstance(sub, _EQ_PREVIOUS):
+                if isinstance(sub, nn.LayerNorm) and (sub.weight is None or sub.weight.dim() != 1):
+                    return None
+                if isinstance(sub, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and sub.groups != 1:
+                    return None
+                return node, nodes[0]
+            return None
+        if node.op in ("call_function", "call_method") and node.target in _POSITIVE_HOMOGENEOUS:
+            node = node.args[0]
+            continue
+        return None
+    return None
+
+
+def _input_channel_absmax(gm: fx.GraphModule, module: str, batches: Sequence[Any]) -> torch.Tensor:
+    target = gm.get_submodule(module)
+    seen: list[torch.Tensor] = []
+
+    def hook(_m, args):
+        x = args[0].detach()
+        dim = -1 if isinstance(target, nn.Linear) else 1
+        seen.append(x.abs().transpose(dim, -1).reshape(-1, x.shape[dim]).amax(0))
+
+    handle = target.register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                gm(*(batch if isinstance(batch, (tuple, list)) else (batch,)))
+    finally:
+        handle.remove()
+    return torch.stack(seen).amax(0)
+
+
+def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequence[Any]) -> None:
+    prev = gm.get_submodule(str(previous.target))
+    following = gm.get_submodule(str(nxt.target))
+    x_range = _input_channel_absmax(gm, str(nxt.target), batches).clamp_min(1e-8)
+    weight = following.weight.detach()
+    w_range = weight.abs().transpose(0, 1).reshape(weight.shape[1], -1).amax(1).clamp_min(1e-8)
+    scale = torch.sqrt(w_range / x_range)
+    scale = scale / torch.exp(torch.log(scale).mean())  # geometric mean 1: overall ranges unchanged
+    with torch.no_grad():
+        shape_w = (-1,) + (1,) * (prev.weight.dim() - 1)
+        prev.weight.mul_(scale.reshape(shape_w))
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.mul_(scale)
+        following.weight.div_(scale.reshape((1, -1) + (1,) * (weight.dim() - 2)))
+
+
+def apply_equalization(graph_module: fx.GraphModule, modules: Sequence[str], batches: Sequence[Any], *,
+                       max_relative_error: float = DEFAULT_MAX_RELATIVE_ERROR,
+                       ) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+    """Input-weight equalization realized as a float-preserving rescale (cross-layer equalization).
+
+    For each module (a Linear/Conv), the input channels are balanced against the weight
+    columns: channel j of the input is multiplied by ``c_j = sqrt(range(W[:, j]) /
+    range(x_j))`` and the column divided by it, so both ranges become
+    ``sqrt(range(W[:, j]) * range(x_j))``. The input scaling is folded into the previous
+    Linear/Conv/LayerNorm/BatchNorm (through ReLUs, which commute with positive scales), so
+    no op is added and the float function is unchanged. Ranges come from ``batches``.
+    """
+    if not batches:
+        raise QlintError("equalization needs calibration batches")
+    current = copy.deepcopy(graph_module)
+    example = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
+    reference = _outputs(current, example)
+    applied: list[AppliedRewrite] = []
+    for module in modules:
+        path = _equalization_path(current, module)
+        if path is None:
+            applied.append(AppliedRewrite(kind="equalize", modules=[module], nodes=[], applied=False,
+                                          requested_by_plan=True,
+                                          reason="no foldable previous Linear/Conv/norm (through ReLU only)"))
+            continue
+        trial = copy.deepcopy(current)
+        previous, nxt = (next(n for n in trial.graph.nodes if n.name == p.name) for p in path)
+        record = dict(kind="equalize", modules=[str(previous.target), module], nodes=[previous.name, nxt.name],
+                      requested_by_plan=True)
+        _equalize(trial, previous, nxt, batches)
+        error = relative_error(reference, _outputs(trial, example))
+        if error <= max_relative_error:
+            current = trial
+            applied.append(AppliedRewrite(**record, applied=True, max_relative_error=error))
+        else:
+            applied.append(AppliedRewrite(**record, applied=False, max_relative_error=min(error, 1e30),
+                                          reason=f"float outputs changed by {error:.3g} (> {max_relative_error:g})"))
+    return current, applied
+
+
+__all__ = ["AppliedRewrite", "apply_equalization", "apply_rewrites", "find_rewrites", "rewrite_key", "relative_error", "DEFAULT_MAX_RELATIVE_ERROR"]

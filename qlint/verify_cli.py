@@ -1,0 +1,190 @@
+"""``qlint verify`` and ``qlint fix``.
+
+    qlint verify MODEL --plan plan.json --calibration DATA --eval-data DATA
+                 [--input-shape SHAPE] [--target-sqnr DB] [--backend B] [--format text|json] [-o FILE]
+    qlint fix MODEL [--plan plan.json] --output out.pt2|out.pt [--emit-qconfig q.py]
+              [--input-shape SHAPE | --example-inputs FILE]
+
+MODEL is anything qlint.loading.load_model reads (module:factory [--weights], .pt2,
+.pt with --trust-pickle). Data files are loaded with weights_only=True. Every user error
+is a QlintError: one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from qlint.errors import ConfigError, QlintError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see '{self.prog} --help')")
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a .pt2 / .pt file, or package.module:factory")
+    parser.add_argument("--weights", metavar="FILE", help="state_dict for a module:factory model")
+    parser.add_argument("--trust-pickle", action="store_true", help="allow unpickling a full nn.Module")
+    parser.add_argument("--plan", metavar="PLAN.json", help="a qlint plan (default: the backend defaults)")
+    parser.add_argument("--input-shape", action="append", metavar="SHAPE[:DTYPE]")
+    parser.add_argument("--example-inputs", metavar="FILE")
+    parser.add_argument("--backend", choices=("x86", "fbgemm", "qnnpack", "onednn"))
+    parser.add_argument("--debug", action="store_true")
+
+
+def _load(args: argparse.Namespace):
+    from qlint.loading import load_example_inputs, load_model, parse_input_shape
+    from qlint.plan import QuantPlan, default_plan
+
+    loaded = load_model(args.model, weights=args.weights, trust_pickle=args.trust_pickle)
+    plan = QuantPlan.load(args.plan) if args.plan else default_plan(args.backend or "x86", model=loaded.name)
+    if args.example_inputs:
+        example: Optional[tuple[Any, ...]] = load_example_inputs(args.example_inputs)
+    elif args.input_shape:
+        example = tuple(parse_input_shape(s) for s in args.input_shape)
+    else:
+        example = loaded.example_inputs
+    return loaded, plan, example
+
+
+def _write_text(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as error:
+        raise QlintError(f"cannot write {path}: {error.strerror}") from error
+
+
+# ------------------------------------------------------------------------------ verify
+def _verify_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="qlint verify", description="Quantize with the backend default and with a plan; "
+                                                      "compare SQNR, int8 coverage and size side by side.")
+    _model_arguments(parser)
+    parser.add_argument("--calibration", required=True, metavar="FILE_OR_DIR")
+    parser.add_argument("--eval-data", required=True, metavar="FILE_OR_DIR", help="held-out batches")
+    parser.add_argument("--target-sqnr", type=float, metavar="DB")
+    parser.add_argument("--max-float-fraction", type=float, default=0.1, metavar="F",
+                        help="at most this fraction of conv+linear layers kept float (default 0.1)")
+    parser.add_argument("--no-prune", action="store_true", help="keep every plan decision")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--output", "-o", metavar="FILE", help="write the report to FILE")
+    parser.add_argument("--emit-plan", metavar="FILE", help="write the verified plan (JSON)")
+    return parser
+
+
+def _fmt(value: Optional[float], suffix: str = " dB") -> str:
+    return "-" if value is None else f"{value:.2f}{suffix}"
+
+
+def render_verify(report: Any, width: int = 120) -> str:
+    from rich.table import Table
+
+    from qlint.render.text import make_console
+
+    buffer = io.StringIO()
+    console = make_console(buffer, color=False, width=width)
+    table = Table(title=f"qlint verify: {report.model} on {report.backend} "
+                        f"({report.eval_batches} eval batches)")
+    for column in ("", "default mapping", "plan as given", "verified plan"):
+        table.add_column(column, justify="right" if column else "left")
+    rows = [("output SQNR", lambda r: _fmt(r.sqnr_db)),
+            ("conv+linear int8", lambda r: f"{r.int8_layers}/{r.total_layers} ({r.int8_fraction:.0%})"),
+            ("size", lambda r: f"{r.size_bytes / 1024:.1f} KiB")]
+    if report.default.metric is not None:
+        rows.append(("metric", lambda r: f"{r.metric:.4g}"))
+    for label, get in rows:
+        table.add_row(label, get(report.default), get(report.requested), get(report.plan))
+    layers = Table(title="per layer (activation SQNR)")
+    for column in ("layer", "kind", "default", "plan", "plan int8"):
+        layers.add_column(column)
+    for row in report.layers:
+        layers.add_row(row.fqn, row.kind, _fmt(row.default_sqnr_db), _fmt(row.plan_sqnr_db),
+                       "yes" if row.plan_int8 else "FLOAT")
+    console.print(table)
+    if report.layers:
+        console.print(layers)
+    lines = [buffer.getvalue().rstrip("\n")]
+    gain = report.plan.sqnr_db - report.default.sqnr_db
+    lines.append(f"SQNR gain over default: {gain:+.2f} dB")
+    if report.target_sqnr_db is not None:
+        lines.append(f"target {report.target_sqnr_db:g} dB: {'met' if report.target_met else 'NOT met'}")
+    for d in report.decisions:
+        lines.append(f"  {'kept   ' if d.kept else 'dropped'} {d.kind} {d.target}: "
+                     f"{_fmt(d.sqnr_with_db)} with, {_fmt(d.sqnr_without_db)} without")
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines) + "\n"
+
+
+def verify_command(argv: list[str]) -> int:
+    args = _verify_parser().parse_args(argv)
+    from qlint.calibration import load_calibration
+    from qlint.verify import verify
+
+    loaded, plan, _ = _load(args)
+    calibration = load_calibration(args.calibration)
+    eval_data = load_calibration(args.eval_data)
+    if args.backend:
+        plan = plan.model_copy(update={"backend": args.backend})
+    report = verify(loaded.module, plan, calibration, eval_data, target_sqnr=args.target_sqnr,
+                    prune=not args.no_prune, max_float_fraction=args.max_float_fraction, model_name=loaded.name)
+    text = report.model_dump_json(indent=2) + "\n" if args.format == "json" else render_verify(report)
+    if args.emit_plan:
+        _write_text(args.emit_plan, report.verified_plan.model_dump_json(indent=2) + "\n")
+    if args.output:
+        _write_text(args.output, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+# --------------------------------------------------------------------------------- fix
+def _fix_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="qlint fix", description="Apply a plan's float-preserving rewrites and save the model.")
+    _model_arguments(parser)
+    parser.add_argument("--output", "-o", required=True, metavar="OUT.pt2|OUT.pt")
+    parser.add_argument("--emit-qconfig", metavar="FILE.py", help="write the Python file building the mapping")
+    return parser
+
+
+def fix_command(argv: list[str]) -> int:
+    args = _fix_parser().parse_args(argv)
+    import torch
+
+    from qlint.rewrite import apply_rewrites
+
+    out = Path(args.output)
+    if out.suffix not in (".pt2", ".pt"):
+        raise ConfigError(f"--output must end in .pt2 (torch.export) or .pt (GraphModule state), got {out.name}")
+    loaded, plan, example = _load(args)
+    if not example:
+        raise ConfigError("qlint fix needs example inputs: pass --input-shape or --example-inputs")
+    model = loaded.module
+    gm, applied = apply_rewrites(model, plan, example)
+    done = [r for r in applied if r.applied]
+    if out.suffix == ".pt2":
+        try:
+            program = torch.export.export(gm, tuple(example))
+            torch.export.save(program, str(out))
+        except Exception as error:  # export failures come in many types
+            raise QlintError(f"cannot export the rewritten model: {type(error).__name__}: "
+                             f"{str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}") from error
+    else:
+        payload = {"state_dict": gm.state_dict(), "code": gm.code, "plan": plan.model_dump_json()}
+        try:
+            torch.save(payload, str(out))
+        except OSError as error:
+            raise QlintError(f"cannot write {out}: {error.strerror}") from error
+    if args.emit_qconfig:
+        _write_text(args.emit_qconfig, plan.to_python())
+    for r in applied:
+        state = "applied" if r.applied else f"refused ({r.reason})"
+        print(f"{r.kind} {'+'.join(r.modules)}: {state}", file=sys.stderr)
+    print(f"wrote {out} ({len(done)} rewrite(s) applied)")
+    return 0
+
+
+__all__ = ["verify_command", "fix_command", "render_verify"]

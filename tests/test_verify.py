@@ -1,0 +1,135 @@
+"""qlint.verify and the `qlint verify` / `qlint fix` commands, on real quantization runs."""
+
+import json
+
+import pytest
+import torch
+
+from qlint.plan import ModuleDecision, Provenance, QuantPlan, default_plan
+from qlint.verify import VerifyReport, verify
+from tests.test_rewrite import make_same_conv_net
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(2)
+    calibration = [torch.randn(4, 3, 12, 12, generator=g) for _ in range(3)]
+    eval_data = [torch.randn(4, 3, 12, 12, generator=g) for _ in range(2)]
+    return calibration, eval_data
+
+
+@pytest.fixture(scope="module")
+def useless_plan():
+    """Backend defaults plus a decision that restates the global weight spec: it cannot help."""
+    base = default_plan("x86")
+    decision = ModuleDecision(fqn="fc", weight=base.weight, provenance=[Provenance(source="user", detail="test")])
+    return base.model_copy(update={"modules": [decision]})
+
+
+@pytest.fixture(scope="module")
+def report(data, useless_plan):
+    calibration, eval_data = data
+    return verify(make_same_conv_net(), useless_plan, calibration, eval_data)
+
+
+def test_side_by_side_plan_beats_default_on_fixable_model(report):
+    assert report.default.total_layers == 4 and report.plan.total_layers == 4
+    assert report.plan.sqnr_db >= report.default.sqnr_db + 10.0  # the BN fold fixes the collapse
+    assert report.plan.int8_fraction == 1.0
+    assert report.plan.size_bytes > 0 and report.default.size_bytes > 0
+    assert any(r.kind == "fold_bn_into_functional_conv" and r.applied for r in report.rewrites)
+    fc = next(row for row in report.layers if row.fqn == "fc")
+    assert fc.default_sqnr_db is not None and fc.plan_sqnr_db is not None
+
+
+def test_greedy_pruning_drops_useless_decision(report):
+    outcome = next(d for d in report.decisions if d.kind == "module" and d.target == "fc")
+    assert outcome.kept is False
+    assert outcome.sqnr_without_db >= outcome.sqnr_with_db - 1e-3
+    assert report.verified_plan.decision("fc") is None
+    folds = [d for d in report.decisions if d.kind == "rewrite" and d.target.startswith("fold")]
+    assert folds and any(d.kept for d in folds)  # the decisive rewrite survives pruning
+
+
+def test_target_fallback_keeps_layers_float(data):
+    calibration, eval_data = data
+    result = verify(make_same_conv_net(), None, calibration, eval_data, target_sqnr=150.0, prune=False,
+                    max_sensitivity_trials=3)
+    assert len(result.kept_float) >= 1
+    assert result.target_met is False
+    assert result.plan.sqnr_db > result.requested.sqnr_db
+    assert all(result.verified_plan.decision(f).quantize is False for f in result.kept_float)
+    assert any("not reached" in n for n in result.notes)
+
+
+def test_report_json_round_trip(report):
+    text = report.model_dump_json()
+    again = VerifyReport.model_validate_json(text)
+    assert again == report
+    assert json.loads(text)["plan"]["sqnr_db"] == report.plan.sqnr_db
+    assert QuantPlan.model_validate_json(report.verified_plan.model_dump_json()) == report.verified_plan
+
+
+# ----------------------------------------------------------------------------------- CLI
+MODEL_SOURCE = """
+from tests.test_rewrite import make_same_conv_net
+
+def build():
+    return make_same_conv_net()
+"""
+
+
+@pytest.fixture
+def cli_files(tmp_path, data, useless_plan):
+    calibration, eval_data = data
+    (tmp_path / "netmod.py").write_text(MODEL_SOURCE)
+    torch.save(calibration, tmp_path / "cal.pt")
+    torch.save(eval_data, tmp_path / "eval.pt")
+    (tmp_path / "plan.json").write_text(useless_plan.model_dump_json())
+    return tmp_path
+
+
+def test_cli_verify_text_and_json(run_cli, cli_files, repo_root):
+    args = ["verify", f"{cli_files}/netmod.py:build", "--plan", "plan.json", "--calibration", "cal.pt",
+            "--eval-data", "eval.pt"]
+    text = run_cli(*args, cwd=cli_files)
+    assert text.returncode == 0, text.stderr
+    assert "default mapping" in text.stdout and "verified plan" in text.stdout and "output SQNR" in text.stdout
+    assert "fc" in text.stdout
+    result = run_cli(*args, "--format", "json", "--emit-plan", "verified.json", cwd=cli_files)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["plan"]["sqnr_db"] >= payload["default"]["sqnr_db"]
+    assert payload["plan"]["int8_fraction"] == 1.0
+    QuantPlan.load(str(cli_files / "verified.json"))
+
+
+def test_cli_verify_errors_exit_2(run_cli, cli_files):
+    missing = run_cli("verify", f"{cli_files}/netmod.py:build", "--plan", "nope.json", "--calibration",
+                      "cal.pt", "--eval-data", "eval.pt", cwd=cli_files)
+    assert missing.returncode == 2 and "nope.json" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+    no_data = run_cli("verify", f"{cli_files}/netmod.py:build", "--calibration", "cal.pt", cwd=cli_files)
+    assert no_data.returncode == 2 and "--eval-data" in no_data.stderr
+
+
+def test_cli_fix_writes_pt2_pt_and_qconfig(run_cli, cli_files):
+    result = run_cli("fix", f"{cli_files}/netmod.py:build", "--plan", "plan.json", "--input-shape", "2,3,12,12",
+                     "--output", "fixed.pt2", "--emit-qconfig", "q.py", cwd=cli_files)
+    assert result.returncode == 0, result.stderr
+    assert "3 rewrite" in result.stdout or "4 rewrite" in result.stdout
+    program = torch.export.load(str(cli_files / "fixed.pt2"))
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        assert torch.allclose(program.module()(x), make_same_conv_net()(x), rtol=1e-4, atol=1e-5)
+    assert "build_qconfig_mapping" in (cli_files / "q.py").read_text()
+    pt = run_cli("fix", f"{cli_files}/netmod.py:build", "--input-shape", "2,3,12,12", "--output", "fixed.pt",
+                 cwd=cli_files)
+    assert pt.returncode == 0, pt.stderr
+    saved = torch.load(cli_files / "fixed.pt", weights_only=True)
+    assert "convs.0.qlint_folded_bias" in saved["state_dict"] and "reshape" in saved["code"]
+    bad = run_cli("fix", f"{cli_files}/netmod.py:build", "--input-shape", "2,3,12,12", "--output", "x.onnx",
+                  cwd=cli_files)
+    assert bad.returncode == 2 and ".pt2" in bad.stderr
+    no_inputs = run_cli("fix", f"{cli_files}/netmod.py:build", "--output", "y.pt2", cwd=cli_files)
+    assert no_inputs.returncode == 2 and "example inputs" in no_inputs.stderr
