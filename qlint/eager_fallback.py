@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from qlint.errors import TraceError
+from qlint.nested import leaves_of_type
 from qlint.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.intent import CallDescription, function_candidates
 from qlint.ops import FUNCTION_KINDS, WEIGHTED_KINDS, function_kind, method_kind, module_kind
@@ -62,20 +63,7 @@ def is_leaf(module: nn.Module) -> bool:
 
 
 def _flat_tensors(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def visit(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, (list, tuple)):
-            for sub in item:
-                visit(sub)
-        elif isinstance(item, dict):
-            for sub in item.values():
-                visit(sub)
-
-    visit(value)
-    return found
+    return leaves_of_type(value, torch.Tensor)
 
 
 def _info(tensor: Optional[torch.Tensor]) -> Optional[TensorInfo]:

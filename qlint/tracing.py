@@ -355,21 +355,9 @@ def _module_weight_refs(module: nn.Module, target: str) -> tuple[Optional[str], 
 
 
 def _flat_args(node: fx.Node) -> list[fx.Node]:
-    flat: list[fx.Node] = []
+    from qlint.nested import leaves_of_type
 
-    def visit(value: Any) -> None:
-        if isinstance(value, fx.Node):
-            flat.append(value)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-
-    visit(node.args)
-    visit(node.kwargs)
-    return [n for n in flat if n.op != "get_attr"]
+    return [n for n in leaves_of_type((node.args, node.kwargs), fx.Node) if n.op != "get_attr"]
 
 
 def _kind_of_class(cls: type) -> Optional[str]:
