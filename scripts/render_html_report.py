@@ -4,7 +4,7 @@
     python scripts/render_html_report.py [--out DIR] [--chromium PATH]
 
 Writes DIR/numeric_report.html and DIR/numeric_report.png (DIR defaults to
-./numeric_report_demo).  The check decodes the screenshot and counts the
+$TMPDIR/qlint-numeric-report, so nothing lands in the checkout).  The check decodes the screenshot and counts the
 pixels of each chart's series colours (fixed in qlint.numeric.html): the SQNR
 chart, the histograms and the sensitivity bars must each have drawn, in that
 order down the page.  It also checks the HTML is self-contained: no scripts,
@@ -20,11 +20,13 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import warnings
 import zlib
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -116,6 +118,7 @@ def color_mask(image: np.ndarray, hex_color: str, tolerance: int = 12) -> np.nda
 def build_demo(out: Path) -> Path:
     """A 12-layer CNN with one layer's weights quantized to 4 levels; the full report with all charts."""
     warnings.simplefilter("ignore")
+    torch.set_num_threads(1)  # small tensors: extra intra-op threads only contend for shared cores
     model = randomize_batch_norm(SmallConvNet()).eval()
     data = image_batches(4, batch_size=4, size=12, seed=3)
     _, quantized = quantize_fx_ptq(model, data, bad_layer_qconfig_mapping("res1.conv2"))
@@ -171,7 +174,7 @@ def check_charts(image: np.ndarray) -> tuple[dict[str, tuple[int, int, int]], li
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("numeric_report_demo"))
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "qlint-numeric-report")
     parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,15 @@
+"""The numeric suite: where quantization error starts and which layers matter.
+
+    from qlint.numeric.compare import compare
+    from qlint.numeric.sensitivity import sensitivity
+    from qlint.numeric.html import write_html
+
+Modules: ``metrics`` (streaming SQNR & co.), ``matching`` (float <-> quantized
+layers), ``capture`` (running both models side by side), ``compare`` (the
+per-layer report; findings QL301/QL302 come from ``diagnose``),
+``sensitivity``, ``badcases``, ``profile``, ``html`` and ``command`` (the
+``qlint compare`` subcommand).  See docs/numeric-suite.md.
+
+Nothing is imported here: several submodules share their main function's name
+(``compare.compare``), and ``import qlint.numeric`` stays cheap for the CLI.
+"""

@@ -133,6 +133,8 @@ def layer_kind(module: nn.Module) -> Optional[str]:
     if isinstance(module, _NOT_LAYERS) or not is_torch_class(module):
         return None
     name = type(module).__name__
+    if "Packed" in name:
+        return None  # LinearPackedParams & co. hold a layer's weights; they are not layers
     if name in _ACTIVATION_CLASSES:
         return name.lower()
     for prefix, kind in _WEIGHTED_PREFIXES:
@@ -238,10 +240,6 @@ def trace_or_none(model: nn.Module, notes: list[str], label: str) -> Optional[to
         return None
 
 
-def _kind_compatible(float_kind: str, quant_kind: str) -> bool:
-    return float_kind == quant_kind
-
-
 def _missing_or_identity(model_modules: dict[str, nn.Module], fqn: str) -> bool:
     module = model_modules.get(fqn)
     return module is None or isinstance(module, nn.Identity)
@@ -263,6 +261,11 @@ def _nearest_layer_ancestors(node: torch.fx.Node, layer_of: dict[torch.fx.Node, 
 
 
 def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchResult:
+    """Pair the float model's layers with the quantized counterpart's (see the module docstring).
+
+    Nothing is run; the float model is FX-traced when possible (tracing shares
+    its submodules, it does not copy or change them).
+    """
     notes: list[str] = []
     counterpart = detect_counterpart(quantized_model)
     float_graph = trace_or_none(float_model, notes, "float")
@@ -288,41 +291,42 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchRes
 
     layers: dict[str, LayerMatch] = {}
     absorbed: set[str] = set()
+
+    def add_match(fqn: str, quant_fqn: str, matched_by: str) -> None:
+        quant_module = quant_layers[quant_fqn]
+        layer = LayerMatch(
+            name=fqn, kind=layer_kind(float_modules[fqn]), float_entry=Site(MODULE_SITE, fqn),
+            float_exit=Site(MODULE_SITE, fqn), quant_site=Site(MODULE_SITE, quant_fqn),
+            quant_class=type(quant_module).__name__, matched_by=matched_by,
+        )
+        _absorb_fused_followers(layer, quant_module, float_modules, quant_modules,
+                                node_of_fqn.get(fqn), float_order, absorbed)
+        layers[fqn] = layer
+
     unmatched_float: list[str] = []
     for fqn in float_order:
         if fqn in absorbed:
             continue
-        float_module = float_modules[fqn]
         quant_module = quant_layers.get(fqn)
-        if quant_module is None or not _kind_compatible(layer_kind(float_module), layer_kind(quant_module)):
+        if quant_module is None or layer_kind(float_modules[fqn]) != layer_kind(quant_module):
             unmatched_float.append(fqn)
-            continue
-        layer = LayerMatch(
-            name=fqn, kind=layer_kind(float_module), float_entry=Site(MODULE_SITE, fqn),
-            float_exit=Site(MODULE_SITE, fqn), quant_site=Site(MODULE_SITE, fqn),
-            quant_class=type(quant_module).__name__, matched_by="fqn",
-        )
-        _absorb_fused_followers(layer, quant_module, float_model, float_modules, quant_modules,
-                                node_of_fqn.get(fqn), float_order, absorbed)
-        layers[fqn] = layer
-    unmatched_float = [fqn for fqn in unmatched_float if fqn not in absorbed]
+        else:
+            add_match(fqn, fqn, "fqn")
 
     # Leftover module layers: pair by kind in forward order (renamed modules).
     leftover_quant = [fqn for fqn in quant_layers if fqn not in layers]
     for fqn in list(unmatched_float):
+        if fqn in absorbed:
+            continue
         kind = layer_kind(float_modules[fqn])
         candidate = next((q for q in leftover_quant if layer_kind(quant_layers[q]) == kind
                           and _missing_or_identity(float_modules, q)), None)
         if candidate is None:
             continue
         leftover_quant.remove(candidate)
-        unmatched_float.remove(fqn)
-        layers[fqn] = LayerMatch(
-            name=fqn, kind=kind, float_entry=Site(MODULE_SITE, fqn), float_exit=Site(MODULE_SITE, fqn),
-            quant_site=Site(MODULE_SITE, candidate), quant_class=type(quant_layers[candidate]).__name__,
-            matched_by="graph-order",
-        )
+        add_match(fqn, candidate, "graph-order")
         notes.append(f"{fqn} matched to {candidate} by graph order (no module of that name in the quantized model)")
+    unmatched_float = [fqn for fqn in unmatched_float if fqn not in absorbed and fqn not in layers]
 
     if float_graph is not None and quant_graph is not None:
         absorbed_by_functional = _match_functional(float_graph, quant_graph, layers, float_modules, quant_modules)
@@ -338,8 +342,7 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchRes
     )
 
 
-def _absorb_fused_followers(layer, quant_module, float_model, float_modules, quant_modules,
-                            node, float_order, absorbed) -> None:
+def _absorb_fused_followers(layer, quant_module, float_modules, quant_modules, node, float_order, absorbed) -> None:
     """Move the float comparison point past BN/ReLU that the quantized layer fused in."""
     wants_relu = fuses_relu(quant_module)
     if layer.kind.startswith(("conv", "linear")) or layer.kind == "batch_norm":
@@ -524,10 +527,8 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
         layer.predecessors = sorted(ancestors, key=lambda name: order.get(name, 0))
 
 
-# Kept public for profile/sensitivity: the functional op table is part of matching's contract.
-FUNCTIONAL_OPS = dict(_FUNCTIONAL_KINDS)
 __all__ = [
     "CounterpartKind", "LayerMatch", "MatchResult", "Site", "MODULE_SITE", "NODE_SITE",
     "match_layers", "layer_kind", "fuses_relu", "functional_kind", "detect_counterpart",
-    "quantized_layer_modules", "float_layer_modules", "FUNCTIONAL_OPS",
+    "quantized_layer_modules", "float_layer_modules",
 ]

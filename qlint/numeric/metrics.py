@@ -13,7 +13,7 @@ signal power over the total noise power.  For a single pair this is exactly
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -97,7 +97,6 @@ class PairwiseErrorStats:
     scale_sum: float = 0.0
     scale_count: int = 0
     nonfinite_values: int = 0
-    shapes: set = field(default_factory=set)
 
     def update(self, reference: torch.Tensor, quantized: torch.Tensor, scale: Optional[float] = None) -> None:
         """Fold one pair in.  ``scale`` is the quantized tensor's step, when known."""
@@ -111,31 +110,44 @@ class PairwiseErrorStats:
             raise ValueError(
                 f"cannot compare tensors of {reference.numel()} and {quantized.numel()} elements"
             )
-        x = reference.detach().reshape(-1).to(torch.float64)
-        y = quantized.detach().reshape(-1).to(torch.float64)
-        finite = torch.isfinite(x) & torch.isfinite(y)
-        if not bool(finite.all()):
+        x = reference.detach().reshape(-1).float()
+        y = quantized.detach().reshape(-1).float()
+        if self._fold(x, y, scale) is None:
+            # Rare path: drop NaN/Inf pairs (counted) and fold the rest.
+            finite = torch.isfinite(x) & torch.isfinite(y)
             self.nonfinite_values += int((~finite).sum())
-            x, y = x[finite], y[finite]
-        self.shapes.add(tuple(reference.shape[1:]))
+            self._fold(x[finite], y[finite], scale)
+
+    def _fold(self, x: torch.Tensor, y: torch.Tensor, scale: Optional[float]) -> Optional[bool]:
+        """Add one pair's sums; None (and nothing added) when a sum is not finite."""
         if x.numel() == 0:
-            return
+            return True
         error = x - y
-        self.count += x.numel()
-        self.signal_power += float(torch.dot(x, x))
-        self.quantized_power += float(torch.dot(y, y))
-        self.cross_power += float(torch.dot(x, y))
-        self.noise_power += float(torch.dot(error, error))
+        # float32 products, float64 accumulation: exact enough for 0.01 dB and no float64 copies.
+        signal = float((x * x).sum(dtype=torch.float64))
+        quantized_power = float((y * y).sum(dtype=torch.float64))
+        cross = float((x * y).sum(dtype=torch.float64))
+        noise = float((error * error).sum(dtype=torch.float64))
+        if not all(math.isfinite(value) for value in (signal, quantized_power, cross, noise)):
+            return None
         abs_error = error.abs()
-        self.abs_error_sum += float(abs_error.sum())
+        x_min, x_max = torch.aminmax(x)
+        y_min, y_max = torch.aminmax(y)
+        self.count += x.numel()
+        self.signal_power += signal
+        self.quantized_power += quantized_power
+        self.cross_power += cross
+        self.noise_power += noise
+        self.abs_error_sum += float(abs_error.sum(dtype=torch.float64))
         self.max_abs_error = max(self.max_abs_error, float(abs_error.max()))
-        self.float_min = min(self.float_min, float(x.min()))
-        self.float_max = max(self.float_max, float(x.max()))
-        self.quantized_min = min(self.quantized_min, float(y.min()))
-        self.quantized_max = max(self.quantized_max, float(y.max()))
+        self.float_min = min(self.float_min, float(x_min))
+        self.float_max = max(self.float_max, float(x_max))
+        self.quantized_min = min(self.quantized_min, float(y_min))
+        self.quantized_max = max(self.quantized_max, float(y_max))
         if scale is not None and scale > 0:
             self.scale_sum += float(scale)
             self.scale_count += 1
+        return True
 
     # -- derived metrics -------------------------------------------------
     @property

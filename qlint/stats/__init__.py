@@ -1,0 +1,25 @@
+"""Streaming, mergeable calibration statistics (qlint's own ModelReport observer)."""
+
+from qlint.stats.accumulator import (
+    HISTOGRAM_SHAPE,
+    ScratchBuffers,
+    TensorStats,
+    histogram_bin_edges,
+    summarize_batch,
+    thread_scratch_buffers,
+    update_stats,
+)
+from qlint.stats.distributed import all_reduce_stats
+from qlint.stats.observer import StatsObserver
+
+__all__ = [
+    "HISTOGRAM_SHAPE",
+    "ScratchBuffers",
+    "StatsObserver",
+    "TensorStats",
+    "all_reduce_stats",
+    "histogram_bin_edges",
+    "summarize_batch",
+    "thread_scratch_buffers",
+    "update_stats",
+]

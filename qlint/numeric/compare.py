@@ -1,0 +1,248 @@
+"""compare(): per-layer numeric comparison of a float model and its quantized counterpart.
+
+The result is a ``qlint.findings.Report``: one ``LayerRow`` per matched layer
+(weight SQNR, propagated and shadow activation SQNR, cosine, and the rest of
+the metrics in ``extra``) and findings QL301 (low-sqnr-layer) and QL302
+(error-onset), built in ``qlint.numeric.diagnose``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from qlint.findings import LayerRow, Notice, Report, Severity, Timing
+from qlint.numeric.capture import PairedRunner
+from qlint.numeric.diagnose import (
+    DEFAULT_ONSET_JUMP_DB,
+    DEFAULT_SQNR_THRESHOLD_DB,
+    DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
+    diagnose,
+    inherited_sqnr,
+    local_sqnr,
+)
+from qlint.numeric.matching import MODULE_SITE, LayerMatch, MatchResult, match_layers
+from qlint.numeric.metrics import PairwiseErrorStats, as_float_tensor
+from qlint.numeric.weights import float_layer_weights, quantized_layer_weights
+
+MODES = ("propagated", "shadow")
+
+
+def qlint_version() -> str:
+    try:
+        return metadata.version("qlint")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass
+class LayerStats:
+    """Everything compare accumulates for one layer; constant size per layer."""
+
+    weight: PairwiseErrorStats = field(default_factory=PairwiseErrorStats)
+    propagated: PairwiseErrorStats = field(default_factory=PairwiseErrorStats)
+    shadow: PairwiseErrorStats = field(default_factory=PairwiseErrorStats)
+
+
+def _check_modes(modes: Sequence[str]) -> tuple[bool, bool]:
+    unknown = set(modes) - set(MODES)
+    if unknown or not modes:
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(modes)}")
+    return "propagated" in modes, "shadow" in modes
+
+
+def weight_stats(layer: LayerMatch, float_model: nn.Module, quantized_model: nn.Module) -> PairwiseErrorStats:
+    """SQNR & co. between a layer's float weights and its quantized weights (all weight tensors pooled)."""
+    stats = PairwiseErrorStats()
+    if layer.float_entry.kind != MODULE_SITE or layer.quant_site.kind != MODULE_SITE:
+        return stats
+    float_weights = float_layer_weights(layer, float_model)
+    quant_weights = quantized_layer_weights(layer, quantized_model.get_submodule(layer.quant_site.name))
+    for name, float_weight in float_weights.items():
+        quant_weight = quant_weights.get(name)
+        if quant_weight is not None and quant_weight.numel() == float_weight.numel():
+            stats.update(float_weight, quant_weight.reshape(float_weight.shape))
+    return stats
+
+
+def compare(
+    float_model: nn.Module,
+    quantized_model: nn.Module,
+    data: Iterable,
+    *,
+    modes: Sequence[str] = MODES,
+    sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
+    weight_sqnr_threshold: float = DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
+    onset_jump_db: float = DEFAULT_ONSET_JUMP_DB,
+    max_batches: Optional[int] = None,
+    model_name: str = "model",
+    backend: str = "x86",
+    match: Optional[MatchResult] = None,
+) -> Report:
+    """Compare ``quantized_model`` with ``float_model`` layer by layer over ``data``.
+
+    ``data`` yields batches: a tensor, a tuple of positional inputs or a dict of
+    keyword inputs.  It is read once, batch by batch; nothing is kept across
+    batches.  Neither model is changed (hooks removed, buffers and modes restored).
+    ``sqnr_threshold`` (dB) applies to each layer's local activation SQNR
+    (shadow when run, else propagated), ``weight_sqnr_threshold`` to weight SQNR.
+    """
+    propagated, shadow = _check_modes(modes)
+    started = time.perf_counter()
+    match = match or match_layers(float_model, quantized_model)
+    stats = {layer.name: LayerStats() for layer in match.layers}
+    output_stats = PairwiseErrorStats()
+    batches = 0
+
+    def on_propagated(layer, reference, quantized, scale):
+        stats[layer.name].propagated.update(reference, quantized, scale)
+
+    def on_shadow(layer, reference, quantized, scale):
+        stats[layer.name].shadow.update(reference, quantized, scale)
+
+    runner = PairedRunner(
+        float_model, quantized_model, match, propagated=propagated, shadow=shadow,
+        on_propagated=on_propagated, on_shadow=on_shadow,
+    )
+    with runner:
+        for layer in match.layers:
+            stats[layer.name].weight = weight_stats(layer, float_model, quantized_model)
+        for _, float_output, quant_output in runner.run(data):
+            reference, quantized = as_float_tensor(float_output), as_float_tensor(quant_output)
+            if reference is not None and quantized is not None and reference.shape == quantized.shape:
+                output_stats.update(reference, quantized)
+            batches += 1
+            if max_batches is not None and batches >= max_batches:
+                break
+    elapsed = time.perf_counter() - started
+
+    rows = build_rows(match, stats)
+    findings = diagnose(
+        rows, sqnr_threshold=sqnr_threshold, weight_sqnr_threshold=weight_sqnr_threshold,
+        onset_jump_db=onset_jump_db,
+    )
+    notices = [Notice(message=note) for note in match.notes]
+    notices.append(Notice(message=(
+        f"compared {len(rows)} layers of a {match.counterpart.value} model over {batches} batches; "
+        f"model output SQNR {_format_db(output_stats.sqnr_db())}, cosine {_format_float(output_stats.cosine())}"
+    )))
+    if match.unmatched_float:
+        notices.append(Notice(level=Severity.WARNING, message=(
+            "float layers without a quantized counterpart (not compared): " + ", ".join(match.unmatched_float)
+        )))
+    if batches == 0:
+        notices.append(Notice(level=Severity.WARNING, message="the data yielded no batches; nothing was compared"))
+    return Report(
+        qlint_version=qlint_version(), torch_version=torch.__version__, model=model_name, backend=backend,
+        frontend=match.counterpart.value, findings=findings, notices=notices,
+        timings=[Timing(stage="numeric-compare", seconds=elapsed)], layers=rows,
+    )
+
+
+def _format_db(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.1f} dB"
+
+
+def _format_float(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[LayerRow]:
+    rows = []
+    for layer in match.layers:
+        layer_stats = stats[layer.name]
+        if layer_stats.propagated.empty and layer_stats.shadow.empty and layer_stats.weight.empty:
+            continue  # e.g. an int-valued functional op (shape arithmetic): nothing numeric to say
+        extra: dict[str, Any] = {
+            "quantized_target": layer.quant_site.name,
+            "quantized_class": layer.quant_class,
+            "matched_by": layer.matched_by,
+            "predecessors": list(layer.predecessors),
+            "absorbed": list(layer.absorbed),
+        }
+        for label, accumulated in (("propagated", layer_stats.propagated), ("shadow", layer_stats.shadow),
+                                   ("weight", layer_stats.weight)):
+            if not accumulated.empty:
+                extra[label] = accumulated.summary()
+        rows.append(LayerRow(
+            name=layer.name,
+            kind=layer.kind,
+            weight_sqnr=layer_stats.weight.sqnr_db(),
+            sqnr_propagated=layer_stats.propagated.sqnr_db(),
+            sqnr_shadow=layer_stats.shadow.sqnr_db(),
+            cosine=layer_stats.propagated.cosine() if not layer_stats.propagated.empty else layer_stats.shadow.cosine(),
+            extra=extra,
+        ))
+    return rows
+
+
+# --- histograms for the HTML report ------------------------------------------------
+@dataclass
+class LayerHistogram:
+    name: str
+    low: float
+    high: float
+    float_counts: list[int]
+    quantized_counts: list[int]
+
+
+def worst_layers(report: Report, count: int) -> list[str]:
+    """The ``count`` layers adding the most error themselves (lowest local SQNR, see diagnose)."""
+    propagated = {row.name: row.sqnr_propagated for row in report.layers if row.sqnr_propagated is not None}
+
+    def local(row: LayerRow) -> float:
+        value, _ = local_sqnr(row, inherited_sqnr(row, propagated)[0])
+        return float("inf") if value is None else value
+    return [row.name for row in sorted(report.layers, key=local)[:count]]
+
+
+def activation_histograms(
+    float_model: nn.Module,
+    quantized_model: nn.Module,
+    data: Iterable,
+    report: Report,
+    layers: Optional[Sequence[str]] = None,
+    *,
+    bins: int = 48,
+    max_batches: Optional[int] = None,
+) -> dict[str, LayerHistogram]:
+    """Float vs quantized output histograms (propagated) of a few layers, in one more pass.
+
+    The bin range comes from the min/max that compare recorded, so the pass
+    streams with fixed-size counters.
+    """
+    names = list(layers) if layers is not None else worst_layers(report, 4)
+    rows = {row.name: row for row in report.layers}
+    match = match_layers(float_model, quantized_model)
+    match.layers = [layer for layer in match.layers if layer.name in names and layer.name in rows]
+    histograms: dict[str, LayerHistogram] = {}
+    for layer in match.layers:
+        summary = rows[layer.name].extra.get("propagated") or {}
+        values = [summary.get(key) for key in ("float_min", "float_max", "quantized_min", "quantized_max")]
+        if any(value is None for value in values):
+            continue
+        low, high = min(values), max(values)
+        if high <= low:
+            high = low + 1.0
+        histograms[layer.name] = LayerHistogram(layer.name, low, high, [0] * bins, [0] * bins)
+
+    def on_propagated(layer, reference, quantized, scale):
+        histogram = histograms.get(layer.name)
+        if histogram is None:
+            return
+        for counts, tensor in ((histogram.float_counts, as_float_tensor(reference)), (histogram.quantized_counts, quantized)):
+            found = torch.histc(tensor.float().reshape(-1), bins=bins, min=histogram.low, max=histogram.high)
+            for index, value in enumerate(found.tolist()):
+                counts[index] += int(value)
+
+    runner = PairedRunner(float_model, quantized_model, match, shadow=False, on_propagated=on_propagated)
+    with runner:
+        for batch_index, _ in enumerate(runner.run(data)):
+            if max_batches is not None and batch_index + 1 >= max_batches:
+                break
+    return histograms

@@ -1,0 +1,209 @@
+"""Findings from per-layer numeric rows: QL301 low-sqnr-layer and QL302 error-onset.
+
+Noise powers add: if the error a layer inherits and the error it adds are
+independent, ``1/SQNR_out = g/SQNR_in + 1/SQNR_local`` in linear units, where
+``g`` is how much the layer amplifies incoming noise relative to signal.  The
+shadow run measures ``SQNR_local`` directly, which is what lets QL302 say
+whether an error jump is made at a layer or only passed through it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from qlint.findings import Finding, LayerRow, Severity
+from qlint.numeric.metrics import (
+    SQNR_CAP_DB,
+    UNIFORM_ROUNDING_RMSE_OVER_SCALE,
+    noise_power_ratio,
+    sqnr_db_from_powers,
+)
+
+# Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
+# the signal's amplitude, which is where accuracy losses usually become visible.
+DEFAULT_SQNR_THRESHOLD_DB = 20.0
+# 8-bit weights reach 35-45 dB (per-channel) and rarely fall under 30 dB even per-tensor.
+DEFAULT_WEIGHT_SQNR_THRESHOLD_DB = 25.0
+# A jump of 6 dB quadruples the noise power: more than accumulation across one layer.
+DEFAULT_ONSET_JUMP_DB = 6.0
+# Below this the layer is badly broken rather than merely noisy.
+_ERROR_SQNR_DB = 10.0
+# RMSE this many times the pure-rounding baseline means values are being clipped.
+_CLIPPING_FACTOR = 3.0
+
+LOW_SQNR = ("QL301", "low-sqnr-layer")
+ERROR_ONSET = ("QL302", "error-onset")
+
+
+def inherited_sqnr(row: LayerRow, propagated: dict[str, float]) -> tuple[float, list[str]]:
+    """Worst propagated SQNR among the layers feeding ``row`` (exact inputs: the cap)."""
+    upstream = [name for name in row.extra.get("predecessors", []) if name in propagated]
+    return min((propagated[name] for name in upstream), default=SQNR_CAP_DB), upstream
+
+
+def local_sqnr(row: LayerRow, inherited: float = SQNR_CAP_DB) -> tuple[Optional[float], str]:
+    """The SQNR of the error the layer adds itself.
+
+    Measured by the shadow run when there is one.  Otherwise it is estimated by
+    subtracting the inherited noise power from the propagated one (unit gain
+    assumed), so that a layer that merely passes on upstream error is not blamed.
+    """
+    if row.sqnr_shadow is not None:
+        return row.sqnr_shadow, "shadow"
+    if row.sqnr_propagated is None:
+        return None, "none"
+    if inherited >= SQNR_CAP_DB:
+        return row.sqnr_propagated, "propagated"
+    added = noise_power_ratio(row.sqnr_propagated) - noise_power_ratio(inherited)
+    return sqnr_db_from_powers(1.0, max(added, 0.0)), "estimated"
+
+
+def _keep_float_suggestion(name: str, reason: str) -> dict:
+    return {
+        "action": "keep-float",
+        "module": name,
+        "reason": reason,
+        "qconfig_mapping": f"QConfigMapping().set_module_name({name!r}, None)",
+    }
+
+
+def _cause_and_fix(row: LayerRow, weight_low: bool, activation_low: bool) -> tuple[str, str, str]:
+    """(why, fix, cause) from the evidence in the row."""
+    if weight_low:
+        return (
+            f"its weights lose most of their precision when quantized (weight SQNR "
+            f"{row.weight_sqnr:.1f} dB, where 8-bit weights usually reach 35-45 dB), so the observer or "
+            f"bit width chosen for this layer's weights is wrong",
+            "quantize its weights to 8 bits per channel (PerChannelMinMaxObserver, qint8, "
+            "per_channel_symmetric), or keep the layer in float",
+            "weight",
+        )
+    summary = (row.extra.get("shadow") or row.extra.get("propagated") or {}) if activation_low else {}
+    ratio = summary.get("rmse_over_scale")
+    float_max, float_min = summary.get("float_max"), summary.get("float_min")
+    if ratio is not None and ratio > _CLIPPING_FACTOR * UNIFORM_ROUNDING_RMSE_OVER_SCALE:
+        return (
+            f"its output error is {ratio:.1f} quantization steps RMS against {UNIFORM_ROUNDING_RMSE_OVER_SCALE:.2f} "
+            f"for pure rounding, which means values fall outside the calibrated range and are clipped "
+            f"(float range [{float_min:.3g}, {float_max:.3g}])",
+            "calibrate on data that covers the real input range (or use a HistogramObserver / wider range), "
+            "or keep the layer in float",
+            "clipping",
+        )
+    return (
+        "its quantization step is coarse next to typical values: the range is set by a few large values "
+        f"(float range [{float_min:.3g}, {float_max:.3g}]) while most values are small"
+        if float_min is not None else "its quantized output differs markedly from the float one",
+        "reduce outliers (cross-layer equalization, clamping the activation) or use per-channel / wider "
+        "quantization, or keep the layer in float",
+        "range",
+    )
+
+
+def low_sqnr_findings(rows: list[LayerRow], sqnr_threshold: float, weight_sqnr_threshold: float,
+                      onset_jump_db: float = DEFAULT_ONSET_JUMP_DB) -> list[Finding]:
+    findings = []
+    propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
+    for row in rows:
+        inherited = inherited_sqnr(row, propagated)[0]
+        local, source = local_sqnr(row, inherited)
+        activation_low = local is not None and local < sqnr_threshold
+        if source == "estimated" and activation_low:
+            # Without a shadow run the unit-gain estimate is rough (a ReLU changes signal and
+            # noise power differently); blame the layer only if SQNR visibly drops at it.
+            activation_low = inherited - row.sqnr_propagated >= onset_jump_db
+        weight_low = row.weight_sqnr is not None and row.weight_sqnr < weight_sqnr_threshold
+        if not (activation_low or weight_low):
+            continue
+        why, fix, cause = _cause_and_fix(row, weight_low, activation_low)
+        measured = []
+        if local is not None:
+            measured.append(f"{source} activation SQNR {local:.1f} dB")
+        if row.sqnr_propagated is not None and source != "propagated":
+            measured.append(f"propagated {row.sqnr_propagated:.1f} dB")
+        if row.weight_sqnr is not None:
+            measured.append(f"weight SQNR {row.weight_sqnr:.1f} dB")
+        worst = min(value for value in (local if activation_low else None, row.weight_sqnr if weight_low else None)
+                    if value is not None)
+        severity = Severity.ERROR if worst < _ERROR_SQNR_DB else Severity.WARNING
+        message = (
+            f"{row.name} ({row.kind}) quantizes poorly: {', '.join(measured)}; "
+            f"thresholds are {sqnr_threshold:.0f} dB (activations) and {weight_sqnr_threshold:.0f} dB (weights). "
+            f"Why: {why}. Fix: {fix}."
+        )
+        findings.append(Finding(
+            rule=LOW_SQNR[0], name=LOW_SQNR[1], severity=severity, target=row.name, message=message,
+            data={
+                "kind": cause,
+                "local_sqnr_db": local, "local_source": source,
+                "sqnr_propagated_db": row.sqnr_propagated, "weight_sqnr_db": row.weight_sqnr,
+                "threshold_db": sqnr_threshold, "weight_threshold_db": weight_sqnr_threshold,
+            },
+            suggestion=_keep_float_suggestion(row.name, cause),
+        ))
+    return findings
+
+
+def error_onset_findings(rows: list[LayerRow], sqnr_threshold: float, onset_jump_db: float) -> list[Finding]:
+    """Layers, in forward order, where propagated SQNR falls below threshold by a jump.
+
+    The inherited SQNR of a layer is the worst propagated SQNR among the layers
+    feeding it (model inputs are exact).  A layer is an onset when its own
+    propagated SQNR is below the threshold and at least ``onset_jump_db`` below
+    what it inherited; the shadow SQNR then tells made-here from amplified-here.
+    """
+    propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
+    findings = []
+    for position, row in enumerate(rows):
+        if row.sqnr_propagated is None or row.sqnr_propagated >= sqnr_threshold:
+            continue
+        inherited, upstream = inherited_sqnr(row, propagated)
+        jump = inherited - row.sqnr_propagated
+        if jump < onset_jump_db:
+            continue
+        noise_out = noise_power_ratio(row.sqnr_propagated)
+        noise_in = noise_power_ratio(inherited)
+        if row.sqnr_shadow is not None:
+            local_share = min(1.0, noise_power_ratio(row.sqnr_shadow) / noise_out)
+            local_text = f"its local (shadow) SQNR is {row.sqnr_shadow:.1f} dB"
+        else:
+            local_share = max(0.0, min(1.0, (noise_out - noise_in) / noise_out))
+            local_text = "no shadow run was made, so the local part is estimated from the jump"
+        inherited_text = (
+            f"{inherited:.1f} dB at its inputs ({', '.join(upstream)})" if upstream
+            else "exact model inputs"
+        )
+        if local_share >= 0.5:
+            why = (f"{local_text}, so about {local_share:.0%} of the error here is added by this layer itself; "
+                   f"layers after it mostly inherit it")
+            fix = (f"fix {row.name} first (see QL301 for the cause: weights, clipping or range), "
+                   f"or keep it in float; re-run compare to find the next onset")
+            kind = "local"
+        else:
+            why = (f"{local_text}, so only about {local_share:.0%} of the error is added here: the layer "
+                   f"amplifies noise it receives")
+            fix = (f"improve the precision of its inputs ({', '.join(upstream) or 'model input'}) or keep "
+                   f"{row.name} in float; quantizing it alone is not the problem")
+            kind = "amplified"
+        message = (
+            f"Error starts at {row.name} ({row.kind}): propagated SQNR falls from {inherited_text} to "
+            f"{row.sqnr_propagated:.1f} dB here ({jump:.1f} dB jump, threshold {sqnr_threshold:.0f} dB). "
+            f"Why: {why}. Fix: {fix}."
+        )
+        findings.append(Finding(
+            rule=ERROR_ONSET[0], name=ERROR_ONSET[1], severity=Severity.WARNING, target=row.name, message=message,
+            data={
+                "kind": kind, "forward_index": position, "inherited_sqnr_db": inherited,
+                "sqnr_propagated_db": row.sqnr_propagated, "sqnr_shadow_db": row.sqnr_shadow,
+                "jump_db": jump, "local_share": local_share, "upstream": upstream,
+            },
+            suggestion=_keep_float_suggestion(row.name, "error-onset") if kind == "local" else None,
+        ))
+    return findings
+
+
+def diagnose(rows: list[LayerRow], *, sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
+             weight_sqnr_threshold: float = DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
+             onset_jump_db: float = DEFAULT_ONSET_JUMP_DB) -> list[Finding]:
+    return (low_sqnr_findings(rows, sqnr_threshold, weight_sqnr_threshold, onset_jump_db)
+            + error_onset_findings(rows, sqnr_threshold, onset_jump_db))

@@ -1,0 +1,336 @@
+"""Per-layer quantization sensitivity: which layers hurt the model output most.
+
+The exhaustive method quantizes one layer at a time and runs the whole model
+for each (N calibrations and N x data forward passes).  ``sensitivity`` gets a
+close ranking from one calibrated quantization and one pass over the data:
+
+* the *shadow* run gives, for every layer L, the error vector ``e_L`` it adds
+  by itself (float input -> quantized layer -> minus float output);
+* how much of ``e_L`` reaches the model output is ``||J_L e_L||^2``, with
+  ``J_L`` the Jacobian of the float output with respect to L's output.  For a
+  random sign vector ``v`` at the output, ``E[(v . J_L e_L)^2] = ||J_L e_L||^2``
+  and ``v . J_L e_L = (J_L^T v) . e_L``; one backward pass gives ``J_L^T v``
+  for all layers at once, so a few probes per batch estimate every layer's
+  output error together (Hutchinson's trick).
+
+The score is that estimated output noise power over the output signal power
+(the noise-to-signal ratio if only this layer were quantized); the exhaustive
+method measures the same ratio directly, which is what it is validated against.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
+from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+from qlint.numeric.capture import (
+    ModelStateGuard,
+    PairedRunner,
+    batch_size,
+    call_model,
+    reiterable,
+    split_batch,
+)
+from qlint.numeric.matching import MODULE_SITE, LayerMatch, match_layers
+from qlint.numeric.metrics import as_float_tensor, sqnr_db_from_powers
+
+
+class SensitivityRow(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    kind: str
+    score: float  # estimated output noise power / output signal power with only this layer quantized
+    estimated_output_sqnr_db: float
+    local_sqnr_db: Optional[float]
+    flops: float
+    flops_share: float
+    params: int
+    params_share: float
+
+
+def _first_batch(data: Iterable) -> Any:
+    for batch in data:
+        return batch
+    raise ValueError("the data yielded no batches")
+
+
+def _example_inputs(batch: Any) -> tuple:
+    args, kwargs = split_batch(batch)
+    if kwargs:
+        raise TypeError("prepare_fx needs positional example inputs; yield tensors or tuples, not dicts")
+    return args
+
+
+def quantize_with_fx(
+    model: nn.Module, data: Iterable, backend: str = "x86",
+    qconfig_mapping: Optional[QConfigMapping] = None, max_batches: Optional[int] = None,
+) -> torch.fx.GraphModule:
+    """prepare_fx + calibration over ``data`` + convert_fx, on a copy of ``model``."""
+    mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
+    prepared = prepare_fx(copy.deepcopy(model).eval(), mapping, _example_inputs(_first_batch(data)))
+    with torch.no_grad():
+        for index, batch in enumerate(data):
+            if max_batches is not None and index >= max_batches:
+                break
+            call_model(prepared, batch)
+    return convert_fx(prepared)
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() else []
+    if isinstance(output, (tuple, list)):
+        return [tensor for item in output for tensor in _output_tensors(item)]
+    if isinstance(output, dict):
+        return [tensor for item in output.values() for tensor in _output_tensors(item)]
+    return []
+
+
+def _requires_grad_inputs(batch: Any) -> Any:
+    """Float inputs that require grad, so the output has a graph even with frozen parameters."""
+    if isinstance(batch, torch.Tensor):
+        return batch.detach().requires_grad_(True) if batch.is_floating_point() else batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_requires_grad_inputs(item) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _requires_grad_inputs(item) for key, item in batch.items()}
+    return batch
+
+
+def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: Any) -> dict[str, tuple[float, int]]:
+    """Multiply-accumulate count x2 (FLOPs) per sample and parameter count of each layer."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    counts: dict[str, list] = {layer.name: [0.0, 0] for layer in layers if layer.float_entry.kind == MODULE_SITE}
+    samples = max(1, batch_size(batch))
+
+    def counter(name):
+        def hook(module, args, output):
+            out = as_float_tensor(output)
+            if out is None:
+                return
+            if hasattr(module, "kernel_size") and hasattr(module, "in_channels") and hasattr(module, "groups"):
+                per_output = module.in_channels // module.groups
+                for size in module.kernel_size:
+                    per_output *= size
+                counts[name][0] += 2.0 * out.numel() * per_output / samples
+            elif isinstance(module, nn.Linear):
+                counts[name][0] += 2.0 * out.numel() * module.in_features / samples
+            elif isinstance(module, (nn.LSTM, nn.GRU)):
+                gates = 4 if isinstance(module, nn.LSTM) else 3
+                steps = out.numel() / (module.hidden_size * (2 if module.bidirectional else 1))
+                width = module.input_size + module.hidden_size
+                counts[name][0] += 2.0 * gates * module.hidden_size * width * steps * module.num_layers / samples
+            else:
+                counts[name][0] += float(out.numel()) / samples
+        return hook
+
+    with ModelStateGuard(model) as guard, torch.no_grad():
+        for name in counts:
+            module = modules[name]
+            counts[name][1] = sum(parameter.numel() for parameter in module.parameters())
+            guard.add_handle(module.register_forward_hook(counter(name)))
+        call_model(model, batch)
+    return {name: (flops, params) for name, (flops, params) in counts.items()}
+
+
+def _probe_vectors(outputs: list[torch.Tensor], samples: int, probes: int, exact_limit: int,
+                   generator: torch.Generator):
+    """(grad_outputs, weight) pairs whose weighted squared projections sum to ||J e||^2.
+
+    When each sample's output has at most ``exact_limit`` elements (a classifier
+    head), one-hot directions give the exact value; otherwise random signs give
+    an unbiased estimate (Hutchinson).  One-hot directions need per-sample outputs.
+    """
+    per_sample_size = sum(tensor[0].numel() for tensor in outputs) if samples else 0
+    if samples and per_sample_size <= exact_limit:
+        for tensor_index, tensor in enumerate(outputs):
+            for element in range(tensor[0].numel()):
+                vectors = [torch.zeros_like(other) for other in outputs]
+                vectors[tensor_index].reshape(samples, -1)[:, element] = 1.0
+                yield vectors, 1.0
+        return
+    for _ in range(probes):
+        signs = [torch.randint(0, 2, tensor.shape, generator=generator).to(tensor.dtype) * 2 - 1 for tensor in outputs]
+        yield signs, 1.0 / probes
+
+
+def sensitivity_rows(
+    model: nn.Module,
+    data: Iterable,
+    backend: str = "x86",
+    qconfig_mapping: Optional[QConfigMapping] = None,
+    *,
+    quantized_model: Optional[nn.Module] = None,
+    probes: int = 8,
+    exact_limit: int = 32,
+    max_batches: Optional[int] = None,
+    seed: int = 0,
+) -> list[SensitivityRow]:
+    """Sensitivity of each quantized module layer, most sensitive first, with FLOPs/params shares."""
+    data = reiterable(data, "sensitivity")
+    if quantized_model is None:
+        quantized_model = quantize_with_fx(model, data, backend, qconfig_mapping, max_batches)
+    match = match_layers(model, quantized_model)
+    match.layers = [layer for layer in match.layers if layer.is_module]
+    estimated = {layer.name: 0.0 for layer in match.layers}
+    local_noise = {layer.name: 0.0 for layer in match.layers}
+    local_signal = {layer.name: 0.0 for layer in match.layers}
+    output_power = 0.0
+    errors: dict[str, list[torch.Tensor]] = {}
+    generator = torch.Generator().manual_seed(seed)
+
+    def on_shadow(layer, reference, quantized, scale):
+        error = quantized - reference
+        errors.setdefault(layer.name, []).append(error)
+        local_noise[layer.name] += float(error.double().pow(2).sum())
+        local_signal[layer.name] += float(reference.double().pow(2).sum())
+
+    runner = PairedRunner(model, quantized_model, match, propagated=False, shadow=True,
+                          on_shadow=on_shadow, float_grad=True)
+    with runner:
+        for index, batch in enumerate(data):
+            if max_batches is not None and index >= max_batches:
+                break
+            errors.clear()
+            float_output, _ = runner.run_batch(_requires_grad_inputs(batch))
+            outputs = [tensor for tensor in _output_tensors(float_output) if tensor.grad_fn is not None]
+            output_power += sum(float(tensor.detach().double().pow(2).sum()) for tensor in _output_tensors(float_output))
+            targets = [(name, raw) for name, calls in runner.float_outputs.items() if name in errors
+                       for raw in calls[: len(errors[name])] if isinstance(raw, torch.Tensor) and raw.requires_grad]
+            if not outputs or not targets:
+                continue
+            samples = batch_size(batch)
+            per_sample = all(tensor.dim() > 0 and tensor.shape[0] == samples for tensor in outputs) and all(
+                raw.dim() > 0 and raw.shape[0] == samples for _, raw in targets)
+            probe_list = list(_probe_vectors(outputs, samples if per_sample else 0, probes, exact_limit, generator))
+            for probe_index, (vectors, weight) in enumerate(probe_list):
+                gradients = torch.autograd.grad(
+                    outputs, [raw for _, raw in targets], grad_outputs=vectors,
+                    retain_graph=probe_index < len(probe_list) - 1, allow_unused=True,
+                )
+                call_index: dict[str, int] = {}
+                for (name, _), gradient in zip(targets, gradients):
+                    position = call_index.get(name, 0)
+                    call_index[name] = position + 1
+                    error = errors[name][position]
+                    if gradient is None or gradient.shape != error.shape:
+                        continue
+                    product = gradient.detach().double() * error.double()
+                    # Per-sample projections: cross-sample terms have zero mean but add variance.
+                    projections = product.reshape(samples, -1).sum(1) if per_sample else product.sum().reshape(1)
+                    estimated[name] += weight * float(projections.pow(2).sum())
+            runner.float_outputs.clear()
+            runner.float_inputs.clear()
+        first = _first_batch(data)
+    costs = model_flops_and_params(model, match.layers, first)
+    total_flops = sum(flops for flops, _ in costs.values()) or 1.0
+    total_params = sum(params for _, params in costs.values()) or 1
+    rows = []
+    for layer in match.layers:
+        flops, params = costs.get(layer.name, (0.0, 0))
+        noise = estimated[layer.name]
+        rows.append(SensitivityRow(
+            name=layer.name, kind=layer.kind,
+            score=noise / output_power if output_power > 0 else 0.0,
+            estimated_output_sqnr_db=sqnr_db_from_powers(output_power, noise),
+            local_sqnr_db=sqnr_db_from_powers(local_signal[layer.name], local_noise[layer.name])
+            if local_signal[layer.name] or local_noise[layer.name] else None,
+            flops=flops, flops_share=flops / total_flops, params=params, params_share=params / total_params,
+        ))
+    rows.sort(key=lambda row: row.score, reverse=True)
+    return rows
+
+
+def sensitivity(
+    model: nn.Module,
+    data: Iterable,
+    backend: str = "x86",
+    qconfig_mapping: Optional[QConfigMapping] = None,
+    **options: Any,
+) -> list[tuple[str, float]]:
+    """(module fqn, score), most sensitive first; see ``sensitivity_rows`` for FLOPs/params shares."""
+    return [(row.name, row.score) for row in sensitivity_rows(model, data, backend, qconfig_mapping, **options)]
+
+
+def exhaustive_sensitivity(
+    model: nn.Module,
+    data: Iterable,
+    backend: str = "x86",
+    qconfig_mapping: Optional[QConfigMapping] = None,
+    *,
+    layers: Optional[list[str]] = None,
+    max_batches: Optional[int] = None,
+) -> list[tuple[str, float]]:
+    """The reference: quantize one layer at a time (others float) and measure output noise/signal."""
+    data = reiterable(data, "exhaustive_sensitivity")
+    mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
+    resolved = prepare_fx(copy.deepcopy(model).eval(), mapping, _example_inputs(_first_batch(data)))
+    if layers is None:
+        full = match_layers(model, convert_fx(copy.deepcopy(resolved)))
+        layers = [layer.name for layer in full.layers if layer.is_module]
+    scores = []
+    float_model = copy.deepcopy(model).eval()
+    for name in layers:
+        qconfig = getattr(resolved.get_submodule(name), "qconfig", None)
+        single = QConfigMapping().set_global(None).set_module_name(name, qconfig)
+        quantized = quantize_with_fx(model, data, backend, single, max_batches)
+        noise = signal = 0.0
+        with torch.no_grad():
+            for index, batch in enumerate(data):
+                if max_batches is not None and index >= max_batches:
+                    break
+                reference = as_float_tensor(call_model(float_model, batch)).double()
+                approximation = as_float_tensor(call_model(quantized, batch)).double()
+                noise += float((reference - approximation).pow(2).sum())
+                signal += float(reference.pow(2).sum())
+        scores.append((name, noise / signal if signal > 0 else 0.0))
+    scores.sort(key=lambda item: item[1], reverse=True)
+    return scores
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """Ranks 1..n with ties given their average rank."""
+    order = sorted(range(len(values)), key=lambda index: values[index])
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for position in range(start, end + 1):
+            ranks[order[position]] = (start + end) / 2.0 + 1.0
+        start = end + 1
+    return ranks
+
+
+def spearman(first: list[float], second: list[float]) -> float:
+    """Spearman rank correlation (Pearson correlation of the ranks)."""
+    if len(first) != len(second) or len(first) < 2:
+        raise ValueError("spearman needs two sequences of the same length >= 2")
+    a, b = _ranks(first), _ranks(second)
+    mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+    covariance = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b))
+    spread = math.sqrt(sum((x - mean_a) ** 2 for x in a) * sum((y - mean_b) ** 2 for y in b))
+    return covariance / spread if spread else 0.0
+
+
+def top_k_spearman(reference: list[tuple[str, float]], estimate: list[tuple[str, float]], k: int = 10) -> float:
+    """Spearman between the two scorings over the reference's top-k layers."""
+    estimated = dict(estimate)
+    top = [name for name, _ in reference[:k] if name in estimated]
+    reference_scores = dict(reference)
+    return spearman([reference_scores[name] for name in top], [estimated[name] for name in top])
+
+
+__all__ = [
+    "SensitivityRow", "sensitivity", "sensitivity_rows", "exhaustive_sensitivity", "quantize_with_fx",
+    "spearman", "top_k_spearman",
+]

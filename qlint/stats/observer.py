@@ -1,0 +1,66 @@
+"""``StatsObserver``: an identity module that accumulates :class:`TensorStats`.
+
+Insert it wherever calibration statistics are needed (before a conv, after a
+linear, ...). It returns its input unchanged -- the very same object -- and
+never records autograd history.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from qlint.stats.accumulator import TensorStats, thread_scratch_buffers, update_stats
+
+
+class StatsObserver(nn.Module):
+    """Identity module that folds every floating tensor it sees into ``self.stats``.
+
+    Args:
+        channel_axis: axis holding channels (``None``: whole tensor is one
+            channel). Inputs with too few dims are read as unbatched.
+        reference_percentile: the ``q`` of the percentile ratio
+            ``max / quantile(q)`` (torch's OutlierDetector default 0.975).
+
+    Non-tensors, non-floating tensors and empty tensors pass through ignored.
+    Statistics live on the device of the tensors observed; the forward reads
+    device values back only on CPU, where that costs nothing.
+    Work buffers are shared by all observers of a thread (see
+    :func:`qlint.stats.accumulator.thread_scratch_buffers`).
+    """
+
+    def __init__(self, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975):
+        super().__init__()
+        self.channel_axis = channel_axis
+        self.reference_percentile = reference_percentile
+        self.stats = TensorStats.empty(channel_axis, reference_percentile)
+
+    def forward(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
+            with torch.no_grad():
+                self.stats = update_stats(self.stats, value, scratch=thread_scratch_buffers())
+        return value
+
+    def reset(self) -> None:
+        """Forget everything observed so far."""
+        self.stats = TensorStats.empty(self.channel_axis, self.reference_percentile)
+
+    # Statistics travel with ``state_dict()`` so a calibrated model can be saved.
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return self.stats.to_state()
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        stats = TensorStats.from_state(state)
+        if stats.channel_axis != self.channel_axis or stats.reference_percentile != self.reference_percentile:
+            raise ValueError(
+                "saved stats were taken with "
+                f"channel_axis={stats.channel_axis}, reference_percentile={stats.reference_percentile}; "
+                f"this observer has channel_axis={self.channel_axis}, "
+                f"reference_percentile={self.reference_percentile}"
+            )
+        self.stats = stats
+
+    def extra_repr(self) -> str:
+        return f"channel_axis={self.channel_axis}, reference_percentile={self.reference_percentile}"

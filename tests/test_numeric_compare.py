@@ -1,0 +1,229 @@
+"""compare(): findings on a deliberately broken layer, parity with torch's FX numeric suite,
+shadow vs propagated, model immutability, and the bad-case search."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+# torch's FX numeric suite is private API: the reference in tests only.
+import torch.ao.ns._numeric_suite_fx as torch_ns
+from torch.ao.ns.fx.utils import compute_sqnr
+
+from qlint.findings import Report
+from qlint.numeric.badcases import BadCaseSet, compare_badcases, find_badcases, per_sample_scores
+from qlint.numeric.compare import compare
+from qlint.numeric.examples import (
+    EagerConvNet,
+    SmallConvNet,
+    bad_layer_qconfig_mapping,
+    image_batches,
+    quantize_fx_ptq,
+    randomize_batch_norm,
+)
+from qlint.numeric.matching import match_layers
+
+warnings.filterwarnings("ignore")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """Small tensors on shared cores: one intra-op thread avoids oversubscription stalls (10x here)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+BAD_LAYER = "block2.conv"
+
+
+@pytest.fixture(scope="module")
+def broken():
+    """SmallConvNet quantized with 4-level weights for BAD_LAYER only, and its report."""
+    torch.manual_seed(0)
+    model = randomize_batch_norm(SmallConvNet()).eval()
+    data = image_batches(3, batch_size=4, size=8, seed=1)
+    prepared, converted = quantize_fx_ptq(model, data, bad_layer_qconfig_mapping(BAD_LAYER))
+    report = compare(model, converted, data)
+    return model, data, prepared, converted, report
+
+
+def test_broken_layer_is_named_by_low_sqnr_and_error_onset(broken):
+    *_, report = broken
+    assert [finding.target for finding in report.by_rule("QL301")] == [BAD_LAYER]
+    onsets = report.by_rule("error-onset")
+    assert onsets and onsets[0].target == BAD_LAYER
+    onset = onsets[0]
+    assert onset.data["kind"] == "local" and onset.data["local_share"] > 0.9
+    assert onset.data["inherited_sqnr_db"] - onset.data["sqnr_propagated_db"] >= 6.0
+    low = report.by_rule("QL301")[0]
+    assert low.data["kind"] == "weight" and low.suggestion["module"] == BAD_LAYER
+    for finding in report.findings:  # what, why and the fix
+        assert BAD_LAYER in finding.message and "Why:" in finding.message and "Fix:" in finding.message
+
+
+def test_rows_are_float_fqns_in_forward_order_and_survive_json(broken):
+    model, _, _, converted, report = broken
+    names = [row.name for row in report.layers]
+    float_modules = dict(model.named_modules())
+    graph_order = [node.target for node in torch.fx.symbolic_trace(model).graph.nodes if node.op == "call_module"]
+    module_rows = [name for name in names if name in float_modules]
+    assert module_rows == [target for target in graph_order if target in module_rows]
+    assert {"stem.conv", BAD_LAYER, "head"} <= set(module_rows)
+    for row in report.layers:
+        if row.name in float_modules:
+            assert row.weight_sqnr is not None and row.sqnr_shadow is not None and row.cosine is not None
+        assert row.sqnr_propagated is not None
+        assert {"quantized_target", "propagated", "predecessors"} <= set(row.extra)
+    assert Report.model_validate_json(report.model_dump_json()) == report
+
+
+def test_propagated_sqnr_equals_torch_add_loggers(broken):
+    model, data, prepared, converted, _ = broken
+    ours = compare(model, converted, data[:1], modes=("propagated",))
+    loggers = torch_ns.add_loggers("fp32", copy.deepcopy(prepared), "int8", copy.deepcopy(converted), torch_ns.OutputLogger)
+    with torch.no_grad():
+        loggers[0](data[0])
+        loggers[1](data[0])
+    results = torch_ns.extract_logger_info(loggers[0], loggers[1], torch_ns.OutputLogger, "int8")
+    torch_ns.extend_logger_results_with_comparison(results, "fp32", "int8", compute_sqnr, "sqnr")
+    reference = {}
+    for layer in results.values():
+        for entry in layer["node_output"]["int8"]:
+            if entry["fqn"] and entry.get("sqnr"):
+                reference.setdefault(entry["fqn"], float(entry["sqnr"][0]))
+    rows = {row.name: row for row in ours.layers}
+    compared = [name for name in reference if name in rows and name in dict(model.named_modules())]
+    assert len(compared) >= 12
+    for name in compared:
+        assert abs(rows[name].sqnr_propagated - reference[name]) < 0.01, name
+
+
+def test_torch_numeric_suite_finds_the_same_worst_layers(broken):
+    model, data, prepared, converted, report = broken
+    weights = torch_ns.extract_weights("fp32", prepared, "int8", converted)
+    torch_ns.extend_logger_results_with_comparison(weights, "fp32", "int8", compute_sqnr, "sqnr")
+    torch_weight = {entry["fqn"]: float(entry["sqnr"][0]) for layer in weights.values()
+                    for entry in layer["weight"]["int8"]}
+    shadow = torch_ns.add_shadow_loggers("fp32", copy.deepcopy(prepared), "int8", copy.deepcopy(converted),
+                                         torch_ns.OutputLogger)
+    with torch.no_grad():
+        for batch in data:
+            shadow(batch)
+    shadow_results = torch_ns.extract_shadow_logger_info(shadow, torch_ns.OutputLogger, "int8")
+    torch_ns.extend_logger_results_with_comparison(shadow_results, "fp32", "int8", compute_sqnr, "sqnr")
+    torch_shadow = {entry["fqn"]: min(float(value) for value in entry["sqnr"]) for layer in shadow_results.values()
+                    for entry in layer["node_output"]["int8"] if entry.get("sqnr")}
+    ours_weight = {row.name: row.weight_sqnr for row in report.layers if row.weight_sqnr is not None}
+    ours_shadow = {row.name: row.sqnr_shadow for row in report.layers if row.sqnr_shadow is not None}
+    assert min(torch_weight, key=torch_weight.get) == min(ours_weight, key=ours_weight.get) == BAD_LAYER
+    assert min(torch_shadow, key=torch_shadow.get) == min(ours_shadow, key=ours_shadow.get) == BAD_LAYER
+    for name, value in torch_weight.items():  # weight SQNR agrees layer by layer (BN folded like prepare_fx)
+        assert abs(ours_weight[name] - value) < 0.05, name
+
+
+def test_shadow_shows_only_local_error(broken):
+    *_, report = broken
+    rows = {row.name: row for row in report.layers}
+    downstream = ["res2.conv1", "res2.conv2", "block3.conv", "pointwise"]
+    for name in downstream:
+        # propagated carries the broken layer's error; shadow feeds float inputs and sees int8 noise only
+        assert rows[name].sqnr_propagated < 15.0 < 25.0 < rows[name].sqnr_shadow, name
+    first = rows["stem.conv"]
+    assert abs(first.sqnr_shadow - first.sqnr_propagated) < 0.01  # model inputs are exact
+
+
+def _eager_prepared(model, data):
+    from torch.ao.quantization import fuse_modules, get_default_qconfig, prepare
+
+    prepared = copy.deepcopy(model)
+    prepared.qconfig = get_default_qconfig("x86")
+    fuse_modules(prepared, EagerConvNet.FUSION, inplace=True)
+    prepare(prepared, inplace=True)
+    with torch.no_grad():
+        for batch in data:
+            prepared(batch)
+    return prepared
+
+
+@pytest.mark.parametrize("counterpart", ["fx-prepared", "eager-prepared"])
+def test_models_are_left_exactly_as_they_were(broken, counterpart):
+    model, data, prepared, _, _ = broken
+    if counterpart == "fx-prepared":
+        float_model = copy.deepcopy(model).train()  # BN in training mode would update its statistics
+        quantized = copy.deepcopy(prepared)
+    else:
+        # eager observers run inside the model's own hooks: they do see the comparison data
+        float_model = randomize_batch_norm(EagerConvNet()).train()
+        quantized = _eager_prepared(float_model.eval(), data)
+        float_model.train()
+
+    def snapshot(module):
+        return ({name: value.clone() for name, value in module.state_dict().items()},
+                [child.training for child in module.modules()],
+                sum(len(child._forward_hooks) + len(child._forward_pre_hooks) for child in module.modules()))
+
+    before = snapshot(float_model), snapshot(quantized)
+    report = compare(float_model, quantized, [batch * 3.0 for batch in data])  # a range the observers never saw
+    assert report.layers
+    after = snapshot(float_model), snapshot(quantized)
+    for (state_before, modes_before, hooks_before), (state_after, modes_after, hooks_after) in zip(before, after):
+        assert state_before.keys() == state_after.keys()
+        assert all(torch.equal(state_before[key], state_after[key]) for key in state_before)
+        assert modes_before == modes_after and hooks_before == hooks_after
+
+
+def test_modes_and_thresholds(broken):
+    model, data, _, converted, _ = broken
+    data = data[:2]
+    propagated_only = compare(model, converted, data, modes=("propagated",))
+    assert all(row.sqnr_shadow is None for row in propagated_only.layers)
+    # without a shadow run the local error is estimated from the jump, and still pins the layer
+    assert [finding.target for finding in propagated_only.by_rule("QL301")] == [BAD_LAYER]
+    lenient = compare(model, converted, data, sqnr_threshold=0.0, weight_sqnr_threshold=0.0)
+    assert lenient.findings == []
+    strict = compare(model, converted, data, modes=("shadow",), sqnr_threshold=60.0)
+    assert len(strict.by_rule("QL301")) == sum(row.sqnr_shadow is not None for row in strict.layers)
+    with pytest.raises(ValueError):
+        compare(model, converted, data, modes=("sideways",))
+
+
+def test_badcases_find_the_outlier_inputs_and_round_trip(broken, tmp_path):
+    model, data, _, converted, _ = broken
+    generator = torch.Generator().manual_seed(7)
+    dataset = [torch.randn(4, 3, 8, 8, generator=generator) for _ in range(5)]
+    outliers = {6, 13}  # global sample indices: batch 1 row 2, batch 3 row 1
+    dataset[1][2] *= 6.0  # far outside the calibrated ranges: activations clip
+    dataset[3][1] *= 6.0
+    found = find_badcases(model, converted, dataset, top=3)
+    assert found.samples_seen == 20
+    for metric in ("l1", "max_abs"):
+        cases = found.worst(metric)
+        assert len(cases) == 3 and {case.index for case in cases[:2]} == outliers
+        assert [case.value for case in cases] == sorted((case.value for case in cases), reverse=True)
+    cosine_values = [case.value for case in found.worst("cosine")]
+    assert cosine_values == sorted(cosine_values)
+    # values are the per-sample metrics of the full outputs
+    case = found.worst("max_abs")[0]
+    with torch.no_grad():
+        expected = per_sample_scores(model(case.sample), converted(case.sample).dequantize()
+                                     if converted(case.sample).is_quantized else converted(case.sample))
+    assert case.value == pytest.approx(float(expected["max_abs"][0]), rel=1e-6)
+    assert torch.equal(case.sample[0], dataset[case.index // 4][case.index % 4])
+    path = found.save(tmp_path / "badcases.pt")
+    loaded = BadCaseSet.load(path)
+    assert {metric: [c.index for c in cases] for metric, cases in loaded.cases.items()} == \
+        {metric: [c.index for c in cases] for metric, cases in found.cases.items()}
+    rerun = compare_badcases(model, converted, path, metric="max_abs")
+    assert isinstance(rerun, Report) and rerun.layers
+    assert BAD_LAYER in [finding.target for finding in rerun.by_rule("QL301")]
+
+
+def test_functional_layers_are_compared_too(broken):
+    model, data, _, converted, report = broken
+    match = match_layers(model, converted)
+    functional = [layer.name for layer in match.layers if not layer.is_module]
+    rows = {row.name: row for row in report.layers}
+    assert functional and all(name in rows for name in functional)
+    assert all(rows[name].sqnr_propagated is not None for name in functional)

@@ -1,0 +1,97 @@
+"""sensitivity(): agreement with the exhaustive one-layer-at-a-time ranking."""
+
+import time
+import warnings
+
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+from qlint.numeric.examples import SmallConvNet, bad_layer_qconfig_mapping, image_batches, randomize_batch_norm
+from qlint.numeric.sensitivity import (
+    exhaustive_sensitivity,
+    sensitivity,
+    sensitivity_rows,
+    spearman,
+    top_k_spearman,
+)
+
+warnings.filterwarnings("ignore")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """Small tensors on shared cores: one intra-op thread avoids oversubscription stalls (10x here)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_and_data():
+    torch.manual_seed(0)
+    model = randomize_batch_norm(SmallConvNet()).eval()  # 12 weighted layers
+    return model, image_batches(3, batch_size=4, size=8, seed=5)
+
+
+@pytest.fixture(scope="module")
+def estimated_rows(model_and_data):
+    model, data = model_and_data
+    started = time.perf_counter()
+    rows = sensitivity_rows(model, data)
+    return rows, time.perf_counter() - started
+
+
+def test_matches_exhaustive_ranking_and_is_faster(model_and_data, estimated_rows):
+    model, data = model_and_data
+    rows, fast = estimated_rows
+    estimate = [(row.name, row.score) for row in rows]
+    started = time.perf_counter()
+    reference = exhaustive_sensitivity(model, data)
+    slow = time.perf_counter() - started
+    assert len(reference) >= 10 and {name for name, _ in estimate} == {name for name, _ in reference}
+    assert top_k_spearman(reference, estimate, 10) >= 0.9
+    assert fast < slow  # one calibration + one pass, against one calibration and pass per layer
+    # the estimate is of the same quantity, not only the same order: within a factor of 3 per layer
+    estimated = dict(estimate)
+    for name, value in reference[:10]:
+        assert value / 3 < estimated[name] < value * 3, name
+
+
+def test_broken_layer_ranks_first(model_and_data):
+    model, data = model_and_data
+    broken = "res2.conv1"
+    ranking = sensitivity(model, data, qconfig_mapping=bad_layer_qconfig_mapping(broken))
+    assert ranking[0][0] == broken
+    assert ranking[0][1] > 10 * ranking[1][1]
+
+
+def test_rows_carry_flops_and_params_shares(model_and_data, estimated_rows):
+    model, _ = model_and_data
+    rows, _ = estimated_rows
+    assert [row.score for row in rows] == sorted((row.score for row in rows), reverse=True)
+    assert sum(row.params_share for row in rows) == pytest.approx(1.0)
+    assert sum(row.flops_share for row in rows) == pytest.approx(1.0)
+    by_name = {row.name: row for row in rows}
+    assert by_name["fc1"].params == sum(parameter.numel() for parameter in model.fc1.parameters())
+    # stem: 3->16 channels, 3x3, stride 1 on 8x8: 2 * 16*8*8 outputs * 27 MACs per sample
+    assert by_name["stem.conv"].flops == pytest.approx(2 * 16 * 8 * 8 * 27)
+    assert all(row.local_sqnr_db is not None and row.local_sqnr_db > 20 for row in rows)
+
+
+def test_spearman_agrees_with_scipy():
+    generator = torch.Generator().manual_seed(3)
+    for size in (3, 7, 12):
+        first = torch.randn(size, generator=generator).tolist()
+        second = [value + 0.5 * noise for value, noise in zip(first, torch.randn(size, generator=generator).tolist())]
+        second[0] = second[1]  # a tie
+        assert spearman(first, second) == pytest.approx(spearmanr(first, second).statistic, abs=1e-12)
+    with pytest.raises(ValueError):
+        spearman([1.0], [2.0])
+
+
+def test_one_shot_iterators_are_refused(model_and_data):
+    model, data = model_and_data
+    with pytest.raises(TypeError):
+        sensitivity(model, iter(data))
