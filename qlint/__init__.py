@@ -10,6 +10,8 @@ except PackageNotFoundError:  # running from a source checkout that is not insta
 from qlint.findings import Finding, LayerRow, Notice, QConfigRow, Report, Severity, SkippedRule, Timing  # noqa: E402
 from qlint.engine import lint  # noqa: E402
 from qlint.verify import verify  # noqa: E402
+from qlint.numeric.compare import compare  # noqa: E402
+from qlint.numeric.sensitivity import sensitivity  # noqa: E402
 
 __all__ = ["Finding", "LayerRow", "Notice", "QConfigRow", "Report", "Severity", "SkippedRule",
-           "Timing", "lint", "verify", "__version__"]
+           "Timing", "compare", "lint", "sensitivity", "verify", "__version__"]

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from qlint.findings import Report
 from qlint.numeric import html as report_html
-from qlint.numeric.command import EXIT_FINDINGS, EXIT_USAGE, add_compare_arguments, load_object, run_compare
+from qlint.numeric.command import EXIT_FINDINGS, EXIT_USAGE, add_compare_arguments, load_data_arg, run_compare
 from qlint.numeric.compare import activation_histograms, compare, worst_layers
 from qlint.numeric.examples import (
     SmallConvNet,
@@ -150,5 +150,5 @@ def test_command_text_output_and_usage_errors(tmp_path):
                        stdout=io.StringIO()) == EXIT_USAGE
     assert run_compare(_parse([float_spec, quantized_spec, "--calibration", str(data_path), "--modes", "bogus"]),
                        stdout=io.StringIO()) == EXIT_USAGE
-    with pytest.raises(Exception, match="package.module:factory"):
-        load_object("not-a-spec")
+    with pytest.raises(Exception, match="not-a-spec"):
+        load_data_arg("not-a-spec")

@@ -1,22 +1,21 @@
 """`qlint compare FLOAT QUANT --calibration DATA`: the numeric suite on the command line.
 
 The lead wires ``add_compare_arguments`` / ``run_compare`` into ``qlint.cli``.
-Models and data are loaded by ``load_object`` alone, so that the project's
+Models and data are loaded by ``load_model_arg``/``load_data_arg`` alone, so that the project's
 model loader can replace it in one place.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from pathlib import Path
 from typing import Any, Optional, TextIO
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from qlint.errors import LoadError, QlintError
 from qlint.findings import Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
 from qlint.numeric.compare import MODES, activation_histograms, compare, worst_layers
@@ -27,27 +26,26 @@ from qlint.numeric.sensitivity import sensitivity_rows
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
 
-class LoadError(Exception):
-    """A model or dataset argument could not be turned into an object."""
+
+def load_model_arg(spec: str, trust_pickle: bool = False) -> torch.nn.Module:
+    """FLOAT or QUANT: anything qlint's safe loader takes (.pt2, .pt, module:factory)."""
+    from qlint.loading import load_model
+
+    return load_model(spec, trust_pickle=trust_pickle).module
 
 
-def load_object(spec: str) -> Any:
-    """``package.module:factory`` (called when callable) or, for data, a ``.pt`` file."""
-    if spec.endswith((".pt", ".pth")) and Path(spec).is_file():
-        loaded = torch.load(spec, weights_only=True)
-        return [loaded] if isinstance(loaded, torch.Tensor) else loaded
-    module_name, separator, attribute = spec.partition(":")
-    if not separator or not module_name or not attribute:
-        raise LoadError(f"{spec!r}: expected package.module:factory or a .pt file")
-    try:
-        target = importlib.import_module(module_name)
-    except ImportError as error:
-        raise LoadError(f"{spec!r}: cannot import {module_name} ({error})") from error
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise LoadError(f"{spec!r}: {module_name} has no attribute {attribute}")
-        target = getattr(target, part)
-    return target() if callable(target) and not isinstance(target, torch.nn.Module) else target
+def load_data_arg(spec: str) -> Any:
+    """Batches: a saved tensor/list or folder (weights_only), or package.module:factory."""
+    from qlint.calibration import load_calibration
+    from qlint.loading import is_factory_spec, resolve_object
+
+    if is_factory_spec(spec):
+        target = resolve_object(spec)
+        try:
+            return target() if callable(target) else target
+        except Exception as error:  # the user's function may raise anything
+            raise LoadError(f"data factory {spec} raised {type(error).__name__}: {error}") from error
+    return load_calibration(spec)
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,6 +69,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="rank layers by sensitivity (re-quantizes FLOAT with FX PTQ for --backend)")
     parser.add_argument("--backend", default="x86", help="quantization backend for --sensitivity")
     parser.add_argument("--max-batches", type=int, default=None, help="use at most this many batches")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="allow unpickling whole modules from .pt files (runs code from the files)")
     return parser
 
 
@@ -107,10 +107,10 @@ def run_compare(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> in
     errors = Console(file=sys.stderr)
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     try:
-        float_model = load_object(args.float_model)
-        quantized_model = load_object(args.quantized_model)
-        data = load_object(args.calibration)
-    except LoadError as error:
+        float_model = load_model_arg(args.float_model, args.trust_pickle)
+        quantized_model = load_model_arg(args.quantized_model, args.trust_pickle)
+        data = load_data_arg(args.calibration)
+    except QlintError as error:
         errors.print(f"qlint compare: {error}", highlight=False)
         return EXIT_USAGE
     if not isinstance(float_model, torch.nn.Module) or not isinstance(quantized_model, torch.nn.Module):
