@@ -16,6 +16,7 @@ global report.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -147,17 +148,26 @@ class CalibrationStatistics:
 # ------------------------------------------------------------------------------ running
 def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
                        options: Any = None) -> tuple[CalibrationStatistics, list[Notice]]:
-    """Calibrate an observed copy of ``analysis.traced.graph_module`` on ``calibration``."""
+    """Observe the analysis copy's tensor points while ``calibration`` runs through it."""
     opts = dict(options or {})
     graph: ModelGraph = analysis.graph
     data_rules = [r for r in rules if Need.STATISTICS in r.requires]
     points = resolve_points(graph, data_rules)
     notices: list[Notice] = []
     q = _reference_percentile(data_rules)
+    shared = analysis.traced.graph_module if analysis.traced is not None else analysis.model
+    with preserved_state(shared):
+        stats, count, world = _calibrate(analysis, graph, points, q, calibration, opts, notices)
+    return CalibrationStatistics(graph, stats, count, data_rules, world), notices
+
+
+def _calibrate(analysis: Any, graph: ModelGraph, points: Sequence[ObservationPoint], q: float,
+               calibration: Any, opts: dict[str, Any], notices: list[Notice]):
+    hooks: list[Any] = []
     if analysis.traced is not None:
         observed, observers, skipped = insert_observers(analysis.traced.graph_module, points, q)
     else:
-        observed, observers, skipped = insert_hook_observers(analysis.model, graph, points, q)
+        observed, observers, skipped, hooks = insert_hook_observers(analysis.model, graph, points, q)
     for point in skipped:
         notices.append(Notice(message=f"calibration: cannot observe {point.side} {point.index} of "
                                       f"{point.node}; rules that need it skip that layer"))
@@ -165,8 +175,12 @@ def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
     batches = _limit(calibration, opts.get("num_batches"))
     if world > 1 and opts.get("shard"):
         batches = (b for i, b in enumerate(batches) if i % world == rank)
-    count = run_calibration(observed, batches, quiet=bool(opts.get("quiet")) or rank != 0,
-                            total=_length(calibration, opts.get("num_batches")))
+    try:
+        count = run_calibration(observed, batches, quiet=bool(opts.get("quiet")) or rank != 0,
+                                total=_length(calibration, opts.get("num_batches")))
+    finally:
+        for handle in hooks:
+            handle.remove()
     stats = {point: observers[point].stats for point in observers}
     if world > 1:
         count = _all_reduce_count(count, group)
@@ -175,7 +189,26 @@ def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
     if count == 0:
         raise EmptyCalibrationError("calibration data is empty: it yielded no batch "
                                     "(pass a tensor, a list of batches or a non-empty folder)")
-    return CalibrationStatistics(graph, stats, count, data_rules, world), notices
+    return stats, count, world
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Calibration borrows the analysis copy's modules instead of copying the weights again;
+    afterwards every training flag and buffer (BN statistics, fake-quant observers) is as before."""
+    modes = {name: sub.training for name, sub in module.named_modules()}
+    buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                saved = buffers.get(name)
+                if saved is not None and saved.shape == buffer.shape:
+                    buffer.copy_(saved)
+        for name, sub in module.named_modules():
+            if name in modes:
+                sub.training = modes[name]
 
 
 def _point_key(point: ObservationPoint) -> tuple:
@@ -198,7 +231,8 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
     An input observer feeds only the observed node (its other consumers are
     untouched); an output observer is a side branch of the node.
     """
-    observed = copy.deepcopy(graph_module)
+    # Shares the (already private) modules and weights; only the graph is copied.
+    observed = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph))
     nodes = {n.name: n for n in observed.graph.nodes}
     observers: dict[ObservationPoint, StatsObserver] = {}
     skipped: list[ObservationPoint] = []
@@ -229,11 +263,13 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
 
 def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[ObservationPoint],
                           reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE):
-    """For graphs from the eager-hooks front end: observers fed by forward hooks on a copy.
+    """For graphs from the eager-hooks front end: observers fed by forward hooks.
 
     Node k of module M in execution order is the k-th call of M in each forward pass.
+    ``model`` is the private analysis copy; the caller removes the returned hook handles.
     """
-    observed = copy.deepcopy(model)
+    observed = model
+    handles: list[Any] = []
     observers: dict[ObservationPoint, StatsObserver] = {}
     skipped: list[ObservationPoint] = []
     by_module: dict[str, dict[int, list[tuple[ObservationPoint, StatsObserver]]]] = {}
@@ -246,17 +282,18 @@ def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[
         observer = StatsObserver(point.channel_axis, reference_percentile)
         observers[point] = observer
         by_module.setdefault(node.module, {}).setdefault(call_index, []).append((point, observer))
-    counters = [_attach_hooks(observed.get_submodule(fqn), per_call) for fqn, per_call in by_module.items()]
+    counters = [_attach_hooks(observed.get_submodule(fqn), per_call, handles)
+                for fqn, per_call in by_module.items()]
 
     def new_batch(_module, _args):
         for counter in counters:
             counter["count"] = 0
 
-    observed.register_forward_pre_hook(new_batch)
-    return observed, observers, skipped
+    handles.append(observed.register_forward_pre_hook(new_batch))
+    return observed, observers, skipped, handles
 
 
-def _attach_hooks(module: nn.Module, per_call: dict[int, list]) -> dict[str, int]:
+def _attach_hooks(module: nn.Module, per_call: dict[int, list], handles: list[Any]) -> dict[str, int]:
     """Feed observers from the module's k-th call; returns the counter the root resets."""
     counter = {"count": 0, "current": 0}
 
@@ -272,8 +309,8 @@ def _attach_hooks(module: nn.Module, per_call: dict[int, list]) -> dict[str, int
             if point.side == "output":
                 observer(output[0] if isinstance(output, tuple) else output)
 
-    module.register_forward_pre_hook(pre_hook)
-    module.register_forward_hook(post_hook)
+    handles.append(module.register_forward_pre_hook(pre_hook))
+    handles.append(module.register_forward_hook(post_hook))
     return counter
 
 

@@ -317,3 +317,18 @@ def test_cli_empty_calibration_file_exits_2(run_cli, tmp_path):
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "empty" in lines[0], result.stderr
+
+
+def test_preserved_state_restores_modes_and_buffers():
+    from qlint.calibration import preserved_state
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with preserved_state(model):
+        model(torch.randn(2, 3, 8, 8) * 5 + 3)  # updates BN running statistics
+        changed = not torch.equal(model[1].running_mean, before["1.running_mean"])
+        model.eval()
+    assert changed  # the forward really did change state inside the block
+    assert model.training and model[1].training
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
