@@ -1,6 +1,6 @@
 """Float-preserving graph rewrites applied to an fx GraphModule copy before quantizing.
 
-Two rewrites are implemented:
+Three rewrites are implemented:
 
 ``fold_bn_into_functional_conv``
     A BatchNorm module (eval mode, with running statistics) whose only input is a
@@ -8,6 +8,15 @@ Two rewrites are implemented:
     bias, as when an ``nn.Conv2d`` subclass with a custom forward is traced through).
     prepare_fx cannot fuse that pair, so the conv output is rounded to int8 before the BN
     rescales it; folding the BN statistics into the conv weight and bias removes the BN.
+
+``fuse`` (duplicate a fan-out producer)
+    A Conv/Linear module whose output feeds a BatchNorm module *and* other consumers
+    (``y = conv(x); out = relu(bn(y)) + y``). prepare_fx fuses conv-bn only when the
+    conv output has no other user, so the conv output is rounded to int8 before the BN
+    re-amplifies it. The rewrite adds a copy of the conv (same weights, registered on
+    the root as ``<fqn>_qlint_fanout``, with the same inputs) and feeds the other
+    consumers from the copy; the original conv then feeds only the BN and fuses.
+    Exact in float (the copy computes the same values); costs one extra conv.
 
 ``view_to_reshape``
     ``x.view(...)`` on the output of an op.  After convert_fx the quantized op may return
@@ -36,6 +45,9 @@ DEFAULT_MAX_RELATIVE_ERROR = 1e-5
 
 _FUNCTIONAL_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_FANOUT_PRODUCERS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d,
+                     nn.Linear: nn.BatchNorm1d}
+FANOUT_SUFFIX = "_qlint_fanout"
 
 
 class AppliedRewrite(BaseModel):
@@ -95,11 +107,33 @@ def find_rewrites(gm: fx.GraphModule) -> list[_Candidate]:
                 continue
             found.append(_Candidate("fold_bn_into_functional_conv",
                                     [_owner_name(str(weight.target)), str(node.target)], [conv.name, node.name]))
-        elif node.op == "call_method" and node.target == "view":
+        fanout = _fanout_candidate(gm, modules, node)
+        if fanout is not None:
+            found.append(fanout)
+        if node.op == "call_method" and node.target == "view":
             source = node.args[0] if node.args else None
             if isinstance(source, fx.Node) and source.op in ("call_module", "call_function", "call_method"):
                 found.append(_Candidate("view_to_reshape", [node.name], [node.name]))
     return found
+
+
+def _fanout_candidate(gm: fx.GraphModule, modules: dict[str, nn.Module], node: fx.Node) -> Optional[_Candidate]:
+    """A Conv/Linear module call feeding an eval-mode BN module plus other consumers."""
+    if node.op != "call_module":
+        return None
+    producer = modules.get(str(node.target))
+    bn_type = next((b for p, b in _FANOUT_PRODUCERS.items() if type(producer) is p), None)
+    if bn_type is None or len(node.users) < 2:
+        return None
+    bns = [u for u in node.users if u.op == "call_module" and isinstance(modules.get(str(u.target)), bn_type)
+           and u.args and u.args[0] is node and len(u.args) == 1 and not u.kwargs]
+    if len(bns) != 1:
+        return None
+    bn = modules[str(bns[0].target)]
+    if bn.training or bn.running_mean is None or producer.training:
+        return None
+    others = [u.name for u in node.users if u is not bns[0]]
+    return _Candidate("fuse", [str(node.target), str(bns[0].target)], [node.name, bns[0].name] + others)
 
 
 # ----------------------------------------------------------------------------- applying
@@ -145,31 +179,36 @@ def _fold(gm: fx.GraphModule, candidate: _Candidate) -> None:
     gm.graph.erase_node(bn_node)
 
 
+def _duplicate_fanout(gm: fx.GraphModule, candidate: _Candidate) -> None:
+    node = next(n for n in gm.graph.nodes if n.name == candidate.nodes[0])
+    bn_node = next(n for n in gm.graph.nodes if n.name == candidate.nodes[1])
+    base = str(node.target).replace(".", "_") + FANOUT_SUFFIX
+    name, i = base, 1
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}{i}"
+    duplicate = copy.deepcopy(gm.get_submodule(str(node.target)))
+    duplicate.qlint_fanout_of = str(node.target)  # verify gives the copy the original's qconfig
+    gm.add_submodule(name, duplicate)
+    with gm.graph.inserting_after(node):
+        copy_node = gm.graph.call_module(name, node.args, dict(node.kwargs))
+    node.replace_all_uses_with(copy_node, delete_user_cb=lambda user: user is not bn_node and user is not copy_node)
+
+
 def _view_to_reshape(gm: fx.GraphModule, candidate: _Candidate) -> None:
     node = next(n for n in gm.graph.nodes if n.name == candidate.nodes[0])
     node.target = "reshape"
 
 
-_APPLY = {"fold_bn_into_functional_conv": _fold, "view_to_reshape": _view_to_reshape}
+_APPLY = {"fold_bn_into_functional_conv": _fold, "view_to_reshape": _view_to_reshape, "fuse": _duplicate_fanout}
 
 
 def _outputs(gm: nn.Module, inputs: Sequence[Any]) -> list[torch.Tensor]:
+    from qlint.nested import leaves_of_type
+
     with torch.no_grad():
         out = gm(*inputs)
-    flat: list[torch.Tensor] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            flat.append(value.detach().float())
-        elif isinstance(value, (tuple, list)):
-            for v in value:
-                walk(v)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-
-    walk(out)
-    return flat
+    return [t.detach().float() for t in leaves_of_type(out, torch.Tensor)]
 
 
 def rewrite_key(kind: str, nodes: Sequence[str]) -> str:
@@ -363,4 +402,5 @@ def apply_equalization(graph_module: fx.GraphModule, modules: Sequence[str], bat
     return current, applied
 
 
-__all__ = ["AppliedRewrite", "apply_equalization", "apply_rewrites", "find_rewrites", "rewrite_key", "relative_error", "DEFAULT_MAX_RELATIVE_ERROR"]
+__all__ = ["AppliedRewrite", "apply_equalization", "apply_rewrites", "find_rewrites", "rewrite_key", "relative_error", "DEFAULT_MAX_RELATIVE_ERROR",
+           "FANOUT_SUFFIX"]

@@ -275,6 +275,10 @@ class _Session:
         from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
         mapping = plan.to_qconfig_mapping() if plan is not None else get_default_qconfig_mapping(self.backend)
+        for name, module in gm.named_modules():  # a fan-out copy follows its original's decision
+            origin = getattr(module, "qlint_fanout_of", None)
+            if origin in mapping.module_name_qconfigs:
+                mapping.set_module_name(name, mapping.module_name_qconfigs[origin])
         eq = _default_equalization_mapping(plan, self.equalization_qconfig) if plan is not None else None
         try:
             kwargs = {"_equalization_config": eq} if eq is not None else {}

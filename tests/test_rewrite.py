@@ -135,3 +135,81 @@ def test_training_bn_is_not_folded_and_no_inputs_is_an_error(data):
     assert ("fold_bn_into_functional_conv", ["convs.0", "bns.0"]) in kinds
     with pytest.raises(QlintError):
         apply_rewrites(model, None, ())
+
+
+# ----------------------------------------------------------------- fan-out conv → BN
+class FanOutNet(nn.Module):
+    """conv output feeds its BN *and* a skip add: prepare_fx cannot fuse conv-bn."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.fc = nn.Linear(width, 4)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        y = self.conv(x)
+        x = F.relu(self.bn(y)) + y
+        return self.fc(x.mean((2, 3)))
+
+
+def make_fanout_net(seed=0):
+    """Near-dead conv filters re-amplified by the BN, as in make_same_conv_net."""
+    torch.manual_seed(seed)
+    model = FanOutNet()
+    with torch.no_grad():
+        model.bn.eps = 1e-9
+        model.bn.running_mean.uniform_(-0.5, 0.5)
+        model.bn.running_var.uniform_(0.5, 2.0)
+        model.bn.weight.uniform_(0.5, 1.5)
+        for c in (1, 3, 4, 6):
+            model.conv.weight[c] *= 1e-3
+            model.conv.bias[c] *= 1e-3
+            model.bn.running_mean[c] *= 1e-3
+            model.bn.running_var[c] *= 1e-6
+    return model.eval()
+
+
+def test_fanout_duplication_keeps_float_and_unblocks_fusion(data):
+    model = make_fanout_net()
+    before = copy.deepcopy(model.state_dict())
+    gm, applied = apply_rewrites(model, None, (data[0],))
+    dup = [a for a in applied if a.kind == "fuse"]
+    assert len(dup) == 1 and dup[0].applied and dup[0].modules == ["conv", "bn"]
+    assert dup[0].max_relative_error <= 1e-5
+    conv_node = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "conv")
+    assert [u.target for u in conv_node.users] == ["bn"]  # the skip add now reads the copy
+    copies = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target).endswith("_qlint_fanout")]
+    assert len(copies) == 1 and copies[0].args == conv_node.args
+    with torch.no_grad():
+        for batch in data:
+            assert relative_error([model(batch)], [gm(batch)]) <= 1e-5
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # prepare_fx now fuses conv-bn(-relu): no BatchNorm survives in the converted graph
+    def batch_norms(m):
+        return [name for name, sub in _ptq(m, data).named_modules() if "BatchNorm" in type(sub).__name__ or "BNReLU" in type(sub).__name__]
+
+    assert batch_norms(fx.symbolic_trace(model)) == ["bn"]
+    assert batch_norms(gm) == []
+
+
+def test_fanout_duplication_lifts_ptq_sqnr(data):
+    model = make_fanout_net()
+    gm, _ = apply_rewrites(model, None, (data[0],), kinds=["fuse"])
+    plain, split = _ptq(fx.symbolic_trace(model), data), _ptq(gm, data)
+    with torch.no_grad():
+        ref = torch.cat([model(b) for b in data])
+        plain_sqnr = _sqnr(ref, torch.cat([plain(b) for b in data]))
+        split_sqnr = _sqnr(ref, torch.cat([split(b) for b in data]))
+    assert split_sqnr > plain_sqnr + 6.0
+
+
+def test_fanout_not_duplicated_without_fanout_or_in_training(data):
+    gm = fx.symbolic_trace(make_fanout_net())
+    assert [c.modules for c in find_rewrites(gm) if c.kind == "fuse"] == [["conv", "bn"]]
+    gm.get_submodule("bn").train()
+    assert not [c for c in find_rewrites(gm) if c.kind == "fuse"]
+    single = fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval())
+    assert not [c for c in find_rewrites(single) if c.kind == "fuse"]

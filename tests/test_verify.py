@@ -7,7 +7,7 @@ import torch
 
 from qlint.plan import ModuleDecision, Provenance, QuantPlan, default_plan
 from qlint.verify import VerifyReport, verify
-from tests.test_rewrite import make_same_conv_net
+from tests.test_rewrite import make_fanout_net, make_same_conv_net
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,20 @@ def test_target_fallback_keeps_layers_float(data):
     assert result.plan.sqnr_db > result.requested.sqnr_db
     assert all(result.verified_plan.decision(f).quantize is False for f in result.kept_float)
     assert any("not reached" in n for n in result.notes)
+
+
+def test_fanout_duplication_is_kept_and_recorded(data):
+    calibration, eval_data = data
+    result = verify(make_fanout_net(), None, calibration, eval_data)
+    dup = next(r for r in result.rewrites if r.kind == "fuse")
+    assert dup.applied and dup.modules == ["conv", "bn"] and dup.max_relative_error <= 1e-5
+    outcome = next(d for d in result.decisions if d.kind == "rewrite" and d.target.startswith("fuse:"))
+    assert outcome.kept and outcome.sqnr_with_db > outcome.sqnr_without_db
+    assert result.plan.sqnr_db >= result.default.sqnr_db + 6.0
+    # the copy is one more int8 conv in the converted graph; nothing is left float
+    assert result.plan.total_layers == result.default.total_layers + 1
+    assert result.plan.int8_fraction == 1.0
+    assert any(r.kind == "fuse" and r.modules == ["conv", "bn"] for r in result.verified_plan.rewrites)
 
 
 def test_report_json_round_trip(report):
@@ -133,3 +147,12 @@ def test_cli_fix_writes_pt2_pt_and_qconfig(run_cli, cli_files):
     assert bad.returncode == 2 and ".pt2" in bad.stderr
     no_inputs = run_cli("fix", f"{cli_files}/netmod.py:build", "--output", "y.pt2", cwd=cli_files)
     assert no_inputs.returncode == 2 and "example inputs" in no_inputs.stderr
+
+
+def test_fanout_copy_follows_keep_float_decision(data):
+    calibration, eval_data = data
+    keep = ModuleDecision(fqn="conv", quantize=False, provenance=[Provenance(source="user", detail="test")])
+    plan = default_plan("x86").model_copy(update={"modules": [keep]})
+    result = verify(make_fanout_net(), plan, calibration, eval_data, prune=False)
+    assert sorted(result.plan.float_modules) == ["conv", "conv_qlint_fanout"]
+    assert result.plan.int8_layers == result.plan.total_layers - 2
