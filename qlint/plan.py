@@ -300,6 +300,12 @@ class QuantPlan(_Frozen):
 
         return to_python(self)
 
+    def to_pt2e_quantizer(self) -> Any:
+        """A torchao pt2e quantizer applying this plan (needs the extra ``qlint[pt2e]``)."""
+        from qlint.plan_pt2e import to_pt2e_quantizer
+
+        return to_pt2e_quantizer(self)
+
     def pretty(self) -> str:
         """A human-readable summary (``qlint plan show``)."""
         lines = [f"QuantPlan (schema {self.schema_version}) for {self.model or 'model'} on {self.backend}",

@@ -1,0 +1,40 @@
+"""Export a QuantPlan to a pt2e quantizer (torchao), for the torch.export quantization flow.
+
+Needs the optional extra ``qlint[pt2e]`` (torchao). The x86 family of backends maps to
+torchao's X86InductorQuantizer; per-module decisions become module-name configs:
+keep-float → None, dynamic → a dynamic config. X86InductorQuantizer always quantizes
+weights per channel and picks its own observers, so per-tensor weight and observer-kind
+decisions have no pt2e equivalent and are not exported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qlint.errors import ConfigError
+
+_X86_FAMILY = ("x86", "fbgemm", "onednn")
+
+
+def to_pt2e_quantizer(plan: Any) -> Any:
+    try:
+        from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+            X86InductorQuantizer, get_default_x86_inductor_quantization_config)
+    except ImportError as error:
+        raise ConfigError("pt2e export needs torchao: pip install 'qlint[pt2e]'") from error
+    if plan.backend not in _X86_FAMILY:
+        raise ConfigError(f"pt2e export supports the {', '.join(_X86_FAMILY)} backends; for "
+                          f"{plan.backend} use ExecuTorch's XNNPACKQuantizer with the plan's decisions")
+
+    def config(dynamic: bool = False):
+        return get_default_x86_inductor_quantization_config(
+            is_dynamic=dynamic, reduce_range=bool(plan.activation.reduce_range))
+
+    quantizer = X86InductorQuantizer()
+    quantizer.set_global(config())
+    for decision in plan.modules:
+        if not decision.quantize:
+            quantizer.set_module_name_qconfig(decision.fqn, None)
+        elif decision.mode == "dynamic":
+            quantizer.set_module_name_qconfig(decision.fqn, config(dynamic=True))
+    return quantizer
