@@ -4,6 +4,9 @@ Times a plain forward against a forward with a StatsObserver on the input of
 every conv/linear and on the output of every linear, over the same batches,
 and prints the ratio (target: <= 1.3). Plain and observed passes alternate so
 that background load hits both alike; the median over repeats is reported.
+On a shared machine use ``--threads 1`` and read the CPU-time ratio too: with
+several OpenMP threads, every parallel region waits for its slowest thread,
+so wall times then measure the other tenants more than the code.
 
     python bench/stats_micro.py [--batches 8] [--batch-size 8] [--repeats 3] [--threads N]
 """
@@ -73,12 +76,13 @@ def attach_observers(model: nn.Module) -> tuple[list[StatsObserver], list]:
     return observers, handles
 
 
-def time_pass(model: nn.Module, batches: list[torch.Tensor]) -> float:
-    start = time.perf_counter()
+def time_pass(model: nn.Module, batches: list[torch.Tensor]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) for one pass over ``batches``."""
+    wall, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for batch in batches:
             model(batch)
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
@@ -106,11 +110,16 @@ def main() -> None:
     for _ in range(args.repeats):
         plain_times.append(time_pass(plain, batches))
         observed_times.append(time_pass(observed, batches))
-    ratios = [o / p for o, p in zip(observed_times, plain_times)]
     print(f"threads={torch.get_num_threads()} observers={len(observers)} batches={args.batches}x{args.batch_size}")
-    print(f"plain    median {statistics.median(plain_times) * 1e3:8.1f} ms  per pass {plain_times}")
-    print(f"observed median {statistics.median(observed_times) * 1e3:8.1f} ms  per pass {observed_times}")
-    print(f"ratio observed/plain: median {statistics.median(ratios):.3f} (min {min(ratios):.3f})")
+    for index, clock in enumerate(("wall", "cpu")):
+        plain_s = [times[index] for times in plain_times]
+        observed_s = [times[index] for times in observed_times]
+        ratios = [o / p for o, p in zip(observed_s, plain_s)]
+        print(
+            f"{clock:4s}: plain median {statistics.median(plain_s) * 1e3:8.1f} ms, "
+            f"observed median {statistics.median(observed_s) * 1e3:8.1f} ms, "
+            f"ratio median {statistics.median(ratios):.3f} (min {min(ratios):.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ from qlint.stats.accumulator import (
     TensorStats,
     histogram_bin_edges,
     summarize_batch,
-    thread_scratch_buffers,
     update_stats,
 )
 from qlint.stats.distributed import all_reduce_stats
-from qlint.stats.observer import StatsObserver
+from qlint.stats.observer import StatsObserver, thread_scratch_buffers
 
 __all__ = [
     "HISTOGRAM_SHAPE",

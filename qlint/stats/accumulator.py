@@ -53,7 +53,15 @@ the order in which batches arrive.
 
 Non-finite values: NaN and +-Inf are counted in ``nan_count`` / ``inf_count``
 and excluded from every other statistic (a batch whose values are all
-non-finite adds to ``batches`` only).
+non-finite adds to ``batches`` only). torch's observer is poisoned by them.
+
+Channels: any ``channel_axis`` works (torch's percentile code is only right
+for ``ch_axis=1``: it takes quantiles along ``dim=ch_axis`` of the flattened
+2-D tensor). Work per batch: one channel-major copy, a few reductions, one
+exact selection (block-maximum prefilter, numpy partition when numpy is
+installed) and one bincount. On CPU a finite batch takes a fast path that
+sums in float32 per batch (float64 across batches); other batches, and every
+batch off-CPU, take a path with no device-to-host reads.
 
 Histogram: bins are keyed by the float32 sign bit and the 8-bit float32
 exponent, so ``histogram[s, e]`` counts values of sign ``s`` (0 positive,
@@ -67,34 +75,40 @@ with magnitudes beyond float32 range put in the top finite bin.
 
 from __future__ import annotations
 
+import functools
 import math
-import threading
 from typing import Optional
 
 import torch
+
+try:  # optional: numpy's SIMD partition makes the CPU percentile search much cheaper
+    import numpy as _numpy
+except ImportError:  # pragma: no cover - exercised only where numpy is absent
+    _numpy = None
 
 HISTOGRAM_SHAPE = (2, 256)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 # Largest block of the block-maximum prefilter; bigger blocks make the
 # threshold search cheaper but the threshold looser (more candidates).
 _MAX_PREFILTER_BLOCK = 32
-# Rows shorter than this go straight to kthvalue: the prefilter does not pay.
-_MIN_PREFILTER_ROW = 2048
+# Rows shorter than this go straight to a full selection: prefiltering does not pay.
+_MIN_PREFILTER_ROW = 1024
 # Channel max-abs range where float32 sums of squares neither under- nor overflow.
 _MODERATE_MAGNITUDE = (1e-15, 1e15)
 
-_PER_CHANNEL_FLOAT = ("channel_min", "channel_max", "sum", "sum_of_squares", "percentile_ratio_sum")
-_PER_CHANNEL_COUNT = (
-    "count",
-    "nan_count",
-    "inf_count",
-    "percentile_ratio_batches",
-    "zero_denominator_batches",
-    "constant_batches",
+# Fields grouped by dtype and merge operator; each group is stored packed in
+# one tensor, so a merge is a handful of tensor ops whatever the field count.
+_CHANNEL_COUNT_FIELDS = (  # int64 (C,), merge by add
+    "count", "nan_count", "inf_count", "percentile_ratio_batches", "zero_denominator_batches", "constant_batches"
 )
-_SCALAR_COUNT = ("batches", "range_batches")
-_SCALAR_FLOAT = ("batch_range_sum",)
-TENSOR_FIELDS = _PER_CHANNEL_FLOAT + _PER_CHANNEL_COUNT + ("histogram",) + _SCALAR_COUNT + _SCALAR_FLOAT
+_CHANNEL_SUM_FIELDS = ("sum", "sum_of_squares", "percentile_ratio_sum")  # float64 (C,), add
+_BATCH_COUNT_FIELDS = ("batches", "range_batches")  # int64 scalars, add
+_CHANNEL_FIELDS = ("channel_min", "channel_max") + _CHANNEL_SUM_FIELDS + _CHANNEL_COUNT_FIELDS  # min/max: float64
+TENSOR_FIELDS = _CHANNEL_FIELDS + ("histogram",) + _BATCH_COUNT_FIELDS + ("batch_range_sum",)
+
+
+def _packed_row(packed: str, index: int, doc: str) -> property:
+    return property(lambda self: getattr(self, packed)[index], doc=doc)
 
 
 class TensorStats:
@@ -102,77 +116,95 @@ class TensorStats:
 
     Per-channel fields are 1-D tensors of length ``num_channels`` (0 until the
     first batch). With ``channel_axis=None`` the whole tensor is one channel.
-    Instances are treated as immutable: :meth:`merge` returns a new object.
+    Instances are immutable: fields are read-only views (do not write into
+    them) and :meth:`merge` returns a new object.
     """
 
-    channel_min: torch.Tensor
-    channel_max: torch.Tensor
-    sum: torch.Tensor
-    sum_of_squares: torch.Tensor
-    percentile_ratio_sum: torch.Tensor
-    count: torch.Tensor
-    nan_count: torch.Tensor
-    inf_count: torch.Tensor
-    percentile_ratio_batches: torch.Tensor
-    zero_denominator_batches: torch.Tensor
-    constant_batches: torch.Tensor
-    histogram: torch.Tensor
-    batches: torch.Tensor
-    range_batches: torch.Tensor
-    batch_range_sum: torch.Tensor
+    channel_min = _packed_row("_extrema", 0, "float64 (C,): smallest finite value per channel (inf: none yet)")
+    channel_max = _packed_row("_extrema", 1, "float64 (C,): largest finite value per channel (-inf: none yet)")
+    sum = _packed_row("_channel_sums", 0, "float64 (C,): sum of finite values")
+    sum_of_squares = _packed_row("_channel_sums", 1, "float64 (C,): sum of squared finite values")
+    percentile_ratio_sum = _packed_row("_channel_sums", 2, "float64 (C,): sum of per-batch max / q-quantile")
+    count = _packed_row("_channel_counts", 0, "int64 (C,): finite values")
+    nan_count = _packed_row("_channel_counts", 1, "int64 (C,): NaN values")
+    inf_count = _packed_row("_channel_counts", 2, "int64 (C,): +-Inf values")
+    percentile_ratio_batches = _packed_row("_channel_counts", 3, "int64 (C,): batches in percentile_ratio_sum")
+    zero_denominator_batches = _packed_row("_channel_counts", 4, "int64 (C,): batches with q-quantile 0, max != 0")
+    constant_batches = _packed_row("_channel_counts", 5, "int64 (C,): batches where the channel was constant")
+    batches = _packed_row("_batch_counts", 0, "int64 scalar: batches observed (empty tensors are skipped)")
+    range_batches = _packed_row("_batch_counts", 1, "int64 scalar: batches with at least one finite value")
 
     def __init__(self, channel_axis: Optional[int], reference_percentile: float, **tensors: torch.Tensor):
-        if not 0.0 < reference_percentile < 1.0:
-            raise ValueError(f"reference_percentile must be in (0, 1), got {reference_percentile}")
-        missing = set(TENSOR_FIELDS) - set(tensors)
-        unknown = set(tensors) - set(TENSOR_FIELDS)
+        """Build from every field of ``TENSOR_FIELDS`` by name (see the class attributes)."""
+        missing, unknown = set(TENSOR_FIELDS) - set(tensors), set(tensors) - set(TENSOR_FIELDS)
         if missing or unknown:
             raise ValueError(f"TensorStats fields: missing {sorted(missing)}, unknown {sorted(unknown)}")
-        self.channel_axis = channel_axis
-        self.reference_percentile = float(reference_percentile)
-        for name in TENSOR_FIELDS:
-            setattr(self, name, tensors[name])
-        widths = {tensors[name].shape for name in _PER_CHANNEL_FLOAT + _PER_CHANNEL_COUNT}
+        widths = {tuple(tensors[name].shape) for name in _CHANNEL_FIELDS}
         if len(widths) != 1 or len(next(iter(widths))) != 1:
             raise ValueError(f"per-channel fields must be 1-D of one length, got shapes {widths}")
-        if tuple(self.histogram.shape) != HISTOGRAM_SHAPE:
-            raise ValueError(f"histogram must have shape {HISTOGRAM_SHAPE}, got {tuple(self.histogram.shape)}")
+        self._set(
+            channel_axis,
+            reference_percentile,
+            extrema=torch.stack([tensors["channel_min"], tensors["channel_max"]]).to(torch.float64),
+            channel_sums=torch.stack([tensors[name] for name in _CHANNEL_SUM_FIELDS]).to(torch.float64),
+            channel_counts=torch.stack([tensors[name] for name in _CHANNEL_COUNT_FIELDS]).to(torch.int64),
+            histogram=tensors["histogram"].to(torch.int64),
+            batch_counts=torch.stack([tensors[name].reshape(()) for name in _BATCH_COUNT_FIELDS]).to(torch.int64),
+            batch_range_sum=tensors["batch_range_sum"].reshape(()).to(torch.float64),
+        )
+
+    def _set(self, channel_axis, reference_percentile, *, extrema, channel_sums, channel_counts, histogram,
+             batch_counts, batch_range_sum) -> "TensorStats":
+        if not 0.0 < reference_percentile < 1.0:
+            raise ValueError(f"reference_percentile must be in (0, 1), got {reference_percentile}")
+        if tuple(histogram.shape) != HISTOGRAM_SHAPE:
+            raise ValueError(f"histogram must have shape {HISTOGRAM_SHAPE}, got {tuple(histogram.shape)}")
+        self.channel_axis = channel_axis
+        self.reference_percentile = float(reference_percentile)
+        self._extrema, self._channel_sums, self._channel_counts = extrema, channel_sums, channel_counts
+        self.histogram: torch.Tensor = histogram
+        self._batch_counts = batch_counts
+        self.batch_range_sum: torch.Tensor = batch_range_sum
+        return self
+
+    @classmethod
+    def _packed(cls, channel_axis: Optional[int], reference_percentile: float, **packed: torch.Tensor) -> "TensorStats":
+        """Build from already packed tensors (the internal fast path)."""
+        return cls.__new__(cls)._set(channel_axis, reference_percentile, **packed)
+
+    def _packed_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(extrema=self._extrema, channel_sums=self._channel_sums, channel_counts=self._channel_counts,
+                    histogram=self.histogram, batch_counts=self._batch_counts, batch_range_sum=self.batch_range_sum)
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def empty(
-        cls,
-        channel_axis: Optional[int] = 1,
-        reference_percentile: float = 0.975,
-        num_channels: int = 0,
-        device: torch.device | str | None = None,
-    ) -> "TensorStats":
+    def empty(cls, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, num_channels: int = 0,
+              device: torch.device | str | None = None) -> "TensorStats":
         """Stats of no batches: the identity element of :meth:`merge`."""
         f64 = dict(dtype=torch.float64, device=device)
         i64 = dict(dtype=torch.int64, device=device)
-        tensors = {name: torch.zeros(num_channels, **f64) for name in _PER_CHANNEL_FLOAT}
-        tensors["channel_min"] = torch.full((num_channels,), math.inf, **f64)
-        tensors["channel_max"] = torch.full((num_channels,), -math.inf, **f64)
-        tensors.update({name: torch.zeros(num_channels, **i64) for name in _PER_CHANNEL_COUNT})
-        tensors["histogram"] = torch.zeros(HISTOGRAM_SHAPE, **i64)
-        tensors.update({name: torch.zeros((), **i64) for name in _SCALAR_COUNT})
-        tensors["batch_range_sum"] = torch.zeros((), **f64)
-        return cls(channel_axis, reference_percentile, **tensors)
+        return cls._packed(
+            channel_axis,
+            reference_percentile,
+            extrema=torch.tensor([[math.inf], [-math.inf]], **f64).expand(2, num_channels).clone(),
+            channel_sums=torch.zeros(len(_CHANNEL_SUM_FIELDS), num_channels, **f64),
+            channel_counts=torch.zeros(len(_CHANNEL_COUNT_FIELDS), num_channels, **i64),
+            histogram=torch.zeros(HISTOGRAM_SHAPE, **i64),
+            batch_counts=torch.zeros(len(_BATCH_COUNT_FIELDS), **i64),
+            batch_range_sum=torch.zeros((), **f64),
+        )
 
     @property
     def num_channels(self) -> int:
-        return int(self.channel_min.shape[0])
+        return int(self._extrema.shape[1])
 
     @property
     def device(self) -> torch.device:
-        return self.channel_min.device
+        return self._extrema.device
 
     def to(self, device: torch.device | str) -> "TensorStats":
-        return TensorStats(
-            self.channel_axis,
-            self.reference_percentile,
-            **{name: getattr(self, name).to(device) for name in TENSOR_FIELDS},
-        )
+        moved = {name: tensor.to(device) for name, tensor in self._packed_tensors().items()}
+        return TensorStats._packed(self.channel_axis, self.reference_percentile, **moved)
 
     # ------------------------------------------------------------------ merge
     def merge(self, other: "TensorStats") -> "TensorStats":
@@ -183,27 +215,41 @@ class TensorStats:
                 f"(channel_axis={self.channel_axis}, q={self.reference_percentile}) vs "
                 f"(channel_axis={other.channel_axis}, q={other.reference_percentile})"
             )
-        other = other.to(self.device) if other.device != self.device else other
-        # An empty side (no channels known yet) adopts the other's width.
-        left = self if self.num_channels or not other.num_channels else self._widened(other.num_channels)
-        right = other if other.num_channels or not left.num_channels else other._widened(left.num_channels)
+        # The result lives where the data does: a side without channels yet
+        # (fresh stats, created on CPU) adopts the other's device and width,
+        # so observing CUDA tensors never ships per-batch stats to the host.
+        device = other.device if not self.num_channels and other.num_channels else self.device
+        left = self if self.device == device else self.to(device)
+        right = other if other.device == device else other.to(device)
+        if not left.num_channels and right.num_channels:
+            left = left._widened(right.num_channels)
+        if not right.num_channels and left.num_channels:
+            right = right._widened(left.num_channels)
         if left.num_channels != right.num_channels:
             raise ValueError(f"channel count changed from {left.num_channels} to {right.num_channels}")
-        merged = {name: getattr(left, name) + getattr(right, name) for name in TENSOR_FIELDS}
-        merged["channel_min"] = torch.minimum(left.channel_min, right.channel_min)
-        merged["channel_max"] = torch.maximum(left.channel_max, right.channel_max)
-        return TensorStats(self.channel_axis, self.reference_percentile, **merged)
+        extrema = torch.stack([torch.minimum(left.channel_min, right.channel_min),
+                               torch.maximum(left.channel_max, right.channel_max)])
+        return TensorStats._packed(
+            self.channel_axis,
+            self.reference_percentile,
+            extrema=extrema,
+            channel_sums=left._channel_sums + right._channel_sums,
+            channel_counts=left._channel_counts + right._channel_counts,
+            histogram=left.histogram + right.histogram,
+            batch_counts=left._batch_counts + right._batch_counts,
+            batch_range_sum=left.batch_range_sum + right.batch_range_sum,
+        )
 
     def _widened(self, num_channels: int) -> "TensorStats":
         """This (channel-less) stats object with identity values for ``num_channels``."""
         widened = TensorStats.empty(self.channel_axis, self.reference_percentile, num_channels, self.device)
-        for name in ("histogram",) + _SCALAR_COUNT + _SCALAR_FLOAT:
-            setattr(widened, name, getattr(self, name))
+        widened.histogram, widened._batch_counts = self.histogram, self._batch_counts
+        widened.batch_range_sum = self.batch_range_sum
         return widened
 
     # ------------------------------------------------------------ state I/O
     def to_state(self) -> dict[str, torch.Tensor]:
-        """Flat (1-D) tensors, suitable for ``torch.save`` or a state dict."""
+        """One flat (1-D) tensor per field, suitable for ``torch.save`` or a state dict."""
         state = {name: getattr(self, name).reshape(-1).clone() for name in TENSOR_FIELDS}
         axis = [] if self.channel_axis is None else [self.channel_axis]
         state["channel_axis"] = torch.tensor(axis, dtype=torch.int64)
@@ -215,10 +261,8 @@ class TensorStats:
         axis = state["channel_axis"].tolist()
         if len(axis) > 1:
             raise ValueError(f"channel_axis state must hold 0 or 1 value, got {axis}")
-        tensors = {name: state[name].clone() for name in TENSOR_FIELDS}
+        tensors = {name: state[name] for name in TENSOR_FIELDS}
         tensors["histogram"] = tensors["histogram"].reshape(HISTOGRAM_SHAPE)
-        for name in _SCALAR_COUNT + _SCALAR_FLOAT:
-            tensors[name] = tensors[name].reshape(())
         return cls(axis[0] if axis else None, float(state["reference_percentile"].item()), **tensors)
 
     # ------------------------------------------------------ derived values
@@ -305,7 +349,7 @@ class ScratchBuffers:
 
     Fresh multi-megabyte tensors cost a page fault per 4 KiB on first touch,
     which on small VMs rivals the arithmetic; reusing buffers avoids that.
-    Not thread-safe: use one per thread."""
+    Not thread-safe: use one per thread (see ``thread_scratch_buffers``)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -320,17 +364,6 @@ class ScratchBuffers:
 
     def clear(self) -> None:
         self._buffers.clear()
-
-
-_thread_local = threading.local()
-
-
-def thread_scratch_buffers() -> ScratchBuffers:
-    """One shared :class:`ScratchBuffers` per thread, so observers share memory."""
-    buffers = getattr(_thread_local, "buffers", None)
-    if buffers is None:
-        buffers = _thread_local.buffers = ScratchBuffers()
-    return buffers
 
 
 # ---------------------------------------------------------------- one batch
@@ -355,7 +388,8 @@ def summarize_batch(
     to a Linear with ``channel_axis=1`` has one channel per feature.
     ``sync_free`` picks the path: False uses host reads to take a cheaper
     route when all values are finite (free on CPU), True never reads device
-    values back (default: True off-CPU). Both give identical results.
+    values back (default: True off-CPU). Results are identical, except that
+    the host-read path sums a finite batch in float32 (~1e-7 relative).
     """
     if not batch.is_floating_point():
         raise TypeError(f"summarize_batch needs a floating tensor, got {batch.dtype}")
@@ -376,20 +410,20 @@ def summarize_batch(
 
 
 def _channel_rows(batch: torch.Tensor, channel_axis: Optional[int], scratch: ScratchBuffers) -> torch.Tensor:
-    """The batch as a (channels, values) matrix in the compute dtype."""
+    """The batch as a contiguous (channels, values) matrix in the compute dtype."""
     compute_dtype = torch.float64 if batch.dtype == torch.float64 else torch.float32
-    if channel_axis is None:
-        return batch.reshape(1, -1).to(compute_dtype)
     shape = tuple(batch.shape)
-    axis = channel_axis
-    missing_leading_dims = axis + 1 - len(shape) if axis >= 0 else -axis - len(shape)
-    if missing_leading_dims > 0:
-        shape = (1,) * missing_leading_dims + shape
-    axis = axis if axis >= 0 else axis + len(shape)
-    outer, channels, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
+    if channel_axis is None:
+        outer, channels, inner = 1, 1, batch.numel()
+    else:
+        missing_leading_dims = channel_axis + 1 - len(shape) if channel_axis >= 0 else -channel_axis - len(shape)
+        if missing_leading_dims > 0:
+            shape = (1,) * missing_leading_dims + shape
+        axis = channel_axis if channel_axis >= 0 else channel_axis + len(shape)
+        outer, channels, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
     as_3d = batch.reshape(outer, channels, inner)
-    if outer == 1 and batch.dtype == compute_dtype:
-        return as_3d[0]
+    if outer == 1 and batch.dtype == compute_dtype and as_3d.is_contiguous():
+        return as_3d[0]  # already channel-major: read in place
     rows = scratch.get("rows", (channels, outer * inner), compute_dtype, batch.device)
     rows.view(channels, outer, inner).copy_(as_3d.transpose(0, 1))
     return rows
@@ -401,10 +435,18 @@ def _reference_rank(value_counts: torch.Tensor, q: float) -> torch.Tensor:
     return torch.floor(q32 * (value_counts - 1).to(torch.float32)).to(torch.int64)
 
 
+@functools.lru_cache(maxsize=256)
+def _host_reference_rank(width: int, q: float) -> int:
+    return int(_reference_rank(torch.tensor(width), q))
+
+
 def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers) -> Optional[dict]:
     """Fast path for finite rows of moderate magnitude; None (after one host read) otherwise."""
+    channels, width = rows.shape
+    wanted = width - _host_reference_rank(width, q)  # reference = wanted-th largest
+    block_max = _block_maxima(rows, wanted)
+    channel_max = (rows if block_max is None else block_max).amax(1)
     channel_min = rows.amin(1)
-    channel_max = rows.amax(1)
     channel_sum = rows.sum(1)
     channel_norm = torch.linalg.vector_norm(rows, dim=1)
     # NaN/Inf make min/max/sum non-finite. The float32 norm squares values, so
@@ -414,14 +456,12 @@ def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers
     moderate = (max_abs == 0) | ((max_abs > _MODERATE_MAGNITUDE[0]) & (max_abs < _MODERATE_MAGNITUDE[1]))
     if not bool((moderate & torch.isfinite(channel_sum) & torch.isfinite(channel_norm)).all()):
         return None
-    channels, width = rows.shape
-    rank = int(_reference_rank(torch.tensor(width), q))
     counts = torch.full((channels,), width, dtype=torch.int64, device=rows.device)
     zeros = torch.zeros_like(counts)
     return dict(
         channel_min=channel_min,
         channel_max=channel_max,
-        reference=_kth_largest_of_finite_rows(rows, width - rank, scratch),
+        reference=_kth_largest_of_finite_rows(rows, block_max, wanted, scratch),
         count=counts,
         nan_count=zeros,
         inf_count=zeros,
@@ -430,42 +470,78 @@ def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers
     )
 
 
-def _kth_largest_of_finite_rows(rows: torch.Tensor, m: int, scratch: ScratchBuffers) -> torch.Tensor:
-    """Per row, the m-th largest value (1-based) of finite rows, exactly.
+def _block_maxima(rows: torch.Tensor, m: int) -> Optional[torch.Tensor]:
+    """Maxima of disjoint blocks of each row (at least 2m blocks), or None for short rows.
 
-    kthvalue over whole rows is the dominant cost of the statistics, so large
-    rows are prefiltered: split each row into disjoint blocks (at least 2m of
-    them) and take t = the m-th largest block maximum. Those m blocks hold m
-    distinct values >= t, so the answer is >= t; if fewer than m values exceed
-    t the answer is t itself, otherwise it is the m-th largest of the few
-    values > t (a few percent of the row for the usual q = 0.975).
-    """
+    Blocks are strided, {j, j + g, j + 2g, ...}, so this is one vectorised
+    reduction over a middle axis; leftover values are singleton blocks."""
     channels, width = rows.shape
     if width < _MIN_PREFILTER_ROW or 8 * m > width:
-        return rows.kthvalue(width - m + 1, dim=1).values
+        return None
     block = min(_MAX_PREFILTER_BLOCK, width // (2 * m))
     groups = width // block
-    # Strided blocks {j, j + groups, j + 2 * groups, ...}: a cheap vectorised
-    # reduction over the middle axis. Leftover values are singleton blocks.
     block_max = rows[:, : block * groups].view(channels, block, groups).amax(1)
     if block * groups < width:
         block_max = torch.cat([block_max, rows[:, block * groups :]], dim=1)
+    return block_max
+
+
+def _kth_largest_of_finite_rows(
+    rows: torch.Tensor, block_max: Optional[torch.Tensor], m: int, scratch: ScratchBuffers
+) -> torch.Tensor:
+    """Per row, the m-th largest value (1-based) of finite rows, exactly.
+
+    Selection over whole rows is the dominant cost of the statistics, so long
+    rows are prefiltered with their :func:`_block_maxima`: t = the m-th largest
+    block maximum. Those m blocks hold m distinct values >= t, so the answer is
+    >= t; if fewer than m values exceed t the answer is t itself, otherwise it
+    is the m-th largest of the few values > t (~3% of a row for q = 0.975).
+    On CPU, numpy's partition (SIMD introselect) is used when available: it
+    is several times faster than torch.kthvalue, which also tracks indices.
+    """
+    channels, width = rows.shape
+    use_numpy = _numpy is not None and rows.device.type == "cpu"
+    if block_max is None:
+        if use_numpy:
+            return torch.from_numpy(_numpy.partition(rows.numpy(), width - m, axis=1)[:, width - m])
+        return rows.kthvalue(width - m + 1, dim=1).values
+    if use_numpy:
+        return torch.from_numpy(_select_above_block_threshold_numpy(rows.numpy(), block_max.numpy(), m))
     threshold = block_max.kthvalue(block_max.shape[1] - m + 1, dim=1).values
     above = scratch.get("above", tuple(rows.shape), torch.bool, rows.device)
     torch.gt(rows, threshold.unsqueeze(1), out=above)
-    row_index, column_index = above.nonzero(as_tuple=True)
-    counts = torch.bincount(row_index, minlength=channels)
-    tail_width = int(counts.max()) if row_index.numel() else 0
+    flat_index = above.view(-1).nonzero().squeeze(1)
+    row_of = torch.div(flat_index, width, rounding_mode="floor")
+    counts = torch.bincount(row_of, minlength=channels)
+    tail_width = int(counts.max()) if row_of.numel() else 0
     if tail_width < m:
         return threshold
     # Pack each row's values above t left-aligned into a -inf padded matrix;
     # padding sorts first, so one kthvalue with a shared k finds the answer.
     padded = rows.new_full((channels, tail_width), -math.inf)
-    row_starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(row_index.numel(), device=rows.device) - row_starts[row_index]
-    padded[row_index, slot] = rows[row_index, column_index]
+    slot = torch.arange(row_of.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[row_of]
+    padded.view(-1).index_copy_(0, row_of * tail_width + slot, rows.view(-1).index_select(0, flat_index))
     in_tail = padded.kthvalue(tail_width - m + 1, dim=1).values
     return torch.where(counts >= m, in_tail, threshold)
+
+
+def _select_above_block_threshold_numpy(values, block_max, m: int):
+    """numpy twin of the prefiltered branch of :func:`_kth_largest_of_finite_rows`."""
+    np = _numpy
+    channels = values.shape[0]
+    threshold = np.partition(block_max, block_max.shape[1] - m, axis=1)[:, block_max.shape[1] - m]
+    above = values > threshold[:, None]
+    counts = np.array([np.count_nonzero(row) for row in above])  # 1-D popcount beats axis=1
+    tail_width = int(counts.max())
+    if tail_width < m:
+        return threshold
+    tail = values[above]  # row-major, so grouped by row
+    row_of = np.repeat(np.arange(channels), counts)
+    slot = np.arange(tail.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    padded = np.full((channels, tail_width), -np.inf, dtype=values.dtype)
+    padded[row_of, slot] = tail
+    in_tail = np.partition(padded, tail_width - m, axis=1)[:, tail_width - m]
+    return np.where(counts >= m, in_tail, threshold)
 
 
 def _summarize_any_rows(rows: torch.Tensor, q: float) -> dict:
@@ -481,7 +557,7 @@ def _summarize_any_rows(rows: torch.Tensor, q: float) -> dict:
     # own quantile rank; one topk deep enough for the largest rank serves all.
     rank = _reference_rank(count, q)
     wanted = count - rank  # the wanted value is the wanted-th largest
-    deepest = min(width, width - int(_reference_rank(torch.tensor(width), q)) + 2)
+    deepest = min(width, width - _host_reference_rank(width, q) + 2)
     top = for_max.topk(deepest, dim=1).values
     reference = top.gather(1, (wanted - 1).clamp(0, deepest - 1).unsqueeze(1)).squeeze(1)
     return dict(
@@ -509,7 +585,7 @@ def _exponent_histogram(rows: torch.Tensor, scratch: ScratchBuffers) -> torch.Te
     # exponent for positives, exponent - 256 for negatives.
     torch.bitwise_right_shift(as_float32.view(torch.int32), 23, out=keys)
     keys += 256
-    counts = torch.bincount(keys.view(-1), minlength=512)
+    counts = _count_keys(keys.view(-1), 512)
     histogram = torch.stack([counts[256:], counts[:256]])
     histogram[:, 255] = 0  # NaN/Inf are counted by nan_count / inf_count
     if infinities is not None:
@@ -517,35 +593,38 @@ def _exponent_histogram(rows: torch.Tensor, scratch: ScratchBuffers) -> torch.Te
     return histogram
 
 
+def _count_keys(keys: torch.Tensor, num_bins: int, avoid_sync: Optional[bool] = None) -> torch.Tensor:
+    """Occurrences of each key in [0, num_bins), as int64."""
+    if avoid_sync is None:
+        avoid_sync = keys.device.type != "cpu"
+    if not avoid_sync:
+        return torch.bincount(keys, minlength=num_bins)
+    # bincount on accelerators reads the max key back to size its output (a
+    # sync); a scatter into a fixed-size result needs no host round trip.
+    ones = torch.ones(1, dtype=torch.int64, device=keys.device).expand(keys.numel())
+    return torch.zeros(num_bins, dtype=torch.int64, device=keys.device).scatter_add_(0, keys.long(), ones)
+
+
 def _batch_stats(channel_axis: Optional[int], q: float, summary: dict) -> TensorStats:
     """Assemble a one-batch TensorStats from per-channel summaries (all on device)."""
     count = summary["count"]
     has_values = count > 0
-    channel_min = summary["channel_min"].to(torch.float64)
-    channel_max = summary["channel_max"].to(torch.float64)
-    reference = summary["reference"].to(torch.float64)
+    extrema = torch.stack([summary["channel_min"], summary["channel_max"]]).to(torch.float64)
+    channel_min, channel_max = extrema[0], extrema[1]
+    reference = summary["reference"].to(device=count.device, dtype=torch.float64)
     counted = has_values & (reference != 0)
     zero_denominator = has_values & (reference == 0) & (channel_max != 0)
     ratio = torch.where(counted, channel_max / torch.where(counted, reference, 1.0), 0.0)
     any_values = has_values.any()
     batch_range = torch.where(any_values, channel_max.amax() - channel_min.amin(), 0.0)
-    as_count = lambda flags: flags.to(torch.int64)  # noqa: E731
-    return TensorStats(
+    flags = torch.stack([counted, zero_denominator, has_values & (channel_max == channel_min)])
+    return TensorStats._packed(
         channel_axis,
         q,
-        channel_min=channel_min,
-        channel_max=channel_max,
-        sum=summary["sum"],
-        sum_of_squares=summary["sum_of_squares"],
-        percentile_ratio_sum=ratio,
-        count=count,
-        nan_count=summary["nan_count"],
-        inf_count=summary["inf_count"],
-        percentile_ratio_batches=as_count(counted),
-        zero_denominator_batches=as_count(zero_denominator),
-        constant_batches=as_count(has_values & (channel_max == channel_min)),
+        extrema=extrema,
+        channel_sums=torch.stack([summary["sum"], summary["sum_of_squares"], ratio]),
+        channel_counts=torch.cat([torch.stack([count, summary["nan_count"], summary["inf_count"]]), flags.long()]),
         histogram=summary["histogram"],
-        batches=torch.ones((), dtype=torch.int64, device=count.device),
-        range_batches=as_count(any_values),
+        batch_counts=torch.stack([torch.ones_like(any_values, dtype=torch.int64), any_values.long()]),
         batch_range_sum=batch_range,
     )

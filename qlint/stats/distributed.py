@@ -42,7 +42,8 @@ def all_reduce_stats(stats: TensorStats, group: Optional[dist.ProcessGroup] = No
         )
 
     merged = {}
-    for fields, op in ((_SUM_FIELDS, dist.ReduceOp.SUM), (_MIN_FIELDS, dist.ReduceOp.MIN), (_MAX_FIELDS, dist.ReduceOp.MAX)):
+    reductions = ((_SUM_FIELDS, dist.ReduceOp.SUM), (_MIN_FIELDS, dist.ReduceOp.MIN), (_MAX_FIELDS, dist.ReduceOp.MAX))
+    for fields, op in reductions:
         merged.update(_all_reduce_fields(local, fields, op, group))
     return TensorStats(stats.channel_axis, stats.reference_percentile, **merged).to(home_device)
 

@@ -7,12 +7,25 @@ never records autograd history.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from qlint.stats.accumulator import TensorStats, thread_scratch_buffers, update_stats
+from qlint.stats.accumulator import ScratchBuffers, TensorStats, update_stats
+
+_thread_local = threading.local()
+
+
+def thread_scratch_buffers() -> ScratchBuffers:
+    """One :class:`ScratchBuffers` per thread, shared by all observers of that thread.
+
+    Its buffers grow to the largest batch observed; ``.clear()`` frees them."""
+    buffers = getattr(_thread_local, "buffers", None)
+    if buffers is None:
+        buffers = _thread_local.buffers = ScratchBuffers()
+    return buffers
 
 
 class StatsObserver(nn.Module):
@@ -28,7 +41,7 @@ class StatsObserver(nn.Module):
     Statistics live on the device of the tensors observed; the forward reads
     device values back only on CPU, where that costs nothing.
     Work buffers are shared by all observers of a thread (see
-    :func:`qlint.stats.accumulator.thread_scratch_buffers`).
+    :func:`thread_scratch_buffers`).
     """
 
     def __init__(self, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975):
