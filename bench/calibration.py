@@ -103,13 +103,14 @@ def run_one(name, mode, count, size):
     if mode == "plain":
         runner = model
     elif mode == "qlint":
-        from qlint.calibration import insert_observers, resolve_points
+        from qlint.calibration import insert_observers, resolve_point_needs, resolve_points
         from qlint.engine import analyse, instantiate_rules
         from qlint.registry import Registry
 
         analysis = analyse(model, example, "x86")
         rules = instantiate_rules(Registry.default(include_plugins=False).select(["QL201", "QL202", "QL203"], None), {})
-        runner, _, _ = insert_observers(analysis.traced.graph_module, resolve_points(analysis.graph, rules))
+        runner, _, _ = insert_observers(analysis.traced.graph_module, resolve_points(analysis.graph, rules),
+                                        needs=resolve_point_needs(analysis.graph, rules))
     else:
         from torch.ao.quantization import get_default_qconfig_mapping
         from torch.ao.quantization.fx._model_report.detector import (DynamicStaticDetector,

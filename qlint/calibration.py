@@ -33,6 +33,7 @@ from qlint.errors import LoadError, QlintError
 from qlint.findings import Finding, LayerRow, Notice, Severity
 from qlint.graph import ModelGraph, OpNode
 from qlint.rule import Need, ObservationSpec, Rule
+from qlint.preserve import preserved_state
 from qlint.stats import StatsObserver, TensorStats, all_reduce_stats
 
 FEATURES = "features"
@@ -70,14 +71,22 @@ def resolve_channel_axis(spec_axis: Any, kind: str) -> Optional[int]:
 
 def resolve_points(graph: ModelGraph, rules: Iterable[Rule]) -> list[ObservationPoint]:
     """Every distinct point that the rules' ``observes`` specs name in ``graph``."""
-    points: set[ObservationPoint] = set()
+    return sorted(resolve_point_needs(graph, rules),
+                  key=lambda p: (graph.position(p.node), p.side, p.index, str(p.channel_axis)))
+
+
+def resolve_point_needs(graph: ModelGraph, rules: Iterable[Rule]) -> dict[ObservationPoint, tuple[bool, bool]]:
+    """Each distinct point → (percentile, histogram): whether any rule observing it needs them."""
+    needs: dict[ObservationPoint, tuple[bool, bool]] = {}
     for rule in rules:
         for spec in _specs_of(rule):
             for node in graph.ops():
                 if node.kind in spec.kinds:
                     axis = resolve_channel_axis(spec.channel_axis, node.kind)
-                    points.add(ObservationPoint(node.name, spec.side, spec.index, axis))
-    return sorted(points, key=lambda p: (graph.position(p.node), p.side, p.index, str(p.channel_axis)))
+                    point = ObservationPoint(node.name, spec.side, spec.index, axis)
+                    percentile, histogram = needs.get(point, (False, False))
+                    needs[point] = (percentile or spec.percentile, histogram or spec.histogram)
+    return needs
 
 
 def _specs_of(rule: Rule) -> Sequence[ObservationSpec]:
@@ -153,21 +162,23 @@ def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
     graph: ModelGraph = analysis.graph
     data_rules = [r for r in rules if Need.STATISTICS in r.requires]
     points = resolve_points(graph, data_rules)
+    needs = resolve_point_needs(graph, data_rules)
     notices: list[Notice] = []
     q = _reference_percentile(data_rules)
     shared = analysis.traced.graph_module if analysis.traced is not None else analysis.model
     with preserved_state(shared):
-        stats, count, world = _calibrate(analysis, graph, points, q, calibration, opts, notices)
+        stats, count, world = _calibrate(analysis, graph, points, q, calibration, opts, notices, needs)
     return CalibrationStatistics(graph, stats, count, data_rules, world), notices
 
 
 def _calibrate(analysis: Any, graph: ModelGraph, points: Sequence[ObservationPoint], q: float,
-               calibration: Any, opts: dict[str, Any], notices: list[Notice]):
+               calibration: Any, opts: dict[str, Any], notices: list[Notice],
+               needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]] = None):
     hooks: list[Any] = []
     if analysis.traced is not None:
-        observed, observers, skipped = insert_observers(analysis.traced.graph_module, points, q)
+        observed, observers, skipped = insert_observers(analysis.traced.graph_module, points, q, needs)
     else:
-        observed, observers, skipped, hooks = insert_hook_observers(analysis.model, graph, points, q)
+        observed, observers, skipped, hooks = insert_hook_observers(analysis.model, graph, points, q, needs)
     for point in skipped:
         notices.append(Notice(message=f"calibration: cannot observe {point.side} {point.index} of "
                                       f"{point.node}; rules that need it skip that layer"))
@@ -192,25 +203,6 @@ def _calibrate(analysis: Any, graph: ModelGraph, points: Sequence[ObservationPoi
     return stats, count, world
 
 
-@contextlib.contextmanager
-def preserved_state(module: nn.Module) -> Iterator[None]:
-    """Calibration borrows the analysis copy's modules instead of copying the weights again;
-    afterwards every training flag and buffer (BN statistics, fake-quant observers) is as before."""
-    modes = {name: sub.training for name, sub in module.named_modules()}
-    buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, buffer in module.named_buffers():
-                saved = buffers.get(name)
-                if saved is not None and saved.shape == buffer.shape:
-                    buffer.copy_(saved)
-        for name, sub in module.named_modules():
-            if name in modes:
-                sub.training = modes[name]
-
-
 def _point_key(point: ObservationPoint) -> tuple:
     return (point.node, point.side, point.index, -99 if point.channel_axis is None else point.channel_axis)
 
@@ -223,8 +215,16 @@ def _reference_percentile(rules: Sequence[Rule]) -> float:
     return DEFAULT_REFERENCE_PERCENTILE
 
 
+def _new_observer(point: ObservationPoint, reference_percentile: float,
+                  needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]]) -> StatsObserver:
+    """Without ``needs`` an observer computes everything; with it, only what its rules read."""
+    percentile, histogram = needs.get(point, (True, True)) if needs is not None else (True, True)
+    return StatsObserver(point.channel_axis, reference_percentile, percentile=percentile, histogram=histogram)
+
+
 def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationPoint],
-                     reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE):
+                     reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
+                     needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]] = None):
     """A deep copy of ``graph_module`` with a StatsObserver at every point.
 
     Returns (observed copy, {point: observer}, [points that could not be observed]).
@@ -241,7 +241,7 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
         if target is None:
             skipped.append(point)
             continue
-        observer = StatsObserver(point.channel_axis, reference_percentile)
+        observer = _new_observer(point, reference_percentile, needs)
         name = f"{_OBSERVER_PREFIX}{number}"
         observed.add_submodule(name, observer)
         if point.side == "output":
@@ -262,7 +262,8 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
 
 
 def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[ObservationPoint],
-                          reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE):
+                          reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
+                          needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]] = None):
     """For graphs from the eager-hooks front end: observers fed by forward hooks.
 
     Node k of module M in execution order is the k-th call of M in each forward pass.
@@ -279,7 +280,7 @@ def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[
             skipped.append(point)
             continue
         call_index = [n.name for n in graph.call_sites(node.module)].index(node.name)
-        observer = StatsObserver(point.channel_axis, reference_percentile)
+        observer = _new_observer(point, reference_percentile, needs)
         observers[point] = observer
         by_module.setdefault(node.module, {}).setdefault(call_index, []).append((point, observer))
     counters = [_attach_hooks(observed.get_submodule(fqn), per_call, handles)

@@ -20,6 +20,7 @@ from qlint.graph import ModelGraph, OpNode
 from qlint.intent import (BACKENDS, CallDescription, NodeQConfig, QConfigResolver, default_mapping,
                           describe_observer, load_mapping_object, node_qconfig)
 from qlint.ops import module_kind
+from qlint.preserve import preserved_state
 from qlint.registry import Registry
 from qlint.rule import Need, Rule
 from qlint.tracing import GraphBuilder, Traced, private_copy, propagate_shapes, trace
@@ -43,13 +44,16 @@ def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: 
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(model, nn.Module):
         raise QlintError(f"expected an nn.Module, got {type(model).__name__}")
-    working = private_copy(model) if exported_program is None else model
+    # The model is borrowed, not copied: tracing only reads it, and every forward pass that
+    # could change state runs under preserved_state (see lint()). Copying would double the
+    # memory of a large model. The eager fallback attaches hooks, so it works on a copy.
+    working = model
     try:
         traced = trace(working, example_inputs, exported_program)
     except TraceError as error:
         if not example_inputs or exported_program is not None:
             raise
-        return _eager_fallback(working, example_inputs, backend, qconfig_mapping, error)
+        return _eager_fallback(private_copy(working), example_inputs, backend, qconfig_mapping, error)
     notices = [Notice(message=n) for n in traced.notes]
     shape_note = propagate_shapes(traced, example_inputs)
     if shape_note:
@@ -231,13 +235,22 @@ def lint(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None, calib
          model_name: Optional[str] = None, exported_program: Any = None,
          registry: Optional[Registry] = None, calibration_options: Any = None) -> Report:
     """Lint ``model`` for quantization problems; the model itself is never modified."""
-    timings: list[Timing] = []
     start = time.perf_counter()
     if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     example = tuple(example_inputs) if example_inputs is not None else None
     registry = registry or Registry.default()
     rules = instantiate_rules(registry.select(select, ignore), options or {})
+    if not isinstance(model, nn.Module):
+        raise QlintError(f"expected an nn.Module, got {type(model).__name__}")
+    with preserved_state(model):
+        return _lint(model, example, calibration, backend, qconfig_mapping, rules, model_name,
+                     exported_program, calibration_options, start)
+
+
+def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rules, model_name,
+          exported_program, calibration_options, start) -> Report:
+    timings: list[Timing] = []
     analysis = analyse(model, example, backend, qconfig_mapping, exported_program)
     timings.append(Timing(stage="trace", seconds=time.perf_counter() - start))
     notices = list(analysis.notices)

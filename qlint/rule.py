@@ -44,13 +44,17 @@ class ObservationSpec:
     ``kinds``) and inserts exactly one observer per distinct (node, side, index,
     channel_axis) point, shared by every rule that asks for it.
     ``channel_axis="features"`` means axis 1 for conv inputs and the last axis for
-    linear inputs; None means per-tensor statistics only.
+    linear inputs; None means per-tensor statistics only. ``percentile`` and
+    ``histogram`` ask for the two costly statistics; min/max, ranges, moments and
+    NaN/Inf counts are always there.
     """
 
     kinds: frozenset[str]
     side: str  # "input" or "output"
     index: int = 0
     channel_axis: Any = 1
+    percentile: bool = False
+    histogram: bool = False
 
 
 class RuleOptions(BaseModel):

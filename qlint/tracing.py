@@ -104,22 +104,19 @@ def propagate_shapes(traced: Traced, example_inputs: Optional[Sequence[Any]]) ->
     """Fill tensor metadata on every node; returns a notice when it could not."""
     if traced.exported or not example_inputs:
         return None if traced.exported else "no example inputs: shapes are unknown"
+    from qlint.preserve import preserved_state
+
     module = traced.graph_module
     # A forward pass updates BN running stats and observer/fake-quant buffers; calibration
-    # and the rules must see them as the user left them, so restore every buffer afterwards.
-    saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
-    try:
-        # ShapeProp prints a traceback to stderr before re-raising; the user gets one line.
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-            ShapeProp(module).propagate(*example_inputs)
-    except Exception as error:  # the inputs do not fit the model
-        cause = error.__cause__ or error
-        raise TraceError(f"the example inputs do not fit the model: {_one_line(cause)}") from error
-    finally:
-        with torch.no_grad():
-            for name, buffer in module.named_buffers():
-                if name in saved and saved[name].shape == buffer.shape:
-                    buffer.copy_(saved[name])
+    # and the rules must see them as the user left them.
+    with preserved_state(module):
+        try:
+            # ShapeProp prints a traceback to stderr before re-raising; the user gets one line.
+            with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+                ShapeProp(module).propagate(*example_inputs)
+        except Exception as error:  # the inputs do not fit the model
+            cause = error.__cause__ or error
+            raise TraceError(f"the example inputs do not fit the model: {_one_line(cause)}") from error
     return None
 
 

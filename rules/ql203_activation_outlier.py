@@ -89,7 +89,7 @@ class ActivationOutlier(Rule):
     summary = "Input activations of a layer have outlier channels, constant channels or NaN/Inf values."
     severity = Severity.WARNING
     requires = frozenset({Need.GRAPH, Need.QCONFIG, Need.STATISTICS})
-    observes = (ObservationSpec(KINDS, "input", 0, FEATURES),)
+    observes = (ObservationSpec(KINDS, "input", 0, FEATURES, percentile=True),)
 
     class Options(RuleOptions):
         ratio_threshold: float = Field(3.5, gt=1, description="Outlier when max/percentile ratio exceeds this.")

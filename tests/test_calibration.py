@@ -332,3 +332,38 @@ def test_preserved_state_restores_modes_and_buffers():
     assert model.training and model[1].training
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_switched_off_statistics_leave_the_rest_identical():
+    from qlint.stats import StatsObserver
+
+    generator = torch.Generator().manual_seed(5)
+    batches = [torch.randn(4, 6, 9, 9, generator=generator) * (k + 1) for k in range(3)]
+    full, lean = StatsObserver(1), StatsObserver(1, percentile=False, histogram=False)
+    for batch in batches:
+        full(batch)
+        lean(batch)
+    for name in ("channel_min", "channel_max", "sum", "sum_of_squares", "count", "nan_count"):
+        assert torch.equal(getattr(full.stats, name), getattr(lean.stats, name)), name
+    assert torch.equal(full.stats.average_batch_range(), lean.stats.average_batch_range())
+    assert int(full.stats.percentile_batches_tracked().sum()) > 0
+    assert int(lean.stats.percentile_batches_tracked().sum()) == 0
+    assert int(lean.stats.zero_denominator_batches.sum()) == 0
+    assert int(full.stats.histogram.sum()) == 4 * 6 * 9 * 9 * 3 and int(lean.stats.histogram.sum()) == 0
+
+
+def test_point_needs_are_the_union_of_the_rules_asking():
+    from qlint.calibration import resolve_point_needs
+    from qlint.engine import analyse
+    from qlint.registry import Registry
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    analysis = analyse(model, (torch.randn(2, 8),), "x86")
+    registry = Registry.default(include_plugins=False)
+    only_ranges = resolve_point_needs(analysis.graph, [registry.get("QL201")()])
+    assert only_ranges and not any(p or h for p, h in only_ranges.values())
+    combined = resolve_point_needs(analysis.graph, [registry.get(c)() for c in ("QL201", "QL202", "QL203")])
+    inputs = {point: need for point, need in combined.items() if point.side == "input"}
+    assert inputs and all(percentile for percentile, _ in inputs.values())
+    outputs = {point: need for point, need in combined.items() if point.side == "output"}
+    assert outputs and not any(percentile for percentile, _ in outputs.values())

@@ -28,7 +28,10 @@ def test_lint_leaves_model_untouched(factory, train):
     state, modes, hooks = _snapshot(model)
     param_ids = {k: id(v) for k, v in model.named_parameters()}
 
-    report = qlint.lint(model, (x,), qconfig_mapping=qconfig_mapping() if factory is build else None)
+    calibration = [torch.randn_like(x) * (k + 1) for k in range(3)]
+    report = qlint.lint(model, (x,), calibration=calibration,
+                        qconfig_mapping=qconfig_mapping() if factory is build else None)
+    assert not [s for s in report.skipped if s.rule.startswith("QL2")]  # data rules really ran
     assert report.findings  # it really analysed the model
 
     new_state, new_modes, new_hooks = _snapshot(model)

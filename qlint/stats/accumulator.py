@@ -367,9 +367,11 @@ class ScratchBuffers:
 
 
 # ---------------------------------------------------------------- one batch
-def update_stats(stats: TensorStats, batch: torch.Tensor, scratch: Optional[ScratchBuffers] = None) -> TensorStats:
+def update_stats(stats: TensorStats, batch: torch.Tensor, scratch: Optional[ScratchBuffers] = None, *,
+                 percentile: bool = True, histogram: bool = True) -> TensorStats:
     """Pure update: ``stats`` followed by one batch (``stats`` is not mutated)."""
-    batch_stats = summarize_batch(batch, stats.channel_axis, stats.reference_percentile, scratch=scratch)
+    batch_stats = summarize_batch(batch, stats.channel_axis, stats.reference_percentile, scratch=scratch,
+                                  percentile=percentile, histogram=histogram)
     return stats.merge(batch_stats)
 
 
@@ -380,6 +382,8 @@ def summarize_batch(
     *,
     scratch: Optional[ScratchBuffers] = None,
     sync_free: Optional[bool] = None,
+    percentile: bool = True,
+    histogram: bool = True,
 ) -> TensorStats:
     """Stats of one batch, on the batch's device.
 
@@ -390,6 +394,9 @@ def summarize_batch(
     route when all values are finite (free on CPU), True never reads device
     values back (default: True off-CPU). Results are identical, except that
     the host-read path sums a finite batch in float32 (~1e-7 relative).
+    ``percentile=False`` skips the percentile ratio and ``histogram=False`` the
+    histogram (they stay zero): they are the two costly statistics, and a point
+    whose rules read neither should not pay for them.
     """
     if not batch.is_floating_point():
         raise TypeError(f"summarize_batch needs a floating tensor, got {batch.dtype}")
@@ -402,10 +409,11 @@ def summarize_batch(
         sync_free = batch.device.type != "cpu"
     with torch.no_grad():
         rows = _channel_rows(batch.detach(), channel_axis, scratch)
-        summary = None if sync_free else _summarize_finite_rows(rows, reference_percentile, scratch)
+        summary = None if sync_free else _summarize_finite_rows(rows, reference_percentile, scratch, percentile)
         if summary is None:
-            summary = _summarize_any_rows(rows, reference_percentile)
-        summary["histogram"] = _exponent_histogram(rows, scratch)
+            summary = _summarize_any_rows(rows, reference_percentile, percentile)
+        summary["histogram"] = (_exponent_histogram(rows, scratch) if histogram else
+                                torch.zeros(HISTOGRAM_SHAPE, dtype=torch.int64, device=rows.device))
         return _batch_stats(channel_axis, reference_percentile, summary)
 
 
@@ -440,11 +448,12 @@ def _host_reference_rank(width: int, q: float) -> int:
     return int(_reference_rank(torch.tensor(width), q))
 
 
-def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers) -> Optional[dict]:
+def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers,
+                           percentile: bool = True) -> Optional[dict]:
     """Fast path for finite rows of moderate magnitude; None (after one host read) otherwise."""
     channels, width = rows.shape
     wanted = width - _host_reference_rank(width, q)  # reference = wanted-th largest
-    block_max = _block_maxima(rows, wanted)
+    block_max = _block_maxima(rows, wanted) if percentile else None
     channel_max = (rows if block_max is None else block_max).amax(1)
     channel_min = rows.amin(1)
     channel_sum = rows.sum(1)
@@ -461,7 +470,7 @@ def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers
     return dict(
         channel_min=channel_min,
         channel_max=channel_max,
-        reference=_kth_largest_of_finite_rows(rows, block_max, wanted, scratch),
+        reference=_kth_largest_of_finite_rows(rows, block_max, wanted, scratch) if percentile else None,
         count=counts,
         nan_count=zeros,
         inf_count=zeros,
@@ -544,7 +553,7 @@ def _select_above_block_threshold_numpy(values, block_max, m: int):
     return np.where(counts >= m, in_tail, threshold)
 
 
-def _summarize_any_rows(rows: torch.Tensor, q: float) -> dict:
+def _summarize_any_rows(rows: torch.Tensor, q: float, percentile: bool = True) -> dict:
     """General path: tolerates NaN/Inf and never reads a device value back."""
     channels, width = rows.shape
     finite = torch.isfinite(rows)
@@ -555,11 +564,13 @@ def _summarize_any_rows(rows: torch.Tensor, q: float) -> dict:
     finite_or_zero = rows.masked_fill(~finite, 0).to(torch.float64)
     # With NaN/Inf excluded each channel has its own number of values, so its
     # own quantile rank; one topk deep enough for the largest rank serves all.
-    rank = _reference_rank(count, q)
-    wanted = count - rank  # the wanted value is the wanted-th largest
-    deepest = min(width, width - _host_reference_rank(width, q) + 2)
-    top = for_max.topk(deepest, dim=1).values
-    reference = top.gather(1, (wanted - 1).clamp(0, deepest - 1).unsqueeze(1)).squeeze(1)
+    reference = None
+    if percentile:
+        rank = _reference_rank(count, q)
+        wanted = count - rank  # the wanted value is the wanted-th largest
+        deepest = min(width, width - _host_reference_rank(width, q) + 2)
+        top = for_max.topk(deepest, dim=1).values
+        reference = top.gather(1, (wanted - 1).clamp(0, deepest - 1).unsqueeze(1)).squeeze(1)
     return dict(
         channel_min=rows.masked_fill(~finite, math.inf).amin(1),
         channel_max=for_max.amax(1),
@@ -611,9 +622,13 @@ def _batch_stats(channel_axis: Optional[int], q: float, summary: dict) -> Tensor
     has_values = count > 0
     extrema = torch.stack([summary["channel_min"], summary["channel_max"]]).to(torch.float64)
     channel_min, channel_max = extrema[0], extrema[1]
-    reference = summary["reference"].to(device=count.device, dtype=torch.float64)
-    counted = has_values & (reference != 0)
-    zero_denominator = has_values & (reference == 0) & (channel_max != 0)
+    if summary["reference"] is None:  # percentile not requested: no batch counts towards it
+        reference = torch.ones_like(channel_max)
+        counted = zero_denominator = torch.zeros_like(has_values)
+    else:
+        reference = summary["reference"].to(device=count.device, dtype=torch.float64)
+        counted = has_values & (reference != 0)
+        zero_denominator = has_values & (reference == 0) & (channel_max != 0)
     ratio = torch.where(counted, channel_max / torch.where(counted, reference, 1.0), 0.0)
     any_values = has_values.any()
     batch_range = torch.where(any_values, channel_max.amax() - channel_min.amin(), 0.0)

@@ -36,6 +36,8 @@ class StatsObserver(nn.Module):
             channel). Inputs with too few dims are read as unbatched.
         reference_percentile: the ``q`` of the percentile ratio
             ``max / quantile(q)`` (torch's OutlierDetector default 0.975).
+        percentile, histogram: compute these two costly statistics (when off
+            they stay zero; every other statistic is always computed).
 
     Non-tensors, non-floating tensors and empty tensors pass through ignored.
     Statistics live on the device of the tensors observed; the forward reads
@@ -44,16 +46,20 @@ class StatsObserver(nn.Module):
     :func:`thread_scratch_buffers`).
     """
 
-    def __init__(self, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975):
+    def __init__(self, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, *,
+                 percentile: bool = True, histogram: bool = True):
         super().__init__()
         self.channel_axis = channel_axis
         self.reference_percentile = reference_percentile
+        self.percentile = percentile
+        self.histogram = histogram
         self.stats = TensorStats.empty(channel_axis, reference_percentile)
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
             with torch.no_grad():
-                self.stats = update_stats(self.stats, value, scratch=thread_scratch_buffers())
+                self.stats = update_stats(self.stats, value, scratch=thread_scratch_buffers(),
+                                          percentile=self.percentile, histogram=self.histogram)
         return value
 
     def reset(self) -> None:
