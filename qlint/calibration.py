@@ -16,7 +16,6 @@ global report.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -30,10 +29,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qlint.errors import LoadError, QlintError
-from qlint.findings import Finding, LayerRow, Notice, Severity
-from qlint.graph import ModelGraph, OpNode
-from qlint.rule import Need, ObservationSpec, Rule
+from qlint.findings import Finding, LayerRow, Notice
+from qlint.graph import ModelGraph
 from qlint.preserve import preserved_state
+from qlint.rule import Need, ObservationSpec, Rule
 from qlint.stats import StatsObserver, TensorStats, all_reduce_stats
 
 FEATURES = "features"

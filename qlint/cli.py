@@ -12,7 +12,7 @@ import argparse
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from qlint.errors import ConfigError, QlintError
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -18,6 +17,8 @@ from qlint.context import INTENT_EAGER, INTENT_PREPARED, LintContext
 from qlint.engine import qconfig_rows
 from qlint.findings import Finding, QConfigRow, Severity
 from qlint.graph import ModelGraph, OpNode
+from qlint.islands import (Island, eager_float_islands, feeds_cat, fx_float_islands, is_static_quantized,
+                           through_shape_ops, unique_nodes)
 from qlint.intent import ObserverSpec, default_mapping, function_candidates, import_type, node_qconfig
 from qlint.ops import CONV_OR_LINEAR_KINDS, FIXED_QPARAMS_KINDS, SHAPE_KINDS, WEIGHTED_KINDS
 from qlint.rule import Example, Need, Rule, RuleOptions
@@ -137,13 +138,13 @@ class QConfigCheck(Rule):
     def _fixed_qparams(self, state: "_State") -> Iterator[Finding]:
         ctx, graph = state.ctx, state.graph
         for node in graph.ops():
-            if node.kind not in FIXED_QPARAMS_KINDS or not _static(node):
+            if node.kind not in FIXED_QPARAMS_KINDS or not is_static_quantized(node):
                 continue
             spec = node.qconfig.activation
             expected = state.expected_fixed(node)
             if expected is None or not _only_fixed_options(ctx, node.kind, spec.dtype):
                 continue  # torch does not treat this call as a fixed-qparams op here
-            if state.prepared and _feeds_cat(graph, node):
+            if state.prepared and feeds_cat(graph, node):
                 continue  # prepare_fx replaced its observer with cat's shared one (see cat check)
             low, high = _MATH_RANGE[node.kind]
             wanted = (f"FixedQParamsObserver(scale={expected.fixed_scale:g}, "
@@ -386,14 +387,14 @@ class QConfigCheck(Rule):
 
     # --- float islands -------------------------------------------------------------------
     def _float_islands(self, state: "_State") -> Iterator[Finding]:
-        islands = _eager_islands(state.graph) if state.eager else _fx_islands(state.graph)
+        islands = eager_float_islands(state.graph) if state.eager else fx_float_islands(state.graph)
         for island in islands:
             compute = [n for n in island.nodes if n.kind not in SHAPE_KINDS]
             if len(compute) < self.options.min_island_ops:
                 continue
             yield self._island_finding(state, island, compute)
 
-    def _island_finding(self, state: "_State", island: "_Island", compute: list[OpNode]) -> Finding:
+    def _island_finding(self, state: "_State", island: "Island", compute: list[OpNode]) -> Finding:
         backend = state.ctx.backend
         head = compute[0]
         ops = ", ".join(f"{n.display} ({n.kind})" for n in compute[:_LISTED])
@@ -427,7 +428,7 @@ class QConfigCheck(Rule):
             "producers": [p.name for p in island.producers], "consumers": [c.name for c in island.consumers],
             "dequantize_edges": island.dequantize_edges, "quantize_edges": island.quantize_edges,
             "unsupported_kinds": unsupported, "eager": state.eager,
-            "qconfig_table": state.table(_unique(involved)),
+            "qconfig_table": state.table(unique_nodes(involved)),
         }
         like = neighbour.qconfig.activation if neighbour.qconfig and neighbour.qconfig.activation else None
         suggestion = {"action": "set_qconfig", "target": head.display,
@@ -440,7 +441,7 @@ class QConfigCheck(Rule):
     def _cat_inputs(self, state: "_State") -> Iterator[Finding]:
         graph = state.graph
         for cat in graph.by_kind("cat"):
-            if not _static(cat):
+            if not is_static_quantized(cat):
                 continue
             inputs = []
             for producer in graph.producers(cat.name):
@@ -476,7 +477,7 @@ class QConfigCheck(Rule):
             f"The inputs of {cat.display} are observed with different qparams ({described}). "
             "prepare_fx can only use one scale and zero point for cat: it makes all inputs and the "
             f"output share the first input's observer; {effect}. Fix: {fix}.")
-        involved = _unique([s for _, s, _ in inputs] + [cat])
+        involved = unique_nodes([s for _, s, _ in inputs] + [cat])
         data = {
             "kind": KIND_CAT, "node": cat.name,
             "inputs": [{"node": s.name, "target": s.display, "observer": spec.observer,
@@ -511,7 +512,7 @@ class _State:
     def checked_nodes(self) -> Iterator[OpNode]:
         """Statically quantized ops whose qconfig the backend will look at."""
         for node in self.graph.ops():
-            if not _static(node):
+            if not is_static_quantized(node):
                 continue
             if self.eager and (node.op != "module" or node.kind in ("quant_stub", "dequant_stub")):
                 continue  # eager mode quantizes modules only; functional ops keep no qconfig
@@ -519,8 +520,8 @@ class _State:
 
     def spec_of_input(self, producer: OpNode, consumer: OpNode) -> tuple[Optional[ObserverSpec], OpNode]:
         """The observer that quantizes ``producer``'s output where ``consumer`` reads it."""
-        source = _through_shapes(self.graph, producer)
-        if source.op in _OPS and _static(source):
+        source = through_shape_ops(self.graph, producer)
+        if source.op in _OPS and is_static_quantized(source):
             return source.qconfig.activation, source
         # A float tensor is observed by the consumer's own qconfig when prepare_fx quantizes it.
         own = consumer.qconfig.activation if consumer.qconfig else None
@@ -582,151 +583,6 @@ class _Groups:
             yield key, nodes, dict(self._info[key])
 
 
-@dataclasses.dataclass(frozen=True)
-class _Island:
-    nodes: tuple[OpNode, ...]
-    producers: tuple[OpNode, ...]
-    consumers: tuple[OpNode, ...]
-    dequantize_edges: int
-    quantize_edges: int
-
-
-def _static(node: OpNode) -> bool:
-    qc = node.qconfig
-    return (qc is not None and qc.quantized and not qc.is_dynamic and qc.activation is not None
-            and not qc.activation.is_float)
-
-
-def _through_shapes(graph: ModelGraph, node: OpNode) -> OpNode:
-    """Walk up through shape-only ops (they reuse their input's qparams) to the real producer."""
-    while node.op in _OPS and node.kind in SHAPE_KINDS:
-        producers = [p for p in graph.producers(node.name) if p.op in _OPS or p.op == "input"]
-        if not producers:
-            break
-        node = producers[0]
-    return node
-
-
-def _quantized_downstream(graph: ModelGraph, node: OpNode) -> list[OpNode]:
-    """Quantized computing ops reached from ``node`` through shape-only ops (``node`` included)."""
-    found, stack, seen = [], [node], set()
-    while stack:
-        current = stack.pop()
-        if current.name in seen or current.op not in _OPS:
-            continue
-        seen.add(current.name)
-        if current.kind in SHAPE_KINDS:
-            stack.extend(graph.consumers(current.name))
-        elif _static(current):
-            found.append(current)
-    return found
-
-
-def _fx_islands(graph: ModelGraph) -> list[_Island]:
-    floating = {n.name for n in graph.ops() if not _static(n)}
-    seen: set[str] = set()
-    islands = []
-    for start in graph.ops():
-        if start.name not in floating or start.name in seen:
-            continue
-        component, stack = [], [start.name]
-        seen.add(start.name)
-        while stack:
-            name = stack.pop()
-            component.append(name)
-            neighbours = list(graph.dag.predecessors(name)) + list(graph.dag.successors(name))
-            for other in neighbours:
-                if other in floating and other not in seen:
-                    seen.add(other)
-                    stack.append(other)
-        members = sorted(component, key=graph.position)
-        member_set = set(members)
-        producers: list[OpNode] = []
-        consumers: list[OpNode] = []
-        into = out = 0
-        for name in members:
-            for producer in graph.producers(name):
-                if producer.name in member_set:
-                    continue
-                source = _through_shapes(graph, producer)
-                if source.op in _OPS and _static(source):
-                    producers.append(source)
-                    into += 1
-            for consumer in graph.consumers(name):
-                if consumer.name in member_set:
-                    continue
-                reached = _quantized_downstream(graph, consumer)
-                if reached:
-                    consumers.extend(reached)
-                    out += 1
-        if producers and consumers:
-            islands.append(_Island(tuple(graph.node(n) for n in members), tuple(_unique(producers)),
-                                   tuple(_unique(consumers)), into, out))
-    return islands
-
-
-def _eager_islands(graph: ModelGraph) -> list[_Island]:
-    """Eager mode: ops between a DeQuantStub and a QuantStub, with quantized modules around."""
-    islands, covered = [], set()
-    for stub in graph.ops():
-        if stub.kind != "dequant_stub" or stub.name in covered:
-            continue
-        region, quant_stubs, stack, seen, closed = [], [], list(graph.consumers(stub.name)), set(), True
-        while stack:
-            node = stack.pop()
-            if node.name in seen:
-                continue
-            seen.add(node.name)
-            if node.op == "output":
-                closed = False  # reaches the model output: the float part is at the model edge
-                break
-            if node.kind == "quant_stub":
-                quant_stubs.append(node)
-                continue
-            region.append(node)
-            stack.extend(graph.consumers(node.name))
-        if not closed or not quant_stubs or not region:
-            continue
-        entry_stubs = [stub] + [p for n in region for p in graph.producers(n.name) if p.kind == "dequant_stub"]
-        covered.update(s.name for s in entry_stubs)
-        producers = [p for s in _unique(entry_stubs) for p in graph.producers(s.name)
-                     if p.op == "module" and p.kind not in ("quant_stub", "dequant_stub") and _static(p)]
-        consumers = [c for q in _unique(quant_stubs) for c in _quantized_modules_after(graph, q)]
-        if producers and consumers:
-            members = sorted(_unique(region), key=lambda n: graph.position(n.name))
-            islands.append(_Island(tuple(members), tuple(_unique(producers)), tuple(_unique(consumers)),
-                                   len(_unique(entry_stubs)), len(_unique(quant_stubs))))
-    return islands
-
-
-def _quantized_modules_after(graph: ModelGraph, stub: OpNode) -> list[OpNode]:
-    found, stack, seen = [], list(graph.consumers(stub.name)), set()
-    while stack:
-        node = stack.pop()
-        if node.name in seen or node.op not in _OPS:
-            continue
-        seen.add(node.name)
-        if node.op == "module" and node.kind not in SHAPE_KINDS and node.kind != "dequant_stub" and _static(node):
-            found.append(node)
-        elif node.kind in SHAPE_KINDS or node.op != "module":
-            stack.extend(graph.consumers(node.name))
-    return found
-
-
-def _feeds_cat(graph: ModelGraph, node: OpNode) -> bool:
-    stack, seen = list(graph.consumers(node.name)), set()
-    while stack:
-        current = stack.pop()
-        if current.name in seen:
-            continue
-        seen.add(current.name)
-        if current.kind == "cat":
-            return True
-        if current.kind in SHAPE_KINDS:
-            stack.extend(graph.consumers(current.name))
-    return False
-
-
 def _only_fixed_options(ctx: LintContext, kind: str, dtype: str) -> bool:
     """True when every static kernel for this dtype requires fixed qparams (qnnpack's qint8 path does not)."""
     options = [o for o in ctx.backend.dtype_options(kind) if not o.is_dynamic
@@ -785,10 +641,6 @@ def _where(nodes: Sequence[OpNode]) -> str:
     if len(nodes) > _LISTED:
         names += f" and {len(nodes) - _LISTED} more"
     return f"{len(nodes)} op{'s' if len(nodes) != 1 else ''} ({names})"
-
-
-def _unique(nodes: Iterable[OpNode]) -> list[OpNode]:
-    return list({n.name: n for n in nodes}.values())
 
 
 # --- examples --------------------------------------------------------------------------
