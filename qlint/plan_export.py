@@ -262,13 +262,16 @@ def to_python(plan: "QuantPlan") -> str:
         lines.append(f"    mapping.set_module_name({fqn!r}, {value})")
     lines += ["    return mapping", ""]
     if plan.equalization:
-        lines += ["", "def build_equalization_mapping():",
-                  '    """Pass as prepare_fx(..., _equalization_config=build_equalization_mapping())."""',
+        lines += ["", "def build_equalization_mapping(equalization_qconfig):",
+                  '    """Pass as prepare_fx(..., _equalization_config=build_equalization_mapping(qconfig)).',
+                  "",
+                  "    torch has no public equalization qconfig: its default_equalization_qconfig lives in",
+                  "    the private module torch.ao.quantization.fx._equalize, so the caller chooses it.",
+                  '    """',
                   "    from torch.ao.quantization import QConfigMapping",
-                  "    from torch.ao.quantization.fx._equalize import default_equalization_qconfig",
                   "", "    mapping = QConfigMapping()"]
         for pair in plan.equalization:
-            lines.append(f"    mapping.set_module_name({pair.module!r}, default_equalization_qconfig)")
+            lines.append(f"    mapping.set_module_name({pair.module!r}, equalization_qconfig)")
         lines += ["    return mapping", ""]
     if plan.rewrites:
         lines += ["", "# Float-preserving rewrites to apply to the model before prepare_fx:"]

@@ -97,7 +97,8 @@ class InputWeightEqualization(Rule):
 
     ## Use instead
     ```python
-    from torch.ao.quantization.fx._equalize import default_equalization_qconfig
+    # torch keeps default_equalization_qconfig in its private torch.ao.quantization.fx._equalize;
+    # `qlint verify` applies equalization itself, without it.
     eq = QConfigMapping().set_module_name("fc", default_equalization_qconfig)
     prepared = prepare_fx(model, qconfig_mapping, example_inputs, _equalization_config=eq)
     ```

@@ -6,7 +6,7 @@ import torch.nn as nn
 import pytest
 
 
-def _one_line_error(result, *needles):
+def _check_one_line_error(result, *needles):
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
@@ -16,18 +16,18 @@ def _one_line_error(result, *needles):
 
 
 def test_missing_path(run_cli, tmp_path):
-    _one_line_error(run_cli(tmp_path / "nope.pt"), "not found", "nope.pt")
+    _check_one_line_error(run_cli(tmp_path / "nope.pt"), "not found", "nope.pt")
 
 
 def test_directory(run_cli, tmp_path):
     (tmp_path / "adir").mkdir()
-    _one_line_error(run_cli(tmp_path / "adir"), "directory")
+    _check_one_line_error(run_cli(tmp_path / "adir"), "directory")
 
 
 def test_empty_file(run_cli, tmp_path):
     path = tmp_path / "empty.pt"
     path.write_bytes(b"")
-    _one_line_error(run_cli(path), "empty")
+    _check_one_line_error(run_cli(path), "empty")
 
 
 def test_truncated_file(run_cli, tmp_path):
@@ -36,7 +36,7 @@ def test_truncated_file(run_cli, tmp_path):
     data = good.read_bytes()
     bad = tmp_path / "truncated.pt"
     bad.write_bytes(data[: len(data) // 2])
-    _one_line_error(run_cli(bad), "truncated.pt", "corrupt")
+    _check_one_line_error(run_cli(bad), "truncated.pt", "corrupt")
 
 
 def test_truncated_pt2(run_cli, tmp_path):
@@ -45,30 +45,30 @@ def test_truncated_pt2(run_cli, tmp_path):
     torch.export.save(program, str(good))
     bad = tmp_path / "cut.pt2"
     bad.write_bytes(good.read_bytes()[:300])
-    _one_line_error(run_cli(bad), "cut.pt2", ".pt2")
+    _check_one_line_error(run_cli(bad), "cut.pt2", ".pt2")
 
 
 def test_state_dict_without_factory(run_cli, tmp_path):
     path = tmp_path / "weights.pt"
     torch.save(nn.Linear(4, 2).state_dict(), path)
-    _one_line_error(run_cli(path), "state_dict", "module:factory", "--weights")
+    _check_one_line_error(run_cli(path), "state_dict", "module:factory", "--weights")
 
 
 def test_factory_that_raises(run_cli, tmp_path):
     (tmp_path / "broken_factory.py").write_text("def build():\n    raise ValueError('no GPU here')\n")
-    _one_line_error(run_cli("broken_factory:build", cwd=tmp_path), "broken_factory:build", "no GPU here")
+    _check_one_line_error(run_cli("broken_factory:build", cwd=tmp_path), "broken_factory:build", "no GPU here")
 
 
 def test_factory_module_missing(run_cli, tmp_path):
-    _one_line_error(run_cli("no_such_module_xyz:build"), "no_such_module_xyz")
+    _check_one_line_error(run_cli("no_such_module_xyz:build"), "no_such_module_xyz")
 
 
 def test_bad_flag_is_one_line(run_cli, tmp_path):
-    _one_line_error(run_cli("examples.badnet:build", "--backend", "tpu"), "backend")
+    _check_one_line_error(run_cli("examples.badnet:build", "--backend", "tpu"), "backend")
 
 
 def test_bad_input_shape(run_cli, repo_root):
-    _one_line_error(run_cli("examples.badnet:build", "--input-shape", "1,x,3", cwd=repo_root), "input-shape")
+    _check_one_line_error(run_cli("examples.badnet:build", "--input-shape", "1,x,3", cwd=repo_root), "input-shape")
 
 
 def test_debug_shows_traceback(run_cli, tmp_path):
@@ -80,17 +80,17 @@ def test_debug_shows_traceback(run_cli, tmp_path):
 def test_weights_that_do_not_fit(run_cli, tmp_path, repo_root):
     path = tmp_path / "other.pt"
     torch.save(nn.Linear(4, 2).state_dict(), path)
-    _one_line_error(run_cli("examples.badnet:build", "--weights", path, "--input-shape", "1,3,32,32",
+    _check_one_line_error(run_cli("examples.badnet:build", "--weights", path, "--input-shape", "1,3,32,32",
                             cwd=repo_root), "does not fit")
 
 
 def test_bad_pyproject_option(run_cli, tmp_path, repo_root):
     (tmp_path / "pyproject.toml").write_text("[tool.qlint]\nbackend = 'x86'\nnot_an_option = 1\n")
     result = run_cli(f"{repo_root}/examples/badnet.py:build", "--input-shape", "1,3,32,32", cwd=tmp_path)
-    _one_line_error(result, "not_an_option")
+    _check_one_line_error(result, "not_an_option")
 
 
 def test_unknown_rule_option(run_cli, tmp_path, repo_root):
     (tmp_path / "pyproject.toml").write_text("[tool.qlint.rules.QL101]\nno_such = true\n")
     result = run_cli(f"{repo_root}/examples/badnet.py:build", "--input-shape", "1,3,32,32", cwd=tmp_path)
-    _one_line_error(result, "QL101", "no_such")
+    _check_one_line_error(result, "QL101", "no_such")

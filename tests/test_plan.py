@@ -292,7 +292,7 @@ def test_equalization_mapping_drives_prepare_fx():
     assert out.shape == model(*inputs).shape and torch.equal(out, convert_fx(reference)(*inputs))
     namespace: dict = {}
     exec(plan.to_python(), namespace)
-    built = namespace["build_equalization_mapping"]()
+    built = namespace["build_equalization_mapping"](default_equalization_qconfig)
     assert list(built.module_name_qconfigs) == ["fc2"]
     assert default_plan("x86").to_equalization_mapping().module_name_qconfigs == {}
 

@@ -77,7 +77,7 @@ def _run_both(make_batch, q, num_batches=5, seed=0):
     return reference, ours.stats
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _check_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.double(), expected.double(), rtol=RTOL, atol=0)
 
 
@@ -90,15 +90,15 @@ def test_statistics_match_model_report_observer(make_batch, q, numpy_search, mon
     reference, stats = _run_both(make_batch, q)
     assert torch.equal(stats.channel_min, reference.min_val.double())
     assert torch.equal(stats.channel_max, reference.max_val.double())
-    _close(stats.epoch_min, reference.epoch_activation_min)
-    _close(stats.epoch_max, reference.epoch_activation_max)
-    _close(stats.average_batch_range(), reference.average_batch_activation_range)
-    _close(stats.batch_to_epoch_range_ratio(), reference.get_batch_to_epoch_ratio())
+    _check_close(stats.epoch_min, reference.epoch_activation_min)
+    _check_close(stats.epoch_max, reference.epoch_activation_max)
+    _check_close(stats.average_batch_range(), reference.average_batch_activation_range)
+    _check_close(stats.batch_to_epoch_range_ratio(), reference.get_batch_to_epoch_ratio())
     assert int(stats.batches) == reference.num_batches_tracked
     assert torch.equal(stats.percentile_batches_tracked(), reference.percentile_batches_tracked.long())
     assert torch.equal(stats.constant_batches, reference.constant_channels.long())
     assert not stats.zero_denominator_batches.any(), "these streams have no zero quantiles"
-    _close(stats.average_percentile_ratio(), reference.average_percentile_ratio)
+    _check_close(stats.average_percentile_ratio(), reference.average_percentile_ratio)
 
 
 def test_zero_denominator_is_reported_as_inf_where_torch_saturates():
@@ -115,15 +115,15 @@ def test_zero_denominator_is_reported_as_inf_where_torch_saturates():
     assert reference.average_percentile_ratio[0] > 1e30
     assert math.isinf(stats.average_percentile_ratio()[0])
     assert int(stats.zero_denominator_batches[0]) == int(reference.percentile_batches_tracked[0])
-    _close(stats.average_percentile_ratio()[1:], reference.average_percentile_ratio[1:])
+    _check_close(stats.average_percentile_ratio()[1:], reference.average_percentile_ratio[1:])
 
 
 def test_equalization_input_ranges_match_detector_inputs():
     # InputWeightEqualizationDetector reads per-channel min/max of the
     # pre-observer and the global range as max(max_val) - min(min_val).
     reference, stats = _run_both(_gaussian, 0.975)
-    _close(stats.channel_range(), reference.max_val - reference.min_val)
-    _close(stats.epoch_range(), torch.max(reference.max_val) - torch.min(reference.min_val))
+    _check_close(stats.channel_range(), reference.max_val - reference.min_val)
+    _check_close(stats.epoch_range(), torch.max(reference.max_val) - torch.min(reference.min_val))
 
 
 def test_nan_poisons_torch_but_not_qlint():
