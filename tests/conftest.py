@@ -31,3 +31,14 @@ def run_cli(tmp_path):
                               timeout=300)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """Small tensors on shared cores: one intra-op thread avoids oversubscription stalls (10x here)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

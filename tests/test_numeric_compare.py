@@ -27,13 +27,7 @@ from qlint.numeric.matching import match_layers
 warnings.filterwarnings("ignore")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Small tensors on shared cores: one intra-op thread avoids oversubscription stalls (10x here)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 BAD_LAYER = "block2.conv"
 

@@ -25,13 +25,7 @@ from qlint.numeric.matching import CounterpartKind, match_layers
 warnings.filterwarnings("ignore")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Small tensors on shared cores: one intra-op thread avoids oversubscription stalls (10x here)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 CONV_NET_LAYERS = {  # every conv/linear of SmallConvNet, by float fqn
     "stem.conv", "block1.conv", "res1.conv1", "res1.conv2", "block2.conv", "res2.conv1",

@@ -23,13 +23,7 @@ from torch.ao.ns.fx.utils import compute_cosine_similarity, compute_normalized_l
 warnings.filterwarnings("ignore", category=UserWarning)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Small tensors on shared cores: one intra-op thread avoids oversubscription stalls (10x here)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _noisy_pair(seed: int, shape, noise: float, scale: float = 1.0):
