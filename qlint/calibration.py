@@ -70,8 +70,11 @@ def resolve_channel_axis(spec_axis: Any, kind: str) -> Optional[int]:
 
 def resolve_points(graph: ModelGraph, rules: Iterable[Rule]) -> list[ObservationPoint]:
     """Every distinct point that the rules' ``observes`` specs name in ``graph``."""
-    return sorted(resolve_point_needs(graph, rules),
-                  key=lambda p: (graph.position(p.node), p.side, p.index, str(p.channel_axis)))
+    return _in_graph_order(graph, resolve_point_needs(graph, rules))
+
+
+def _in_graph_order(graph: ModelGraph, points: Iterable[ObservationPoint]) -> list[ObservationPoint]:
+    return sorted(points, key=lambda p: (graph.position(p.node), p.side, p.index, str(p.channel_axis)))
 
 
 def resolve_point_needs(graph: ModelGraph, rules: Iterable[Rule]) -> dict[ObservationPoint, tuple[bool, bool]]:
@@ -160,8 +163,8 @@ def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
     opts = dict(options or {})
     graph: ModelGraph = analysis.graph
     data_rules = [r for r in rules if Need.STATISTICS in r.requires]
-    points = resolve_points(graph, data_rules)
     needs = resolve_point_needs(graph, data_rules)
+    points = _in_graph_order(graph, needs)
     notices: list[Notice] = []
     q = _reference_percentile(data_rules)
     shared = analysis.traced.graph_module if analysis.traced is not None else analysis.model

@@ -203,6 +203,14 @@ def _view_to_reshape(gm: fx.GraphModule, candidate: _Candidate) -> None:
 _APPLY = {"fold_bn_into_functional_conv": _fold, "view_to_reshape": _view_to_reshape, "fuse": _duplicate_fanout}
 
 
+def _checked(record: dict[str, Any], error: float, max_relative_error: float) -> AppliedRewrite:
+    """A rewrite is kept only if float outputs stay within ``max_relative_error``."""
+    if error <= max_relative_error:
+        return AppliedRewrite(**record, applied=True, max_relative_error=error)
+    return AppliedRewrite(**record, applied=False, max_relative_error=min(error, 1e30),
+                          reason=f"float outputs changed by {error:.3g} (> {max_relative_error:g})")
+
+
 def _outputs(gm: nn.Module, inputs: Sequence[Any]) -> list[torch.Tensor]:
     from qlint.nested import leaves_of_type
 
@@ -282,12 +290,10 @@ def apply_rewrites(graph_module: nn.Module, plan: Any = None, example_inputs: Se
             applied.append(AppliedRewrite(**record, applied=False,
                                           reason=f"{type(failure).__name__}: {failure}"[:300]))
             continue
-        if error <= max_relative_error:
+        outcome = _checked(record, error, max_relative_error)
+        applied.append(outcome)
+        if outcome.applied:
             current = trial
-            applied.append(AppliedRewrite(**record, applied=True, max_relative_error=error))
-        else:
-            applied.append(AppliedRewrite(**record, applied=False, max_relative_error=min(error, 1e30),
-                                          reason=f"float outputs changed by {error:.3g} (> {max_relative_error:g})"))
     current.delete_all_unused_submodules()
     current.recompile()
     return current, applied
@@ -393,12 +399,10 @@ def apply_equalization(graph_module: fx.GraphModule, modules: Sequence[str], bat
                       requested_by_plan=True)
         _equalize(trial, previous, nxt, batches)
         error = relative_error(reference, _outputs(trial, example))
-        if error <= max_relative_error:
+        outcome = _checked(record, error, max_relative_error)
+        applied.append(outcome)
+        if outcome.applied:
             current = trial
-            applied.append(AppliedRewrite(**record, applied=True, max_relative_error=error))
-        else:
-            applied.append(AppliedRewrite(**record, applied=False, max_relative_error=min(error, 1e30),
-                                          reason=f"float outputs changed by {error:.3g} (> {max_relative_error:g})"))
     return current, applied
 
 
