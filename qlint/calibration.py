@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qlint.errors import LoadError, QlintError
-from qlint.findings import Finding, LayerRow, Notice
+from qlint.findings import Notice
 from qlint.graph import ModelGraph
 from qlint.preserve import preserved_state
 from qlint.rule import Need, ObservationSpec, Rule
@@ -106,10 +106,9 @@ class CalibrationStatistics:
     """
 
     def __init__(self, graph: ModelGraph, stats: Mapping[ObservationPoint, TensorStats], batches: int,
-                 rules: Sequence[Rule] = (), world_size: int = 1) -> None:
+                 world_size: int = 1) -> None:
         self._graph = graph
         self._stats = MappingProxyType(dict(stats))
-        self._rules = tuple(rules)
         self.batches = int(batches)
         self.world_size = int(world_size)
 
@@ -140,18 +139,6 @@ class CalibrationStatistics:
     def __len__(self) -> int:
         return len(self._stats)
 
-    def layer_rows(self, findings: Sequence[Finding]) -> list[LayerRow]:
-        """One row per (layer, data rule): the rule's key statistic and verdict."""
-        rows: list[LayerRow] = []
-        for rule in self._rules:
-            contribute = getattr(rule, "layer_rows", None)
-            if callable(contribute):
-                rows.extend(contribute(self, [f for f in findings if f.rule == rule.code]))
-        order = {n.name: i for i, n in enumerate(self._graph.nodes())}
-        by_display = {n.display: order[n.name] for n in self._graph.nodes()}
-        rows.sort(key=lambda r: (by_display.get(r.name, len(order)), r.rule or ""))
-        return rows
-
     def __repr__(self) -> str:
         return f"CalibrationStatistics(points={len(self._stats)}, batches={self.batches})"
 
@@ -170,7 +157,7 @@ def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
     shared = analysis.traced.graph_module if analysis.traced is not None else analysis.model
     with preserved_state(shared):
         stats, count, world = _calibrate(analysis, graph, points, q, calibration, opts, notices, needs)
-    return CalibrationStatistics(graph, stats, count, data_rules, world), notices
+    return CalibrationStatistics(graph, stats, count, world), notices
 
 
 def _calibrate(analysis: Any, graph: ModelGraph, points: Sequence[ObservationPoint], q: float,

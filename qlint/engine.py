@@ -15,7 +15,7 @@ from qlint import __version__
 from qlint.backends import backend_info
 from qlint.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
 from qlint.errors import ConfigError, QlintError, TraceError
-from qlint.findings import Notice, QConfigRow, Report, Severity, SkippedRule, Timing
+from qlint.findings import Finding, LayerRow, Notice, QConfigRow, Report, Severity, SkippedRule, Timing
 from qlint.graph import ModelGraph, OpNode
 from qlint.intent import (BACKENDS, CallDescription, NodeQConfig, QConfigResolver, default_mapping,
                           describe_observer, load_mapping_object, node_qconfig)
@@ -179,24 +179,35 @@ def qconfig_rows(graph: ModelGraph) -> list[QConfigRow]:
 
 
 def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
-    findings, skipped, notices = [], [], []
+    """Run every rule whose needs are met: (findings, per-layer rows, skipped rules, notices).
+
+    ``check`` yields findings and, for data rules, one ``LayerRow`` per layer measured."""
+    findings, rows, skipped, notices = [], [], [], []
     for rule in rules:
         missing = _missing_needs(rule, ctx, has_statistics)
         if missing:
             skipped.append(SkippedRule(rule=rule.code, name=rule.name, reason=missing))
             continue
         try:
-            findings.extend(rule.check(ctx))
+            results = list(rule.check(ctx))
+            unexpected = [type(r).__name__ for r in results if not isinstance(r, (Finding, LayerRow))]
+            if unexpected:
+                raise TypeError(f"check() yielded {unexpected[0]}; expected Finding or LayerRow")
         except QlintError:
             raise
         except Exception as error:  # one broken rule must not hide every other finding
             reason = f"rule crashed: {type(error).__name__}: {error}"
             skipped.append(SkippedRule(rule=rule.code, name=rule.name, reason=reason[:300]))
             notices.append(Notice(level=Severity.ERROR, message=f"{rule.code} {reason}"[:400]))
+            continue
+        findings.extend(r for r in results if isinstance(r, Finding))
+        rows.extend(r for r in results if isinstance(r, LayerRow))
     findings.sort(key=lambda f: (-f.severity.rank, f.rule, ctx.graph.position(f.data["node"])
                                  if isinstance(f.data.get("node"), str) and f.data["node"] in ctx.graph
                                  else 0, f.target))
-    return findings, skipped, notices
+    order = {node.display: i for i, node in reversed(list(enumerate(ctx.graph.nodes())))}
+    rows.sort(key=lambda r: (order.get(r.name, len(order)), r.rule or ""))
+    return findings, rows, skipped, notices
 
 
 def _copier(graph_module: fx.GraphModule):
@@ -268,11 +279,10 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
                       statistics=statistics, model_name=model_name or type(model).__name__,
                       model_factory=_copier(analysis.traced.graph_module) if analysis.traced else None)
     stage = time.perf_counter()
-    findings, skipped, rule_notices = run_rules(ctx, rules, has_statistics=statistics is not None)
+    findings, layers, skipped, rule_notices = run_rules(ctx, rules, has_statistics=statistics is not None)
     notices.extend(rule_notices)
     timings.append(Timing(stage="rules", seconds=time.perf_counter() - stage))
     timings.append(Timing(stage="total", seconds=time.perf_counter() - start))
-    layers = statistics.layer_rows(findings) if statistics is not None and hasattr(statistics, "layer_rows") else []
     return Report(
         qlint_version=__version__, torch_version=torch.__version__,
         model=ctx.model_name, backend=backend, frontend=analysis.graph.frontend,

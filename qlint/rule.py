@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Op
 
 from pydantic import BaseModel, ConfigDict
 
-from qlint.findings import Finding, Severity
+from qlint.findings import Finding, LayerRow, Severity
 
 if TYPE_CHECKING:
     from qlint.context import LintContext
@@ -96,7 +96,9 @@ class Rule:
     def __init__(self, options: Optional[RuleOptions] = None) -> None:
         self.options = options if options is not None else self.Options()
 
-    def check(self, ctx: "LintContext") -> Iterable[Finding]:
+    def check(self, ctx: "LintContext") -> Iterable[Finding | LayerRow]:
+        """Yield findings. Data rules also yield one ``LayerRow`` per layer they measured
+        (whether it fires or not): the report's per-layer table."""
         raise NotImplementedError
 
     def finding(self, target: str, message: str, *, data: Optional[dict[str, Any]] = None,

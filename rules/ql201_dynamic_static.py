@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -76,73 +77,73 @@ class DynamicStatic(Rule):
         tolerance: float = Field(0.5, gt=0, le=1, description="S threshold for non-stationary data.")
         report_dynamic_to_static: bool = Field(True, description="Report dynamic layers with stationary data.")
 
-    def evaluate(self, statistics, node: OpNode) -> Optional[dict]:
-        pre = statistics.get(node.name, "input", 0)
-        post = statistics.get(node.name, "output", 0)
-        if pre is None or post is None:
-            return None
-        pre_stat = float(pre.batch_to_epoch_range_ratio())
-        post_stat = float(post.batch_to_epoch_range_ratio())
-        if math.isnan(post_stat):
-            return None  # constant or non-finite output: S is undefined (torch raises)
-        return {
-            "dynamic_recommended": post_stat <= self.options.tolerance,
-            "input_comp_stat": finite_or_none(pre_stat),
-            "output_comp_stat": post_stat,
-        }
-
-    def check(self, ctx: LintContext) -> Iterable[Finding]:
+    def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         tolerance = self.options.tolerance
         for node in ctx.graph.by_kind(*KINDS):
-            if node.qconfig is None or not node.is_quantized:
+            measured = measure(ctx.statistics, node, tolerance)
+            if measured is None:
                 continue
-            result = self.evaluate(ctx.statistics, node)
-            if result is None:
-                continue
-            is_dynamic = bool(node.qconfig.is_dynamic)
-            if result["dynamic_recommended"] == is_dynamic:
-                continue
-            if is_dynamic and not self.options.report_dynamic_to_static:
-                continue
-            s_out = result["output_comp_stat"]
-            if result["dynamic_recommended"]:
-                message = (
-                    f"the output range of {node.display} changes from batch to batch "
-                    f"(S = average batch range / overall range = {s_out:.3g} <= {tolerance}), but it is "
-                    "quantized statically: one calibrated scale wastes most int8 levels on each batch. "
-                    f"Quantize it dynamically: mapping.set_module_name({node.display!r}, default_dynamic_qconfig)."
-                )
-                suggestion = {"action": "set_qconfig", "module": node.display, "node": node.name,
-                              "qconfig": "torch.ao.quantization.default_dynamic_qconfig", "mode": "dynamic"}
-            else:
-                message = (
-                    f"the output range of {node.display} is stable across batches (S = {s_out:.3g} > "
-                    f"{tolerance}), but it is quantized dynamically: static quantization would avoid the "
-                    "per-call range computation and keep the output in int8. Use a static qconfig for it."
-                )
-                suggestion = {"action": "set_qconfig", "module": node.display, "node": node.name,
-                              "qconfig": "static", "mode": "static"}
-            yield self.finding(
-                node.display, message,
-                data={"kind": "dynamic-recommended" if result["dynamic_recommended"] else "static-recommended",
-                      "node": node.name, "tolerance": tolerance, "intent_dynamic": is_dynamic, **result},
-                suggestion=suggestion,
-            )
+            flagged = (node.qconfig is not None and node.is_quantized
+                       and measured.dynamic_recommended != bool(node.qconfig.is_dynamic)
+                       and (self.options.report_dynamic_to_static or not node.qconfig.is_dynamic))
+            if flagged:
+                yield self._finding(node, measured)
+            verdict = "dynamic" if measured.dynamic_recommended else "static"
+            yield LayerRow(name=node.display, kind=node.kind, rule=self.code, statistic="S(output)",
+                           value=measured.output_comp_stat,
+                           verdict=f"{verdict} recommended" + (" (flagged)" if flagged else ""),
+                           extra={"input_comp_stat": measured.input_comp_stat})
 
-    def layer_rows(self, statistics, findings: Sequence[Finding]) -> list[LayerRow]:
-        flagged = {f.data.get("node") for f in findings}
-        rows = []
-        for node in statistics.graph.by_kind(*KINDS):
-            result = self.evaluate(statistics, node)
-            if result is None:
-                continue
-            verdict = "dynamic" if result["dynamic_recommended"] else "static"
-            rows.append(LayerRow(
-                name=node.display, kind=node.kind, rule=self.code, statistic="S(output)",
-                value=result["output_comp_stat"],
-                verdict=f"{verdict} recommended" + (" (flagged)" if node.name in flagged else ""),
-                extra={"input_comp_stat": result["input_comp_stat"]}))
-        return rows
+    def _finding(self, node: OpNode, measured: "DynamicStaticMeasurement") -> Finding:
+        tolerance = self.options.tolerance
+        s_out = measured.output_comp_stat
+        if measured.dynamic_recommended:
+            message = (
+                f"the output range of {node.display} changes from batch to batch "
+                f"(S = average batch range / overall range = {s_out:.3g} <= {tolerance}), but it is "
+                "quantized statically: one calibrated scale wastes most int8 levels on each batch. "
+                f"Quantize it dynamically: mapping.set_module_name({node.display!r}, default_dynamic_qconfig)."
+            )
+            suggestion = {"action": "set_qconfig", "module": node.display, "node": node.name,
+                          "qconfig": "torch.ao.quantization.default_dynamic_qconfig", "mode": "dynamic"}
+        else:
+            message = (
+                f"the output range of {node.display} is stable across batches (S = {s_out:.3g} > "
+                f"{tolerance}), but it is quantized dynamically: static quantization would avoid the "
+                "per-call range computation and keep the output in int8. Use a static qconfig for it."
+            )
+            suggestion = {"action": "set_qconfig", "module": node.display, "node": node.name,
+                          "qconfig": "static", "mode": "static"}
+        return self.finding(
+            node.display, message,
+            data={"kind": "dynamic-recommended" if measured.dynamic_recommended else "static-recommended",
+                  "node": node.name, "tolerance": tolerance, "intent_dynamic": bool(node.qconfig.is_dynamic),
+                  "dynamic_recommended": measured.dynamic_recommended,
+                  "input_comp_stat": measured.input_comp_stat, "output_comp_stat": measured.output_comp_stat},
+            suggestion=suggestion,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicStaticMeasurement:
+    """torch's DynamicStaticDetector quantities for one linear layer."""
+
+    dynamic_recommended: bool
+    input_comp_stat: Optional[float]  # S before the layer (None where undefined)
+    output_comp_stat: float  # S after the layer
+
+
+def measure(statistics, node: OpNode, tolerance: float) -> Optional[DynamicStaticMeasurement]:
+    """S before and after ``node`` and the recommendation; None without usable statistics."""
+    pre = statistics.get(node.name, "input", 0)
+    post = statistics.get(node.name, "output", 0)
+    if pre is None or post is None:
+        return None
+    pre_stat = float(pre.batch_to_epoch_range_ratio())
+    post_stat = float(post.batch_to_epoch_range_ratio())
+    if math.isnan(post_stat):
+        return None  # constant or non-finite output: S is undefined (torch raises)
+    return DynamicStaticMeasurement(post_stat <= tolerance, finite_or_none(pre_stat), post_stat)
 
 
 # --- examples --------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -123,44 +124,20 @@ class InputWeightEqualization(Rule):
         ratio_threshold: float = Field(0.5, gt=0, lt=1, description="s_c band is [t, 1/t].")
         channel_fraction: float = Field(0.4, gt=0, le=1, description="Fraction of channels that must recommend.")
 
-    def evaluate(self, statistics, graph: ModelGraph, node: OpNode) -> Optional[dict]:
-        stats = statistics.get(node.name, "input", 0)
-        if stats is None or stats.num_channels == 0:
-            return None
-        weight = _weight_of(graph, node)
-        if weight is None:
-            return None
-        weight_ranges = weight_channel_ranges(weight, stats.num_channels)
-        if weight_ranges is None or weight_ranges.numel() != stats.num_channels:
-            return None
-        input_global = float(stats.epoch_range())
-        weight_global = float(weight.detach().to(torch.float64).max() - weight.detach().to(torch.float64).min())
-        if not (math.isfinite(input_global) and input_global > 0 and weight_global > 0):
-            return None
-        input_ranges = stats.channel_range().to(torch.float64).cpu()
-        metrics = comparison_metrics(input_ranges, input_global, weight_ranges.cpu(), weight_global)
+    def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         t = self.options.ratio_threshold
-        usable = torch.isfinite(metrics) & (metrics > 0) & (input_ranges > 0) & (weight_ranges.cpu() > 0)
-        recommended = usable & ((metrics < t) | (metrics > 1 / t))
-        fraction = float(recommended.sum()) / len(recommended)
-        return {
-            "channels_recommended": [bool(v) for v in recommended.tolist()],
-            "comp_metrics": [json_float(v) for v in metrics.tolist()],
-            "fraction_recommended": fraction,
-            "equalization_recommended": fraction >= self.options.channel_fraction,
-        }
-
-    def check(self, ctx: LintContext) -> Iterable[Finding]:
         for node in ctx.graph.by_kind(*KINDS):
-            if node.qconfig is None or not node.is_quantized:
+            measured = measure(ctx.statistics, ctx.graph, node, t, self.options.channel_fraction)
+            if measured is None:
                 continue
-            result = self.evaluate(ctx.statistics, ctx.graph, node)
-            if result is None or not result["equalization_recommended"]:
+            yield LayerRow(name=node.display, kind=node.kind, rule=self.code, statistic="fraction s_c outside band",
+                           value=measured.fraction_recommended,
+                           verdict="equalize" if measured.equalization_recommended else "balanced")
+            if node.qconfig is None or not node.is_quantized or not measured.equalization_recommended:
                 continue
-            worst = _most_unbalanced(result["comp_metrics"], result["channels_recommended"])
-            t = self.options.ratio_threshold
+            worst = _most_unbalanced(measured.comp_metrics, measured.channels_recommended)
             message = (
-                f"{sum(result['channels_recommended'])} of {len(result['channels_recommended'])} input channels "
+                f"{sum(measured.channels_recommended)} of {len(measured.channels_recommended)} input channels "
                 f"of {node.display} have unbalanced input vs weight ranges (s_c outside [{t:g}, {1 / t:g}]"
                 + (f", e.g. channel {worst[0]}: s = {worst[1]:.3g}" if worst else "")
                 + "): one per-tensor activation scale is set by the widest channels and the rest lose "
@@ -170,23 +147,51 @@ class InputWeightEqualization(Rule):
             yield self.finding(
                 node.display, message,
                 data={"kind": "equalization-recommended", "node": node.name, "ratio_threshold": t,
-                      "channel_fraction": self.options.channel_fraction, **result},
+                      "channel_fraction": self.options.channel_fraction,
+                      "channels_recommended": measured.channels_recommended,
+                      "comp_metrics": measured.comp_metrics,
+                      "fraction_recommended": measured.fraction_recommended,
+                      "equalization_recommended": measured.equalization_recommended},
                 suggestion={"action": "equalize", "module": node.display, "node": node.name,
                             "equalization_qconfig": "torch.ao.quantization.fx._equalize.default_equalization_qconfig",
                             "via": "prepare_fx(_equalization_config=QConfigMapping().set_module_name(module, ...))"},
             )
 
-    def layer_rows(self, statistics, findings: Sequence[Finding]) -> list[LayerRow]:
-        rows = []
-        for node in statistics.graph.by_kind(*KINDS):
-            result = self.evaluate(statistics, statistics.graph, node)
-            if result is None:
-                continue
-            rows.append(LayerRow(
-                name=node.display, kind=node.kind, rule=self.code, statistic="fraction s_c outside band",
-                value=result["fraction_recommended"],
-                verdict="equalize" if result["equalization_recommended"] else "balanced"))
-        return rows
+
+@dataclasses.dataclass(frozen=True)
+class EqualizationMeasurement:
+    """torch's InputWeightEqualizationDetector quantities for one layer."""
+
+    channels_recommended: list[bool]
+    comp_metrics: list[Optional[float]]  # s_c per input channel (None where not finite)
+    fraction_recommended: float
+    equalization_recommended: bool
+
+
+def measure(statistics, graph: ModelGraph, node: OpNode, ratio_threshold: float,
+            channel_fraction: float) -> Optional[EqualizationMeasurement]:
+    """s_c per input channel of ``node`` and the verdicts; None without usable statistics or weight."""
+    stats = statistics.get(node.name, "input", 0)
+    if stats is None or stats.num_channels == 0:
+        return None
+    weight = _weight_of(graph, node)
+    if weight is None:
+        return None
+    weight_ranges = weight_channel_ranges(weight, stats.num_channels)
+    if weight_ranges is None or weight_ranges.numel() != stats.num_channels:
+        return None
+    input_global = float(stats.epoch_range())
+    weight_global = float(weight.detach().to(torch.float64).max() - weight.detach().to(torch.float64).min())
+    if not (math.isfinite(input_global) and input_global > 0 and weight_global > 0):
+        return None
+    input_ranges = stats.channel_range().to(torch.float64).cpu()
+    metrics = comparison_metrics(input_ranges, input_global, weight_ranges.cpu(), weight_global)
+    usable = torch.isfinite(metrics) & (metrics > 0) & (input_ranges > 0) & (weight_ranges.cpu() > 0)
+    recommended = usable & ((metrics < ratio_threshold) | (metrics > 1 / ratio_threshold))
+    fraction = float(recommended.sum()) / len(recommended)
+    return EqualizationMeasurement([bool(v) for v in recommended.tolist()],
+                                   [json_float(v) for v in metrics.tolist()], fraction,
+                                   fraction >= channel_fraction)
 
 
 def _weight_of(graph: ModelGraph, node: OpNode) -> Optional[torch.Tensor]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -15,6 +16,7 @@ from qlint.context import LintContext
 from qlint.findings import Finding, LayerRow, Severity
 from qlint.graph import OpNode
 from qlint.rule import Example, Need, ObservationSpec, Rule, RuleOptions
+from qlint.stats import TensorStats
 
 KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv"})
 
@@ -98,47 +100,32 @@ class ActivationOutlier(Rule):
                                                        description="Minimum fraction of usable batches.")
         report_constant_channels: bool = Field(True, description="Report channels constant over all data.")
 
-    def evaluate(self, statistics, node: OpNode) -> Optional[dict]:
-        stats = statistics.get(node.name, "input", 0)
-        if stats is None or int(stats.batches) == 0:
-            return None
-        metric = outlier_metric(stats.average_percentile_ratio()).cpu()
-        used = stats.percentile_batches_tracked().cpu().to(torch.float64)
-        sufficient = used / float(stats.batches) >= self.options.fraction_batches_used_threshold
-        outlier = sufficient & (metric > self.options.ratio_threshold)  # NaN compares False
-        has_values = stats.count.cpu() > 0
-        constant = has_values & (stats.channel_min.cpu() == stats.channel_max.cpu())
-        nan_count = int(stats.nan_count.sum())
-        inf_count = int(stats.inf_count.sum())
-        return {
-            "metric": metric, "outlier": outlier, "sufficient": sufficient, "constant": constant,
-            "nan_count": nan_count, "inf_count": inf_count, "stats": stats,
-        }
-
-    def check(self, ctx: LintContext) -> Iterable[Finding]:
+    def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         for node in ctx.graph.by_kind(*KINDS):
+            measured = measure(ctx.statistics, node, self.options.ratio_threshold,
+                               self.options.fraction_batches_used_threshold)
+            if measured is None:
+                continue
+            yield _layer_row(self.code, node, measured)
             if node.qconfig is None or not node.is_quantized:
                 continue
-            result = self.evaluate(ctx.statistics, node)
-            if result is None:
-                continue
-            stats = result["stats"]
-            if result["nan_count"] or result["inf_count"]:
+            stats = measured.stats
+            if measured.nan_count or measured.inf_count:
                 bad = ((stats.nan_count + stats.inf_count) > 0).nonzero().flatten().tolist()
                 yield self.finding(
                     node.display,
-                    f"the input of {node.display} contains {result['nan_count']} NaN and {result['inf_count']} "
+                    f"the input of {node.display} contains {measured.nan_count} NaN and {measured.inf_count} "
                     f"Inf values during calibration (channels {_short(bad)}): observers would compute "
                     "NaN/Inf qparams and the quantized model would produce garbage. Fix the numerics "
                     "upstream (overflow, division by zero, log of 0) before quantizing.",
-                    data={"kind": "non-finite", "node": node.name, "nan_count": result["nan_count"],
-                          "inf_count": result["inf_count"], "channels": bad},
+                    data={"kind": "non-finite", "node": node.name, "nan_count": measured.nan_count,
+                          "inf_count": measured.inf_count, "channels": bad},
                     severity=Severity.ERROR,
                 )
-            outliers = result["outlier"].nonzero().flatten().tolist()
+            outliers = measured.outlier.nonzero().flatten().tolist()
             if outliers:
-                yield self._outlier_finding(node, result, outliers)
-            constant = result["constant"].nonzero().flatten().tolist()
+                yield self._outlier_finding(node, measured, outliers)
+            constant = measured.constant.nonzero().flatten().tolist()
             if constant and self.options.report_constant_channels:
                 values = [json_float(stats.channel_max[c]) for c in constant[:32]]
                 yield self.finding(
@@ -151,8 +138,8 @@ class ActivationOutlier(Rule):
                     severity=Severity.INFO,
                 )
 
-    def _outlier_finding(self, node: OpNode, result: dict, outliers: list[int]) -> Finding:
-        stats = result["stats"]
+    def _outlier_finding(self, node: OpNode, measured: "OutlierMeasurement", outliers: list[int]) -> Finding:
+        stats = measured.stats
         high, low = stats.channel_max.cpu(), stats.channel_min.cpu()
         mask = torch.zeros(stats.num_channels, dtype=torch.bool)
         mask[outliers] = True
@@ -162,7 +149,7 @@ class ActivationOutlier(Rule):
         without = float(high[rest].max() - low[rest].min()) if bool(rest.any()) else math.nan
         loss_bits = math.log2(full / without) if full > 0 and without > 0 else math.nan
         maxima = [json_float(high[c]) for c in outliers]
-        ratios = [json_float(result["metric"][c]) for c in outliers]
+        ratios = [json_float(measured.metric[c]) for c in outliers]
         finite_ratios = [r for r in ratios if isinstance(r, float) and r > 1]
         # Inside an outlier channel, calibrating to the spike leaves the bulk of its values
         # (below the reference percentile) only 1/ratio of the range: log2(ratio) bits lost.
@@ -192,27 +179,50 @@ class ActivationOutlier(Rule):
                         "observer": "torch.ao.quantization.HistogramObserver"},
         )
 
-    def layer_rows(self, statistics, findings: Sequence[Finding]) -> list[LayerRow]:
-        rows = []
-        for node in statistics.graph.by_kind(*KINDS):
-            result = self.evaluate(statistics, node)
-            if result is None:
-                continue
-            metric = result["metric"]
-            finite = metric[torch.isfinite(metric)]
-            worst = float(finite.max()) if finite.numel() else None
-            count = int(result["outlier"].sum())
-            if result["nan_count"] or result["inf_count"]:
-                verdict = "NaN/Inf"
-            elif count:
-                verdict = f"{count} outlier channel(s)"
-            else:
-                verdict = "ok"
-            rows.append(LayerRow(name=node.display, kind=node.kind, rule=self.code,
-                                 statistic="max p_r (max / quantile)", value=worst, verdict=verdict,
-                                 extra={"outlier_channels": result["outlier"].nonzero().flatten().tolist(),
-                                        "constant_channels": int(result["constant"].sum())}))
-        return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class OutlierMeasurement:
+    """torch's OutlierDetector quantities for the input of one layer (per-channel tensors on CPU)."""
+
+    metric: torch.Tensor  # average percentile ratio per channel (NaN: no batch counted)
+    outlier: torch.Tensor  # bool: sufficient batches and metric > ratio_threshold
+    sufficient: torch.Tensor  # bool: enough batches counted
+    constant: torch.Tensor  # bool: min == max over all data
+    nan_count: int
+    inf_count: int
+    stats: TensorStats
+
+
+def measure(statistics, node: OpNode, ratio_threshold: float,
+            fraction_batches_used_threshold: float) -> Optional[OutlierMeasurement]:
+    """Percentile-ratio outliers, constant channels and NaN/Inf at the input of ``node``."""
+    stats = statistics.get(node.name, "input", 0)
+    if stats is None or int(stats.batches) == 0:
+        return None
+    metric = outlier_metric(stats.average_percentile_ratio()).cpu()
+    used = stats.percentile_batches_tracked().cpu().to(torch.float64)
+    sufficient = used / float(stats.batches) >= fraction_batches_used_threshold
+    outlier = sufficient & (metric > ratio_threshold)  # NaN compares False
+    has_values = stats.count.cpu() > 0
+    constant = has_values & (stats.channel_min.cpu() == stats.channel_max.cpu())
+    return OutlierMeasurement(metric, outlier, sufficient, constant, int(stats.nan_count.sum()),
+                              int(stats.inf_count.sum()), stats)
+
+
+def _layer_row(code: str, node: OpNode, measured: OutlierMeasurement) -> LayerRow:
+    finite = measured.metric[torch.isfinite(measured.metric)]
+    count = int(measured.outlier.sum())
+    if measured.nan_count or measured.inf_count:
+        verdict = "NaN/Inf"
+    elif count:
+        verdict = f"{count} outlier channel(s)"
+    else:
+        verdict = "ok"
+    return LayerRow(name=node.display, kind=node.kind, rule=code, statistic="max p_r (max / quantile)",
+                    value=float(finite.max()) if finite.numel() else None, verdict=verdict,
+                    extra={"outlier_channels": measured.outlier.nonzero().flatten().tolist(),
+                           "constant_channels": int(measured.constant.sum())})
 
 
 def _short(channels: list[int]) -> str:

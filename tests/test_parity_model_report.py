@@ -30,6 +30,23 @@ from torch.ao.quantization.quantize_fx import prepare_fx, prepare_qat_fx
 from qlint.calibration import collect_statistics
 from qlint.engine import analyse, instantiate_rules
 from qlint.registry import Registry
+from qlint.rules import ql201_dynamic_static, ql202_input_weight_equalization, ql203_activation_outlier
+
+
+def _dynamic_static(rules, statistics, node):
+    return ql201_dynamic_static.measure(statistics, node, rules["QL201"].options.tolerance)
+
+
+def _equalization(rules, statistics, graph, node):
+    options = rules["QL202"].options
+    return ql202_input_weight_equalization.measure(statistics, graph, node, options.ratio_threshold,
+                                                   options.channel_fraction)
+
+
+def _outliers(rules, statistics, node):
+    options = rules["QL203"].options
+    return ql203_activation_outlier.measure(statistics, node, options.ratio_threshold,
+                                            options.fraction_batches_used_threshold)
 
 RTOL = 1e-4
 THRESHOLD = 0.5
@@ -202,11 +219,11 @@ def test_dynamic_static_parity(case):
         node = _node_for(graph, fqn)
         if node is None or node.kind != "linear":
             continue  # qlint checks linear layers only (no backend quantizes conv dynamically)
-        ours = rules["QL201"].evaluate(statistics, node)
+        ours = _dynamic_static(rules, statistics, node)
         assert ours is not None, f"{name}: no QL201 statistics for {fqn}"
-        assert ours["dynamic_recommended"] == bool(info[DynamicStaticDetector.DEFAULT_DYNAMIC_REC_KEY]), fqn
-        assert _close(ours["input_comp_stat"], info[DynamicStaticDetector.PRE_OBS_COMP_STAT_KEY]), fqn
-        assert _close(ours["output_comp_stat"], info[DynamicStaticDetector.POST_OBS_COMP_STAT_KEY]), fqn
+        assert ours.dynamic_recommended == bool(info[DynamicStaticDetector.DEFAULT_DYNAMIC_REC_KEY]), fqn
+        assert _close(ours.input_comp_stat, info[DynamicStaticDetector.PRE_OBS_COMP_STAT_KEY]), fqn
+        assert _close(ours.output_comp_stat, info[DynamicStaticDetector.POST_OBS_COMP_STAT_KEY]), fqn
         compared += 1
     assert compared >= 1, f"{name}: no linear layer compared"
 
@@ -218,21 +235,21 @@ def test_input_weight_equalization_parity(case):
     for fqn, info in torch_info.items():
         node = _node_for(graph, fqn)
         assert node is not None, fqn
-        ours = rules["QL202"].evaluate(statistics, graph, node)
+        ours = _equalization(rules, statistics, graph, node)
         assert ours is not None, f"{name}: no QL202 result for {fqn}"
         torch_metrics = info[InputWeightEqualizationDetector.COMP_METRIC_KEY].tolist()
         torch_recommended = info[InputWeightEqualizationDetector.RECOMMENDED_KEY]
-        assert len(ours["comp_metrics"]) == len(torch_metrics)
+        assert len(ours.comp_metrics) == len(torch_metrics)
         expected = []
-        for metric, torch_flag, our_metric in zip(torch_metrics, torch_recommended, ours["comp_metrics"]):
+        for metric, torch_flag, our_metric in zip(torch_metrics, torch_recommended, ours.comp_metrics):
             if math.isfinite(metric) and metric > 0:
                 assert _close(our_metric, metric), (fqn, our_metric, metric)
                 expected.append(not torch_flag)  # documented band inversion
             else:
                 expected.append(False)  # zero range: never recommended by qlint
-        assert ours["channels_recommended"] == expected, fqn
+        assert ours.channels_recommended == expected, fqn
         module_verdict = sum(expected) / len(expected) >= InputWeightEqualizationDetector.DEFAULT_RECOMMEND_INPUT_WEIGHT_CHANNEL_RATIO
-        assert ours["equalization_recommended"] == module_verdict, fqn
+        assert ours.equalization_recommended == module_verdict, fqn
         compared += 1
     assert compared >= 1, f"{name}: torch reported no equalization layer"
 
@@ -245,14 +262,14 @@ def test_outlier_parity(case):
         node = _node_for(graph, fqn)
         if node is None or node.module != fqn or node.kind not in ("linear", "conv2d"):
             continue  # QL203 reports conv/linear layers; torch observes every leaf module
-        ours = rules["QL203"].evaluate(statistics, node)
+        ours = _outliers(rules, statistics, node)
         assert ours is not None, fqn
         torch_outlier = [bool(o and s) for o, s in zip(info[OutlierDetector.OUTLIER_KEY],
                                                         info[OutlierDetector.IS_SUFFICIENT_BATCHES_KEY])]
-        assert ours["outlier"].tolist() == torch_outlier, (fqn, ours["metric"], info[OutlierDetector.COMP_METRIC_KEY])
+        assert ours.outlier.tolist() == torch_outlier, (fqn, ours.metric, info[OutlierDetector.COMP_METRIC_KEY])
         used = info[OutlierDetector.NUM_BATCHES_KEY].tolist()
         for channel, torch_metric in enumerate(info[OutlierDetector.COMP_METRIC_KEY].tolist()):
-            our_metric = float(ours["metric"][channel])
+            our_metric = float(ours.metric[channel])
             if used[channel] == 0:
                 assert math.isnan(our_metric)
             elif torch_metric > 1e30:  # a zero reference quantile: float32 max in torch, inf in qlint
@@ -261,7 +278,7 @@ def test_outlier_parity(case):
                 assert _close(our_metric, max(abs(torch_metric), 1 / abs(torch_metric)))
             else:
                 assert _close(our_metric, torch_metric), (fqn, channel, our_metric, torch_metric)
-        assert _close(ours["stats"].channel_max.max(), info[OutlierDetector.MAX_VALS_KEY].max())
+        assert _close(ours.stats.channel_max.max(), info[OutlierDetector.MAX_VALS_KEY].max())
         compared += 1
     if name != "qat":  # QAT linears have a weight_fake_quant child, which torch's OutlierDetector skips
         assert compared >= 1, f"{name}: no layer compared"
@@ -274,14 +291,14 @@ def test_parity_cases_exercise_both_verdicts():
         prepared, example, batches = _prepared(name)
         graph, rules, statistics = _qlint(prepared, example, batches)
         for node in graph.ops():
-            ds = rules["QL201"].evaluate(statistics, node) if node.kind == "linear" else None
+            ds = _dynamic_static(rules, statistics, node) if node.kind == "linear" else None
             if ds:
-                seen["dynamic"].add(ds["dynamic_recommended"])
+                seen["dynamic"].add(ds.dynamic_recommended)
             if node.kind in ("linear", "conv2d"):
-                eq = rules["QL202"].evaluate(statistics, graph, node)
+                eq = _equalization(rules, statistics, graph, node)
                 if eq:
-                    seen["equalize"].add(eq["equalization_recommended"])
-                out = rules["QL203"].evaluate(statistics, node)
+                    seen["equalize"].add(eq.equalization_recommended)
+                out = _outliers(rules, statistics, node)
                 if out:
-                    seen["outlier"].add(bool(out["outlier"].any()))
+                    seen["outlier"].add(bool(out.outlier.any()))
     assert all(v == {True, False} for v in seen.values()), seen

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.ao.quantization.fx._model_report.model_report_observer import ModelReportObserver
 
-from qlint.stats import StatsObserver, accumulator
+from qlint.stats import StatsObserver, selection
 
 RTOL = 1e-4
 
@@ -86,7 +86,7 @@ def _check_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("numpy_search", [True, False], ids=["numpy", "torch_only"])
 def test_statistics_match_model_report_observer(make_batch, q, numpy_search, monkeypatch):
     if not numpy_search:
-        monkeypatch.setattr(accumulator, "_numpy", None)  # the fallback when numpy is absent
+        monkeypatch.setattr(selection, "_numpy", None)  # the fallback when numpy is absent
     reference, stats = _run_both(make_batch, q)
     assert torch.equal(stats.channel_min, reference.min_val.double())
     assert torch.equal(stats.channel_max, reference.max_val.double())

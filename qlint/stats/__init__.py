@@ -5,9 +5,8 @@ from qlint.stats.accumulator import (
     ScratchBuffers,
     TensorStats,
     histogram_bin_edges,
-    summarize_batch,
-    update_stats,
 )
+from qlint.stats.batch import summarize_batch, update_stats
 from qlint.stats.distributed import all_reduce_stats
 from qlint.stats.observer import StatsObserver, thread_scratch_buffers
 

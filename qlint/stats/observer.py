@@ -13,9 +13,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from qlint.stats.accumulator import ScratchBuffers, TensorStats, update_stats
+from qlint.stats.accumulator import ScratchBuffers, TensorStats
+from qlint.stats.batch import SummaryChunk, summarize_values
 
 _thread_local = threading.local()
+# Per-batch summaries are folded into the running stats this many at a time:
+# the fold's bookkeeping (ratios, flags, merge) then costs once per chunk, and
+# a chunk holds only a few per-channel vectors per batch, never activations.
+FOLD_EVERY = 32
 
 
 def thread_scratch_buffers() -> ScratchBuffers:
@@ -53,14 +58,39 @@ class StatsObserver(nn.Module):
         self.reference_percentile = reference_percentile
         self.percentile = percentile
         self.histogram = histogram
-        self.stats = TensorStats.empty(channel_axis, reference_percentile)
+        self._folded = TensorStats.empty(channel_axis, reference_percentile)
+        self._chunk: Optional[SummaryChunk] = None
+
+    @property
+    def stats(self) -> TensorStats:
+        """Statistics of every batch observed so far."""
+        self._fold()
+        return self._folded
+
+    @stats.setter
+    def stats(self, stats: TensorStats) -> None:
+        self._chunk = None
+        self._folded = stats
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
-            with torch.no_grad():
-                self.stats = update_stats(self.stats, value, scratch=thread_scratch_buffers(),
-                                          percentile=self.percentile, histogram=self.histogram)
+            summary = summarize_values(value, self.channel_axis, self.reference_percentile,
+                                       scratch=thread_scratch_buffers(), percentile=self.percentile,
+                                       histogram=self.histogram)
+            width = self._chunk.channels if self._chunk is not None else self._folded.num_channels
+            if width and summary.channels != width:
+                raise ValueError(f"channel count changed from {width} to {summary.channels}")
+            if self._chunk is not None and not self._chunk.accepts(summary):
+                self._fold()  # full, or the data moved to another device
+            if self._chunk is None or self._chunk.device != summary.device:
+                self._chunk = SummaryChunk(FOLD_EVERY, summary.channels, summary.device)
+            self._chunk.add(summary)
         return value
+
+    def _fold(self) -> None:
+        if self._chunk is not None and len(self._chunk):
+            self._folded = self._folded.merge(self._chunk.stats(self.channel_axis, self.reference_percentile))
+            self._chunk.clear()
 
     def reset(self) -> None:
         """Forget everything observed so far."""
