@@ -6,12 +6,12 @@ For each model of bench/advice_models.py: output SQNR (dB, on held-out batches) 
 coverage of conv+linear under (1) get_default_qconfig_mapping('x86'), (2) ModelReport's
 generate_qconfig_mapping() (PerChannel, DynamicStatic, InputWeightEqualization and
 Outlier detectors; private torch API, allowed in bench/ only), (3) qlint: lint with
-calibration → plan_from_report → verify (rewrites, greedy pruning, target-SQNR fallback
-with at most 10% of conv+linear layers float), and (4) ModelReport at equal coverage:
-its module-level qconfigs over get_default_qconfig_mapping('x86') (names of fused
-modules mapped back to the user's modules), with exactly as many conv+linear layers
-float as qlint's plan keeps (see :func:`equal_coverage`). All quantization uses the
-x86 backend config, as qlint verify does.
+calibration → plan_from_report → verify (rewrites, greedy pruning, static/dynamic scheme
+search, target-SQNR fallback with at most 10% of conv+linear layers float), and (4)
+ModelReport at equal coverage: its module-level qconfigs over
+get_default_qconfig_mapping('x86') (names of fused modules mapped back to the user's
+modules), with exactly as many conv+linear layers float as qlint's plan keeps (see
+:func:`equal_coverage`). All quantization uses the x86 backend config, as qlint verify does.
 """
 
 from __future__ import annotations

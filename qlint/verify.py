@@ -14,10 +14,12 @@ both against the float model on the held-out ``eval_data``:
 * model size (bytes of the serialized state_dict).
 
 Then it prunes: every plan decision (module decision, equalization pair, applied
-rewrite) is dropped when removing it does not lower SQNR (greedy, one pass). When
-``target_sqnr`` is given and not met, the most sensitive conv/linear layers (measured
-by the SQNR gained when each alone is kept float) are kept float, as few as reach the
-target (at most ``max_float_fraction`` of the conv+linear layers).
+rewrite) is dropped when removing it does not lower SQNR (greedy, one pass). Then a
+scheme search flips each Linear static <-> dynamic and keeps the flips that raise SQNR
+(``search_schemes``; qlint/verify_search.py). When ``target_sqnr`` is given and not met,
+the most sensitive conv/linear layers (measured by the SQNR gained when each alone is
+kept float) are kept float, as few as reach the target (at most ``max_float_fraction``
+of the conv+linear layers); dynamic layers are candidates too.
 
 Decisions are selected on ``eval_data`` (the batches the numbers are reported on);
 pass separate held-out data to a second ``verify`` call for an unbiased estimate.
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -37,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from qlint.errors import ConfigError, QlintError
 from qlint.numeric.metrics import sqnr_db_from_powers
-from qlint.plan import ModuleDecision, Provenance, QuantPlan, Rewrite, default_plan
+from qlint.plan import Provenance, QuantPlan, Rewrite, default_plan
 from qlint.rewrite import AppliedRewrite, apply_equalization, apply_rewrites, rewrite_key
 
 SQNR_TOLERANCE_DB = 1e-3  # "does not lower SQNR": a removal that costs less than this is noise
@@ -75,7 +76,7 @@ class LayerComparison(_Model):
 
 
 class DecisionOutcome(_Model):
-    kind: str  # module | equalization | rewrite | keep_float
+    kind: str  # module | equalization | rewrite | scheme | keep_float
     target: str
     kept: bool
     sqnr_with_db: Optional[float] = None
@@ -256,7 +257,7 @@ class _Session:
         self.backend, self.equalization_qconfig, self.eval_fn = backend, equalization_qconfig, eval_fn
         self.example = _as_args(calibration[0])[0]
         self.reference = [_flat_outputs(_run(self.model, b)) for b in eval_data]
-        self.cache: dict[str, float] = {}
+        self.cache: dict[str, tuple[float, int]] = {}
         try:
             self.traced = fx.symbolic_trace(copy.deepcopy(self.model))
         except Exception as error:  # user forward may not be symbolically traceable
@@ -319,12 +320,17 @@ class _Session:
                            size_bytes=state_dict_bytes(q.converted), metric=metric, float_modules=floats)
         return result, q
 
-    def plan_sqnr(self, plan: QuantPlan, skip_rewrites: Sequence[str] = ()) -> float:
+    def plan_point(self, plan: QuantPlan, skip_rewrites: Sequence[str] = ()) -> tuple[float, int]:
+        """(output SQNR, int8 conv+linear ops) of a plan, cached."""
         key = plan.model_dump_json() + "|" + ",".join(sorted(skip_rewrites))
         if key not in self.cache:
             gm, _ = self.rewritten(plan, skip_rewrites)
-            self.cache[key] = self.output_sqnr(self.quantize(gm, plan).converted)
+            converted = self.quantize(gm, plan).converted
+            self.cache[key] = (self.output_sqnr(converted), conv_linear_coverage(converted)[0])
         return self.cache[key]
+
+    def plan_sqnr(self, plan: QuantPlan, skip_rewrites: Sequence[str] = ()) -> float:
+        return self.plan_point(plan, skip_rewrites)[0]
 
     def layer_sqnr(self, q: _Quantized, fqns: Iterable[str]) -> dict[str, float]:
         """Activation SQNR per module fqn: prepared (float + observers) vs converted outputs."""
@@ -365,10 +371,6 @@ def _conv_linear_modules(model: nn.Module) -> list[str]:
             if name and isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear))]
 
 
-_FALLBACK_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d,
-                   nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d)
-
-
 def _functional_owners(gm: fx.GraphModule) -> list[str]:
     """Modules owning the weight of a functional conv/linear call (a traced-through conv subclass)."""
     owners: list[str] = []
@@ -382,13 +384,6 @@ def _functional_owners(gm: fx.GraphModule) -> list[str]:
     return owners
 
 
-def _fallback_candidates(gm: fx.GraphModule) -> list[str]:
-    """Layers the target-SQNR fallback may keep float: called conv/linear/norm modules, functional owners."""
-    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
-    modules = [t for t in dict.fromkeys(called) if isinstance(gm.get_submodule(t), _FALLBACK_TYPES)]
-    return modules + [o for o in _functional_owners(gm) if o not in modules]
-
-
 def _without_module(plan: QuantPlan, fqn: str) -> QuantPlan:
     return plan.model_copy(update={"modules": [d for d in plan.modules if d.fqn != fqn]})
 
@@ -397,29 +392,25 @@ def _without_pair(plan: QuantPlan, module: str) -> QuantPlan:
     return plan.model_copy(update={"equalization": [p for p in plan.equalization if p.module != module]})
 
 
-def _keep_float(plan: QuantPlan, fqn: str, gain: float) -> QuantPlan:
-    provenance = Provenance(source="measurement", metric="output SQNR gain (dB) when kept float",
-                            value=round(gain, 4), detail="qlint verify target-SQNR fallback")
-    modules = [d for d in plan.modules if d.fqn != fqn]
-    modules.append(ModuleDecision(fqn=fqn, quantize=False, provenance=[provenance]))
-    return plan.model_copy(update={"modules": modules})
-
-
 # --------------------------------------------------------------------------------- API
 def verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_data: Any, *,
            backend: Optional[str] = None, target_sqnr: Optional[float] = None,
            eval_fn: Optional[Callable[[nn.Module, Any], float]] = None,
            equalization_qconfig: Any = None, prune: bool = True,
            max_float_fraction: float = 1.0, max_sensitivity_trials: int = 12,
+           search_schemes: bool = True, max_scheme_trials: int = 24,
            model_name: Optional[str] = None) -> VerifyReport:
-    """Quantize ``model`` with the backend default and with ``plan``; measure, prune, fall back.
+    """Quantize ``model`` with the backend default and with ``plan``; measure, prune, search, fall back.
 
     ``calibration`` and ``eval_data`` are iterables of batches (a tensor, a tuple of
     positional tensors, or a dict of keyword tensors). ``eval_fn(quantized_model,
     eval_data) -> float`` adds the user's metric (also computed for the float model).
     The plan's equalization pairs are realized by :func:`qlint.rewrite.apply_equalization`
     (a float-preserving cross-layer rescale using calibration ranges); pass torch's
-    ``equalization_qconfig`` to use prepare_fx's ``_equalization_config`` instead. ``max_float_fraction`` caps how many conv/linear layers the
+    ``equalization_qconfig`` to use prepare_fx's ``_equalization_config`` instead.
+    ``search_schemes`` tries each Linear static <-> dynamic after pruning (at most
+    ``max_scheme_trials`` trial quantizations; with ``prune=False`` the plan's own decisions
+    are not flipped). ``max_float_fraction`` caps how many conv/linear layers the
     target-SQNR fallback may keep float.
     """
     if not isinstance(model, nn.Module):
@@ -473,41 +464,23 @@ def verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_d
                 skip.append(key)
                 best = max(best, without)
 
-    # --- target-SQNR fallback ---------------------------------------------------------
+    # --- scheme search, then target-SQNR fallback (qlint/verify_search.py) --------------
+    from qlint.verify_search import float_fallback, scheme_search
+
+    if search_schemes:
+        frozen = [] if prune else [d.fqn for d in plan.modules]  # --no-prune: plan decisions stay as given
+        current, best, tried = scheme_search(session, current, best, skip, max_trials=max_scheme_trials,
+                                             frozen=frozen)
+        outcomes += tried
     kept_float: list[str] = []
-    conv_linear = set(_conv_linear_modules(session.traced)) | set(_functional_owners(session.traced))
-    candidates = [f for f in _fallback_candidates(session.traced)
-                  if (current.decision(f) is None or current.decision(f).quantize)]
-    total_layers = max(1, default.total_layers)
-    budget = int(math.floor(max_float_fraction * total_layers + 1e-9))
     target_met: Optional[bool] = None
     if target_sqnr is not None:
-        if best < target_sqnr and candidates:
-            if len(candidates) > max_sensitivity_trials:
-                q_now = session.quantize(session.rewritten(current, skip)[0], current)
-                per_layer = session.layer_sqnr(q_now, candidates)
-                candidates = sorted(candidates, key=lambda f: per_layer.get(f, 200.0))[:max_sensitivity_trials]
-            gains = {f: session.plan_sqnr(_keep_float(current, f, 0.0), skip) - best for f in candidates}
-            used = 0
-            for fqn in sorted(candidates, key=lambda f: -gains[f]):
-                if best >= target_sqnr or gains[fqn] <= SQNR_TOLERANCE_DB:
-                    break
-                costs = fqn in conv_linear
-                if costs and used >= budget:
-                    continue
-                trial = _keep_float(current, fqn, gains[fqn])
-                value = session.plan_sqnr(trial, skip)
-                outcomes.append(DecisionOutcome(kind="keep_float", target=fqn, kept=value > best,
-                                                sqnr_with_db=round(value, 4), sqnr_without_db=round(best, 4),
-                                                detail=f"alone: {gains[fqn]:+.2f} dB"))
-                if value > best:
-                    current, best = trial, value
-                    kept_float.append(fqn)
-                    used += int(costs)
+        current, best, kept_float, tried, note = float_fallback(
+            session, current, best, skip, target_sqnr=target_sqnr, max_float_fraction=max_float_fraction,
+            max_trials=max_sensitivity_trials, total_layers=default.total_layers)
+        outcomes += tried
         target_met = best >= target_sqnr
-        if not target_met:
-            notes.append(f"target {target_sqnr:g} dB not reached: best {best:.2f} dB with {len(kept_float)} "
-                         f"layer(s) kept float (conv/linear budget {budget})")
+        notes += [note] if note else []
 
     final_gm, final_applied = session.rewritten(current, skip)
     final_rewrites = [r for r in current.rewrites]

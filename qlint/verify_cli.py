@@ -2,6 +2,7 @@
 
     qlint verify MODEL --plan plan.json --calibration DATA --eval-data DATA
                  [--input-shape SHAPE] [--target-sqnr DB] [--backend B] [--format text|json] [-o FILE]
+                 [--no-prune] [--no-scheme-search] [--max-scheme-trials N]
     qlint fix MODEL [--plan plan.json] --output out.pt2|out.pt [--emit-qconfig q.py]
               [--input-shape SHAPE | --example-inputs FILE]
 
@@ -70,6 +71,10 @@ def _verify_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-float-fraction", type=float, default=0.1, metavar="F",
                         help="at most this fraction of conv+linear layers kept float (default 0.1)")
     parser.add_argument("--no-prune", action="store_true", help="keep every plan decision")
+    parser.add_argument("--no-scheme-search", action="store_true",
+                        help="do not try Linear layers static <-> dynamic (on by default)")
+    parser.add_argument("--max-scheme-trials", type=int, default=24, metavar="N",
+                        help="at most N trial quantizations in the scheme search (default 24)")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the report to FILE")
     parser.add_argument("--emit-plan", metavar="FILE", help="write the verified plan (JSON)")
@@ -113,6 +118,10 @@ def render_verify(report: Any, width: int = 120) -> str:
     if report.target_sqnr_db is not None:
         lines.append(f"target {report.target_sqnr_db:g} dB: {'met' if report.target_met else 'NOT met'}")
     for d in report.decisions:
+        if d.kind == "scheme":  # a trial: "with" is the SQNR after the flip, "without" before it
+            lines.append(f"  {'kept    ' if d.kept else 'rejected'} scheme {d.target} ({d.detail}): "
+                         f"{_fmt(d.sqnr_with_db)} after, {_fmt(d.sqnr_without_db)} before")
+            continue
         lines.append(f"  {'kept   ' if d.kept else 'dropped'} {d.kind} {d.target}: "
                      f"{_fmt(d.sqnr_with_db)} with, {_fmt(d.sqnr_without_db)} without")
     lines += [f"note: {n}" for n in report.notes]
@@ -121,6 +130,8 @@ def render_verify(report: Any, width: int = 120) -> str:
 
 def verify_command(argv: list[str]) -> int:
     args = _verify_parser().parse_args(argv)
+    if args.max_scheme_trials < 0:
+        raise ConfigError(f"--max-scheme-trials must be >= 0, got {args.max_scheme_trials}")
     from qlint.calibration import load_calibration
     from qlint.verify import verify
 
@@ -130,7 +141,9 @@ def verify_command(argv: list[str]) -> int:
     if args.backend:
         plan = plan.model_copy(update={"backend": args.backend})
     report = verify(loaded.module, plan, calibration, eval_data, target_sqnr=args.target_sqnr,
-                    prune=not args.no_prune, max_float_fraction=args.max_float_fraction, model_name=loaded.name)
+                    prune=not args.no_prune, max_float_fraction=args.max_float_fraction,
+                    search_schemes=not args.no_scheme_search, max_scheme_trials=args.max_scheme_trials,
+                    model_name=loaded.name)
     text = report.model_dump_json(indent=2) + "\n" if args.format == "json" else render_verify(report)
     if args.emit_plan:
         _write_text(args.emit_plan, report.verified_plan.model_dump_json(indent=2) + "\n")

@@ -46,7 +46,8 @@ def test_greedy_pruning_drops_useless_decision(report):
     outcome = next(d for d in report.decisions if d.kind == "module" and d.target == "fc")
     assert outcome.kept is False
     assert outcome.sqnr_without_db >= outcome.sqnr_with_db - 1e-3
-    assert report.verified_plan.decision("fc") is None
+    kept = report.verified_plan.decision("fc")  # gone, unless the scheme search measured a new one
+    assert kept is None or all(p.source == "measurement" for p in kept.provenance)
     folds = [d for d in report.decisions if d.kind == "rewrite" and d.target.startswith("fold")]
     assert folds and any(d.kept for d in folds)  # the decisive rewrite survives pruning
 
@@ -110,12 +111,23 @@ def test_cli_verify_text_and_json(run_cli, cli_files, repo_root):
     assert text.returncode == 0, text.stderr
     assert "default mapping" in text.stdout and "verified plan" in text.stdout and "output SQNR" in text.stdout
     assert "fc" in text.stdout
+    assert "scheme fc (static -> dynamic)" in text.stdout  # the search's trial on the Linear head
     result = run_cli(*args, "--format", "json", "--emit-plan", "verified.json", cwd=cli_files)
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["plan"]["sqnr_db"] >= payload["default"]["sqnr_db"]
     assert payload["plan"]["int8_fraction"] == 1.0
     QuantPlan.load(str(cli_files / "verified.json"))
+
+
+def test_cli_no_scheme_search_flag(run_cli, cli_files, report):
+    assert any(d.kind == "scheme" for d in report.decisions)  # on by default, same model, plan and data
+    result = run_cli("verify", f"{cli_files}/netmod.py:build", "--plan", "plan.json", "--calibration", "cal.pt",
+                     "--eval-data", "eval.pt", "--no-scheme-search", "--format", "json", cwd=cli_files)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["decisions"] and not any(d["kind"] == "scheme" for d in payload["decisions"])
+    assert all(m["mode"] == "static" for m in payload["verified_plan"]["modules"])
 
 
 def test_cli_verify_errors_exit_2(run_cli, cli_files):

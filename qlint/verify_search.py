@@ -1,0 +1,227 @@
+"""The measured search steps of :func:`qlint.verify.verify`, run after greedy pruning.
+
+1. **Scheme search** (:func:`scheme_search`). The Linears that the backend can quantize
+   dynamically are flipped static <-> dynamic (a :class:`~qlint.plan.ModuleDecision`
+   with ``mode``): first all at once, then one at a time from the output backwards. A
+   flip is kept when the output SQNR rises by more than ``SQNR_TOLERANCE_DB`` and int8
+   coverage does not fall. No finding has to recommend it: dynamic quantization of a
+   stationary layer can still win, because it quantizes each batch with its exact range
+   (no clipping, no histogram guess) and its output stays float, which removes one
+   per-tensor requantization (e.g. of the model output).
+2. **Target-SQNR float fallback** (:func:`float_fallback`). When a target is given and
+   not met, the layers whose float fallback alone gains most are kept float, as few as
+   reach the target, within a budget of conv+linear layers. Dynamic layers are candidates
+   like static ones.
+
+Every trial is recorded as a :class:`~qlint.verify.DecisionOutcome` (kind ``scheme`` or
+``keep_float``); kept decisions carry a ``Provenance(source="measurement")``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch.fx as fx
+import torch.nn as nn
+
+from qlint.plan import ModuleDecision, Provenance, QuantPlan
+from qlint.verify import SQNR_TOLERANCE_DB, DecisionOutcome, _conv_linear_modules, _functional_owners
+
+if TYPE_CHECKING:
+    from qlint.verify import _Session
+
+# Module types the search may flip, by qlint op kind. LSTM/GRU also have dynamic kernels,
+# but FX leaves them float under a static mapping, so there is nothing to flip from.
+_DYNAMIC_TYPES = {"linear": (nn.Linear,)}
+
+
+def _dynamic_int8(backend: str, kind: str) -> bool:
+    from qlint.backends import backend_info
+
+    return any(o.is_dynamic and o.input_dtype == "torch.quint8" and o.weight_dtype == "torch.qint8"
+               for o in backend_info(backend).dtype_options(kind))
+
+
+def scheme_candidates(gm: fx.GraphModule, plan: QuantPlan, backend: str, frozen: Sequence[str] = ()) -> list[str]:
+    """Called modules (graph order) that can run static or dynamic int8 and that the plan quantizes."""
+    types = tuple(t for kind, kinds in _DYNAMIC_TYPES.items() if _dynamic_int8(backend, kind) for t in kinds)
+    called = dict.fromkeys(str(n.target) for n in gm.graph.nodes if n.op == "call_module")
+    out = []
+    for fqn in called:
+        decision = plan.decision(fqn)
+        if fqn in frozen or (decision is not None and not decision.quantize):
+            continue
+        if types and isinstance(gm.get_submodule(fqn), types):
+            out.append(fqn)
+    return out
+
+
+def _mode(plan: QuantPlan, fqn: str) -> str:
+    decision = plan.decision(fqn)
+    return decision.mode if decision is not None else "static"
+
+
+def _with_mode(plan: QuantPlan, fqn: str, mode: str, provenance: Provenance) -> QuantPlan:
+    """``plan`` with ``fqn`` run ``mode``; an existing decision keeps its weight spec and its history."""
+    old = plan.decision(fqn)
+    if old is None:
+        return plan.model_copy(update={"modules": [*plan.modules, ModuleDecision(
+            fqn=fqn, mode=mode, provenance=[provenance])]})  # type: ignore[arg-type]
+    new = old.model_copy(update={"mode": mode, "provenance": [*old.provenance, provenance]})
+    return plan.model_copy(update={"modules": [new if d.fqn == fqn else d for d in plan.modules]})
+
+
+def _flipped(plan: QuantPlan, fqns: Sequence[str], gain: float) -> QuantPlan:
+    """``plan`` with each of ``fqns`` switched static <-> dynamic, the measured gain as provenance."""
+    for fqn in fqns:
+        mode = "static" if _mode(plan, fqn) == "dynamic" else "dynamic"
+        what = mode if len(fqns) == 1 else f"{mode} together with {len(fqns) - 1} other Linear(s)"
+        provenance = Provenance(source="measurement", metric=f"output SQNR gain (dB) when {what}",
+                                value=round(gain, 4), detail="qlint verify scheme search")
+        plan = _with_mode(plan, fqn, mode, provenance)
+    return plan
+
+
+def scheme_search(session: "_Session", plan: QuantPlan, best: float, skip: Sequence[str], *,
+                  max_trials: int, frozen: Sequence[str] = ()) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
+    """Static <-> dynamic flips of Linear layers; returns (plan, its SQNR, one outcome per trial).
+
+    A flip is kept when it raises output SQNR by more than ``SQNR_TOLERANCE_DB`` *and* does
+    not lower the number of int8 conv+linear ops: a dynamic layer's output is float, and
+    prepare_fx leaves a static linear that consumes it float (it inserts no input
+    observer), so a flip could otherwise "gain" by silently de-quantizing its consumer.
+
+    Why this order: single flips alone get stuck. Making a middle layer dynamic is refused
+    while its consumer is static (see above), and a chain of dynamic layers can be better
+    as a whole than every shorter chain (bench model (c): the SQNR of "the last k linears
+    dynamic" is not monotone in k, and only all of them together beat the static plan by
+    the most). So:
+
+    1. one group trial first: every candidate dynamic at once (torch's classic
+       ``quantize_dynamic`` recipe for Linear layers), kept on the same rule;
+    2. then single flips, from the model's output backwards (reverse graph order), so
+       that a flip to dynamic meets consumers that are already dynamic, and a flip back
+       to static is tried where the chain starts;
+    3. when that pass keeps a flip, the layers it rejected *before* its last kept flip
+       (they were measured against an older plan) are tried once more.
+
+    At most ``max_trials`` trial quantizations in all; with more candidates than that,
+    the ones with the lowest per-layer activation SQNR under ``plan`` are searched.
+    No randomness: the result depends only on the measurements.
+    """
+    candidates = scheme_candidates(session.traced, plan, session.backend, frozen)
+    if not candidates or max_trials <= 0:
+        return plan, best, []
+    if len(candidates) > max_trials:
+        q_now = session.quantize(session.rewritten(plan, skip)[0], plan)
+        per_layer = session.layer_sqnr(q_now, candidates)
+        chosen = set(sorted(candidates, key=lambda f: per_layer.get(f, 200.0))[:max_trials])
+        candidates = [f for f in candidates if f in chosen]
+    int8 = session.plan_point(plan, skip)[1]
+    outcomes: list[DecisionOutcome] = []
+    trials = 0
+
+    def attempt(fqns: list[str], note: str) -> bool:
+        nonlocal plan, best, int8, trials
+        trials += 1
+        before = _mode(plan, fqns[0])
+        trial = _flipped(plan, fqns, 0.0)
+        value, trial_int8 = session.plan_point(trial, skip)
+        keep = value > best + SQNR_TOLERANCE_DB and trial_int8 >= int8
+        detail = f"{before} -> {'static' if before == 'dynamic' else 'dynamic'}{note}"
+        if trial_int8 < int8:
+            detail += f"; int8 conv+linear {int8} -> {trial_int8}"
+        outcomes.append(DecisionOutcome(kind="scheme", target=", ".join(fqns), kept=keep,
+                                        sqnr_with_db=round(value, 4), sqnr_without_db=round(best, 4),
+                                        detail=detail))
+        if keep:
+            plan, best, int8 = _flipped(plan, fqns, value - best), value, trial_int8
+        return keep
+
+    static = [f for f in candidates[::-1] if _mode(plan, f) == "static"]
+    if len(static) > 1:
+        attempt(static, f", all {len(static)} at once")
+    pending = candidates[::-1]
+    for note in ("", " (pass 2)"):
+        rejected: list[str] = []
+        retry: list[str] = []
+        for fqn in pending:
+            if trials >= max_trials:
+                break
+            if attempt([fqn], note):
+                retry = list(rejected)
+            else:
+                rejected.append(fqn)
+        if not retry:
+            break
+        pending = retry
+    return plan, best, outcomes
+
+
+# ------------------------------------------------------------------- target-SQNR fallback
+_FALLBACK_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d,
+                   nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d)
+
+
+def _fallback_candidates(gm: fx.GraphModule) -> list[str]:
+    """Layers the target-SQNR fallback may keep float: called conv/linear/norm modules, functional owners."""
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    modules = [t for t in dict.fromkeys(called) if isinstance(gm.get_submodule(t), _FALLBACK_TYPES)]
+    return modules + [o for o in _functional_owners(gm) if o not in modules]
+
+
+def _keep_float(plan: QuantPlan, fqn: str, gain: float) -> QuantPlan:
+    provenance = Provenance(source="measurement", metric="output SQNR gain (dB) when kept float",
+                            value=round(gain, 4), detail="qlint verify target-SQNR fallback")
+    modules = [d for d in plan.modules if d.fqn != fqn]
+    modules.append(ModuleDecision(fqn=fqn, quantize=False, provenance=[provenance]))
+    return plan.model_copy(update={"modules": modules})
+
+
+def float_fallback(session: "_Session", plan: QuantPlan, best: float, skip: Sequence[str], *,
+                   target_sqnr: float, max_float_fraction: float, max_trials: int, total_layers: int
+                   ) -> tuple[QuantPlan, float, list[str], list[DecisionOutcome], Optional[str]]:
+    """Keep the most sensitive layers float until ``target_sqnr`` is met.
+
+    Returns (plan, its SQNR, layers kept float, outcomes, a note when the target is missed).
+    At most ``max_float_fraction`` of the ``total_layers`` conv+linear layers are kept float
+    (norm layers cost no coverage); with more candidates than ``max_trials``, the ones
+    with the lowest per-layer SQNR are measured.
+    """
+    outcomes: list[DecisionOutcome] = []
+    kept_float: list[str] = []
+    conv_linear = set(_conv_linear_modules(session.traced)) | set(_functional_owners(session.traced))
+    candidates = [f for f in _fallback_candidates(session.traced)
+                  if (plan.decision(f) is None or plan.decision(f).quantize)]
+    budget = int(math.floor(max_float_fraction * max(1, total_layers) + 1e-9))
+    if best < target_sqnr and candidates:
+        if len(candidates) > max_trials:
+            q_now = session.quantize(session.rewritten(plan, skip)[0], plan)
+            per_layer = session.layer_sqnr(q_now, candidates)
+            candidates = sorted(candidates, key=lambda f: per_layer.get(f, 200.0))[:max_trials]
+        gains = {f: session.plan_sqnr(_keep_float(plan, f, 0.0), skip) - best for f in candidates}
+        used = 0
+        for fqn in sorted(candidates, key=lambda f: -gains[f]):
+            if best >= target_sqnr or gains[fqn] <= SQNR_TOLERANCE_DB:
+                break
+            costs = fqn in conv_linear
+            if costs and used >= budget:
+                continue
+            trial = _keep_float(plan, fqn, gains[fqn])
+            value = session.plan_sqnr(trial, skip)
+            outcomes.append(DecisionOutcome(kind="keep_float", target=fqn, kept=value > best,
+                                            sqnr_with_db=round(value, 4), sqnr_without_db=round(best, 4),
+                                            detail=f"alone: {gains[fqn]:+.2f} dB"))
+            if value > best:
+                plan, best = trial, value
+                kept_float.append(fqn)
+                used += int(costs)
+    note = None
+    if best < target_sqnr:
+        note = (f"target {target_sqnr:g} dB not reached: best {best:.2f} dB with {len(kept_float)} "
+                f"layer(s) kept float (conv/linear budget {budget})")
+    return plan, best, kept_float, outcomes, note
+
+
+__all__ = ["scheme_search", "scheme_candidates", "float_fallback"]

@@ -1,0 +1,147 @@
+"""The static <-> dynamic scheme search of qlint.verify (qlint/verify_search.py), on real quantization runs."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from qlint.plan import ModuleDecision, Provenance, default_plan
+from qlint.verify import SQNR_TOLERANCE_DB, verify
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+class DriftNet(nn.Module):
+    """fc_in sees an input whose scale drifts from batch to batch; LayerNorm makes fc_out's input stationary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.fc_out = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc_out(torch.relu(self.norm(self.fc_in(x))))
+
+
+class TwoHeads(nn.Module):
+    """Two linears reading the same input, summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_a = nn.Linear(16, 16)
+        self.fc_b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc_a(x) + self.fc_b(x)
+
+
+class TwoInputs(nn.Module):
+    """fc_a reads a drifting input, fc_b (later in graph order) a stationary one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_a = nn.Linear(16, 8)
+        self.fc_b = nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        return torch.cat([self.fc_a(x), self.fc_b(y)], dim=1)
+
+
+def _drifting(generator, n=8):
+    scale = lambda: float(10 ** torch.empty(1).uniform_(-2.0, 1.0, generator=generator))  # noqa: E731
+    return [torch.randn(32, 16, generator=generator) * scale() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def drift():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return DriftNet().eval(), _drifting(g, 4), _drifting(g, 4)
+
+
+@pytest.fixture(scope="module")
+def drift_report(drift):
+    model, calibration, eval_data = drift
+    return verify(model, None, calibration, eval_data)
+
+
+def _scheme(report):
+    return [d for d in report.decisions if d.kind == "scheme"]
+
+
+def test_search_keeps_dynamic_for_drifting_linear(drift, drift_report):
+    model, calibration, eval_data = drift
+    off = verify(model, None, calibration, eval_data, search_schemes=False)
+    assert not _scheme(off) and off.verified_plan.decision("fc_in") is None
+    report = drift_report
+    # the kept flip that made fc_in dynamic, with its measured outcome
+    flip = next(d for d in _scheme(report) if d.kept and "fc_in" in d.target.split(", "))
+    assert flip.sqnr_with_db > flip.sqnr_without_db + 3.0
+    decision = report.verified_plan.decision("fc_in")
+    assert decision.quantize and decision.mode == "dynamic"
+    provenance = decision.provenance[-1]
+    assert provenance.source == "measurement" and provenance.detail == "qlint verify scheme search"
+    assert provenance.value == pytest.approx(flip.sqnr_with_db - flip.sqnr_without_db, abs=1e-3)
+    # fc_in's own contribution: switching it back to static was measured and rejected
+    back = next(d for d in _scheme(report) if d.target == "fc_in" and d.detail.startswith("dynamic -> static"))
+    assert not back.kept and back.sqnr_with_db < back.sqnr_without_db
+    # the verified plan is measured again from scratch: it scores what the search kept, at full int8 coverage
+    last = [d for d in _scheme(report) if d.kept][-1]
+    assert report.plan.sqnr_db == pytest.approx(last.sqnr_with_db, abs=1e-2)
+    assert report.plan.sqnr_db > off.plan.sqnr_db + 3.0
+    assert report.plan.int8_fraction == 1.0 == off.plan.int8_fraction
+
+
+def test_every_rejected_flip_lowered_sqnr_or_coverage(drift_report):
+    for d in _scheme(drift_report):
+        if not d.kept:
+            assert d.sqnr_with_db <= d.sqnr_without_db + SQNR_TOLERANCE_DB or "int8 conv+linear" in d.detail
+
+
+def test_search_keeps_no_flip_when_static_is_better():
+    """A large feature the layers ignore (zero weight column) shows up in a few rows: a percentile
+    observer clips it, while dynamic quantization spends its whole per-batch range on it."""
+    torch.manual_seed(0)
+    model = TwoHeads().eval()
+    with torch.no_grad():
+        model.fc_a.weight[:, 0] = 0.0
+        model.fc_b.weight[:, 0] = 0.0
+    g = torch.Generator().manual_seed(3)
+
+    def batch():
+        x = torch.randn(128, 16, generator=g)
+        x[0, 0] = 500.0  # 1 value in 2048: beyond the 99.9th percentile
+        return x
+
+    calibration, eval_data = [batch() for _ in range(4)], [batch() for _ in range(3)]
+    base = default_plan("x86")
+    plan = base.model_copy(update={"activation": base.activation.changed(observer="percentile", percentile=99.9)})
+    report = verify(model, plan, calibration, eval_data)
+    trials = _scheme(report)
+    assert {d.target for d in trials} == {"fc_a", "fc_b", "fc_b, fc_a"}  # each alone and both together
+    for d in trials:
+        assert not d.kept and d.sqnr_with_db is not None and d.sqnr_with_db < d.sqnr_without_db - 1.0
+    assert report.verified_plan.decision("fc_a") is None and report.verified_plan.decision("fc_b") is None
+    assert report.plan.sqnr_db == pytest.approx(report.requested.sqnr_db, abs=1e-3)
+
+
+def test_trial_budget_tries_the_lowest_sqnr_layer():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(5)
+    batches = [(x, torch.randn(32, 16, generator=g)) for x in _drifting(g, 7)]
+    report = verify(TwoInputs().eval(), None, batches[:4], batches[4:], max_scheme_trials=1)
+    trials = _scheme(report)
+    assert len(trials) == 1
+    by_layer = {row.fqn: row.default_sqnr_db for row in report.layers}
+    assert by_layer["fc_a"] < by_layer["fc_b"]  # the drifting one; graph order alone would pick fc_b
+    assert trials[0].target == "fc_a"
+
+
+def test_no_prune_leaves_plan_decisions_unflipped(drift):
+    model, calibration, eval_data = drift
+    keep_static = ModuleDecision(fqn="fc_in", provenance=[Provenance(source="user", detail="test")])
+    plan = default_plan("x86").model_copy(update={"modules": [keep_static]})
+    report = verify(model, plan, calibration, eval_data, prune=False)
+    trials = _scheme(report)
+    assert trials and all("fc_in" not in d.target.split(", ") for d in trials)
+    assert report.verified_plan.decision("fc_in").mode == "static"
