@@ -141,7 +141,7 @@ def kth_largest_of_columns(columns: torch.Tensor, m: int) -> torch.Tensor:
     if not _uses_numpy(columns):
         return kth_largest_of_rows(columns.t().contiguous(), None, m)
     np = _numpy
-    # levels[i]: (flat level array, rows in whole blocks, leftover rows)
+    # levels[i]: (level i as a flat array, number of whole blocks of fan rows in it)
     levels: list[tuple[object, int]] = []
     current = columns
     while current.shape[0] // _TOURNAMENT_FAN >= max(_TOURNAMENT_TOP, 2 * m):
