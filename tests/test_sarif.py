@@ -11,7 +11,8 @@ import pytest
 from qlint.findings import Finding, Notice, Report, Severity, SkippedRule
 from qlint.registry import Registry
 from qlint.render.extra import EXTRA_FORMATS
-from qlint.render.sarif import render_sarif
+from qlint.docs import rule_markdown
+from qlint.render.sarif import render_sarif, repository_url
 
 SCHEMA_PATH = Path(__file__).with_name("sarif-schema-2.1.0.json")
 BADNET = ("examples.badnet:build", "--input-shape", "1,3,32,32",
@@ -54,12 +55,15 @@ def test_schema_validation_can_fail(validator):
     assert not validator.is_valid(document)
 
 
-def test_driver_lists_every_registered_rule_with_docs_link():
+def test_driver_lists_every_registered_rule_with_its_documentation():
     driver = json.loads(render_sarif(_report()))["runs"][0]["tool"]["driver"]
     registered = Registry.default().all()
     assert [r["id"] for r in driver["rules"]] == [c.code for c in registered]
     for entry, cls in zip(driver["rules"], registered):
-        assert entry["helpUri"].endswith(f"docs/rules/{cls.code}.md")
+        assert entry["help"]["markdown"] == rule_markdown(cls)
+        assert "## Why is this bad?" in entry["help"]["markdown"]
+        # no invented URL: a link only when the installed package declares its repository
+        assert ("helpUri" in entry) == (repository_url() is not None)
         assert entry["fullDescription"]["text"] == cls.summary
         assert entry["name"] == cls.name
 

@@ -1,7 +1,8 @@
 """SARIF 2.1.0 output (``qlint MODEL --format sarif``) for code-scanning dashboards.
 
-One run, one tool: the driver lists every registered rule (helpUri points at the
-generated docs/rules/QLxxx.md), each finding becomes a result with a logical
+One run, one tool: the driver lists every registered rule with its full
+documentation as ``help`` (the text of ``qlint rule CODE``; a ``helpUri`` only when
+the installed package declares a repository URL), each finding becomes a result with a logical
 location (the module fqn or functional node) and, when the model is a file, a
 physical location on that file. Skipped rules and run notices become tool
 execution notifications of the single invocation.
@@ -14,19 +15,36 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from qlint.docs import rule_markdown
 from qlint.findings import Finding, Report, Severity
 
 SARIF_VERSION = "2.1.0"
 SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
-REPOSITORY_URL = "https://github.com/qlint/qlint"
-DOCS_BASE = f"{REPOSITORY_URL}/blob/main/docs/rules/"
 MODEL_SUFFIXES = (".pt2", ".pt", ".pth", ".ep")
 
 _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "note"}
 
 
-def rule_help_uri(code: str) -> str:
-    return f"{DOCS_BASE}{code}.md"
+def repository_url() -> Optional[str]:
+    """The repository URL the installed qlint declares (``[project.urls]``), else None.
+
+    SARIF viewers link to it; qlint never invents one."""
+    try:
+        from importlib.metadata import PackageNotFoundError, metadata
+
+        entries = metadata("qlint").get_all("Project-URL") or []
+    except (ImportError, PackageNotFoundError):
+        return None
+    urls = dict(entry.split(", ", 1) for entry in entries if ", " in entry)
+    for key in ("Repository", "Source", "Homepage"):
+        if urls.get(key, "").startswith("https://"):
+            return urls[key].rstrip("/")
+    return None
+
+
+def rule_help_uri(code: str) -> Optional[str]:
+    base = repository_url()
+    return f"{base}/blob/main/docs/rules/{code}.md" if base else None
 
 
 def _rule_classes() -> list[Any]:
@@ -45,23 +63,27 @@ def _driver_rules(report: Report) -> list[dict[str, Any]]:
     known: set[str] = set()
     for cls in _rule_classes():
         known.add(cls.code)
-        rules.append({
+        doc = rule_markdown(cls)
+        entry = {
             "id": cls.code,
             "name": cls.name,
             "shortDescription": {"text": f"{cls.code} {cls.name}"},
             "fullDescription": {"text": cls.summary},
-            "helpUri": rule_help_uri(cls.code),
+            "help": {"text": doc, "markdown": doc},
             "defaultConfiguration": {"level": _LEVEL[cls.severity]},
             "properties": {"requires": sorted(n.value for n in cls.requires)},
-        })
+        }
+        help_uri = rule_help_uri(cls.code)
+        if help_uri:
+            entry["helpUri"] = help_uri
+        rules.append(entry)
     # Findings from rules that are not registered here (e.g. a report read from JSON).
     for finding in report.findings:
         if finding.rule not in known:
             known.add(finding.rule)
             rules.append({"id": finding.rule, "name": finding.name,
                           "shortDescription": {"text": f"{finding.rule} {finding.name}"},
-                          "fullDescription": {"text": finding.name},
-                          "helpUri": rule_help_uri(finding.rule)})
+                          "fullDescription": {"text": finding.name}})
     return rules
 
 
@@ -139,14 +161,12 @@ def to_sarif(report: Report) -> dict[str, Any]:
     for notice in report.notices:
         notifications.append({"level": _LEVEL[notice.level], "message": {"text": notice.message},
                               "descriptor": {"id": "qlint/notice"}})
+    driver: dict[str, Any] = {"name": "qlint", "version": report.qlint_version,
+                              "semanticVersion": report.qlint_version, "rules": rules}
+    if repository_url():
+        driver["informationUri"] = repository_url()
     run: dict[str, Any] = {
-        "tool": {"driver": {
-            "name": "qlint",
-            "version": report.qlint_version,
-            "semanticVersion": report.qlint_version,
-            "informationUri": REPOSITORY_URL,
-            "rules": rules,
-        }},
+        "tool": {"driver": driver},
         "invocations": [{
             "executionSuccessful": True,
             "toolExecutionNotifications": notifications,
