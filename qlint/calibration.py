@@ -17,6 +17,7 @@ global report.
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import math
 import sys
@@ -214,9 +215,9 @@ def _new_observer(point: ObservationPoint, reference_percentile: float,
 def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationPoint],
                      reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
                      needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]] = None):
-    """A deep copy of ``graph_module`` with a StatsObserver at every point.
+    """A new GraphModule, sharing ``graph_module``'s modules, with a StatsObserver at every point.
 
-    Returns (observed copy, {point: observer}, [points that could not be observed]).
+    Returns (observed module, {point: observer}, [points that could not be observed]).
     An input observer feeds only the observed node (its other consumers are
     untouched); an output observer is a side branch of the node.
     """
@@ -247,7 +248,22 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
         observers[point] = observer
     observed.graph.lint()
     observed.recompile()
+    _return_free_heap_to_os()
     return observed, observers, skipped
+
+
+def _return_free_heap_to_os() -> None:
+    """Give memory freed during setup back to the OS before calibration starts.
+
+    Tracing and shape propagation run the model once; glibc keeps the freed
+    activations resident in its heap, where they would count in calibration's
+    peak RSS without ever being used again. ``malloc_trim`` only releases free
+    pages; where it does not exist (not glibc) this does nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return
+    trim(0)
 
 
 def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[ObservationPoint],

@@ -108,7 +108,7 @@ class SummaryChunk:
         self.capacity, self.channels, self.device = capacity, channels, device
         self._floats = torch.zeros(capacity, len(self._FLOAT_ROWS), channels, dtype=torch.float64, device=device)
         self._counts = torch.zeros(capacity, len(self._COUNT_ROWS), channels, dtype=torch.int64, device=device)
-        self._histograms = torch.zeros((capacity,) + HISTOGRAM_SHAPE, dtype=torch.int64, device=device)
+        self._histograms: Optional[torch.Tensor] = None  # allocated with the first histogram
         self._size = 0
         self._with_reference: Optional[bool] = None
 
@@ -139,8 +139,11 @@ class SummaryChunk:
             torch.stack([_per_channel(value, self.channels, dtype=torch.int64, device=self.device)
                          for value in counts], out=self._counts[row])
         if summary.histogram is not None:
+            if self._histograms is None:
+                self._histograms = torch.zeros((self.capacity,) + HISTOGRAM_SHAPE, dtype=torch.int64,
+                                               device=self.device)
             self._histograms[row].copy_(summary.histogram)
-        else:
+        elif self._histograms is not None:
             self._histograms[row].zero_()
         self._size += 1
 
@@ -172,7 +175,8 @@ class SummaryChunk:
             extrema=torch.stack([channel_min.amin(0), channel_max.amax(0)]),
             channel_sums=torch.cat([floats[:, 2:4].sum(0), ratio.sum(0, keepdim=True)]),
             channel_counts=torch.cat([counts.sum(0), flags]),
-            histogram=self._histograms[: self._size].sum(0),
+            histogram=(self._histograms[: self._size].sum(0) if self._histograms is not None
+                       else torch.zeros(HISTOGRAM_SHAPE, dtype=torch.int64, device=self.device)),
             batch_counts=torch.stack([torch.tensor(self._size, device=self.device), any_values.sum()]),
             batch_range_sum=batch_range.sum(),
         )
