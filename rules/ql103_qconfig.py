@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -13,14 +13,16 @@ from torch.ao.quantization import (DeQuantStub, QConfig, QConfigMapping, QuantSt
 from torch.ao.quantization.observer import (HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver,
                                             default_per_channel_weight_observer)
 
-from qlint.context import INTENT_EAGER, INTENT_PREPARED, LintContext
-from qlint.engine import qconfig_rows
-from qlint.findings import Finding, QConfigRow, Severity
-from qlint.graph import ModelGraph, OpNode
-from qlint.islands import (Island, eager_float_islands, feeds_cat, fx_float_islands, is_static_quantized,
-                           through_shape_ops, unique_nodes)
-from qlint.intent import ObserverSpec, default_mapping, function_candidates, import_type, node_qconfig
+from qlint.context import LintContext
+from qlint.findings import Finding, Severity
+from qlint.graph import OpNode
+from qlint.islands import Island, eager_float_islands, feeds_cat, fx_float_islands, is_static_quantized, unique_nodes
 from qlint.ops import CONV_OR_LINEAR_KINDS, FIXED_QPARAMS_KINDS, SHAPE_KINDS, WEIGHTED_KINDS
+from qlint.qconfig_checks import (CALL_OPS, LISTED_NODES, FindingGroups, QConfigCheckState, activation_dtype_text,
+                                  activation_range_text, describe_nodes, fixed_qparams_range, float_reason,
+                                  full_range_activation_text, is_reduced_range, qparams_text, requires_fixed_qparams,
+                                  scale_text, wasted_reduce_range_text, weight_dtype_text, weight_qscheme_text,
+                                  weight_range_text, within_quant_range)
 from qlint.rule import Example, Need, Rule, RuleOptions
 
 # Sub-check kinds (data["kind"]; part of each finding's fingerprint).
@@ -36,10 +38,8 @@ KIND_REDUCE_RANGE_WASTE = "activation-reduce-range-waste"
 KIND_FLOAT_ISLAND = "float-island"
 KIND_CAT = "cat-input-qparams"
 
-_OPS = ("module", "function", "method")
 _EIGHT_BIT = ("torch.quint8", "torch.qint8")
 _CONV_TRANSPOSE_KINDS = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
-_LISTED = 5  # node names spelled out in a message; data lists them all
 # The output range the math guarantees for each fixed-qparams op.
 _MATH_RANGE = {"sigmoid": (0.0, 1.0), "hardsigmoid": (0.0, 1.0), "softmax": (0.0, 1.0), "tanh": (-1.0, 1.0)}
 
@@ -122,7 +122,7 @@ class QConfigCheck(Rule):
         cat_inputs: bool = Field(True, description="Report cat inputs with different qparams.")
 
     def check(self, ctx: LintContext) -> Iterable[Finding]:
-        state = _State(ctx)
+        state = QConfigCheckState(ctx)
         if self.options.fixed_qparams and not state.eager:
             yield from self._fixed_qparams(state)
         if self.options.backend_support:
@@ -135,14 +135,14 @@ class QConfigCheck(Rule):
             yield from self._cat_inputs(state)
 
     # --- fixed-qparams ops -------------------------------------------------------------
-    def _fixed_qparams(self, state: "_State") -> Iterator[Finding]:
+    def _fixed_qparams(self, state: QConfigCheckState) -> Iterator[Finding]:
         ctx, graph = state.ctx, state.graph
         for node in graph.ops():
             if node.kind not in FIXED_QPARAMS_KINDS or not is_static_quantized(node):
                 continue
             spec = node.qconfig.activation
             expected = state.expected_fixed(node)
-            if expected is None or not _only_fixed_options(ctx, node.kind, spec.dtype):
+            if expected is None or not requires_fixed_qparams(ctx, node.kind, spec.dtype):
                 continue  # torch does not treat this call as a fixed-qparams op here
             if state.prepared and feeds_cat(graph, node):
                 continue  # prepare_fx replaced its observer with cat's shared one (see cat check)
@@ -171,12 +171,12 @@ class QConfigCheck(Rule):
                 if (abs(spec.fixed_scale - expected.fixed_scale) <= 1e-9
                         and spec.fixed_zero_point == expected.fixed_zero_point):
                     continue
-                got_low, got_high = _fixed_range(spec)
+                got_low, got_high = fixed_qparams_range(spec)
                 message = (
                     f"{node.display} ({node.kind}) has a FixedQParams observer with scale "
                     f"{spec.fixed_scale:g} and zero point {spec.fixed_zero_point} (covers "
                     f"[{got_low:g}, {got_high:g}]), but its output lies in [{low:g}, {high:g}] and the "
-                    f"{ctx.backend.name} kernel uses scale {_scale_text(expected.fixed_scale)}, zero point "
+                    f"{ctx.backend.name} kernel uses scale {scale_text(expected.fixed_scale)}, zero point "
                     f"{expected.fixed_zero_point}. prepare_fx rejects qparams that differ from the "
                     "backend's and ignores this qconfig, so the op is not quantized as configured "
                     f"and the wrong range would clip or waste codes. {fix}")
@@ -188,7 +188,7 @@ class QConfigCheck(Rule):
                 f"{node.display} ({node.kind}) is observed by {spec.observer} (from the "
                 f"{node.qconfig.source} qconfig), but its output range is fixed by the math: "
                 f"[{low:g}, {high:g}], which {ctx.backend.name} quantizes with scale "
-                f"{_scale_text(expected.fixed_scale)} and zero point {expected.fixed_zero_point}. A calibrated "
+                f"{scale_text(expected.fixed_scale)} and zero point {expected.fixed_zero_point}. A calibrated "
                 "observer wastes codes on the part of the range the data did not reach or clips "
                 "its tails, and it breaks the backend's fixed-qparams lookup: prepare_fx warns "
                 "'QConfig must specify a FixedQParamsObserver' and ignores this qconfig, so the "
@@ -198,9 +198,9 @@ class QConfigCheck(Rule):
                                suggestion=suggestion)
 
     # --- backend support: dtypes, quant ranges, qschemes --------------------------------
-    def _backend_support(self, state: "_State") -> Iterator[Finding]:
+    def _backend_support(self, state: QConfigCheckState) -> Iterator[Finding]:
         ctx = state.ctx
-        groups = _Groups()
+        groups = FindingGroups()
         for node in state.checked_nodes():
             qc = node.qconfig
             spec = qc.activation
@@ -216,7 +216,7 @@ class QConfigCheck(Rule):
                 continue
             ranged = [o for o in matching if o.input_quant_min is not None or o.input_quant_max is not None]
             if ranged and len(ranged) == len(matching) and not spec.is_fixed_qparams:
-                if not any(_within(spec.quant_min, spec.quant_max, o.input_quant_min, o.input_quant_max)
+                if not any(within_quant_range(spec.quant_min, spec.quant_max, o.input_quant_min, o.input_quant_max)
                            for o in ranged):
                     bounds = [ranged[0].input_quant_min, ranged[0].input_quant_max]
                     groups.add((KIND_ACT_RANGE, spec.dtype, spec.quant_min, spec.quant_max), node,
@@ -232,7 +232,7 @@ class QConfigCheck(Rule):
                 groups.add((KIND_WEIGHT_DTYPE, weight.dtype, spec.dtype), node, dtype=weight.dtype,
                            activation_dtype=spec.dtype, observer=weight.observer, supported=supported)
                 continue
-            if not any(_within(weight.quant_min, weight.quant_max, o.weight_quant_min, o.weight_quant_max)
+            if not any(within_quant_range(weight.quant_min, weight.quant_max, o.weight_quant_min, o.weight_quant_max)
                        for o in weighted):
                 bound = next(o for o in weighted if o.weight_quant_min is not None or o.weight_quant_max is not None)
                 groups.add((KIND_WEIGHT_RANGE, weight.dtype, weight.quant_min, weight.quant_max, spec.dtype),
@@ -248,103 +248,35 @@ class QConfigCheck(Rule):
         for key, nodes, info in groups.items():
             yield self._support_finding(state, key[0], nodes, info)
 
-    def _support_finding(self, state: "_State", kind: str, nodes: list[OpNode], info: dict[str, Any]) -> Finding:
+    def _support_finding(self, state: QConfigCheckState, kind: str, nodes: list[OpNode],
+                         info: dict[str, Any]) -> Finding:
         backend = state.ctx.backend.name
-        where = _where(nodes)
+        where = describe_nodes(nodes)
         sources = sorted({n.qconfig.source for n in nodes})
         data: dict[str, Any] = {"kind": kind, "node": nodes[0].name, "nodes": [n.name for n in nodes],
                                 "targets": [n.display for n in nodes], "sources": sources,
                                 "backend": backend, **info, "qconfig_table": state.table(nodes)}
         targets = [n.display for n in nodes]
-        severity = Severity.ERROR
-        if kind == KIND_ACT_DTYPE:
-            supported = " or ".join(info["supported"])
-            message = (
-                f"{where} use {info['dtype']} activations ({info['observer']}), but {backend} has "
-                f"quantized kernels for these ops only with {supported} activations. prepare_fx "
-                "finds no matching dtype config and leaves them in float, so nothing you configured "
-                f"is quantized there. Fix: use {info['supported'][0]} activation observers, e.g. "
-                f"get_default_qconfig('{backend}') or get_default_qconfig_mapping('{backend}').")
-            suggestion = {"action": "set_qconfig", "targets": targets, "scope": sources,
-                          "activation_dtype": info["supported"][0], "observer": info["observer"]}
-        elif kind == KIND_ACT_RANGE:
-            message = (
-                f"{where} observe activations with quant range {info['quant_range']}, outside the "
-                f"{info['supported_range']} that {backend} accepts for them. prepare_fx rejects the "
-                "qconfig and leaves these ops in float. Fix: use an observer with quant_min/quant_max "
-                f"inside {info['supported_range']} (the defaults of get_default_qconfig('{backend}')).")
-            suggestion = {"action": "set_qconfig", "targets": targets, "scope": sources,
-                          "quant_min": info["supported_range"][0], "quant_max": info["supported_range"][1]}
-        elif kind == KIND_WEIGHT_DTYPE:
-            supported = " or ".join(info["supported"])
-            message = (
-                f"{where} quantize weights to {info['dtype']} ({info['observer']}), but {backend} "
-                f"kernels with {info['activation_dtype']} activations take only {supported} weights. "
-                "prepare_fx finds no matching dtype config and leaves these layers in float. Fix: "
-                f"use a {info['supported'][0]} weight observer (torch.ao.quantization."
-                "default_per_channel_weight_observer or default_weight_observer).")
-            suggestion = {"action": "set_weight_observer", "targets": targets, "scope": sources,
-                          "dtype": info["supported"][0], "observer": "PerChannelMinMaxObserver",
-                          "qscheme": "torch.per_channel_symmetric", "ch_axis": 0}
-        elif kind == KIND_WEIGHT_RANGE:
-            low, high = info["supported_range"]
-            message = (
-                f"{where} quantize {info['dtype']} weights to {info['quant_range']}, but {backend}'s "
-                f"kernels for {info['activation_dtype']} activations require weights in [{low}, {high}] "
-                "(the symmetric range keeps the int8 products from overflowing). prepare_fx rejects "
-                "the qconfig and leaves these layers in float. Fix: set quant_min="
-                f"{low}, quant_max={high} on the weight observer, e.g. "
-                f"MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, "
-                f"quant_min={low}, quant_max={high}).")
-            suggestion = {"action": "set_weight_observer", "targets": targets, "scope": sources,
-                          "observer": info["observer"], "dtype": info["dtype"],
-                          "quant_min": low, "quant_max": high}
-        else:  # KIND_WEIGHT_QSCHEME
-            qscheme = info["qscheme"]
-            per_channel = "per_channel" in qscheme and not info.get("transpose")
-            if info.get("transpose"):
-                why = ("prepare_fx does not support per-channel weight observers for ConvTranspose "
-                       "modules and raises 'Per channel weight observer is not supported yet for "
-                       "ConvTranspose{n}d'")
-            elif "float_qparams" in qscheme:
-                why = ("float-qparams weights are only supported by the embedding kernels; conv and "
-                       "linear prepack rejects them at convert time")
-            elif backend == "onednn":
-                why = ("oneDNN only supports symmetric weight quantization (zero point 0); "
-                       "quantized::qconv_prepack/linear_prepack fail at convert with 'ONEDNN only "
-                       "supports symmetric quantization of weight'")
-            else:
-                severity = Severity.WARNING
-                why = (f"{backend}'s kernels are built for symmetric weights (zero point 0): an "
-                       "asymmetric zero point needs extra zero-point compensation per output, "
-                       + ("and x86 cannot use its oneDNN kernels and falls back to FBGEMM"
-                          if backend == "x86" else "and buys almost no accuracy for weights, "
-                          "which are centred on zero"))
-            want = "torch.per_channel_symmetric" if per_channel or "float_qparams" in qscheme \
-                else "torch.per_tensor_symmetric"
-            observer = "PerChannelMinMaxObserver" if want.startswith("torch.per_channel") else "MinMaxObserver"
-            message = (f"{where} quantize weights with {qscheme} ({info['observer']}): {why}. Fix: use "
-                       f"{observer}.with_args(dtype=torch.qint8, qscheme={want}).")
-            suggestion = {"action": "set_weight_observer", "targets": targets, "scope": sources,
-                          "observer": observer, "qscheme": want, "dtype": "torch.qint8"}
-            if want.startswith("torch.per_channel"):
-                suggestion["ch_axis"] = 0
+        text = {KIND_ACT_DTYPE: activation_dtype_text, KIND_ACT_RANGE: activation_range_text,
+                KIND_WEIGHT_DTYPE: weight_dtype_text, KIND_WEIGHT_RANGE: weight_range_text,
+                KIND_WEIGHT_QSCHEME: weight_qscheme_text}[kind]
+        message, suggestion, severity = text(where, backend, info, targets, sources)
         return self.finding(nodes[0].display, message, data=data, suggestion=suggestion, severity=severity)
 
     # --- reduce_range --------------------------------------------------------------------
-    def _reduce_range(self, state: "_State") -> Iterator[Finding]:
+    def _reduce_range(self, state: QConfigCheckState) -> Iterator[Finding]:
         ctx = state.ctx
         wants = ctx.backend.wants_reduce_range
         if not wants and not self.options.report_wasted_reduce_range:
             return
-        groups = _Groups()
+        groups = FindingGroups()
         for node in state.checked_nodes():
             if node.kind not in CONV_OR_LINEAR_KINDS:
                 continue
             spec, source = state.input_spec(node)
             if spec is None or spec.is_fixed_qparams or spec.dtype not in _EIGHT_BIT:
                 continue
-            reduced = _is_reduced(spec)
+            reduced = is_reduced_range(spec)
             if wants and not reduced:
                 groups.add((KIND_REDUCE_RANGE, spec.qparams_key()), node, observer=spec.observer,
                            quant_range=[spec.quant_min, spec.quant_max], reduce_range=spec.reduce_range,
@@ -356,37 +288,17 @@ class QConfigCheck(Rule):
         backend = ctx.backend.name
         for key, nodes, info in groups.items():
             kind = key[0]
-            where = _where(nodes)
+            where = describe_nodes(nodes)
             data = {"kind": kind, "node": nodes[0].name, "nodes": [n.name for n in nodes],
                     "targets": [n.display for n in nodes], "backend": backend,
                     "sources": sorted({n.qconfig.source for n in nodes}), **info,
                     "qconfig_table": state.table(nodes)}
-            if kind == KIND_REDUCE_RANGE:
-                message = (
-                    f"The activations entering {where} are quantized to the full 8-bit range "
-                    f"{info['quant_range']} ({info['observer']}, reduce_range=False). {backend}'s kernels "
-                    "multiply uint8 activations by int8 weights and add pairs of products in 16 bits "
-                    "(vpmaddubsw) on CPUs without VNNI, which can saturate and silently corrupt "
-                    "outputs. Fix: use reduce_range=True on the activation observer (7-bit "
-                    f"activations, as get_default_qconfig('{backend}') does), or deploy only on "
-                    "VNNI-capable CPUs.")
-                suggestion = {"action": "set_activation_observer", "targets": data["targets"],
-                              "observer": info["observer"], "reduce_range": True}
-                severity = Severity.WARNING
-            else:
-                message = (
-                    f"The activations entering {where} use reduce_range (range {info['quant_range']}, "
-                    f"{info['observer']}), which only x86/fbgemm need to avoid 16-bit overflow. "
-                    f"{backend}'s kernels do not overflow, so this throws away one bit of activation "
-                    "resolution (twice the rounding error) for nothing. Fix: use reduce_range=False, "
-                    f"as get_default_qconfig('{backend}') does.")
-                suggestion = {"action": "set_activation_observer", "targets": data["targets"],
-                              "observer": info["observer"], "reduce_range": False}
-                severity = Severity.INFO
+            text = full_range_activation_text if kind == KIND_REDUCE_RANGE else wasted_reduce_range_text
+            message, suggestion, severity = text(where, backend, info, data["targets"])
             yield self.finding(nodes[0].display, message, data=data, suggestion=suggestion, severity=severity)
 
     # --- float islands -------------------------------------------------------------------
-    def _float_islands(self, state: "_State") -> Iterator[Finding]:
+    def _float_islands(self, state: QConfigCheckState) -> Iterator[Finding]:
         islands = eager_float_islands(state.graph) if state.eager else fx_float_islands(state.graph)
         for island in islands:
             compute = [n for n in island.nodes if n.kind not in SHAPE_KINDS]
@@ -394,12 +306,12 @@ class QConfigCheck(Rule):
                 continue
             yield self._island_finding(state, island, compute)
 
-    def _island_finding(self, state: "_State", island: "Island", compute: list[OpNode]) -> Finding:
+    def _island_finding(self, state: QConfigCheckState, island: "Island", compute: list[OpNode]) -> Finding:
         backend = state.ctx.backend
         head = compute[0]
-        ops = ", ".join(f"{n.display} ({n.kind})" for n in compute[:_LISTED])
-        if len(compute) > _LISTED:
-            ops += f" and {len(compute) - _LISTED} more"
+        ops = ", ".join(f"{n.display} ({n.kind})" for n in compute[:LISTED_NODES])
+        if len(compute) > LISTED_NODES:
+            ops += f" and {len(compute) - LISTED_NODES} more"
         producers = ", ".join(dict.fromkeys(p.display for p in island.producers))
         consumers = ", ".join(dict.fromkeys(c.display for c in island.consumers))
         unsupported = sorted({n.kind for n in compute if not backend.supports(n.kind)})
@@ -408,7 +320,7 @@ class QConfigCheck(Rule):
             fix = ("move these ops before the first QuantStub or after the last DeQuantStub, or "
                    "quantize them and remove the stub pair")
         else:
-            states = sorted({_float_reason(n) for n in compute})
+            states = sorted({float_reason(n) for n in compute})
             how = f"({' / '.join(states)}) between quantized ops"
             fix = ("give them a quantized qconfig (e.g. the one their neighbours use), or move them "
                    "to the start or end of the model")
@@ -438,14 +350,14 @@ class QConfigCheck(Rule):
         return self.finding(head.display, message, data=data, suggestion=suggestion)
 
     # --- cat inputs ----------------------------------------------------------------------
-    def _cat_inputs(self, state: "_State") -> Iterator[Finding]:
+    def _cat_inputs(self, state: QConfigCheckState) -> Iterator[Finding]:
         graph = state.graph
         for cat in graph.by_kind("cat"):
             if not is_static_quantized(cat):
                 continue
             inputs = []
             for producer in graph.producers(cat.name):
-                if producer.op not in _OPS and producer.op != "input":
+                if producer.op not in CALL_OPS and producer.op != "input":
                     continue
                 spec, source = state.spec_of_input(producer, cat)
                 if spec is not None:
@@ -458,11 +370,11 @@ class QConfigCheck(Rule):
                 continue
             yield self._cat_finding(state, cat, inputs, odd)
 
-    def _cat_finding(self, state: "_State", cat: OpNode, inputs, odd) -> Finding:
+    def _cat_finding(self, state: QConfigCheckState, cat: OpNode, inputs, odd) -> Finding:
         first_producer, first_source, first = inputs[0]
-        described = "; ".join(f"{s.display}: {_describe(spec)}" for _, s, spec in inputs)
+        described = "; ".join(f"{s.display}: {qparams_text(spec)}" for _, s, spec in inputs)
         if first.is_fixed_qparams and any(not spec.is_fixed_qparams for _, _, spec in odd):
-            low, high = _fixed_range(first)
+            low, high = fixed_qparams_range(first)
             effect = (f"here the first input, {first_source.display}, has fixed qparams, so every other "
                       f"input is quantized to [{low:g}, {high:g}] and clipped outside it")
             fix = (f"put a calibrated input first in the cat (or apply {first_source.kind} after "
@@ -496,151 +408,6 @@ class QConfigCheck(Rule):
                       "nodes": [s.display for _, s, _ in inputs], "activation": shared.observer,
                       "first_input": shared_source.name}
         return self.finding(cat.display, message, data=data, suggestion=suggestion)
-
-
-# --- shared state for one check() run -------------------------------------------------------
-
-class _State:
-    def __init__(self, ctx: LintContext) -> None:
-        self.ctx = ctx
-        self.graph: ModelGraph = ctx.graph
-        self.eager = ctx.eager_flow or ctx.intent == INTENT_EAGER
-        self.prepared = ctx.intent == INTENT_PREPARED
-        self._rows: Optional[dict[str, QConfigRow]] = None
-        self._default: Optional[QConfigMapping] = None
-
-    def checked_nodes(self) -> Iterator[OpNode]:
-        """Statically quantized ops whose qconfig the backend will look at."""
-        for node in self.graph.ops():
-            if not is_static_quantized(node):
-                continue
-            if self.eager and (node.op != "module" or node.kind in ("quant_stub", "dequant_stub")):
-                continue  # eager mode quantizes modules only; functional ops keep no qconfig
-            yield node
-
-    def spec_of_input(self, producer: OpNode, consumer: OpNode) -> tuple[Optional[ObserverSpec], OpNode]:
-        """The observer that quantizes ``producer``'s output where ``consumer`` reads it."""
-        source = through_shape_ops(self.graph, producer)
-        if source.op in _OPS and is_static_quantized(source):
-            return source.qconfig.activation, source
-        # A float tensor is observed by the consumer's own qconfig when prepare_fx quantizes it.
-        own = consumer.qconfig.activation if consumer.qconfig else None
-        return own, source
-
-    def input_spec(self, node: OpNode) -> tuple[Optional[ObserverSpec], OpNode]:
-        if self.eager:
-            return node.qconfig.activation, node
-        producers = [p for p in self.graph.producers(node.name) if p.op in _OPS or p.op == "input"]
-        if not producers:
-            return node.qconfig.activation, node
-        return self.spec_of_input(producers[0], node)
-
-    def expected_fixed(self, node: OpNode) -> Optional[ObserverSpec]:
-        """The FixedQParams observer the backend's default mapping gives this call, if any."""
-        if self._default is None:
-            self._default = default_mapping(self.ctx.backend.name)
-        table = self._default.object_type_qconfigs
-        qconfig = None
-        cls = import_type(node.module_type) if node.module_type else None
-        if cls is not None:
-            qconfig = table.get(cls)
-        elif node.module is None:
-            for candidate in function_candidates(node.kind, node.target if node.op == "method" else None):
-                if candidate in table:
-                    qconfig = table[candidate]
-                    break
-        resolved = node_qconfig(qconfig, "default") if qconfig is not None else None
-        spec = resolved.activation if resolved else None
-        return spec if spec is not None and spec.is_fixed_qparams else None
-
-    def table(self, nodes: Sequence[OpNode]) -> list[dict[str, Any]]:
-        if self._rows is None:
-            self._rows = {row.node: row for row in qconfig_rows(self.graph)}
-        out = []
-        for node in nodes:
-            row = self._rows.get(node.name)
-            if row is None:
-                continue
-            out.append({"node": row.node, "target": row.target, "kind": row.kind,
-                        "input_dtype": row.input_dtype, "output_dtype": row.output_dtype,
-                        "observer": row.activation_observer, "ch_axis": row.ch_axis})
-        return out
-
-
-class _Groups:
-    """Findings that share a cause (usually one global qconfig) are reported once."""
-
-    def __init__(self) -> None:
-        self._nodes: dict[tuple, list[OpNode]] = {}
-        self._info: dict[tuple, dict[str, Any]] = {}
-
-    def add(self, key: tuple, node: OpNode, **info: Any) -> None:
-        self._nodes.setdefault(key, []).append(node)
-        self._info.setdefault(key, info)
-
-    def items(self) -> Iterator[tuple[tuple, list[OpNode], dict[str, Any]]]:
-        for key, nodes in self._nodes.items():
-            yield key, nodes, dict(self._info[key])
-
-
-def _only_fixed_options(ctx: LintContext, kind: str, dtype: str) -> bool:
-    """True when every static kernel for this dtype requires fixed qparams (qnnpack's qint8 path does not)."""
-    options = [o for o in ctx.backend.dtype_options(kind) if not o.is_dynamic
-               and dtype in (o.output_dtype, o.input_dtype)]
-    return bool(options) and all(o.input_quant_min is not None or o.input_quant_max is not None
-                                 for o in options)
-
-
-def _float_reason(node: OpNode) -> str:
-    qc = node.qconfig
-    if qc is None:
-        return "qconfig None"
-    if qc.is_dynamic:
-        return "dynamic qconfig: float output"
-    return "float qconfig"
-
-
-def _fixed_range(spec: ObserverSpec) -> tuple[float, float]:
-    qmin = spec.quant_min if spec.quant_min is not None else 0
-    qmax = spec.quant_max if spec.quant_max is not None else 255
-    zero = spec.fixed_zero_point or 0
-    scale = spec.fixed_scale or 0.0
-    return round((qmin - zero) * scale, 6), round((qmax - zero) * scale, 6)
-
-
-def _scale_text(scale: float) -> str:
-    inverse = 1.0 / scale if scale else 0.0
-    if inverse and abs(inverse - round(inverse)) < 1e-6:
-        return f"{scale:g} (1/{round(inverse)})"
-    return f"{scale:g}"
-
-
-def _within(qmin: Optional[int], qmax: Optional[int], low: Optional[int], high: Optional[int]) -> bool:
-    if low is not None and (qmin is None or qmin < low):
-        return False
-    if high is not None and (qmax is None or qmax > high):
-        return False
-    return True
-
-
-def _is_reduced(spec: ObserverSpec) -> bool:
-    """7-bit activations: reduce_range=True, or an explicit quant range of at most 128 codes."""
-    if spec.quant_min is not None and spec.quant_max is not None:
-        return spec.quant_max - spec.quant_min <= 127
-    return spec.reduce_range
-
-
-def _describe(spec: ObserverSpec) -> str:
-    if spec.is_fixed_qparams:
-        return f"{spec.observer} scale={spec.fixed_scale:g} zero_point={spec.fixed_zero_point}"
-    return f"{spec.observer} {spec.dtype} [{spec.quant_min}, {spec.quant_max}]"
-
-
-def _where(nodes: Sequence[OpNode]) -> str:
-    names = ", ".join(n.display for n in nodes[:_LISTED])
-    if len(nodes) > _LISTED:
-        names += f" and {len(nodes) - _LISTED} more"
-    return f"{len(nodes)} op{'s' if len(nodes) != 1 else ''} ({names})"
 
 
 # --- examples --------------------------------------------------------------------------
