@@ -42,3 +42,13 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(params=["numpy", "torch_only"])
+def selection_backend(request, monkeypatch):
+    """Each way the CPU percentile search can run (numpy is optional)."""
+    if request.param == "torch_only":
+        from qlint.stats import selection
+
+        monkeypatch.setattr(selection, "_numpy", None)
+    return request.param

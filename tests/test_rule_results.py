@@ -10,23 +10,25 @@ from qlint.findings import LayerRow, Severity
 from qlint.registry import Registry
 from qlint.rule import Need, Rule
 
+# The docstring sections every rule must have (the registry checks them).
+_SECTIONS = """
+## What it does
+Test rule.
+## Why is this bad?
+It is a test.
+## Example
+Any model.
+## Use instead
+Nothing.
+## Options
+None.
+## References
+- none
+"""
+
 
 class _RowsOnly(Rule):
-    """Reports one row per linear layer and no finding.
-
-    ## What it does
-    Test rule.
-    ## Why is this bad?
-    It is a test.
-    ## Example
-    Any model.
-    ## Use instead
-    Nothing.
-    ## Options
-    None.
-    ## References
-    - none
-    """
+    __doc__ = "Reports one row per linear layer and no finding.\n" + _SECTIONS
 
     code = "XQ101"
     name = "rows-only"
@@ -41,21 +43,7 @@ class _RowsOnly(Rule):
 
 
 class _YieldsText(Rule):
-    """Yields something that is neither a finding nor a row.
-
-    ## What it does
-    Test rule.
-    ## Why is this bad?
-    It is a test.
-    ## Example
-    Any model.
-    ## Use instead
-    Nothing.
-    ## Options
-    None.
-    ## References
-    - none
-    """
+    __doc__ = "Yields something that is neither a finding nor a row.\n" + _SECTIONS
 
     code = "XQ102"
     name = "yields-text"

@@ -26,7 +26,6 @@ from qlint.stats import (
     update_stats,
 )
 from qlint.stats import batch as batch_module
-from qlint.stats import selection
 from qlint.stats.accumulator import TENSOR_FIELDS
 
 EXACT_FIELDS = [name for name in TENSOR_FIELDS if getattr(TensorStats.empty(), name).dtype == torch.int64] + [
@@ -221,14 +220,6 @@ def test_zero_denominator_batches_are_counted_apart_and_report_inf():
     assert stats.percentile_ratio_batches.tolist() == [0, 0, 2]
     ratio = stats.average_percentile_ratio()
     assert math.isinf(ratio[0]) and math.isinf(ratio[1]) and math.isfinite(ratio[2])
-
-
-@pytest.fixture(params=["numpy", "torch_only"])
-def selection_backend(request, monkeypatch):
-    """Each way the CPU percentile search can run (numpy is optional)."""
-    if request.param == "torch_only":
-        monkeypatch.setattr(selection, "_numpy", None)
-    return request.param
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,6 @@ def _expected_kth_largest(columns: torch.Tensor, m: int) -> torch.Tensor:
     return columns.kthvalue(columns.shape[0] - m + 1, dim=0).values
 
 
-@pytest.fixture(params=["numpy", "torch_only"])
-def backend(request, monkeypatch):
-    if request.param == "torch_only":
-        monkeypatch.setattr(selection, "_numpy", None)
-    return request.param
-
-
 @pytest.mark.parametrize(
     "make",
     [
@@ -37,12 +30,14 @@ def backend(request, monkeypatch):
     ],
 )
 @pytest.mark.parametrize("fraction", [0.025, 0.0, 0.3, 1.0])
-def test_kth_largest_of_columns_is_exact(make, fraction, backend):
+def test_kth_largest_of_columns_is_exact(make, fraction, selection_backend):
     columns = make(torch.Generator().manual_seed(11))
     width = columns.shape[0]
     m = min(width, max(1, round(fraction * width)))
-    got = selection.kth_largest_of_columns(columns, m)
+    column_max, got = selection.max_and_kth_largest_of_columns(columns, m)
     assert torch.equal(got, _expected_kth_largest(columns, m))
+    assert torch.equal(column_max, columns.amax(0))
+    assert torch.equal(selection.kth_largest_of_columns(columns, m), got)
 
 
 def test_kth_largest_of_columns_rejects_bad_m():
@@ -54,7 +49,7 @@ def test_kth_largest_of_columns_rejects_bad_m():
 
 @pytest.mark.parametrize("shape", [(8, 128, 64), (3, 1500, 16), (64, 32)])
 @pytest.mark.parametrize("q", [0.975, 0.9])
-def test_channel_last_batch_matches_quantile_per_feature(shape, q, backend):
+def test_channel_last_batch_matches_quantile_per_feature(shape, q, selection_backend):
     batch = torch.randn(*shape, generator=torch.Generator().manual_seed(5)).relu() + 0.01
     stats = summarize_batch(batch, -1, q)
     per_feature = batch.reshape(-1, shape[-1]).T  # (features, values)

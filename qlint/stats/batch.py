@@ -317,16 +317,18 @@ def _summarize_finite_columns(columns: torch.Tensor, q: float, scratch: ScratchB
     """Fast path for finite channel-last data: every reduction runs down the columns,
     contiguous across channels, so nothing is transposed."""
     width, channels = columns.shape
-    channel_max = columns.amax(0)
     channel_min = columns.amin(0)
     channel_sum = columns.sum(0)
     squares = scratch.get("squares", tuple(columns.shape), columns.dtype, columns.device)
     sum_of_squares = torch.mul(columns, columns, out=squares).sum(0)
+    reference = None
+    if percentile:  # the selection's tournament yields the maxima too
+        channel_max, reference = selection.max_and_kth_largest_of_columns(
+            columns, width - _host_reference_rank(width, q))
+    else:
+        channel_max = columns.amax(0)
     if not _moderate_and_finite(channel_min, channel_max, channel_sum, sum_of_squares):
         return None
-    reference = None
-    if percentile:
-        reference = selection.kth_largest_of_columns(columns, width - _host_reference_rank(width, q))
     return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
                         reference, histogram)
 

@@ -122,7 +122,15 @@ def _select_above_block_threshold_numpy(values, block_max, m: int):
 
 # ---------------------------------------------------------------- columns
 def kth_largest_of_columns(columns: torch.Tensor, m: int) -> torch.Tensor:
-    """Per column of a contiguous finite ``(values, channels)`` matrix, the m-th largest value, exactly.
+    """Per column of a contiguous finite ``(values, channels)`` matrix, the m-th largest value, exactly."""
+    return max_and_kth_largest_of_columns(columns, m)[1]
+
+
+def max_and_kth_largest_of_columns(columns: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per column of a contiguous finite ``(values, channels)`` matrix: (maximum, m-th largest value), exactly.
+
+    The maximum comes free with the tournament below (it is the top level's
+    maximum), so callers need no separate pass over the data for it.
 
     A tournament: level 0 is the matrix; level L+1 holds the maxima of blocks
     of ``fan`` level-L rows (strided blocks, so each level is one reduction
@@ -139,7 +147,7 @@ def kth_largest_of_columns(columns: torch.Tensor, m: int) -> torch.Tensor:
     if not 1 <= m <= width:
         raise ValueError(f"m must be in [1, {width}], got {m}")
     if not _uses_numpy(columns):
-        return kth_largest_of_rows(columns.t().contiguous(), None, m)
+        return columns.amax(0), kth_largest_of_rows(columns.t().contiguous(), None, m)
     np = _numpy
     # levels[i]: (level i as a flat array, number of whole blocks of fan rows in it)
     levels: list[tuple[object, int]] = []
@@ -149,25 +157,30 @@ def kth_largest_of_columns(columns: torch.Tensor, m: int) -> torch.Tensor:
         levels.append((current.numpy().reshape(-1), groups))
         current = current[: groups * _TOURNAMENT_FAN].view(_TOURNAMENT_FAN, groups, channels).amax(0)
     top = np.ascontiguousarray(current.numpy().T)  # (channels, rows): small
-    top_rows = top.shape[1]
+    column_max = torch.from_numpy(top.max(axis=1))
     if not levels:
-        return torch.from_numpy(np.partition(top, top_rows - m, axis=1)[:, top_rows - m].copy())
+        return column_max, torch.from_numpy(_mth_largest_per_row(top, m))
     channel = np.arange(channels)[:, None]
-    keep = min(m, top_rows)
-    picked = np.argpartition(top, top_rows - keep, axis=1)[:, top_rows - keep :]
-    flat = picked * channels + channel  # flat indices into the level above level 0..L
+    flat = _top_m_per_row(top, m) * channels + channel  # flat indices into the top level
     for level in range(len(levels) - 1, -1, -1):
         values, groups = levels[level]
-        level_rows = values.size // channels
         child_offsets = np.arange(_TOURNAMENT_FAN) * (groups * channels)
         candidates = (flat[:, :, None] + child_offsets).reshape(channels, -1)
-        leftover = np.arange(groups * _TOURNAMENT_FAN, level_rows)
+        leftover = np.arange(groups * _TOURNAMENT_FAN, values.size // channels)
         if leftover.size:  # rows outside whole blocks have no parent: always candidates
             candidates = np.concatenate([candidates, leftover[None, :] * channels + channel], axis=1)
         gathered = values[candidates]
-        count = gathered.shape[1]
-        if level == 0:
-            return torch.from_numpy(np.partition(gathered, count - m, axis=1)[:, count - m].copy())
-        best = np.argpartition(gathered, count - m, axis=1)[:, count - m :]
-        flat = np.take_along_axis(candidates, best, axis=1)
-    raise AssertionError("unreachable: level 0 always returns")  # pragma: no cover
+        if level > 0:
+            flat = np.take_along_axis(candidates, _top_m_per_row(gathered, m), axis=1)
+    return column_max, torch.from_numpy(_mth_largest_per_row(gathered, m))
+
+
+def _top_m_per_row(values, m: int):
+    """Column indices of the m largest entries of each row (in no particular order)."""
+    width = values.shape[1]
+    return _numpy.argpartition(values, width - m, axis=1)[:, width - m :]
+
+
+def _mth_largest_per_row(values, m: int):
+    width = values.shape[1]
+    return _numpy.partition(values, width - m, axis=1)[:, width - m].copy()
