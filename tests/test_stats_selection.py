@@ -96,3 +96,16 @@ def test_observer_reports_a_width_change():
     with pytest.raises(ValueError, match="channel count changed from 3 to 5"):
         observer(torch.randn(2, 5, 4))
     assert int(observer.stats.batches) == 1
+
+
+def test_lint_releases_the_thread_work_buffers():
+    import qlint
+    from qlint.stats import thread_scratch_buffers
+
+    conv_input = torch.randn(4, 3, 16, 16)
+    summarize_batch(conv_input, 1, 0.975, scratch=thread_scratch_buffers())  # a channel-major copy
+    assert thread_scratch_buffers().nbytes > 0
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    qlint.lint(model, (conv_input,), calibration=[conv_input, conv_input], select=["QL203"],
+               calibration_options={"quiet": True})
+    assert thread_scratch_buffers().nbytes == 0

@@ -347,5 +347,10 @@ class ScratchBuffers:
             self._buffers[name] = buffer
         return buffer[:numel].view(shape)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the buffers."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+
     def clear(self) -> None:
         self._buffers.clear()
