@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from qlint.errors import ConfigError, QlintError
 from qlint.findings import Notice, Report, Severity
-from qlint.loading import (is_factory_spec, load_example_inputs, load_model, parse_input_shape,
+from qlint.loading import (load_batches, load_example_inputs, load_model, parse_input_shape,
                            resolve_object)
 from qlint.settings import FileSettings, Settings, load_settings
 
@@ -99,32 +99,17 @@ def _calibration(args, per_file, settings: Settings, example):
     if source is None and not args.random_calibration:
         return None, []
     try:
-        from qlint.calibration import load_calibration, random_calibration
+        from qlint.calibration import random_calibration
     except ImportError as error:
         raise QlintError(f"calibration support is unavailable: {error}") from error
     if source is not None:
-        if is_factory_spec(source):
-            # A function of the user's own code that yields batches, like a model factory.
-            return _call_calibration_factory(source), []
-        return load_calibration(source), []
+        return load_batches(source), []
     if not example:
         raise ConfigError("--random-calibration needs example inputs (--input-shape or --example-inputs)")
     notice = Notice(level=Severity.WARNING,
                     message=f"calibrating on {args.random_calibration} RANDOM batches: data-rule verdicts "
                             "describe random inputs, not your data")
     return random_calibration(example, args.random_calibration), [notice]
-
-
-def _call_calibration_factory(spec: str):
-    from qlint.errors import LoadError
-
-    factory = resolve_object(spec)
-    if not callable(factory):
-        return factory
-    try:
-        return factory()
-    except Exception as error:  # the user's function may raise anything
-        raise LoadError(f"calibration factory {spec} raised {type(error).__name__}: {error}") from error
 
 
 def _apply_baseline(report: Report, baseline: Optional[str], write: bool) -> Report:

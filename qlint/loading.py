@@ -44,6 +44,23 @@ def is_factory_spec(spec: str) -> bool:
     return bool(module_part) and attr.isidentifier()
 
 
+def load_batches(spec: str) -> Any:
+    """Batches from ``spec``: a saved tensor/list or a folder of them (loaded weights_only),
+    or ``package.module:function`` / ``file.py:function`` of the user's code, called with no
+    arguments (a non-callable attribute is used as is). Every command that takes data uses this."""
+    if is_factory_spec(spec):
+        target = resolve_object(spec)
+        if not callable(target):
+            return target
+        try:
+            return target()
+        except Exception as error:  # the user's function may raise anything
+            raise LoadError(f"data function {spec} raised {type(error).__name__}: {error}") from error
+    from qlint.calibration import load_calibration
+
+    return load_calibration(spec)
+
+
 def load_model(spec: str, *, weights: Optional[str] = None, trust_pickle: bool = False) -> LoadedModel:
     if is_factory_spec(spec):
         module = build_from_factory(spec)

@@ -65,8 +65,9 @@ def _verify_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="qlint verify", description="Quantize with the backend default and with a plan; "
                                                       "compare SQNR, int8 coverage and size side by side.")
     _model_arguments(parser)
-    parser.add_argument("--calibration", required=True, metavar="FILE_OR_DIR")
-    parser.add_argument("--eval-data", required=True, metavar="FILE_OR_DIR", help="held-out batches")
+    parser.add_argument("--calibration", required=True, metavar="DATA",
+                        help="FILE_OR_DIR of saved batches, or module:function returning them")
+    parser.add_argument("--eval-data", required=True, metavar="DATA", help="held-out batches (same forms)")
     parser.add_argument("--target-sqnr", type=float, metavar="DB")
     parser.add_argument("--max-float-fraction", type=float, default=0.1, metavar="F",
                         help="at most this fraction of conv+linear layers kept float (default 0.1)")
@@ -132,12 +133,12 @@ def verify_command(argv: list[str]) -> int:
     args = _verify_parser().parse_args(argv)
     if args.max_scheme_trials < 0:
         raise ConfigError(f"--max-scheme-trials must be >= 0, got {args.max_scheme_trials}")
-    from qlint.calibration import load_calibration
+    from qlint.loading import load_batches
     from qlint.verify import verify
 
     loaded, plan, _ = _load(args)
-    calibration = load_calibration(args.calibration)
-    eval_data = load_calibration(args.eval_data)
+    calibration = load_batches(args.calibration)
+    eval_data = load_batches(args.eval_data)
     if args.backend:
         plan = plan.model_copy(update={"backend": args.backend})
     report = verify(loaded.module, plan, calibration, eval_data, target_sqnr=args.target_sqnr,

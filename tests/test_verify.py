@@ -130,6 +130,23 @@ def test_cli_no_scheme_search_flag(run_cli, cli_files, report):
     assert all(m["mode"] == "static" for m in payload["verified_plan"]["modules"])
 
 
+def test_cli_verify_takes_data_functions_like_lint(run_cli, cli_files):
+    (cli_files / "batches.py").write_text(
+        "import torch\n"
+        "def calibration():\n    return torch.load('cal.pt', weights_only=True)\n"
+        "def held_out():\n    return torch.load('eval.pt', weights_only=True)\n"
+        "def broken():\n    raise RuntimeError('no data today')\n")
+    common = ["verify", f"{cli_files}/netmod.py:build", "--plan", "plan.json", "--format", "json"]
+    from_files = run_cli(*common, "--calibration", "cal.pt", "--eval-data", "eval.pt", cwd=cli_files)
+    from_functions = run_cli(*common, "--calibration", "batches.py:calibration", "--eval-data",
+                             "batches.py:held_out", cwd=cli_files)
+    assert from_functions.returncode == 0, from_functions.stderr
+    assert json.loads(from_functions.stdout)["plan"] == json.loads(from_files.stdout)["plan"]
+    broken = run_cli(*common, "--calibration", "batches.py:broken", "--eval-data", "eval.pt", cwd=cli_files)
+    assert broken.returncode == 2 and "no data today" in broken.stderr
+    assert len(broken.stderr.strip().splitlines()) == 1
+
+
 def test_cli_verify_errors_exit_2(run_cli, cli_files):
     missing = run_cli("verify", f"{cli_files}/netmod.py:build", "--plan", "nope.json", "--calibration",
                       "cal.pt", "--eval-data", "eval.pt", cwd=cli_files)

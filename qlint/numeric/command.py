@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from qlint.errors import LoadError, QlintError
+from qlint.errors import QlintError
 from qlint.findings import Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
 from qlint.numeric.compare import MODES, activation_histograms, compare, worst_layers
@@ -35,17 +35,10 @@ def load_model_arg(spec: str, trust_pickle: bool = False) -> torch.nn.Module:
 
 
 def load_data_arg(spec: str) -> Any:
-    """Batches: a saved tensor/list or folder (weights_only), or package.module:factory."""
-    from qlint.calibration import load_calibration
-    from qlint.loading import is_factory_spec, resolve_object
+    """Batches: a saved tensor/list or folder (weights_only), or package.module:function."""
+    from qlint.loading import load_batches
 
-    if is_factory_spec(spec):
-        target = resolve_object(spec)
-        try:
-            return target() if callable(target) else target
-        except Exception as error:  # the user's function may raise anything
-            raise LoadError(f"data factory {spec} raised {type(error).__name__}: {error}") from error
-    return load_calibration(spec)
+    return load_batches(spec)
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
