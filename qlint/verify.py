@@ -76,7 +76,7 @@ class LayerComparison(_Model):
 
 
 class DecisionOutcome(_Model):
-    kind: str  # module | equalization | rewrite | scheme | keep_float
+    kind: str  # module | equalization | rewrite | plan | scheme | keep_float
     target: str
     kept: bool
     sqnr_with_db: Optional[float] = None
@@ -463,6 +463,18 @@ def verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_d
             if drop:
                 skip.append(key)
                 best = max(best, without)
+        # Every kept decision helps given the others, yet decisions interact: together they
+        # can still lose to the backend default. Then none of them is worth keeping.
+        skip_all = sorted({rewrite_key(a.kind, a.nodes) for a in applied if a.applied} | set(skip))
+        fresh = default_plan(backend).model_copy(update={"model": plan.model})
+        fresh_sqnr = session.plan_sqnr(fresh, skip_all)
+        if best < fresh_sqnr - SQNR_TOLERANCE_DB:
+            outcomes.append(DecisionOutcome(kind="plan", target="every remaining decision", kept=False,
+                                            sqnr_with_db=round(best, 4), sqnr_without_db=round(fresh_sqnr, 4),
+                                            detail="together they lose to the backend default"))
+            notes.append(f"the pruned plan ({best:.2f} dB) lost to the backend default ({fresh_sqnr:.2f} dB): "
+                         "verify continued from the default")
+            current, skip, best = fresh, skip_all, fresh_sqnr
 
     # --- scheme search, then target-SQNR fallback (qlint/verify_search.py) --------------
     from qlint.verify_search import float_fallback, scheme_search

@@ -185,3 +185,18 @@ def test_fanout_copy_follows_keep_float_decision(data):
     result = verify(make_fanout_net(), plan, calibration, eval_data, prune=False)
     assert sorted(result.plan.float_modules) == ["conv", "conv_qlint_fanout"]
     assert result.plan.int8_layers == result.plan.total_layers - 2
+
+
+def test_a_plan_that_loses_to_the_default_as_a_whole_is_replaced_by_it():
+    # On the README's example every decision of qlint's plan helps given the others
+    # (greedy pruning keeps them), yet together they lose to the x86 default.
+    import qlint
+    from examples.badnet import build, calibration_batches
+
+    batches = list(calibration_batches())
+    report = qlint.lint(build(), (batches[0],), calibration=batches, calibration_options={"quiet": True})
+    result = verify(build(), report.plan(), batches, batches)
+    restart = [d for d in result.decisions if d.kind == "plan"]
+    assert restart and restart[0].sqnr_with_db < restart[0].sqnr_without_db
+    assert result.plan.sqnr_db >= result.default.sqnr_db - 0.05
+    assert any("lost to the backend default" in note for note in result.notes)
