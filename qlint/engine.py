@@ -222,7 +222,7 @@ def _missing_needs(rule: Rule, ctx: LintContext, has_statistics: bool) -> Option
     if Need.MODEL in rule.requires and ctx.model_factory is None:
         return "no runnable model"
     if Need.STATISTICS in rule.requires and not has_statistics:
-        return ("no calibration data: pass --calibration FILE_OR_DIR "
+        return ("no calibration data: pass --calibration FILE_OR_DIR or module:function "
                 "(or --random-calibration N to run on random data)")
     return None
 
