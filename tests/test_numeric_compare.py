@@ -15,6 +15,7 @@ from qlint.findings import Report
 from qlint.numeric.badcases import BadCaseSet, compare_badcases, find_badcases, per_sample_scores
 from qlint.numeric.compare import compare
 from qlint.numeric.examples import (
+    prepare_eager_ptq,
     EagerConvNet,
     SmallConvNet,
     bad_layer_qconfig_mapping,
@@ -128,19 +129,6 @@ def test_shadow_shows_only_local_error(broken):
     assert abs(first.sqnr_shadow - first.sqnr_propagated) < 0.01  # model inputs are exact
 
 
-def _eager_prepared(model, data):
-    from torch.ao.quantization import fuse_modules, get_default_qconfig, prepare
-
-    prepared = copy.deepcopy(model)
-    prepared.qconfig = get_default_qconfig("x86")
-    fuse_modules(prepared, EagerConvNet.FUSION, inplace=True)
-    prepare(prepared, inplace=True)
-    with torch.no_grad():
-        for batch in data:
-            prepared(batch)
-    return prepared
-
-
 @pytest.mark.parametrize("counterpart", ["fx-prepared", "eager-prepared"])
 def test_models_are_left_exactly_as_they_were(broken, counterpart):
     model, data, prepared, _, _ = broken
@@ -150,7 +138,7 @@ def test_models_are_left_exactly_as_they_were(broken, counterpart):
     else:
         # eager observers run inside the model's own hooks: they do see the comparison data
         float_model = randomize_batch_norm(EagerConvNet()).train()
-        quantized = _eager_prepared(float_model.eval(), data)
+        quantized = prepare_eager_ptq(float_model.eval(), data)
         float_model.train()
 
     def snapshot(module):

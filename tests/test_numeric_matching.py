@@ -11,6 +11,7 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_qat_fx
 
 from qlint.numeric.compare import compare
 from qlint.numeric.examples import (
+    prepare_eager_ptq,
     EagerConvNet,
     LstmTagger,
     SmallConvNet,
@@ -184,18 +185,10 @@ def test_graph_order_fallback_when_names_differ():
 
 
 def test_eager_prepared_model_is_simulated_like_its_conversion():
-    from torch.ao.quantization import fuse_modules, get_default_qconfig, prepare
-
     torch.manual_seed(0)
     model = randomize_batch_norm(EagerConvNet()).eval()
     data = image_batches(2, batch_size=2, size=8)
-    prepared = copy.deepcopy(model)
-    prepared.qconfig = get_default_qconfig("x86")
-    fuse_modules(prepared, EagerConvNet.FUSION, inplace=True)
-    prepare(prepared, inplace=True)
-    with torch.no_grad():
-        for batch in data:
-            prepared(batch)
+    prepared = prepare_eager_ptq(model, data)
     assert match_layers(model, prepared).counterpart is CounterpartKind.PREPARED
     simulated = {row.name: row for row in compare(model, prepared, data).layers}
     converted = {row.name: row for row in compare(model, quantize_eager_ptq(model, data), data).layers}

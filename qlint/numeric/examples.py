@@ -201,18 +201,24 @@ def quantize_fx_ptq(model: nn.Module, data: Iterable, mapping: Optional[QConfigM
     return prepared, convert_fx(copy.deepcopy(prepared))
 
 
-def quantize_eager_ptq(model: EagerConvNet, data: Iterable, backend: str = "x86") -> nn.Module:
-    from torch.ao.quantization import convert, fuse_modules, prepare
+def prepare_eager_ptq(model: EagerConvNet, data: Iterable, backend: str = "x86") -> nn.Module:
+    """Eager-mode PTQ up to conversion: a fused, prepared and calibrated copy of ``model``."""
+    from torch.ao.quantization import fuse_modules, prepare
 
-    quantized = copy.deepcopy(model).eval()
-    quantized.qconfig = get_default_qconfig(backend)
-    fuse_modules(quantized, EagerConvNet.FUSION, inplace=True)
-    prepare(quantized, inplace=True)
+    prepared = copy.deepcopy(model).eval()
+    prepared.qconfig = get_default_qconfig(backend)
+    fuse_modules(prepared, EagerConvNet.FUSION, inplace=True)
+    prepare(prepared, inplace=True)
     with torch.no_grad():
         for batch in data:
-            quantized(batch)
-    convert(quantized, inplace=True)
-    return quantized
+            prepared(batch)
+    return prepared
+
+
+def quantize_eager_ptq(model: EagerConvNet, data: Iterable, backend: str = "x86") -> nn.Module:
+    from torch.ao.quantization import convert
+
+    return convert(prepare_eager_ptq(model, data, backend), inplace=True)
 
 
 def demo_factory_float() -> nn.Module:
