@@ -33,10 +33,12 @@ from typing import Optional, Union
 
 import torch
 
-from qlint.stats import selection
+from qlint.stats import kernel, selection
 from qlint.stats.accumulator import HISTOGRAM_SHAPE, ScratchBuffers, TensorStats
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+# Channel runs shorter than this are copied channel-major before the compiled kernel reads them.
+_SHORT_RUN = 256
 # Channel max-abs range where float32 sums of squares neither under- nor overflow.
 _MODERATE_MAGNITUDE = (1e-15, 1e15)
 
@@ -60,6 +62,12 @@ class BatchSummary:
     inf_count: PerChannel
     reference: Optional[torch.Tensor]  # None: the percentile was not requested
     histogram: Optional[torch.Tensor]  # None: not requested
+    # Not a statistic: guesses that make the next batch's percentile cheaper
+    # (see qlint.stats.kernel); None when this batch did not produce any.
+    selection_hint: Optional[torch.Tensor] = None
+    # The float rows (min, max, sum, sum of squares, reference) already stacked
+    # as float64 [5, channels] when the producer had them so; saves a stack.
+    packed: Optional[torch.Tensor] = None
 
     @property
     def device(self) -> torch.device:
@@ -69,8 +77,12 @@ class BatchSummary:
 # ------------------------------------------------------------------ public API
 def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference_percentile: float, *,
                      scratch: Optional[ScratchBuffers] = None, sync_free: Optional[bool] = None,
-                     percentile: bool = True, histogram: bool = True) -> Optional[BatchSummary]:
-    """Reduce one floating batch to its :class:`BatchSummary` (None for an empty batch)."""
+                     percentile: bool = True, histogram: bool = True,
+                     selection_hint: Optional[torch.Tensor] = None) -> Optional[BatchSummary]:
+    """Reduce one floating batch to its :class:`BatchSummary` (None for an empty batch).
+
+    ``selection_hint``: the ``selection_hint`` of the previous summary of the
+    same stream, if any; it only changes how fast the percentile is found."""
     if not batch.is_floating_point():
         raise TypeError(f"summarize_batch needs a floating tensor, got {batch.dtype}")
     if not 0.0 < reference_percentile < 1.0:
@@ -81,6 +93,11 @@ def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference
     if sync_free is None:
         sync_free = batch.device.type != "cpu"
     with torch.no_grad():
+        if not sync_free and batch.dtype == torch.float32 and kernel.available():
+            summary = _summarize_finite_with_kernel(batch.detach(), channel_axis, reference_percentile, percentile,
+                                                    histogram, selection_hint)
+            if summary is not None:
+                return summary
         values, by_column = _channel_layout(batch.detach(), channel_axis, scratch)
         hist = _exponent_histogram(values, scratch) if histogram else None
         summary = None
@@ -128,9 +145,12 @@ class SummaryChunk:
         elif with_reference != self._with_reference:
             raise ValueError("summaries with and without the percentile cannot share a chunk")
         row = self._size
-        floats = [summary.channel_min, summary.channel_max, summary.sum, summary.sum_of_squares,
-                  summary.reference if with_reference else summary.channel_max]
-        torch.stack(floats, out=self._floats[row])
+        if summary.packed is not None and with_reference:
+            self._floats[row].copy_(summary.packed)
+        else:
+            floats = [summary.channel_min, summary.channel_max, summary.sum, summary.sum_of_squares,
+                      summary.reference if with_reference else summary.channel_max]
+            torch.stack(floats, out=self._floats[row])
         counts = (summary.count, summary.nan_count, summary.inf_count)
         if all(isinstance(value, int) for value in counts):
             self._counts[row, 0].fill_(counts[0])
@@ -233,6 +253,19 @@ def _per_channel(value: PerChannel, channels: int, **kind) -> torch.Tensor:
     return value
 
 
+def _outer_channels_inner(shape: tuple[int, ...], channel_axis: Optional[int]) -> tuple[int, int, int]:
+    """Split a shape around its channel axis: (product before, channels, product after).
+
+    A shape with too few dims for ``channel_axis`` is read as unbatched (leading singleton dims)."""
+    if channel_axis is None:
+        return 1, 1, math.prod(shape)
+    missing_leading_dims = channel_axis + 1 - len(shape) if channel_axis >= 0 else -channel_axis - len(shape)
+    if missing_leading_dims > 0:
+        shape = (1,) * missing_leading_dims + shape
+    axis = channel_axis if channel_axis >= 0 else channel_axis + len(shape)
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
+
+
 def _channel_layout(batch: torch.Tensor, channel_axis: Optional[int],
                     scratch: ScratchBuffers) -> tuple[torch.Tensor, bool]:
     """The batch as a contiguous matrix in the compute dtype, and whether channels are its columns.
@@ -240,15 +273,7 @@ def _channel_layout(batch: torch.Tensor, channel_axis: Optional[int],
     Rows ``(channels, values)`` or columns ``(values, channels)``; both are read
     in place when the batch already has that layout, otherwise rows are copied."""
     compute_dtype = torch.float64 if batch.dtype == torch.float64 else torch.float32
-    shape = tuple(batch.shape)
-    if channel_axis is None:
-        outer, channels, inner = 1, 1, batch.numel()
-    else:
-        missing_leading_dims = channel_axis + 1 - len(shape) if channel_axis >= 0 else -channel_axis - len(shape)
-        if missing_leading_dims > 0:
-            shape = (1,) * missing_leading_dims + shape
-        axis = channel_axis if channel_axis >= 0 else channel_axis + len(shape)
-        outer, channels, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
+    outer, channels, inner = _outer_channels_inner(tuple(batch.shape), channel_axis)
     as_3d = batch.reshape(outer, channels, inner)
     if batch.dtype == compute_dtype and as_3d.is_contiguous():
         if outer == 1:
@@ -289,6 +314,37 @@ def _moderate_and_finite(channel_min: torch.Tensor, channel_max: torch.Tensor, c
 
 
 # ---------------------------------------------------------- finite fast paths
+def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[int], q: float, percentile: bool,
+                                  histogram: bool, hint: Optional[torch.Tensor]) -> Optional[BatchSummary]:
+    """Compiled fast path (float32 CPU): every statistic in one read, in place in any layout.
+
+    None when the batch is not finite or of moderate magnitude: the general path takes it."""
+    if batch.device.type != "cpu":
+        return None
+    outer, channels, inner = _outer_channels_inner(tuple(batch.shape), channel_axis)
+    values = batch.reshape(outer, channels, inner)
+    if 1 < inner < _SHORT_RUN and outer > 1:
+        # Short runs ([N, C, 7, 7]) would be read a few values at a time; one
+        # channel-major copy makes every channel a single long run.
+        values = values.transpose(0, 1).reshape(1, channels, outer * inner)
+    elif not values.is_contiguous():
+        values = values.contiguous()
+    width = outer * inner
+    wanted = width - _host_reference_rank(width, q) if percentile else None
+    if hint is not None and (wanted is None or tuple(hint.shape) != (channels,)):
+        hint = None
+    result = kernel.summarize_channels(values, wanted, histogram=histogram, hint=hint)
+    if not result.trusted:
+        return None
+    packed = result.packed
+    key_counts = result.key_counts
+    return BatchSummary(channels, packed[kernel.MIN], packed[kernel.MAX], packed[kernel.SUM],
+                        packed[kernel.SUM_OF_SQUARES], width, 0, 0,
+                        packed[kernel.KTH_LARGEST] if percentile else None,
+                        _histogram_of_key_counts(key_counts) if key_counts is not None else None,
+                        result.next_hint, packed)
+
+
 def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers, percentile: bool,
                            histogram: Optional[torch.Tensor]) -> Optional[BatchSummary]:
     """Fast path for finite rows of moderate magnitude; None (after one host read) otherwise."""
@@ -374,11 +430,16 @@ def _exponent_histogram(values: torch.Tensor, scratch: ScratchBuffers) -> torch.
     # exponent for positives, exponent - 256 for negatives.
     torch.bitwise_right_shift(as_float32.view(torch.int32), 23, out=keys)
     keys += 256
-    counts = _count_keys(keys.view(-1), 512)
-    histogram = torch.stack([counts[256:], counts[:256]])
-    histogram[:, 255] = 0  # NaN/Inf are counted by nan_count / inf_count
+    histogram = _histogram_of_key_counts(_count_keys(keys.view(-1), 512))
     if infinities is not None:
         histogram[:, 254] -= infinities
+    return histogram
+
+
+def _histogram_of_key_counts(counts: torch.Tensor) -> torch.Tensor:
+    """(sign, exponent) histogram from counts of ``(float32 bits >> 23) + 256``."""
+    histogram = torch.stack([counts[256:], counts[:256]])
+    histogram[:, 255] = 0  # NaN/Inf are counted by nan_count / inf_count
     return histogram
 
 

@@ -62,6 +62,7 @@ class StatsObserver(nn.Module):
         self.histogram = histogram
         self._folded = TensorStats.empty(channel_axis, reference_percentile)
         self._chunk: Optional[SummaryChunk] = None
+        self._selection_hint: Optional[torch.Tensor] = None  # speeds up the next batch's percentile
 
     @property
     def stats(self) -> TensorStats:
@@ -78,7 +79,8 @@ class StatsObserver(nn.Module):
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
             summary = summarize_values(value, self.channel_axis, self.reference_percentile,
                                        scratch=thread_scratch_buffers(), percentile=self.percentile,
-                                       histogram=self.histogram)
+                                       histogram=self.histogram, selection_hint=self._selection_hint)
+            self._selection_hint = summary.selection_hint
             width = self._chunk.channels if self._chunk is not None else self._folded.num_channels
             if width and summary.channels != width:
                 raise ValueError(f"channel count changed from {width} to {summary.channels}")

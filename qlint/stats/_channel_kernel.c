@@ -1,0 +1,736 @@
+/*
+ * Per-channel summaries of one float32 batch, reading the data once (twice for
+ * the first batch of a stream).
+ *
+ * The batch is a contiguous array viewed as (outer, channels, inner). For each
+ * channel in [channel_begin, channel_end) the kernel writes the minimum, the
+ * maximum, the sum and the sum of squares (float partial sums over blocks of at
+ * most MAX_BLOCK values, accumulated in double), optionally the m-th largest
+ * value, exactly, and adds the (sign, exponent) counts of the values it read.
+ *
+ * Why a compiled kernel: the m-th largest value per channel (the reference
+ * quantile of the percentile-ratio statistic) dominated calibration time when
+ * built from tensor ops, which need a partition or a gather per candidate.
+ *
+ * How the m-th largest is found. Each channel has a threshold t and a buffer
+ * of candidates: every value above t is appended. Exactness rests on one
+ * invariant: t never exceeds the answer. Then no value at or below t can be
+ * the answer unless fewer than m values lie above t, in which case the answer
+ * is t itself. The threshold comes from one of two places:
+ *   - block maxima: cut the channel into disjoint blocks; the m-th largest
+ *     block maximum is a lower bound of the answer (those m blocks hold m
+ *     distinct values at least that large). This needs the maxima first, so
+ *     the values above it are collected in a second read.
+ *   - a hint: a guess passed in by the caller (qlint passes a rank-2m value of
+ *     the previous batch), used from the start of a single read. A guess is
+ *     not a bound: if fewer than m values beat it, that channel alone is
+ *     redone from its block maxima, so the result is exact either way and the
+ *     hint only decides the cost.
+ * When a buffer fills, a selection keeps its m largest values and their
+ * minimum becomes the new threshold (still a lower bound of the answer).
+ *
+ * Layouts:
+ *   inner == 1  channel-last ([..., features], a Linear's input): rows are
+ *               read whole and in order over a band of at most BAND channels.
+ *   inner >  1  channel-major or NCHW: each channel is `outer` contiguous runs.
+ *
+ * NaN and Inf get no special care: they leave a sum non-finite (Inf also a
+ * min or max), which is how the caller detects them and takes its exact
+ * general path instead. A NaN never enters a buffer (it compares false).
+ *
+ * The GIL is released while the kernel runs, so callers may split the
+ * channels across threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* Hot loops also get an AVX2 version, picked at run time, where the compiler
+ * can build one (GCC or clang on x86-64); elsewhere the baseline one only. */
+#if defined(__GNUC__) && defined(__x86_64__)
+#define HAVE_AVX2_DISPATCH 1
+#include <immintrin.h>
+#else
+#define HAVE_AVX2_DISPATCH 0
+#endif
+
+#define BAND 512       /* most channels whose state is kept at once, channel-last layout */
+#define MAX_BLOCK 16   /* most values per block */
+#define MODERATE_LOW 1e-15   /* channel magnitudes where float32 partial sums of squares are exact enough */
+#define MODERATE_HIGH 1e15
+#define REDO_BY_COLUMN 16  /* more failed hints than this in a band: redo them in one read of its rows */
+
+typedef struct {
+    const float *data;
+    Py_ssize_t outer, channels, inner, m;
+    Py_ssize_t channel_begin, channel_end;
+    double *out_min, *out_max, *out_sum, *out_sum_of_squares;
+    double *out_kth;       /* NULL: no selection */
+    const float *hint;     /* NULL: no guesses; else one per channel (finite) */
+    float *out_hint;       /* NULL: no guesses wanted for the next batch */
+    int64_t *histogram;    /* NULL: no exponent counts */
+} Job;
+
+/* ------------------------------------------------------------------------ selection */
+
+/* Moves the values of [low, high) that are above `pivot` (with `or_equal`: at
+ * least `pivot`) to the front of the range and returns where they end.
+ * Branch-free: every value is swapped, and the write position advances only
+ * past kept values (what lies between holds rejected ones, so the swap keeps
+ * it so). */
+static inline Py_ssize_t partition_front(float *values, Py_ssize_t low, Py_ssize_t high, float pivot,
+                                         int or_equal)
+{
+    Py_ssize_t write = low;
+    for (Py_ssize_t i = low; i < high; ++i) {
+        const float v = values[i];
+        values[i] = values[write];
+        values[write] = v;
+        write += or_equal ? v >= pivot : v > pivot;
+    }
+    return write;
+}
+
+/* Rearranges values[0, count) so that values[0, m) are the m largest (in no
+ * order) and returns the m-th largest; 1 <= m <= count, no NaN. Quickselect
+ * with median-of-three pivots; when the answer is not above the pivot, the
+ * pivot's copies are split off whole, so repeated values (the zeros after a
+ * ReLU) cannot stall it. */
+static float select_top(float *values, Py_ssize_t count, Py_ssize_t m)
+{
+    Py_ssize_t low = 0, high = count;  /* position m - 1 lies in [low, high) */
+    while (high - low > 1) {
+        const float a = values[low], b = values[low + (high - low) / 2], c = values[high - 1];
+        const float pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        const Py_ssize_t above = partition_front(values, low, high, pivot, 0);
+        if (m - 1 < above) {
+            high = above;
+            continue;
+        }
+        const Py_ssize_t at_least = partition_front(values, above, high, pivot, 1);
+        if (m - 1 < at_least)
+            return pivot;
+        low = at_least;
+    }
+    return values[m - 1];
+}
+
+static inline Py_ssize_t buffer_capacity(Py_ssize_t m)
+{
+    return 2 * m + 64;
+}
+
+/* Values per block: at least 2m blocks, so the m-th largest block maximum is a
+ * tight bound and the 2m-th exists for the next hint. */
+static inline Py_ssize_t block_length(Py_ssize_t values, Py_ssize_t m)
+{
+    Py_ssize_t length = m > 0 ? values / (2 * m) : MAX_BLOCK;
+    return length < 1 ? 1 : (length > MAX_BLOCK ? MAX_BLOCK : length);
+}
+
+/* Threshold from a channel's block maxima (copied into `scratch`, which is
+ * reordered): the m-th largest, or -inf with fewer than m blocks. */
+static float block_threshold(float *scratch, Py_ssize_t blocks, Py_ssize_t m)
+{
+    return blocks >= m ? select_top(scratch, blocks, m) : -INFINITY;
+}
+
+/* Outcome for one channel whose candidates are the values above `threshold`.
+ * Returns 0 when done; 1 when the threshold was a hint that fewer than m
+ * values beat, so the channel must be redone from its block maxima.
+ *
+ * The next hint aims at the value of rank 2m: about 2m values then beat it in
+ * a similar batch, comfortably more than m (failures cost a redo) and well
+ * under the buffer's capacity (overflows cost a selection). With fewer than
+ * 2m candidates, it steps below the threshold by the threshold's distance to
+ * the answer, which moves it down the ranks until 2m candidates are seen. */
+static int finish_channel(float *candidates, Py_ssize_t kept, Py_ssize_t m, float threshold, int from_hint,
+                          double *out_kth, float *out_hint)
+{
+    if (kept < m) {
+        if (from_hint)
+            return 1;
+        *out_kth = threshold > -INFINITY ? threshold : NAN;  /* -inf: fewer than m values compared (NaN) */
+        *out_hint = threshold;
+        return 0;
+    }
+    float guess = NAN;
+    if (kept >= 2 * m) {
+        guess = select_top(candidates, kept, 2 * m);
+        kept = 2 * m;
+    }
+    *out_kth = select_top(candidates, kept, m);
+    *out_hint = isnan(guess) ? threshold - (*out_kth - threshold) : guess;
+    return 0;
+}
+
+static inline void count_exponents(int64_t *histogram, const float *values, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; ++i) {
+        int32_t bits;
+        memcpy(&bits, &values[i], sizeof bits);
+        histogram[(bits >> 23) + 256] += 1;  /* arithmetic shift: sign-extended (sign, exponent) */
+    }
+}
+
+/* --------------------------------------------------------------------- channel-last */
+typedef struct {
+    float *low, *high, *block_low, *block_high, *block_sum, *block_squares, *threshold, *block_max, *scratch,
+        *candidates;
+    double *sum, *sum_of_squares;
+    Py_ssize_t *kept;
+    int32_t *found;  /* work list of append_above (width + 4 entries) */
+    Py_ssize_t capacity, m;
+    void *memory;
+} Band;
+
+static int band_allocate(Band *band, Py_ssize_t width, Py_ssize_t blocks, Py_ssize_t m)
+{
+    const int select = m > 0;
+    const Py_ssize_t capacity = buffer_capacity(select ? m : 1);
+    const size_t floats = (size_t)width * 7 +
+                          (select ? (size_t)width * (size_t)(blocks + capacity) + (size_t)blocks : 0);
+    char *memory = (char *)malloc(floats * sizeof(float) +
+                                  (size_t)width * (2 * sizeof(double) + sizeof(Py_ssize_t) + sizeof(int32_t)) + 4 * sizeof(int32_t));
+    if (memory == NULL)
+        return -1;
+    band->memory = memory;
+    band->capacity = capacity;
+    band->m = m;
+    band->sum = (double *)memory;
+    band->sum_of_squares = band->sum + width;
+    band->kept = (Py_ssize_t *)(band->sum_of_squares + width);
+    band->found = (int32_t *)(band->kept + width);
+    float *next = (float *)(band->found + width + 4);
+    float **fields[] = {&band->low, &band->high, &band->block_low, &band->block_high, &band->block_sum,
+                        &band->block_squares, &band->threshold};
+    for (size_t k = 0; k < sizeof fields / sizeof fields[0]; ++k) {
+        *fields[k] = next;
+        next += width;
+    }
+    band->block_max = select ? next : NULL;
+    next += select ? blocks * width : 0;
+    band->scratch = select ? next : NULL;
+    next += select ? blocks : 0;
+    band->candidates = select ? next : NULL;
+    return 0;
+}
+
+static inline void append_value(const Band *band, Py_ssize_t column, float value)
+{
+    float *own = band->candidates + column * band->capacity;
+    own[band->kept[column]++] = value;
+    if (band->kept[column] == band->capacity) {  /* raise the threshold: keep only the m largest */
+        band->threshold[column] = select_top(own, band->capacity, band->m);
+        band->kept[column] = band->m;
+    }
+}
+
+/* Append each of a row's values that is above its channel's threshold. The
+ * columns to append are gathered first without branches (a branch per value
+ * or per vector of values would be mispredicted at the densities seen here). */
+static inline void append_above(const Band *band, const float *restrict values, Py_ssize_t width)
+{
+    int32_t *restrict found = band->found;
+    const float *restrict threshold = band->threshold;
+    Py_ssize_t count = 0, j = 0;
+#if defined(__SSE2__)
+    /* Four columns at a time: the comparison's bit mask picks a row of
+     * offsets; all four are stored and the count advances by the set bits. */
+    static const int32_t packed_offsets[16][4] = {
+        {0, 0, 0, 0}, {0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0}, {2, 0, 0, 0}, {0, 2, 0, 0}, {1, 2, 0, 0},
+        {0, 1, 2, 0}, {3, 0, 0, 0}, {0, 3, 0, 0}, {1, 3, 0, 0}, {0, 1, 3, 0}, {2, 3, 0, 0}, {0, 2, 3, 0},
+        {1, 2, 3, 0}, {0, 1, 2, 3},
+    };
+    static const uint8_t bits_set[16] = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
+    for (; j + 4 <= width; j += 4) {
+        const int mask = _mm_movemask_ps(_mm_cmpgt_ps(_mm_loadu_ps(values + j), _mm_loadu_ps(threshold + j)));
+        const __m128i offsets = _mm_loadu_si128((const __m128i *)packed_offsets[mask]);
+        _mm_storeu_si128((__m128i *)(found + count), _mm_add_epi32(offsets, _mm_set1_epi32((int32_t)j)));
+        count += bits_set[mask];
+    }
+#endif
+    for (; j < width; ++j) {
+        found[count] = (int32_t)j;
+        count += values[j] > threshold[j];
+    }
+    for (Py_ssize_t k = 0; k < count; ++k)
+        append_value(band, found[k], values[found[k]]);
+}
+
+/* Collect again the channels whose hint failed (threshold finite; the others
+ * have +inf) and finish them. Few channels: read just the blocks that can
+ * hold candidates, down the column; many: one more read of the band's rows,
+ * which costs the same whatever the number. */
+static void redo_channels(const Job *job, Band *band, Py_ssize_t band_start, Py_ssize_t width, Py_ssize_t block,
+                          Py_ssize_t blocks, Py_ssize_t count, float *next_hint)
+{
+    const Py_ssize_t rows = job->outer;
+    const float *first_column = job->data + band_start;
+    if (count > REDO_BY_COLUMN) {
+        for (Py_ssize_t row = 0; row < rows; ++row)
+            append_above(band, first_column + row * job->channels, width);
+    } else {
+        for (Py_ssize_t j = 0; j < width; ++j) {
+            if (band->threshold[j] == INFINITY)
+                continue;
+            for (Py_ssize_t b = 0; b < blocks; ++b) {
+                if (!(band->block_max[b * width + j] > band->threshold[j]))
+                    continue;
+                const Py_ssize_t last = (b + 1) * block < rows ? (b + 1) * block : rows;
+                for (Py_ssize_t row = b * block; row < last; ++row) {
+                    const float v = first_column[row * job->channels + j];
+                    if (v > band->threshold[j])
+                        append_value(band, j, v);
+                }
+            }
+        }
+    }
+    for (Py_ssize_t j = 0; j < width; ++j) {
+        if (band->threshold[j] != INFINITY)
+            finish_channel(band->candidates + j * band->capacity, band->kept[j], band->m, band->threshold[j], 0,
+                           &job->out_kth[band_start + j], &next_hint[j]);
+    }
+}
+
+static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py_ssize_t width,
+                           Py_ssize_t block, Py_ssize_t blocks)
+{
+    const Py_ssize_t rows = job->outer, m = band->m;
+    const float *first_column = job->data + band_start;
+    const int select = m > 0, hinted = select && job->hint != NULL;
+    for (Py_ssize_t j = 0; j < width; ++j) {
+        band->low[j] = INFINITY;
+        band->high[j] = -INFINITY;
+        band->sum[j] = 0.0;
+        band->sum_of_squares[j] = 0.0;
+        band->kept[j] = 0;
+        band->threshold[j] = hinted ? job->hint[band_start + j] : INFINITY;
+    }
+    for (Py_ssize_t b = 0; b < blocks; ++b) {
+        const Py_ssize_t first = b * block, last = first + block < rows ? first + block : rows;
+        float *restrict block_low = band->block_low, *restrict block_high = band->block_high;
+        float *restrict block_sum = band->block_sum, *restrict block_squares = band->block_squares;
+        for (Py_ssize_t j = 0; j < width; ++j) {
+            block_low[j] = INFINITY;
+            block_high[j] = -INFINITY;
+            block_sum[j] = 0.0f;
+            block_squares[j] = 0.0f;
+        }
+        for (Py_ssize_t row = first; row < last; ++row) {
+            const float *restrict values = first_column + row * job->channels;
+            for (Py_ssize_t j = 0; j < width; ++j) {
+                const float v = values[j];
+                block_low[j] = v < block_low[j] ? v : block_low[j];
+                block_high[j] = v > block_high[j] ? v : block_high[j];
+                block_sum[j] += v;
+                block_squares[j] += v * v;
+            }
+            if (hinted)  /* the row is still in L1 */
+                append_above(band, values, width);
+            if (job->histogram != NULL)
+                count_exponents(job->histogram, values, width);
+        }
+        for (Py_ssize_t j = 0; j < width; ++j) {
+            band->low[j] = block_low[j] < band->low[j] ? block_low[j] : band->low[j];
+            band->high[j] = block_high[j] > band->high[j] ? block_high[j] : band->high[j];
+            band->sum[j] += block_sum[j];
+            band->sum_of_squares[j] += block_squares[j];
+        }
+        if (select)
+            memcpy(band->block_max + b * width, block_high, sizeof(float) * (size_t)width);
+    }
+    for (Py_ssize_t j = 0; j < width; ++j) {
+        const Py_ssize_t channel = band_start + j;
+        job->out_min[channel] = band->low[j];
+        job->out_max[channel] = band->high[j];
+        job->out_sum[channel] = band->sum[j];
+        job->out_sum_of_squares[channel] = band->sum_of_squares[j];
+    }
+    if (!select)
+        return;
+    float next_hint[BAND];
+    if (!hinted) {  /* thresholds from the block maxima, then a second read (the band may still be cached) */
+        for (Py_ssize_t j = 0; j < width; ++j) {
+            for (Py_ssize_t b = 0; b < blocks; ++b)
+                band->scratch[b] = band->block_max[b * width + j];
+            band->threshold[j] = block_threshold(band->scratch, blocks, m);
+        }
+        for (Py_ssize_t row = 0; row < rows; ++row)
+            append_above(band, first_column + row * job->channels, width);
+    }
+    Py_ssize_t redo = 0;
+    for (Py_ssize_t j = 0; j < width; ++j) {
+        float *own = band->candidates + j * band->capacity;
+        if (finish_channel(own, band->kept[j], m, band->threshold[j], hinted, &job->out_kth[band_start + j],
+                           &next_hint[j]) == 0) {
+            band->threshold[j] = INFINITY;  /* done: takes no part in a redo */
+            continue;
+        }
+        /* the hint was too high for this channel: redo it from its block maxima */
+        for (Py_ssize_t b = 0; b < blocks; ++b)
+            band->scratch[b] = band->block_max[b * width + j];
+        band->threshold[j] = block_threshold(band->scratch, blocks, m);
+        band->kept[j] = 0;
+        redo += 1;
+    }
+    if (redo > 0)
+        redo_channels(job, band, band_start, width, block, blocks, redo, next_hint);
+    if (job->out_hint != NULL)
+        memcpy(job->out_hint + band_start, next_hint, sizeof(float) * (size_t)width);
+}
+
+static int summarize_channel_last(const Job *job)
+{
+    const Py_ssize_t m = job->out_kth ? job->m : 0, rows = job->outer;
+    const Py_ssize_t block = block_length(rows, m), blocks = (rows + block - 1) / block;
+    const Py_ssize_t span = job->channel_end - job->channel_begin;
+    Band band;
+    if (band_allocate(&band, span < BAND ? span : BAND, blocks, m) != 0)
+        return -1;
+    for (Py_ssize_t start = job->channel_begin; start < job->channel_end; start += BAND) {
+        const Py_ssize_t width = job->channel_end - start < BAND ? job->channel_end - start : BAND;
+        summarize_band(job, &band, start, width, block, blocks);
+    }
+    free(band.memory);
+    return 0;
+}
+
+/* -------------------------------------------------------------------- channel-major
+ * Each channel is `outer` contiguous runs. A run is read in chunks of LANES x
+ * block values, seen as `block` rows of LANES lanes: statistics accumulate per
+ * lane (element-wise, so the compiler vectorises without reassociating sums),
+ * and each lane of a chunk is one block (`block` values, LANES apart). The
+ * values after the last whole chunk of a run are blocks of one value. */
+#define LANES 16
+
+typedef struct {
+    Py_ssize_t block, chunk, chunks_per_run, tail, blocks_per_run;
+} RunLayout;
+
+static RunLayout run_layout(Py_ssize_t inner, Py_ssize_t block)
+{
+    RunLayout layout;
+    layout.block = block;
+    layout.chunk = LANES * block;
+    layout.chunks_per_run = inner / layout.chunk;
+    layout.tail = inner - layout.chunks_per_run * layout.chunk;
+    layout.blocks_per_run = layout.chunks_per_run * LANES + layout.tail;
+    return layout;
+}
+
+/* Append the values above `*threshold`, branch-free; `candidates` has room
+ * for `count` more. Raises the threshold when the buffer fills. */
+static inline void append_values(float *candidates, Py_ssize_t *kept, Py_ssize_t capacity, Py_ssize_t m,
+                                 float *threshold, const float *values, Py_ssize_t count, Py_ssize_t stride)
+{
+    const float t = *threshold;
+    Py_ssize_t k = *kept;
+    for (Py_ssize_t i = 0; i < count; ++i) {
+        const float v = values[i * stride];
+        candidates[k] = v;
+        k += v > t;
+    }
+    if (k >= capacity) {
+        *threshold = select_top(candidates, k, m);
+        k = m;
+    }
+    *kept = k;
+}
+
+typedef struct {
+    float *block_max, *scratch, *candidates;
+    Py_ssize_t capacity, m;
+} MajorState;
+
+/* One chunk of `rows` x LANES values: lane-wise running minimum (updated),
+ * block maxima, sums and sums of squares (written). Written with vector
+ * intrinsics: compilers do not vectorise this loop nest by themselves.
+ * min/max keep the running value when v is NaN ((a < b) ? a : b semantics). */
+typedef void (*ChunkReader)(const float *, Py_ssize_t, float *, float *, float *, float *);
+
+static void read_chunk_portable(const float *restrict chunk, Py_ssize_t rows, float *restrict lane_low,
+                                float *restrict block_high, float *restrict sums, float *restrict squares)
+{
+    for (int k = 0; k < LANES; ++k) {
+        block_high[k] = -INFINITY;
+        sums[k] = 0.0f;
+        squares[k] = 0.0f;
+    }
+    for (Py_ssize_t row = 0; row < rows; ++row) {
+        for (int k = 0; k < LANES; ++k) {
+            const float v = chunk[row * LANES + k];
+            lane_low[k] = v < lane_low[k] ? v : lane_low[k];
+            block_high[k] = v > block_high[k] ? v : block_high[k];
+            sums[k] += v;
+            squares[k] += v * v;
+        }
+    }
+}
+
+#if defined(__SSE2__)
+static void read_chunk_sse(const float *restrict chunk, Py_ssize_t rows, float *restrict lane_low,
+                           float *restrict block_high, float *restrict sums, float *restrict squares)
+{
+    __m128 low[LANES / 4], high[LANES / 4], sum[LANES / 4], square[LANES / 4];
+    for (int k = 0; k < LANES / 4; ++k) {
+        low[k] = _mm_loadu_ps(lane_low + 4 * k);
+        high[k] = _mm_set1_ps(-INFINITY);
+        sum[k] = _mm_setzero_ps();
+        square[k] = _mm_setzero_ps();
+    }
+    for (Py_ssize_t row = 0; row < rows; ++row) {
+        for (int k = 0; k < LANES / 4; ++k) {
+            const __m128 v = _mm_loadu_ps(chunk + row * LANES + 4 * k);
+            low[k] = _mm_min_ps(v, low[k]);
+            high[k] = _mm_max_ps(v, high[k]);
+            sum[k] = _mm_add_ps(sum[k], v);
+            square[k] = _mm_add_ps(square[k], _mm_mul_ps(v, v));
+        }
+    }
+    for (int k = 0; k < LANES / 4; ++k) {
+        _mm_storeu_ps(lane_low + 4 * k, low[k]);
+        _mm_storeu_ps(block_high + 4 * k, high[k]);
+        _mm_storeu_ps(sums + 4 * k, sum[k]);
+        _mm_storeu_ps(squares + 4 * k, square[k]);
+    }
+}
+#endif
+
+#if HAVE_AVX2_DISPATCH
+__attribute__((target("avx2"))) static void read_chunk_avx2(const float *restrict chunk, Py_ssize_t rows,
+                                                            float *restrict lane_low, float *restrict block_high,
+                                                            float *restrict sums, float *restrict squares)
+{
+    __m256 low[LANES / 8], high[LANES / 8], sum[LANES / 8], square[LANES / 8];
+    for (int k = 0; k < LANES / 8; ++k) {
+        low[k] = _mm256_loadu_ps(lane_low + 8 * k);
+        high[k] = _mm256_set1_ps(-INFINITY);
+        sum[k] = _mm256_setzero_ps();
+        square[k] = _mm256_setzero_ps();
+    }
+    for (Py_ssize_t row = 0; row < rows; ++row) {
+        for (int k = 0; k < LANES / 8; ++k) {
+            const __m256 v = _mm256_loadu_ps(chunk + row * LANES + 8 * k);
+            low[k] = _mm256_min_ps(v, low[k]);
+            high[k] = _mm256_max_ps(v, high[k]);
+            sum[k] = _mm256_add_ps(sum[k], v);
+            square[k] = _mm256_add_ps(square[k], _mm256_mul_ps(v, v));
+        }
+    }
+    for (int k = 0; k < LANES / 8; ++k) {
+        _mm256_storeu_ps(lane_low + 8 * k, low[k]);
+        _mm256_storeu_ps(block_high + 8 * k, high[k]);
+        _mm256_storeu_ps(sums + 8 * k, sum[k]);
+        _mm256_storeu_ps(squares + 8 * k, square[k]);
+    }
+}
+#endif
+
+static ChunkReader read_chunk = read_chunk_portable;  /* set once, at module import */
+
+static void choose_chunk_reader(void)
+{
+#if defined(__SSE2__)
+    read_chunk = read_chunk_sse;
+#endif
+#if HAVE_AVX2_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        read_chunk = read_chunk_avx2;
+#endif
+}
+
+/* Statistics of one channel; with selection also its block maxima (and, with a
+ * hint, its candidates: `*threshold` is the hint). Returns the candidate count. */
+static Py_ssize_t read_channel(const Job *job, const RunLayout *layout, Py_ssize_t channel, MajorState *state,
+                               int append, float *threshold)
+{
+    float lane_low[LANES], lane_high[LANES], tail_low = INFINITY, tail_high = -INFINITY;
+    double sum = 0.0, sum_of_squares = 0.0;
+    Py_ssize_t kept = 0, next_block = 0;
+    for (int k = 0; k < LANES; ++k) {
+        lane_low[k] = INFINITY;
+        lane_high[k] = -INFINITY;
+    }
+    for (Py_ssize_t run_index = 0; run_index < job->outer; ++run_index) {
+        const float *run = job->data + (run_index * job->channels + channel) * job->inner;
+        for (Py_ssize_t c = 0; c < layout->chunks_per_run; ++c) {
+            const float *chunk = run + c * layout->chunk;
+            float block_high[LANES], chunk_sum[LANES], chunk_squares[LANES];
+            read_chunk(chunk, layout->block, lane_low, block_high, chunk_sum, chunk_squares);
+            float chunk_high = -INFINITY;
+            for (int k = 0; k < LANES; ++k) {
+                lane_high[k] = block_high[k] > lane_high[k] ? block_high[k] : lane_high[k];
+                chunk_high = block_high[k] > chunk_high ? block_high[k] : chunk_high;
+                sum += chunk_sum[k];
+                sum_of_squares += chunk_squares[k];
+            }
+            if (state->block_max != NULL) {
+                memcpy(state->block_max + next_block, block_high, sizeof block_high);
+                next_block += LANES;
+            }
+            if (append && chunk_high > *threshold)
+                append_values(state->candidates, &kept, state->capacity, state->m, threshold, chunk,
+                              layout->chunk, 1);
+            if (job->histogram != NULL)
+                count_exponents(job->histogram, chunk, layout->chunk);
+        }
+        const float *tail = run + layout->chunks_per_run * layout->chunk;
+        for (Py_ssize_t i = 0; i < layout->tail; ++i) {
+            const float v = tail[i];
+            tail_low = v < tail_low ? v : tail_low;
+            tail_high = v > tail_high ? v : tail_high;
+            sum += v;
+            sum_of_squares += (double)v * v;
+            if (state->block_max != NULL)
+                state->block_max[next_block++] = v;
+        }
+        if (append && layout->tail > 0)
+            append_values(state->candidates, &kept, state->capacity, state->m, threshold, tail, layout->tail, 1);
+        if (job->histogram != NULL)
+            count_exponents(job->histogram, tail, layout->tail);
+    }
+    float low = tail_low, high = tail_high;
+    for (int k = 0; k < LANES; ++k) {
+        low = lane_low[k] < low ? lane_low[k] : low;
+        high = lane_high[k] > high ? lane_high[k] : high;
+    }
+    job->out_min[channel] = low;
+    job->out_max[channel] = high;
+    job->out_sum[channel] = sum;
+    job->out_sum_of_squares[channel] = sum_of_squares;
+    return kept;
+}
+
+/* Candidates of one channel from its block maxima: the threshold is the m-th
+ * largest maximum, and only blocks whose maximum beats it are read again. */
+static Py_ssize_t collect_from_blocks(const Job *job, const RunLayout *layout, Py_ssize_t channel,
+                                      MajorState *state, Py_ssize_t blocks, float *threshold)
+{
+    memcpy(state->scratch, state->block_max, sizeof(float) * (size_t)blocks);
+    *threshold = block_threshold(state->scratch, blocks, state->m);
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t index = 0; index < blocks; ++index) {
+        if (!(state->block_max[index] > *threshold))
+            continue;
+        const Py_ssize_t run_index = index / layout->blocks_per_run, within = index % layout->blocks_per_run;
+        const float *run = job->data + (run_index * job->channels + channel) * job->inner;
+        if (within < layout->chunks_per_run * LANES) {  /* lane `within % LANES` of chunk `within / LANES` */
+            const float *first = run + (within / LANES) * layout->chunk + within % LANES;
+            append_values(state->candidates, &kept, state->capacity, state->m, threshold, first, layout->block,
+                          LANES);
+        } else {
+            const float *value = run + layout->chunks_per_run * layout->chunk + (within - layout->chunks_per_run * LANES);
+            append_values(state->candidates, &kept, state->capacity, state->m, threshold, value, 1, 1);
+        }
+    }
+    return kept;
+}
+
+static int summarize_channel_major(const Job *job)
+{
+    const Py_ssize_t m = job->out_kth ? job->m : 0;
+    const RunLayout layout = run_layout(job->inner, block_length(job->outer * job->inner, m));
+    const Py_ssize_t blocks = job->outer * layout.blocks_per_run;
+    MajorState state = {NULL, NULL, NULL, buffer_capacity(m > 0 ? m : 1), m};
+    if (m > 0) {  /* candidates: a chunk of slack, the buffer is checked per chunk */
+        const Py_ssize_t slack = layout.chunk > layout.tail ? layout.chunk : layout.tail;
+        state.block_max = (float *)malloc(sizeof(float) * (size_t)blocks);
+        state.scratch = (float *)malloc(sizeof(float) * (size_t)blocks);
+        state.candidates = (float *)malloc(sizeof(float) * (size_t)(state.capacity + slack));
+        if (state.block_max == NULL || state.scratch == NULL || state.candidates == NULL) {
+            free(state.block_max);
+            free(state.scratch);
+            free(state.candidates);
+            return -1;
+        }
+    }
+    for (Py_ssize_t channel = job->channel_begin; channel < job->channel_end; ++channel) {
+        const int hinted = m > 0 && job->hint != NULL;
+        float threshold = hinted ? job->hint[channel] : INFINITY;
+        Py_ssize_t kept = read_channel(job, &layout, channel, &state, hinted, &threshold);
+        if (m == 0)
+            continue;
+        float next_hint;
+        if (!hinted || finish_channel(state.candidates, kept, m, threshold, 1, &job->out_kth[channel], &next_hint)) {
+            /* no hint, or it was too high for this channel */
+            kept = collect_from_blocks(job, &layout, channel, &state, blocks, &threshold);
+            finish_channel(state.candidates, kept, m, threshold, 0, &job->out_kth[channel], &next_hint);
+        }
+        if (job->out_hint != NULL)
+            job->out_hint[channel] = next_hint;
+    }
+    free(state.block_max);
+    free(state.scratch);
+    free(state.candidates);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------- Python entry */
+static PyObject *summarize(PyObject *self, PyObject *args)
+{
+    Py_ssize_t data, outer, channels, inner, m, channel_begin, channel_end;
+    Py_ssize_t out, hint, out_hint, histogram;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnn", &data, &outer, &channels, &inner, &m, &channel_begin,
+                          &channel_end, &out, &hint, &out_hint, &histogram))
+        return NULL;
+    if (data == 0 || out == 0) {
+        PyErr_SetString(PyExc_ValueError, "null data or output address");
+        return NULL;
+    }
+    if (outer < 1 || channels < 1 || inner < 1 || channel_begin < 0 || channel_end > channels ||
+        channel_begin > channel_end || m < 0 || m > outer * inner || (m == 0 && (hint != 0 || out_hint != 0))) {
+        PyErr_SetString(PyExc_ValueError, "inconsistent shape, channel range, m or hint");
+        return NULL;
+    }
+    double *rows = (double *)out;
+    Job job = {
+        (const float *)data, outer, channels, inner, m, channel_begin, channel_end,
+        rows, rows + channels, rows + 2 * channels, rows + 3 * channels, m > 0 ? rows + 4 * channels : NULL,
+        (const float *)hint, (float *)out_hint, (int64_t *)histogram,
+    };
+    int status, trusted = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = inner == 1 ? summarize_channel_last(&job) : summarize_channel_major(&job);
+    for (Py_ssize_t channel = channel_begin; channel < channel_end && trusted; ++channel) {
+        /* float32 partial sums of squares under- or overflow outside this range of magnitudes */
+        const double largest = fmax(fabs(job.out_min[channel]), fabs(job.out_max[channel]));
+        trusted = isfinite(job.out_sum[channel]) && isfinite(job.out_sum_of_squares[channel]) &&
+                  largest < MODERATE_HIGH && (largest > MODERATE_LOW || largest == 0.0);
+    }
+    Py_END_ALLOW_THREADS
+    if (status != 0)
+        return PyErr_NoMemory();
+    return PyBool_FromLong(trusted);
+}
+
+static PyMethodDef methods[] = {
+    {"summarize", summarize, METH_VARARGS,
+     "summarize(data, outer, channels, inner, m, channel_begin, channel_end, out, hint, out_hint, histogram) "
+     "-> trusted: per-channel summaries of a contiguous float32 array into out, float64 rows (min, max, sum, "
+     "sum of squares, m-th largest); m = 0 skips the selection. Addresses as ints, 0 to skip an optional one. "
+     "True when every channel in the range is finite and of moderate magnitude. Use qlint.stats.kernel, "
+     "which checks every address and size."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_channel_kernel",
+    "Compiled per-channel batch summaries for qlint's statistics observer.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__channel_kernel(void)
+{
+    choose_chunk_reader();
+    return PyModule_Create(&module);
+}
