@@ -73,8 +73,8 @@ typedef struct {
     Py_ssize_t channel_begin, channel_end;
     double *out_min, *out_max, *out_sum, *out_sum_of_squares;
     double *out_kth;       /* NULL: no selection */
-    const float *hint;     /* NULL: no guesses; else one per channel (finite) */
-    float *out_hint;       /* NULL: no guesses wanted for the next batch */
+    const double *hint;    /* NULL: no guesses; else one per channel */
+    double *out_hint;      /* guesses for the next batch (with selection) */
     int64_t *histogram;    /* NULL: no exponent counts */
 } Job;
 
@@ -99,7 +99,8 @@ static inline Py_ssize_t partition_front(float *values, Py_ssize_t low, Py_ssize
 }
 
 /* Rearranges values[0, count) so that values[0, m) are the m largest (in no
- * order) and returns the m-th largest; 1 <= m <= count, no NaN. Quickselect
+ * order) and returns the m-th largest; 1 <= m <= count. Callers pass no NaN
+ * (a NaN stops the search, which then returns NaN). Quickselect
  * with median-of-three pivots; when the answer is not above the pivot, the
  * pivot's copies are split off whole, so repeated values (the zeros after a
  * ReLU) cannot stall it. */
@@ -117,6 +118,8 @@ static float select_top(float *values, Py_ssize_t count, Py_ssize_t m)
         const Py_ssize_t at_least = partition_front(values, above, high, pivot, 1);
         if (m - 1 < at_least)
             return pivot;
+        if (at_least == low)  /* a NaN pivot compares false with everything: no progress is possible */
+            return NAN;
         low = at_least;
     }
     return values[m - 1];
@@ -143,16 +146,18 @@ static float block_threshold(float *scratch, Py_ssize_t blocks, Py_ssize_t m)
 }
 
 /* Outcome for one channel whose candidates are the values above `threshold`.
- * Returns 0 when done; 1 when the threshold was a hint that fewer than m
- * values beat, so the channel must be redone from its block maxima.
+ * `hint` is the threshold the channel started from when `from_hint`. Returns
+ * 0 when done; 1 when the hint was too high (fewer than m values beat it), so
+ * the channel must be redone from its block maxima.
  *
  * The next hint aims at the value of rank 2m: about 2m values then beat it in
  * a similar batch, comfortably more than m (failures cost a redo) and well
- * under the buffer's capacity (overflows cost a selection). With fewer than
- * 2m candidates, it steps below the threshold by the threshold's distance to
- * the answer, which moves it down the ranks until 2m candidates are seen. */
+ * under the buffer's capacity (overflows cost a selection). A hint that kept
+ * between 1.25m and 3m candidates is kept as it is (no extra selection); with
+ * fewer than 2m candidates the guess steps below the threshold by the
+ * threshold's distance to the answer, which walks it down the ranks. */
 static int finish_channel(float *candidates, Py_ssize_t kept, Py_ssize_t m, float threshold, int from_hint,
-                          double *out_kth, float *out_hint)
+                          float hint, double *out_kth, float *out_hint)
 {
     if (kept < m) {
         if (from_hint)
@@ -161,13 +166,18 @@ static int finish_channel(float *candidates, Py_ssize_t kept, Py_ssize_t m, floa
         *out_hint = threshold;
         return 0;
     }
+    if (from_hint && threshold == hint && 4 * kept >= 5 * m && kept <= 3 * m) {
+        *out_kth = select_top(candidates, kept, m);
+        *out_hint = hint;
+        return 0;
+    }
     float guess = NAN;
     if (kept >= 2 * m) {
         guess = select_top(candidates, kept, 2 * m);
         kept = 2 * m;
     }
     *out_kth = select_top(candidates, kept, m);
-    *out_hint = isnan(guess) ? threshold - (*out_kth - threshold) : guess;
+    *out_hint = isnan(guess) ? threshold - (float)(*out_kth - threshold) : guess;
     return 0;
 }
 
@@ -186,7 +196,7 @@ typedef struct {
         *candidates;
     double *sum, *sum_of_squares;
     Py_ssize_t *kept;
-    int32_t *found;  /* work list of append_above (width + 4 entries) */
+    int32_t *found;  /* work list of append_above (width + 8 entries) */
     Py_ssize_t capacity, m;
     void *memory;
 } Band;
@@ -198,7 +208,7 @@ static int band_allocate(Band *band, Py_ssize_t width, Py_ssize_t blocks, Py_ssi
     const size_t floats = (size_t)width * 7 +
                           (select ? (size_t)width * (size_t)(blocks + capacity) + (size_t)blocks : 0);
     char *memory = (char *)malloc(floats * sizeof(float) +
-                                  (size_t)width * (2 * sizeof(double) + sizeof(Py_ssize_t) + sizeof(int32_t)) + 4 * sizeof(int32_t));
+                                  (size_t)width * (2 * sizeof(double) + sizeof(Py_ssize_t) + sizeof(int32_t)) + 8 * sizeof(int32_t));
     if (memory == NULL)
         return -1;
     band->memory = memory;
@@ -208,7 +218,7 @@ static int band_allocate(Band *band, Py_ssize_t width, Py_ssize_t blocks, Py_ssi
     band->sum_of_squares = band->sum + width;
     band->kept = (Py_ssize_t *)(band->sum_of_squares + width);
     band->found = (int32_t *)(band->kept + width);
-    float *next = (float *)(band->found + width + 4);
+    float *next = (float *)(band->found + width + 8);
     float **fields[] = {&band->low, &band->high, &band->block_low, &band->block_high, &band->block_sum,
                         &band->block_squares, &band->threshold};
     for (size_t k = 0; k < sizeof fields / sizeof fields[0]; ++k) {
@@ -233,36 +243,129 @@ static inline void append_value(const Band *band, Py_ssize_t column, float value
     }
 }
 
-/* Append each of a row's values that is above its channel's threshold. The
- * columns to append are gathered first without branches (a branch per value
- * or per vector of values would be mispredicted at the densities seen here). */
-static inline void append_above(const Band *band, const float *restrict values, Py_ssize_t width)
+/* Per-row work of the channel-last layout, in versions for the baseline
+ * instruction set and for AVX2 (picked once at import, see choose_kernels):
+ *   accumulate_row: block statistics of one row, element-wise over channels;
+ *   find_above: the columns whose value beats its threshold, gathered without
+ *     branches (a branch per value or per vector would be mispredicted at the
+ *     densities seen here): a comparison's bit mask picks a row of offsets,
+ *     all are stored and the count advances by the set bits. */
+typedef void (*RowAccumulator)(const float *, Py_ssize_t, float *, float *, float *, float *);
+typedef void (*FourRowAccumulator)(const float *, Py_ssize_t, Py_ssize_t, float *, float *, float *, float *);
+typedef Py_ssize_t (*ColumnFinder)(const float *, const float *, Py_ssize_t, int32_t *);
+
+#define DEFINE_ACCUMULATE_ROW(NAME, TARGET)                                                              \
+    TARGET static void NAME(const float *restrict values, Py_ssize_t width, float *restrict low,          \
+                            float *restrict high, float *restrict sum, float *restrict squares)          \
+    {                                                                                                    \
+        for (Py_ssize_t j = 0; j < width; ++j) {                                                          \
+            const float v = values[j];                                                                   \
+            low[j] = v < low[j] ? v : low[j];                                                            \
+            high[j] = v > high[j] ? v : high[j];                                                         \
+            sum[j] += v;                                                                                 \
+            squares[j] += v * v;                                                                         \
+        }                                                                                                \
+    }
+
+/* Four rows at once (`stride` apart): each accumulator is loaded and stored
+ * once per four values instead of once per value. */
+#define DEFINE_ACCUMULATE_4_ROWS(NAME, TARGET)                                                           \
+    TARGET static void NAME(const float *restrict values, Py_ssize_t stride, Py_ssize_t width,            \
+                            float *restrict low, float *restrict high, float *restrict sum,              \
+                            float *restrict squares)                                                     \
+    {                                                                                                    \
+        const float *restrict r0 = values, *restrict r1 = values + stride;                              \
+        const float *restrict r2 = values + 2 * stride, *restrict r3 = values + 3 * stride;             \
+        for (Py_ssize_t j = 0; j < width; ++j) {                                                          \
+            const float a = r0[j], b = r1[j], c = r2[j], d = r3[j];                                      \
+            const float ab_low = a < b ? a : b, cd_low = c < d ? c : d;                                  \
+            const float ab_high = a > b ? a : b, cd_high = c > d ? c : d;                                \
+            const float quad_low = ab_low < cd_low ? ab_low : cd_low;                                    \
+            const float quad_high = ab_high > cd_high ? ab_high : cd_high;                               \
+            low[j] = quad_low < low[j] ? quad_low : low[j];                                              \
+            high[j] = quad_high > high[j] ? quad_high : high[j];                                         \
+            sum[j] += (a + b) + (c + d);                                                                 \
+            squares[j] += (a * a + b * b) + (c * c + d * d);                                             \
+        }                                                                                                \
+    }
+
+DEFINE_ACCUMULATE_ROW(accumulate_row_baseline, )
+DEFINE_ACCUMULATE_4_ROWS(accumulate_4_rows_baseline, )
+
+static Py_ssize_t find_above_baseline(const float *restrict values, const float *restrict threshold,
+                                      Py_ssize_t width, int32_t *restrict found)
 {
-    int32_t *restrict found = band->found;
-    const float *restrict threshold = band->threshold;
     Py_ssize_t count = 0, j = 0;
 #if defined(__SSE2__)
-    /* Four columns at a time: the comparison's bit mask picks a row of
-     * offsets; all four are stored and the count advances by the set bits. */
-    static const int32_t packed_offsets[16][4] = {
+    static const int32_t offsets4[16][4] = {
         {0, 0, 0, 0}, {0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0}, {2, 0, 0, 0}, {0, 2, 0, 0}, {1, 2, 0, 0},
         {0, 1, 2, 0}, {3, 0, 0, 0}, {0, 3, 0, 0}, {1, 3, 0, 0}, {0, 1, 3, 0}, {2, 3, 0, 0}, {0, 2, 3, 0},
         {1, 2, 3, 0}, {0, 1, 2, 3},
     };
-    static const uint8_t bits_set[16] = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
+    static const uint8_t bits4[16] = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
     for (; j + 4 <= width; j += 4) {
         const int mask = _mm_movemask_ps(_mm_cmpgt_ps(_mm_loadu_ps(values + j), _mm_loadu_ps(threshold + j)));
-        const __m128i offsets = _mm_loadu_si128((const __m128i *)packed_offsets[mask]);
+        const __m128i offsets = _mm_loadu_si128((const __m128i *)offsets4[mask]);
         _mm_storeu_si128((__m128i *)(found + count), _mm_add_epi32(offsets, _mm_set1_epi32((int32_t)j)));
-        count += bits_set[mask];
+        count += bits4[mask];
     }
 #endif
     for (; j < width; ++j) {
         found[count] = (int32_t)j;
         count += values[j] > threshold[j];
     }
+    return count;
+}
+
+#if HAVE_AVX2_DISPATCH
+DEFINE_ACCUMULATE_ROW(accumulate_row_avx2, __attribute__((target("avx2"))))
+DEFINE_ACCUMULATE_4_ROWS(accumulate_4_rows_avx2, __attribute__((target("avx2"))))
+
+static int32_t offsets8[256][8];  /* row `mask`: the positions of its set bits, packed */
+static uint8_t bits8[256];
+
+static void fill_offsets8(void)
+{
+    for (int mask = 0; mask < 256; ++mask) {
+        int count = 0;
+        for (int bit = 0; bit < 8; ++bit) {
+            if (mask & (1 << bit))
+                offsets8[mask][count++] = bit;
+        }
+        bits8[mask] = (uint8_t)count;
+    }
+}
+
+__attribute__((target("avx2"))) static Py_ssize_t find_above_avx2(const float *restrict values,
+                                                                  const float *restrict threshold,
+                                                                  Py_ssize_t width, int32_t *restrict found)
+{
+    Py_ssize_t count = 0, j = 0;
+    for (; j + 8 <= width; j += 8) {
+        const __m256 above = _mm256_cmp_ps(_mm256_loadu_ps(values + j), _mm256_loadu_ps(threshold + j), _CMP_GT_OQ);
+        const int mask = _mm256_movemask_ps(above);
+        const __m256i offsets = _mm256_loadu_si256((const __m256i *)offsets8[mask]);
+        _mm256_storeu_si256((__m256i *)(found + count), _mm256_add_epi32(offsets, _mm256_set1_epi32((int32_t)j)));
+        count += bits8[mask];
+    }
+    for (; j < width; ++j) {
+        found[count] = (int32_t)j;
+        count += values[j] > threshold[j];
+    }
+    return count;
+}
+#endif
+
+static RowAccumulator accumulate_row = accumulate_row_baseline;
+static FourRowAccumulator accumulate_4_rows = accumulate_4_rows_baseline;
+static ColumnFinder find_above = find_above_baseline;
+
+/* Append each of a row's values that is above its channel's threshold. */
+static inline void append_above(const Band *band, const float *restrict values, Py_ssize_t width)
+{
+    const Py_ssize_t count = find_above(values, band->threshold, width, band->found);
     for (Py_ssize_t k = 0; k < count; ++k)
-        append_value(band, found[k], values[found[k]]);
+        append_value(band, band->found[k], values[band->found[k]]);
 }
 
 /* Collect again the channels whose hint failed (threshold finite; the others
@@ -296,7 +399,7 @@ static void redo_channels(const Job *job, Band *band, Py_ssize_t band_start, Py_
     for (Py_ssize_t j = 0; j < width; ++j) {
         if (band->threshold[j] != INFINITY)
             finish_channel(band->candidates + j * band->capacity, band->kept[j], band->m, band->threshold[j], 0,
-                           &job->out_kth[band_start + j], &next_hint[j]);
+                           0.0f, &job->out_kth[band_start + j], &next_hint[j]);
     }
 }
 
@@ -312,7 +415,7 @@ static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py
         band->sum[j] = 0.0;
         band->sum_of_squares[j] = 0.0;
         band->kept[j] = 0;
-        band->threshold[j] = hinted ? job->hint[band_start + j] : INFINITY;
+        band->threshold[j] = hinted ? (float)job->hint[band_start + j] : INFINITY;
     }
     for (Py_ssize_t b = 0; b < blocks; ++b) {
         const Py_ssize_t first = b * block, last = first + block < rows ? first + block : rows;
@@ -324,16 +427,16 @@ static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py
             block_sum[j] = 0.0f;
             block_squares[j] = 0.0f;
         }
-        for (Py_ssize_t row = first; row < last; ++row) {
-            const float *restrict values = first_column + row * job->channels;
-            for (Py_ssize_t j = 0; j < width; ++j) {
-                const float v = values[j];
-                block_low[j] = v < block_low[j] ? v : block_low[j];
-                block_high[j] = v > block_high[j] ? v : block_high[j];
-                block_sum[j] += v;
-                block_squares[j] += v * v;
-            }
-            if (hinted)  /* the row is still in L1 */
+        Py_ssize_t row = first;
+        for (; row + 4 <= last; row += 4)
+            accumulate_4_rows(first_column + row * job->channels, job->channels, width, block_low, block_high,
+                              block_sum, block_squares);
+        for (; row < last; ++row)
+            accumulate_row(first_column + row * job->channels, width, block_low, block_high, block_sum,
+                           block_squares);
+        for (row = first; row < last; ++row) {  /* the block's rows are still in cache */
+            const float *values = first_column + row * job->channels;
+            if (hinted)
                 append_above(band, values, width);
             if (job->histogram != NULL)
                 count_exponents(job->histogram, values, width);
@@ -369,7 +472,8 @@ static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py
     Py_ssize_t redo = 0;
     for (Py_ssize_t j = 0; j < width; ++j) {
         float *own = band->candidates + j * band->capacity;
-        if (finish_channel(own, band->kept[j], m, band->threshold[j], hinted, &job->out_kth[band_start + j],
+        const float hint = hinted ? (float)job->hint[band_start + j] : 0.0f;
+        if (finish_channel(own, band->kept[j], m, band->threshold[j], hinted, hint, &job->out_kth[band_start + j],
                            &next_hint[j]) == 0) {
             band->threshold[j] = INFINITY;  /* done: takes no part in a redo */
             continue;
@@ -383,8 +487,8 @@ static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py
     }
     if (redo > 0)
         redo_channels(job, band, band_start, width, block, blocks, redo, next_hint);
-    if (job->out_hint != NULL)
-        memcpy(job->out_hint + band_start, next_hint, sizeof(float) * (size_t)width);
+    for (Py_ssize_t j = 0; j < width; ++j)
+        job->out_hint[band_start + j] = next_hint[j];
 }
 
 static int summarize_channel_last(const Job *job)
@@ -534,17 +638,23 @@ __attribute__((target("avx2"))) static void read_chunk_avx2(const float *restric
 }
 #endif
 
-static ChunkReader read_chunk = read_chunk_portable;  /* set once, at module import */
+static ChunkReader read_chunk = read_chunk_portable;
 
-static void choose_chunk_reader(void)
+/* Pick each hot loop's version for this CPU; run once, at module import. */
+static void choose_kernels(void)
 {
 #if defined(__SSE2__)
     read_chunk = read_chunk_sse;
 #endif
 #if HAVE_AVX2_DISPATCH
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2"))
+    if (__builtin_cpu_supports("avx2")) {
+        fill_offsets8();
         read_chunk = read_chunk_avx2;
+        accumulate_row = accumulate_row_avx2;
+        accumulate_4_rows = accumulate_4_rows_avx2;
+        find_above = find_above_avx2;
+    }
 #endif
 }
 
@@ -591,7 +701,7 @@ static Py_ssize_t read_channel(const Job *job, const RunLayout *layout, Py_ssize
             sum += v;
             sum_of_squares += (double)v * v;
             if (state->block_max != NULL)
-                state->block_max[next_block++] = v;
+                state->block_max[next_block++] = v == v ? v : -INFINITY;  /* a NaN is nobody's maximum */
         }
         if (append && layout->tail > 0)
             append_values(state->candidates, &kept, state->capacity, state->m, threshold, tail, layout->tail, 1);
@@ -655,18 +765,18 @@ static int summarize_channel_major(const Job *job)
     }
     for (Py_ssize_t channel = job->channel_begin; channel < job->channel_end; ++channel) {
         const int hinted = m > 0 && job->hint != NULL;
-        float threshold = hinted ? job->hint[channel] : INFINITY;
+        float threshold = hinted ? (float)job->hint[channel] : INFINITY;
         Py_ssize_t kept = read_channel(job, &layout, channel, &state, hinted, &threshold);
         if (m == 0)
             continue;
         float next_hint;
-        if (!hinted || finish_channel(state.candidates, kept, m, threshold, 1, &job->out_kth[channel], &next_hint)) {
+        if (!hinted || finish_channel(state.candidates, kept, m, threshold, 1, (float)job->hint[channel],
+                                      &job->out_kth[channel], &next_hint)) {
             /* no hint, or it was too high for this channel */
             kept = collect_from_blocks(job, &layout, channel, &state, blocks, &threshold);
-            finish_channel(state.candidates, kept, m, threshold, 0, &job->out_kth[channel], &next_hint);
+            finish_channel(state.candidates, kept, m, threshold, 0, 0.0f, &job->out_kth[channel], &next_hint);
         }
-        if (job->out_hint != NULL)
-            job->out_hint[channel] = next_hint;
+        job->out_hint[channel] = next_hint;
     }
     free(state.block_max);
     free(state.scratch);
@@ -678,17 +788,17 @@ static int summarize_channel_major(const Job *job)
 static PyObject *summarize(PyObject *self, PyObject *args)
 {
     Py_ssize_t data, outer, channels, inner, m, channel_begin, channel_end;
-    Py_ssize_t out, hint, out_hint, histogram;
+    Py_ssize_t out, hint, histogram;
     (void)self;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnn", &data, &outer, &channels, &inner, &m, &channel_begin,
-                          &channel_end, &out, &hint, &out_hint, &histogram))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnn", &data, &outer, &channels, &inner, &m, &channel_begin,
+                          &channel_end, &out, &hint, &histogram))
         return NULL;
     if (data == 0 || out == 0) {
         PyErr_SetString(PyExc_ValueError, "null data or output address");
         return NULL;
     }
     if (outer < 1 || channels < 1 || inner < 1 || channel_begin < 0 || channel_end > channels ||
-        channel_begin > channel_end || m < 0 || m > outer * inner || (m == 0 && (hint != 0 || out_hint != 0))) {
+        channel_begin > channel_end || m < 0 || m > outer * inner || (m == 0 && hint != 0)) {
         PyErr_SetString(PyExc_ValueError, "inconsistent shape, channel range, m or hint");
         return NULL;
     }
@@ -696,11 +806,15 @@ static PyObject *summarize(PyObject *self, PyObject *args)
     Job job = {
         (const float *)data, outer, channels, inner, m, channel_begin, channel_end,
         rows, rows + channels, rows + 2 * channels, rows + 3 * channels, m > 0 ? rows + 4 * channels : NULL,
-        (const float *)hint, (float *)out_hint, (int64_t *)histogram,
+        (const double *)hint, m > 0 ? rows + 5 * channels : NULL, (int64_t *)histogram,
     };
     int status, trusted = 1;
     Py_BEGIN_ALLOW_THREADS
     status = inner == 1 ? summarize_channel_last(&job) : summarize_channel_major(&job);
+    if (m == 0) {  /* the selection rows hold NaN: not computed */
+        for (Py_ssize_t channel = channel_begin; channel < channel_end; ++channel)
+            rows[4 * channels + channel] = rows[5 * channels + channel] = NAN;
+    }
     for (Py_ssize_t channel = channel_begin; channel < channel_end && trusted; ++channel) {
         /* float32 partial sums of squares under- or overflow outside this range of magnitudes */
         const double largest = fmax(fabs(job.out_min[channel]), fabs(job.out_max[channel]));
@@ -715,9 +829,10 @@ static PyObject *summarize(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"summarize", summarize, METH_VARARGS,
-     "summarize(data, outer, channels, inner, m, channel_begin, channel_end, out, hint, out_hint, histogram) "
-     "-> trusted: per-channel summaries of a contiguous float32 array into out, float64 rows (min, max, sum, "
-     "sum of squares, m-th largest); m = 0 skips the selection. Addresses as ints, 0 to skip an optional one. "
+     "summarize(data, outer, channels, inner, m, channel_begin, channel_end, out, hint, histogram) -> trusted: "
+     "per-channel summaries of a contiguous float32 array into out, float64 rows (min, max, sum, sum of "
+     "squares, m-th largest, hint for the next batch; the last two NaN when m = 0 skips the selection). "
+     "hint: float64 per channel or 0. Addresses as ints, 0 to skip an optional one. "
      "True when every channel in the range is finite and of moderate magnitude. Use qlint.stats.kernel, "
      "which checks every address and size."},
     {NULL, NULL, 0, NULL},
@@ -731,6 +846,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__channel_kernel(void)
 {
-    choose_chunk_reader();
+    choose_kernels();
     return PyModule_Create(&module);
 }

@@ -65,8 +65,9 @@ class BatchSummary:
     # Not a statistic: guesses that make the next batch's percentile cheaper
     # (see qlint.stats.kernel); None when this batch did not produce any.
     selection_hint: Optional[torch.Tensor] = None
-    # The float rows (min, max, sum, sum of squares, reference) already stacked
-    # as float64 [5, channels] when the producer had them so; saves a stack.
+    # The float rows (min, max, sum, sum of squares, reference, selection hint)
+    # already stacked as float64 [6, channels], when the producer had them so:
+    # a chunk then stores the batch with one copy.
     packed: Optional[torch.Tensor] = None
 
     @property
@@ -92,9 +93,11 @@ def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference
     scratch = scratch if scratch is not None else ScratchBuffers()
     if sync_free is None:
         sync_free = batch.device.type != "cpu"
+    if batch.requires_grad:
+        batch = batch.detach()
     with torch.no_grad():
         if not sync_free and batch.dtype == torch.float32 and kernel.available():
-            summary = _summarize_finite_with_kernel(batch.detach(), channel_axis, reference_percentile, percentile,
+            summary = _summarize_finite_with_kernel(batch, channel_axis, reference_percentile, percentile,
                                                     histogram, selection_hint)
             if summary is not None:
                 return summary
@@ -118,13 +121,18 @@ class SummaryChunk:
     among large per-batch temporaries fragment the heap). :meth:`stats` folds
     the stored batches with a handful of vectorised ops."""
 
-    _FLOAT_ROWS = ("channel_min", "channel_max", "sum", "sum_of_squares", "reference")
+    # The last row only mirrors BatchSummary.packed's layout (one copy per batch); it is never folded.
+    _FLOAT_ROWS = ("channel_min", "channel_max", "sum", "sum_of_squares", "reference", "selection_hint")
     _COUNT_ROWS = ("count", "nan_count", "inf_count")
 
     def __init__(self, capacity: int, channels: int, device: torch.device) -> None:
         self.capacity, self.channels, self.device = capacity, channels, device
         self._floats = torch.zeros(capacity, len(self._FLOAT_ROWS), channels, dtype=torch.float64, device=device)
+        self._float_rows = self._floats.unbind(0)  # per-batch views, made once
         self._counts = torch.zeros(capacity, len(self._COUNT_ROWS), channels, dtype=torch.int64, device=device)
+        # Finite batches have one count for every channel and no NaN/Inf: kept as plain
+        # ints (None: that row's counts are in _counts) and written at fold time.
+        self._uniform_counts: list[Optional[int]] = [None] * capacity
         self._histograms: Optional[torch.Tensor] = None  # allocated with the first histogram
         self._size = 0
         self._with_reference: Optional[bool] = None
@@ -145,17 +153,17 @@ class SummaryChunk:
         elif with_reference != self._with_reference:
             raise ValueError("summaries with and without the percentile cannot share a chunk")
         row = self._size
-        if summary.packed is not None and with_reference:
-            self._floats[row].copy_(summary.packed)
+        if summary.packed is not None:  # the reference row is unused without the percentile
+            self._float_rows[row].copy_(summary.packed)
         else:
             floats = [summary.channel_min, summary.channel_max, summary.sum, summary.sum_of_squares,
                       summary.reference if with_reference else summary.channel_max]
-            torch.stack(floats, out=self._floats[row])
+            torch.stack(floats, out=self._floats[row, :5])
         counts = (summary.count, summary.nan_count, summary.inf_count)
-        if all(isinstance(value, int) for value in counts):
-            self._counts[row, 0].fill_(counts[0])
-            self._counts[row, 1:].zero_()
+        if all(isinstance(value, int) for value in counts) and counts[1] == counts[2] == 0:
+            self._uniform_counts[row] = counts[0]
         else:
+            self._uniform_counts[row] = None
             torch.stack([_per_channel(value, self.channels, dtype=torch.int64, device=self.device)
                          for value in counts], out=self._counts[row])
         if summary.histogram is not None:
@@ -175,6 +183,11 @@ class SummaryChunk:
         """The ``TensorStats`` of the stored batches."""
         if not self._size:
             return TensorStats.empty(channel_axis, q, self.channels, self.device)
+        uniform = [(row, count) for row, count in enumerate(self._uniform_counts[: self._size]) if count is not None]
+        if uniform:
+            rows = torch.tensor([row for row, _ in uniform], device=self.device)
+            self._counts[rows] = 0
+            self._counts[rows, 0] = torch.tensor([count for _, count in uniform], device=self.device).unsqueeze(1)
         floats, counts = self._floats[: self._size], self._counts[: self._size]  # (batches, field, C)
         channel_min, channel_max, reference = floats[:, 0], floats[:, 1], floats[:, 4]
         has_values = counts[:, 0] > 0
@@ -326,7 +339,7 @@ def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[in
     if 1 < inner < _SHORT_RUN and outer > 1:
         # Short runs ([N, C, 7, 7]) would be read a few values at a time; one
         # channel-major copy makes every channel a single long run.
-        values = values.transpose(0, 1).reshape(1, channels, outer * inner)
+        values = values.transpose(0, 1).reshape(1, channels, outer * inner).contiguous()
     elif not values.is_contiguous():
         values = values.contiguous()
     width = outer * inner
@@ -337,12 +350,12 @@ def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[in
     if not result.trusted:
         return None
     packed = result.packed
+    channel_min, channel_max, channel_sum, sum_of_squares, reference, next_hint = packed.unbind(0)
     key_counts = result.key_counts
-    return BatchSummary(channels, packed[kernel.MIN], packed[kernel.MAX], packed[kernel.SUM],
-                        packed[kernel.SUM_OF_SQUARES], width, 0, 0,
-                        packed[kernel.KTH_LARGEST] if percentile else None,
+    return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
+                        reference if percentile else None,
                         _histogram_of_key_counts(key_counts) if key_counts is not None else None,
-                        result.next_hint, packed)
+                        next_hint if percentile else None, packed)
 
 
 def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers, percentile: bool,

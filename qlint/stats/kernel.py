@@ -30,10 +30,12 @@ except ImportError:  # built optionally: see setup.py
     _compiled = None
 
 HISTOGRAM_KEYS = 512
-# Below this many values per thread, handing work to a second thread costs more than it saves.
-MIN_VALUES_PER_THREAD = 1 << 17
+# Below this many values per thread, handing work to another thread costs more than it saves
+# (measured: a pool hand-off is ~50 us; the kernel reads ~4 values/ns without a selection).
+MIN_VALUES_PER_THREAD = 1 << 18
+MIN_VALUES_PER_THREAD_WITHOUT_SELECTION = 1 << 21
 # Rows of KernelSummary.packed
-MIN, MAX, SUM, SUM_OF_SQUARES, KTH_LARGEST = range(5)
+MIN, MAX, SUM, SUM_OF_SQUARES, KTH_LARGEST, NEXT_HINT = range(6)
 
 _pool_lock = threading.Lock()
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -44,8 +46,9 @@ _pool_workers = 0
 class KernelSummary:
     """Per-channel results of one batch.
 
-    ``packed`` is float64 ``[5, channels]``: min, max, sum, sum of squares and
-    the m-th largest value (that row is NaN without a selection). ``trusted``
+    ``packed`` is float64 ``[6, channels]``: min, max, sum, sum of squares, the
+    m-th largest value and a hint for the next batch (both NaN without a
+    selection). ``trusted``
     is False when some channel holds NaN/Inf or a magnitude outside
     [1e-15, 1e15], where the float32 partial sums of squares lose accuracy;
     callers then use an exact general path instead."""
@@ -53,7 +56,12 @@ class KernelSummary:
     packed: torch.Tensor
     trusted: bool
     key_counts: Optional[torch.Tensor]  # int64 [512]: counts of (float32 bits >> 23) + 256
-    next_hint: Optional[torch.Tensor]  # float32 [channels]: guesses that speed up the next batch's selection
+    selected: bool  # whether the m-th largest values (and a next hint) were computed
+
+    @property
+    def next_hint(self) -> Optional[torch.Tensor]:
+        """float64 [channels]: guesses that speed up the next batch's selection (None without one)."""
+        return self.packed[NEXT_HINT] if self.selected else None
 
 
 def available() -> bool:
@@ -66,7 +74,7 @@ def summarize_channels(values: torch.Tensor, m: Optional[int], histogram: bool =
     """Per-channel summaries of a contiguous float32 CPU tensor of shape ``(outer, channels, inner)``.
 
     ``m``: also select each channel's m-th largest value (1 <= m <= outer * inner); None skips it.
-    ``hint``: the ``next_hint`` of an earlier batch of the same stream (float32, one per channel).
+    ``hint``: the ``next_hint`` of an earlier batch of the same stream (one per channel).
     It lets the selection read the data once instead of twice; results are exact with or
     without it, whatever its values.
     """
@@ -85,44 +93,47 @@ def summarize_channels(values: torch.Tensor, m: Optional[int], histogram: bool =
     if hint is not None:
         if m is None:
             raise ValueError("a hint needs m")
-        if hint.dtype != torch.float32 or hint.device.type != "cpu" or tuple(hint.shape) != (channels,):
-            raise ValueError(f"hint must be float32 of shape ({channels},) on the CPU")
-        hint = hint.contiguous()
+        if hint.device.type != "cpu" or tuple(hint.shape) != (channels,):
+            raise ValueError(f"hint must have shape ({channels},) on the CPU")
+        if hint.dtype != torch.float64 or not hint.is_contiguous():
+            hint = hint.to(torch.float64).contiguous()
     threads = threads if threads is not None else torch.get_num_threads()
-    parts = max(1, min(threads, values.numel() // MIN_VALUES_PER_THREAD))
+    per_thread = MIN_VALUES_PER_THREAD if m is not None else MIN_VALUES_PER_THREAD_WITHOUT_SELECTION
+    parts = max(1, min(threads, values.numel() // per_thread))
     if channels == 1 and m is None and outer == 1 and parts > 1:
         return _summarize_split_values(values, histogram, parts)
     parts = min(parts, channels)
-    packed = torch.empty(5, channels, dtype=torch.float64)
-    if m is None:
-        packed[KTH_LARGEST].fill_(float("nan"))
-    next_hint = torch.empty(channels, dtype=torch.float32) if m is not None else None
+    packed = torch.empty(6, channels, dtype=torch.float64)  # the kernel writes every row (NaN: not computed)
     key_counts = torch.zeros(parts, HISTOGRAM_KEYS, dtype=torch.int64) if histogram else None
     address, packed_address = values.data_ptr(), packed.data_ptr()
     hint_address = hint.data_ptr() if hint is not None else 0
-    next_hint_address = next_hint.data_ptr() if next_hint is not None else 0
-    bounds = [channels * part // parts for part in range(parts + 1)]
-    jobs = [(address, outer, channels, inner, m or 0, bounds[part], bounds[part + 1], packed_address, hint_address,
-             next_hint_address, key_counts[part].data_ptr() if key_counts is not None else 0)
-            for part in range(parts)]
+    if parts == 1:
+        jobs = [(address, outer, channels, inner, m or 0, 0, channels, packed_address, hint_address,
+                 key_counts.data_ptr() if key_counts is not None else 0)]
+    else:
+        bounds = [channels * part // parts for part in range(parts + 1)]
+        jobs = [(address, outer, channels, inner, m or 0, bounds[part], bounds[part + 1], packed_address,
+                 hint_address, key_counts[part].data_ptr() if key_counts is not None else 0)
+                for part in range(parts)]
     trusted = _run_jobs(jobs)
-    return KernelSummary(packed, trusted, key_counts.sum(0) if key_counts is not None else None, next_hint)
+    return KernelSummary(packed, trusted, key_counts.sum(0) if key_counts is not None else None, m is not None)
 
 
 def _summarize_split_values(values: torch.Tensor, histogram: bool, parts: int) -> KernelSummary:
     """One channel, no selection: each thread summarizes a slice of the values as a
-    one-channel array with its own [5] output row; the rows are then combined."""
+    one-channel array with its own output row; the rows are then combined."""
     flat = values.view(-1)
-    rows = torch.empty(parts, 5, dtype=torch.float64)
+    rows = torch.empty(parts, 6, dtype=torch.float64)
     key_counts = torch.zeros(parts, HISTOGRAM_KEYS, dtype=torch.int64) if histogram else None
     bounds = [flat.numel() * part // parts for part in range(parts + 1)]
     element = flat.element_size()
     trusted = _run_jobs([(flat.data_ptr() + bounds[part] * element, 1, 1, bounds[part + 1] - bounds[part], 0, 0, 1,
-                          rows[part].data_ptr(), 0, 0, key_counts[part].data_ptr() if key_counts is not None else 0)
+                          rows[part].data_ptr(), 0, key_counts[part].data_ptr() if key_counts is not None else 0)
                          for part in range(parts)])
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
     packed = torch.stack([rows[:, MIN].amin(), rows[:, MAX].amax(), rows[:, SUM].sum(), rows[:, SUM_OF_SQUARES].sum(),
-                          torch.tensor(float("nan"), dtype=torch.float64)]).reshape(5, 1)
-    return KernelSummary(packed, trusted, key_counts.sum(0) if key_counts is not None else None, None)
+                          nan, nan]).reshape(6, 1)
+    return KernelSummary(packed, trusted, key_counts.sum(0) if key_counts is not None else None, False)
 
 
 def _run_jobs(jobs: list[tuple]) -> bool:

@@ -25,6 +25,13 @@ _thread_local = threading.local()
 FOLD_EVERY = 8
 
 
+class _SelectionHint:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Optional[torch.Tensor] = None
+
+
 def thread_scratch_buffers() -> ScratchBuffers:
     """One :class:`ScratchBuffers` per thread, shared by all observers of that thread.
 
@@ -62,7 +69,9 @@ class StatsObserver(nn.Module):
         self.histogram = histogram
         self._folded = TensorStats.empty(channel_axis, reference_percentile)
         self._chunk: Optional[SummaryChunk] = None
-        self._selection_hint: Optional[torch.Tensor] = None  # speeds up the next batch's percentile
+        # Not a statistic: guesses that speed up the next batch's percentile. A plain
+        # holder object, so the per-batch update skips nn.Module.__setattr__.
+        self._hint = _SelectionHint()
 
     @property
     def stats(self) -> TensorStats:
@@ -79,8 +88,8 @@ class StatsObserver(nn.Module):
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
             summary = summarize_values(value, self.channel_axis, self.reference_percentile,
                                        scratch=thread_scratch_buffers(), percentile=self.percentile,
-                                       histogram=self.histogram, selection_hint=self._selection_hint)
-            self._selection_hint = summary.selection_hint
+                                       histogram=self.histogram, selection_hint=self._hint.value)
+            self._hint.value = summary.selection_hint
             width = self._chunk.channels if self._chunk is not None else self._folded.num_channels
             if width and summary.channels != width:
                 raise ValueError(f"channel count changed from {width} to {summary.channels}")
