@@ -17,6 +17,17 @@ from qlint.stats import StatsObserver, kernel, summarize_batch
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="the compiled statistics kernel is not built here")
 
 
+@pytest.fixture(params=[0, 1, 2], ids=["baseline", "avx2", "avx512"], autouse=True)
+def instruction_set(request):
+    """Every version of the hot loops this CPU can run (each test runs once per level)."""
+    level = kernel._compiled.use_instruction_set(request.param)
+    if level != request.param:
+        kernel._compiled.use_instruction_set(2)
+        pytest.skip(f"this CPU has no instruction set level {request.param}")
+    yield level
+    kernel._compiled.use_instruction_set(2)
+
+
 def _per_channel(values: torch.Tensor) -> torch.Tensor:
     """(outer, channels, inner) -> (channels, outer * inner)."""
     return values.transpose(0, 1).reshape(values.shape[1], -1)

@@ -5,7 +5,7 @@
  * The batch is a contiguous array viewed as (outer, channels, inner). For each
  * channel in [channel_begin, channel_end) the kernel writes the minimum, the
  * maximum, the sum and the sum of squares (float partial sums over blocks of at
- * most MAX_BLOCK values, accumulated in double), optionally the m-th largest
+ * most 64 values, accumulated in double), optionally the m-th largest
  * value, exactly, and adds the (sign, exponent) counts of the values it read.
  *
  * Why a compiled kernel: the m-th largest value per channel (the reference
@@ -52,8 +52,8 @@
 #include <emmintrin.h>
 #endif
 
-/* Hot loops also get an AVX2 version, picked at run time, where the compiler
- * can build one (GCC or clang on x86-64); elsewhere the baseline one only. */
+/* Hot loops also get AVX2 and AVX-512 versions, picked at run time, where the
+ * compiler can build them (GCC or clang on x86-64); elsewhere the baseline only. */
 #if defined(__GNUC__) && defined(__x86_64__)
 #define HAVE_AVX2_DISPATCH 1
 #include <immintrin.h>
@@ -63,6 +63,7 @@
 
 #define BAND 512       /* most channels whose state is kept at once, channel-last layout */
 #define MAX_BLOCK 16   /* most values per block */
+#define BLOCK_WITHOUT_SELECTION 64  /* values per block (float partial sums) when there is no selection */
 #define MODERATE_LOW 1e-15   /* channel magnitudes where float32 partial sums of squares are exact enough */
 #define MODERATE_HIGH 1e15
 #define REDO_BY_COLUMN 16  /* more failed hints than this in a band: redo them in one read of its rows */
@@ -134,7 +135,9 @@ static inline Py_ssize_t buffer_capacity(Py_ssize_t m)
  * tight bound and the 2m-th exists for the next hint. */
 static inline Py_ssize_t block_length(Py_ssize_t values, Py_ssize_t m)
 {
-    Py_ssize_t length = m > 0 ? values / (2 * m) : MAX_BLOCK;
+    if (m == 0)  /* no block maxima needed: longer blocks fold partial sums less often */
+        return BLOCK_WITHOUT_SELECTION;
+    const Py_ssize_t length = values / (2 * m);
     return length < 1 ? 1 : (length > MAX_BLOCK ? MAX_BLOCK : length);
 }
 
@@ -347,6 +350,32 @@ __attribute__((target("avx2"))) static Py_ssize_t find_above_avx2(const float *r
         const __m256i offsets = _mm256_loadu_si256((const __m256i *)offsets8[mask]);
         _mm256_storeu_si256((__m256i *)(found + count), _mm256_add_epi32(offsets, _mm256_set1_epi32((int32_t)j)));
         count += bits8[mask];
+    }
+    for (; j < width; ++j) {
+        found[count] = (int32_t)j;
+        count += values[j] > threshold[j];
+    }
+    return count;
+}
+#endif
+
+#if HAVE_AVX2_DISPATCH
+#define AVX512 __attribute__((target("avx512f")))
+DEFINE_ACCUMULATE_ROW(accumulate_row_avx512, AVX512)
+DEFINE_ACCUMULATE_4_ROWS(accumulate_4_rows_avx512, AVX512)
+
+AVX512 static Py_ssize_t find_above_avx512(const float *restrict values, const float *restrict threshold,
+                                           Py_ssize_t width, int32_t *restrict found)
+{
+    Py_ssize_t count = 0, j = 0;
+    __m512i columns = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (; j + 16 <= width; j += 16) {
+        const __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(values + j), _mm512_loadu_ps(threshold + j),
+                                                   _CMP_GT_OQ);
+        _mm512_mask_compressstoreu_epi32(found + count, above, columns);
+        count += __builtin_popcount((unsigned)above);
+        columns = _mm512_add_epi32(columns, step);
     }
     for (; j < width; ++j) {
         found[count] = (int32_t)j;
@@ -638,24 +667,61 @@ __attribute__((target("avx2"))) static void read_chunk_avx2(const float *restric
 }
 #endif
 
+#if HAVE_AVX2_DISPATCH
+AVX512 static void read_chunk_avx512(const float *restrict chunk, Py_ssize_t rows, float *restrict lane_low,
+                                     float *restrict block_high, float *restrict sums, float *restrict squares)
+{
+    __m512 low = _mm512_loadu_ps(lane_low), high = _mm512_set1_ps(-INFINITY);
+    __m512 sum = _mm512_setzero_ps(), square = _mm512_setzero_ps();
+    for (Py_ssize_t row = 0; row < rows; ++row) {
+        const __m512 v = _mm512_loadu_ps(chunk + row * LANES);
+        low = _mm512_min_ps(v, low);
+        high = _mm512_max_ps(v, high);
+        sum = _mm512_add_ps(sum, v);
+        square = _mm512_fmadd_ps(v, v, square);
+    }
+    _mm512_storeu_ps(lane_low, low);
+    _mm512_storeu_ps(block_high, high);
+    _mm512_storeu_ps(sums, sum);
+    _mm512_storeu_ps(squares, square);
+}
+#endif
+
 static ChunkReader read_chunk = read_chunk_portable;
 
-/* Pick each hot loop's version for this CPU; run once, at module import. */
-static void choose_kernels(void)
+/* Pick each hot loop's version: the best this CPU runs, up to `limit` (0
+ * baseline, 1 AVX2, 2 AVX-512). Run at module import with no limit; tests
+ * lower it to check every version on one machine. Returns the level chosen. */
+static int choose_kernels(int limit)
 {
+    int level = 0;
+    read_chunk = read_chunk_portable;
+    accumulate_row = accumulate_row_baseline;
+    accumulate_4_rows = accumulate_4_rows_baseline;
+    find_above = find_above_baseline;
 #if defined(__SSE2__)
     read_chunk = read_chunk_sse;
 #endif
 #if HAVE_AVX2_DISPATCH
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) {
+    if (limit >= 1 && __builtin_cpu_supports("avx2")) {
+        level = 1;
         fill_offsets8();
         read_chunk = read_chunk_avx2;
         accumulate_row = accumulate_row_avx2;
         accumulate_4_rows = accumulate_4_rows_avx2;
         find_above = find_above_avx2;
     }
+    if (limit >= 2 && __builtin_cpu_supports("avx512f")) {
+        level = 2;
+        read_chunk = read_chunk_avx512;
+        accumulate_row = accumulate_row_avx512;
+        accumulate_4_rows = accumulate_4_rows_avx512;
+        find_above = find_above_avx512;
+    }
 #endif
+    (void)limit;
+    return level;
 }
 
 /* Statistics of one channel; with selection also its block maxima (and, with a
@@ -748,7 +814,10 @@ static Py_ssize_t collect_from_blocks(const Job *job, const RunLayout *layout, P
 static int summarize_channel_major(const Job *job)
 {
     const Py_ssize_t m = job->out_kth ? job->m : 0;
-    const RunLayout layout = run_layout(job->inner, block_length(job->outer * job->inner, m));
+    Py_ssize_t block = block_length(job->outer * job->inner, m);
+    if (m == 0 && block * LANES > job->inner)  /* keep whole chunks in a run: the tail is read value by value */
+        block = job->inner / LANES > 1 ? job->inner / LANES : 1;
+    const RunLayout layout = run_layout(job->inner, block);
     const Py_ssize_t blocks = job->outer * layout.blocks_per_run;
     MajorState state = {NULL, NULL, NULL, buffer_capacity(m > 0 ? m : 1), m};
     if (m > 0) {  /* candidates: a chunk of slack, the buffer is checked per chunk */
@@ -827,7 +896,19 @@ static PyObject *summarize(PyObject *self, PyObject *args)
     return PyBool_FromLong(trusted);
 }
 
+static PyObject *use_instruction_set(PyObject *self, PyObject *args)
+{
+    int limit;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "i", &limit))
+        return NULL;
+    return PyLong_FromLong(choose_kernels(limit));
+}
+
 static PyMethodDef methods[] = {
+    {"use_instruction_set", use_instruction_set, METH_VARARGS,
+     "use_instruction_set(limit) -> level: use the best versions of the hot loops up to limit (0 baseline, "
+     "1 AVX2, 2 AVX-512) that this CPU runs; returns the level in use. For tests; not thread-safe."},
     {"summarize", summarize, METH_VARARGS,
      "summarize(data, outer, channels, inner, m, channel_begin, channel_end, out, hint, histogram) -> trusted: "
      "per-channel summaries of a contiguous float32 array into out, float64 rows (min, max, sum, sum of "
@@ -846,6 +927,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__channel_kernel(void)
 {
-    choose_kernels();
+    choose_kernels(2);
     return PyModule_Create(&module);
 }
