@@ -34,7 +34,7 @@ from qlint.findings import Notice
 from qlint.graph import ModelGraph
 from qlint.preserve import preserved_state
 from qlint.rule import Need, ObservationSpec, Rule
-from qlint.stats import StatsObserver, TensorStats, all_reduce_stats, thread_scratch_buffers
+from qlint.stats import StatsObserver, TensorStats, all_reduce_stats, kernel, thread_scratch_buffers
 
 FEATURES = "features"
 DEFAULT_REFERENCE_PERCENTILE = 0.975
@@ -184,6 +184,7 @@ def _calibrate(analysis: Any, graph: ModelGraph, points: Sequence[ObservationPoi
             handle.remove()
     stats = {point: observers[point].stats for point in observers}
     thread_scratch_buffers().clear()  # work buffers sized for the largest activation: not kept after lint
+    kernel.release_workspaces()
     if world > 1:
         count = _all_reduce_count(count, group)
         if count > 0:

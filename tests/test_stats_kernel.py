@@ -196,3 +196,11 @@ def test_non_finite_values_end_in_an_untrusted_result(layout, poison, where):
     for m in {1, max(1, width // 40), width}:
         for hint in (None, torch.zeros(values.shape[1], dtype=torch.float64)):
             assert not kernel.summarize_channels(values, m, hint=hint, threads=2).trusted
+
+
+def test_workspaces_can_be_released_and_regrown():
+    values = torch.randn(2048, 64, 1)
+    before = kernel.summarize_channels(values, 20, threads=2).packed.clone()
+    kernel.release_workspaces()
+    kernel.release_workspaces()  # idempotent
+    assert torch.equal(kernel.summarize_channels(values, 20, threads=2).packed, before)

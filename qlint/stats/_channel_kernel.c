@@ -79,6 +79,25 @@ typedef struct {
     int64_t *histogram;    /* NULL: no exponent counts */
 } Job;
 
+/* ------------------------------------------------------------------------ workspace
+ * One work buffer per thread, grown as needed and kept between calls: a
+ * calibration run calls the kernel for every observed tensor of every batch,
+ * and freeing and re-allocating buffers of up to a few MiB each time leaves
+ * glibc's heap fragmented (resident memory grows). release_workspace() frees
+ * the calling thread's buffer. */
+static _Thread_local char *workspace;
+static _Thread_local size_t workspace_bytes;
+
+static void *workspace_get(size_t bytes)
+{
+    if (bytes > workspace_bytes) {
+        free(workspace);
+        workspace = (char *)malloc(bytes);
+        workspace_bytes = workspace != NULL ? bytes : 0;
+    }
+    return workspace;
+}
+
 /* ------------------------------------------------------------------------ selection */
 
 /* Moves the values of [low, high) that are above `pivot` (with `or_equal`: at
@@ -201,7 +220,7 @@ typedef struct {
     Py_ssize_t *kept;
     int32_t *found;  /* work list of append_above (width + 8 entries) */
     Py_ssize_t capacity, m;
-    void *memory;
+    void *memory;  /* the thread's workspace */
 } Band;
 
 static int band_allocate(Band *band, Py_ssize_t width, Py_ssize_t blocks, Py_ssize_t m)
@@ -210,7 +229,7 @@ static int band_allocate(Band *band, Py_ssize_t width, Py_ssize_t blocks, Py_ssi
     const Py_ssize_t capacity = buffer_capacity(select ? m : 1);
     const size_t floats = (size_t)width * 7 +
                           (select ? (size_t)width * (size_t)(blocks + capacity) + (size_t)blocks : 0);
-    char *memory = (char *)malloc(floats * sizeof(float) +
+    char *memory = (char *)workspace_get(floats * sizeof(float) +
                                   (size_t)width * (2 * sizeof(double) + sizeof(Py_ssize_t) + sizeof(int32_t)) + 8 * sizeof(int32_t));
     if (memory == NULL)
         return -1;
@@ -532,7 +551,6 @@ static int summarize_channel_last(const Job *job)
         const Py_ssize_t width = job->channel_end - start < BAND ? job->channel_end - start : BAND;
         summarize_band(job, &band, start, width, block, blocks);
     }
-    free(band.memory);
     return 0;
 }
 
@@ -822,15 +840,12 @@ static int summarize_channel_major(const Job *job)
     MajorState state = {NULL, NULL, NULL, buffer_capacity(m > 0 ? m : 1), m};
     if (m > 0) {  /* candidates: a chunk of slack, the buffer is checked per chunk */
         const Py_ssize_t slack = layout.chunk > layout.tail ? layout.chunk : layout.tail;
-        state.block_max = (float *)malloc(sizeof(float) * (size_t)blocks);
-        state.scratch = (float *)malloc(sizeof(float) * (size_t)blocks);
-        state.candidates = (float *)malloc(sizeof(float) * (size_t)(state.capacity + slack));
-        if (state.block_max == NULL || state.scratch == NULL || state.candidates == NULL) {
-            free(state.block_max);
-            free(state.scratch);
-            free(state.candidates);
+        float *memory = (float *)workspace_get(sizeof(float) * (size_t)(2 * blocks + state.capacity + slack));
+        state.block_max = memory;
+        state.scratch = memory != NULL ? memory + blocks : NULL;
+        state.candidates = memory != NULL ? memory + 2 * blocks : NULL;
+        if (memory == NULL)
             return -1;
-        }
     }
     for (Py_ssize_t channel = job->channel_begin; channel < job->channel_end; ++channel) {
         const int hinted = m > 0 && job->hint != NULL;
@@ -847,9 +862,6 @@ static int summarize_channel_major(const Job *job)
         }
         job->out_hint[channel] = next_hint;
     }
-    free(state.block_max);
-    free(state.scratch);
-    free(state.candidates);
     return 0;
 }
 
@@ -896,6 +908,16 @@ static PyObject *summarize(PyObject *self, PyObject *args)
     return PyBool_FromLong(trusted);
 }
 
+static PyObject *release_workspace(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    free(workspace);
+    workspace = NULL;
+    workspace_bytes = 0;
+    Py_RETURN_NONE;
+}
+
 static PyObject *use_instruction_set(PyObject *self, PyObject *args)
 {
     int limit;
@@ -906,6 +928,8 @@ static PyObject *use_instruction_set(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
+    {"release_workspace", release_workspace, METH_NOARGS,
+     "release_workspace(): free the calling thread's work buffer (kept between calls otherwise)."},
     {"use_instruction_set", use_instruction_set, METH_VARARGS,
      "use_instruction_set(limit) -> level: use the best versions of the hot loops up to limit (0 baseline, "
      "1 AVX2, 2 AVX-512) that this CPU runs; returns the level in use. For tests; not thread-safe."},

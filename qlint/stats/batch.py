@@ -98,7 +98,7 @@ def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference
     with torch.no_grad():
         if not sync_free and batch.dtype == torch.float32 and kernel.available():
             summary = _summarize_finite_with_kernel(batch, channel_axis, reference_percentile, percentile,
-                                                    histogram, selection_hint)
+                                                    histogram, selection_hint, scratch)
             if summary is not None:
                 return summary
         values, by_column = _channel_layout(batch.detach(), channel_axis, scratch)
@@ -328,7 +328,8 @@ def _moderate_and_finite(channel_min: torch.Tensor, channel_max: torch.Tensor, c
 
 # ---------------------------------------------------------- finite fast paths
 def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[int], q: float, percentile: bool,
-                                  histogram: bool, hint: Optional[torch.Tensor]) -> Optional[BatchSummary]:
+                                  histogram: bool, hint: Optional[torch.Tensor],
+                                  scratch: ScratchBuffers) -> Optional[BatchSummary]:
     """Compiled fast path (float32 CPU): every statistic in one read, in place in any layout.
 
     None when the batch is not finite or of moderate magnitude: the general path takes it."""
@@ -336,12 +337,14 @@ def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[in
         return None
     outer, channels, inner = _outer_channels_inner(tuple(batch.shape), channel_axis)
     values = batch.reshape(outer, channels, inner)
-    if 1 < inner < _SHORT_RUN and outer > 1:
-        # Short runs ([N, C, 7, 7]) would be read a few values at a time; one
-        # channel-major copy makes every channel a single long run.
-        values = values.transpose(0, 1).reshape(1, channels, outer * inner).contiguous()
-    elif not values.is_contiguous():
-        values = values.contiguous()
+    short_runs = 1 < inner < _SHORT_RUN and outer > 1
+    if short_runs or not values.is_contiguous():
+        # Short runs ([N, C, 7, 7]) would be read a few values at a time: one channel-major
+        # copy makes each channel one long run. The copy goes to a reused buffer: fresh
+        # megabyte-sized blocks per batch fragment glibc's heap (RSS grows).
+        rows = scratch.get("rows", (channels, outer * inner), torch.float32, batch.device)
+        rows.view(channels, outer, inner).copy_(values.transpose(0, 1))
+        values = rows.view(1, channels, outer * inner)
     width = outer * inner
     wanted = width - _host_reference_rank(width, q) if percentile else None
     if hint is not None and (wanted is None or tuple(hint.shape) != (channels,)):

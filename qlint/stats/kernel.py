@@ -159,6 +159,30 @@ def _worker_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+def release_workspaces() -> None:
+    """Free the kernel's work buffers: this thread's and every pool worker's.
+
+    The kernel keeps one buffer per thread between calls (re-allocating it for
+    every batch fragments the heap); calibration releases them when done."""
+    if _compiled is None:
+        return
+    _compiled.release_workspace()
+    with _pool_lock:
+        pool, workers = _pool, _pool_workers
+    if pool is None:
+        return
+    # One task per worker, each held at a barrier until all have started, so every
+    # worker thread runs exactly one of them.
+    barrier = threading.Barrier(workers)
+
+    def release_on_this_worker() -> None:
+        barrier.wait(timeout=10)
+        _compiled.release_workspace()
+
+    for future in [pool.submit(release_on_this_worker) for _ in range(workers)]:
+        future.result()
+
+
 def _forget_pool_after_fork() -> None:
     # A forked child inherits the pool object but none of its threads.
     global _pool, _pool_workers

@@ -26,10 +26,24 @@ FOLD_EVERY = 8
 
 
 class _SelectionHint:
+    """The latest selection hint of a stream, in a buffer of its own.
+
+    Copied rather than referenced: the summary it comes from is a per-batch
+    allocation, and keeping one alive until the next batch, among that batch's
+    large temporaries, fragments the heap (resident memory grows)."""
+
     __slots__ = ("value",)
 
     def __init__(self) -> None:
         self.value: Optional[torch.Tensor] = None
+
+    def keep(self, hint: Optional[torch.Tensor]) -> None:
+        if hint is None:
+            self.value = None
+        elif self.value is None or self.value.shape != hint.shape or self.value.device != hint.device:
+            self.value = hint.clone()
+        else:
+            self.value.copy_(hint)
 
 
 def thread_scratch_buffers() -> ScratchBuffers:
@@ -89,7 +103,7 @@ class StatsObserver(nn.Module):
             summary = summarize_values(value, self.channel_axis, self.reference_percentile,
                                        scratch=thread_scratch_buffers(), percentile=self.percentile,
                                        histogram=self.histogram, selection_hint=self._hint.value)
-            self._hint.value = summary.selection_hint
+            self._hint.keep(summary.selection_hint)
             width = self._chunk.channels if self._chunk is not None else self._folded.num_channels
             if width and summary.channels != width:
                 raise ValueError(f"channel count changed from {width} to {summary.channels}")
