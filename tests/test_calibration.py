@@ -343,8 +343,12 @@ def test_switched_off_statistics_leave_the_rest_identical():
     for batch in batches:
         full(batch)
         lean(batch)
-    for name in ("channel_min", "channel_max", "sum", "sum_of_squares", "count", "nan_count"):
+    for name in ("channel_min", "channel_max", "count", "nan_count"):
         assert torch.equal(getattr(full.stats, name), getattr(lean.stats, name)), name
+    # Sums are float32 partial sums over blocks whose length depends on whether the
+    # percentile is computed (its block maxima need short blocks): equal to rounding.
+    for name in ("sum", "sum_of_squares"):
+        torch.testing.assert_close(getattr(full.stats, name), getattr(lean.stats, name), rtol=1e-6, atol=1e-9)
     assert torch.equal(full.stats.average_batch_range(), lean.stats.average_batch_range())
     assert int(full.stats.percentile_batches_tracked().sum()) > 0
     assert int(lean.stats.percentile_batches_tracked().sum()) == 0
