@@ -254,6 +254,41 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
     return observed, observers, skipped
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class _FreeHeapReturner:
+    """Between calibration batches, hand glibc's free heap pages back to the OS.
+
+    Activations are freed after each batch, but glibc keeps the pages, and how
+    much stays resident depends on where later blocks land (its mmap threshold
+    moves with the sizes freed): measured here, peak RSS during calibration
+    varied by 10-20 % of the model's footprint from that alone. When more than
+    ``threshold`` bytes are free (``mallinfo2``, a few microseconds), a
+    ``malloc_trim`` (0.2-5 ms, against batches of tens of milliseconds or more)
+    returns them. Does nothing where glibc is absent."""
+
+    def __init__(self, threshold: int = 8 << 20) -> None:
+        self.threshold = threshold
+        self._trim = self._free_bytes = None
+        try:
+            libc = ctypes.CDLL(None)
+            self._trim = libc.malloc_trim
+            libc.mallinfo2.restype = _MallInfo2
+            self._free_bytes = lambda: libc.mallinfo2().fordblks
+        except (OSError, AttributeError, TypeError):
+            pass  # no glibc, or one older than 2.33 (no mallinfo2): trim unconditionally if possible
+
+    def __call__(self) -> None:
+        if self._trim is None:
+            return
+        if self._free_bytes is not None and self._free_bytes() < self.threshold:
+            return
+        self._trim(0)
+
+
 def _return_free_heap_to_os() -> None:
     """Give memory freed during setup back to the OS before calibration starts.
 
@@ -346,6 +381,7 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
     device = model_device(model)
     model.eval()
     progress = None if quiet or not sys.stderr.isatty() else _progress(total)
+    return_free_heap = _FreeHeapReturner()
     count = 0
     try:
         with torch.no_grad():
@@ -362,6 +398,7 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
                         f"{type(error).__name__}: {message}"[:400]) from error
                 count = count_before + 1
                 del args, kwargs, batch
+                return_free_heap()
                 if progress is not None:
                     progress[0].update(progress[1], advance=1)
     finally:
