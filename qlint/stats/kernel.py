@@ -107,14 +107,10 @@ def summarize_channels(values: torch.Tensor, m: Optional[int], histogram: bool =
     key_counts = torch.zeros(parts, HISTOGRAM_KEYS, dtype=torch.int64) if histogram else None
     address, packed_address = values.data_ptr(), packed.data_ptr()
     hint_address = hint.data_ptr() if hint is not None else 0
-    if parts == 1:
-        jobs = [(address, outer, channels, inner, m or 0, 0, channels, packed_address, hint_address,
-                 key_counts.data_ptr() if key_counts is not None else 0)]
-    else:
-        bounds = [channels * part // parts for part in range(parts + 1)]
-        jobs = [(address, outer, channels, inner, m or 0, bounds[part], bounds[part + 1], packed_address,
-                 hint_address, key_counts[part].data_ptr() if key_counts is not None else 0)
-                for part in range(parts)]
+    bounds = [channels * part // parts for part in range(parts + 1)]
+    jobs = [(address, outer, channels, inner, m or 0, bounds[part], bounds[part + 1], packed_address,
+             hint_address, key_counts[part].data_ptr() if key_counts is not None else 0)
+            for part in range(parts)]
     trusted = _run_jobs(jobs)
     return KernelSummary(packed, trusted, key_counts.sum(0) if key_counts is not None else None, m is not None)
 
