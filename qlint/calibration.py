@@ -17,7 +17,6 @@ global report.
 from __future__ import annotations
 
 import copy
-import ctypes
 import dataclasses
 import math
 import sys
@@ -35,6 +34,8 @@ from qlint.graph import ModelGraph
 from qlint.preserve import preserved_state
 from qlint.rule import Need, ObservationSpec, Rule
 from qlint.stats import StatsObserver, TensorStats, all_reduce_stats, kernel, thread_scratch_buffers
+from qlint.stats.batch import channel_count
+from qlint.stats.memory import FreeHeapReturner, return_free_heap_to_os
 
 FEATURES = "features"
 DEFAULT_REFERENCE_PERCENTILE = 0.975
@@ -208,10 +209,27 @@ def _reference_percentile(rules: Sequence[Rule]) -> float:
 
 
 def _new_observer(point: ObservationPoint, reference_percentile: float,
-                  needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]]) -> StatsObserver:
-    """Without ``needs`` an observer computes everything; with it, only what its rules read."""
+                  needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]],
+                  traced_shape: Optional[Sequence[Any]]) -> StatsObserver:
+    """Without ``needs`` an observer computes everything; with it, only what its rules read.
+    ``traced_shape``: the observed tensor's shape as shape propagation saw it, if known."""
     percentile, histogram = needs.get(point, (True, True)) if needs is not None else (True, True)
-    return StatsObserver(point.channel_axis, reference_percentile, percentile=percentile, histogram=histogram)
+    return StatsObserver(point.channel_axis, reference_percentile, percentile=percentile, histogram=histogram,
+                         expected_channels=_traced_channels(traced_shape, point.channel_axis))
+
+
+def _traced_channels(shape: Optional[Sequence[Any]], channel_axis: Optional[int]) -> Optional[int]:
+    """The channel count of a tensor of the traced ``shape`` (None: unknown)."""
+    if shape is None:
+        return None
+    try:
+        return channel_count(tuple(int(size) for size in shape), channel_axis)
+    except (TypeError, ValueError, IndexError):
+        return None  # symbolic sizes, or an axis the traced shape does not have
+
+
+def _fx_shape(node: fx.Node) -> Optional[Sequence[Any]]:
+    return getattr(node.meta.get("tensor_meta"), "shape", None)
 
 
 def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationPoint],
@@ -233,77 +251,26 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
         if target is None:
             skipped.append(point)
             continue
-        observer = _new_observer(point, reference_percentile, needs)
         name = f"{_OBSERVER_PREFIX}{number}"
-        observed.add_submodule(name, observer)
         if point.side == "output":
+            observer = _new_observer(point, reference_percentile, needs, _fx_shape(target))
+            observed.add_submodule(name, observer)
             with observed.graph.inserting_after(target):
                 observed.graph.call_module(name, (target,))
         else:
             source, replace = _input_slot(target, point.index)
             if source is None:
                 skipped.append(point)
-                delattr(observed, name)
                 continue
+            observer = _new_observer(point, reference_percentile, needs, _fx_shape(source))
+            observed.add_submodule(name, observer)
             with observed.graph.inserting_before(target):
                 replace(observed.graph.call_module(name, (source,)))
         observers[point] = observer
     observed.graph.lint()
     observed.recompile()
-    _return_free_heap_to_os()
+    return_free_heap_to_os()
     return observed, observers, skipped
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-class _FreeHeapReturner:
-    """Between calibration batches, hand glibc's free heap pages back to the OS.
-
-    Activations are freed after each batch, but glibc keeps the pages, and how
-    much stays resident depends on where later blocks land (its mmap threshold
-    moves with the sizes freed): measured here, peak RSS during calibration
-    varied by 10-20 % of the model's footprint from that alone. When more than
-    ``threshold`` bytes are free (``mallinfo2``, a few microseconds), a
-    ``malloc_trim`` returns them. The threshold keeps it rare: a trim costs
-    0.2-5 ms plus the page faults of re-growing the heap (trimming after every
-    encoder batch cost ~5 % time and saved no peak memory there; on the
-    ResNet-shaped CNN, ~50 MiB free per batch, it lowered peak RSS from +20 %
-    to +9 % over plain inference). Does nothing where glibc is absent."""
-
-    def __init__(self, threshold: int = 32 << 20) -> None:
-        self.threshold = threshold
-        self._trim = self._free_bytes = None
-        try:
-            libc = ctypes.CDLL(None)
-            self._trim = libc.malloc_trim
-            libc.mallinfo2.restype = _MallInfo2
-            self._free_bytes = lambda: libc.mallinfo2().fordblks
-        except (OSError, AttributeError, TypeError):
-            pass  # no glibc, or one older than 2.33 (no mallinfo2): trim unconditionally if possible
-
-    def __call__(self) -> None:
-        if self._trim is None:
-            return
-        if self._free_bytes is not None and self._free_bytes() < self.threshold:
-            return
-        self._trim(0)
-
-
-def _return_free_heap_to_os() -> None:
-    """Give memory freed during setup back to the OS before calibration starts.
-
-    Tracing and shape propagation run the model once; glibc keeps the freed
-    activations resident in its heap, where they would count in calibration's
-    peak RSS without ever being used again. ``malloc_trim`` only releases free
-    pages; where it does not exist (not glibc) this does nothing."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return
-    trim(0)
 
 
 def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[ObservationPoint],
@@ -325,7 +292,9 @@ def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[
             skipped.append(point)
             continue
         call_index = [n.name for n in graph.call_sites(node.module)].index(node.name)
-        observer = _new_observer(point, reference_percentile, needs)
+        info = node.output if point.side == "output" else (
+            node.inputs[point.index] if point.index < len(node.inputs) else None)
+        observer = _new_observer(point, reference_percentile, needs, info.shape if info is not None else None)
         observers[point] = observer
         by_module.setdefault(node.module, {}).setdefault(call_index, []).append((point, observer))
     counters = [_attach_hooks(observed.get_submodule(fqn), per_call, handles)
@@ -384,7 +353,9 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
     device = model_device(model)
     model.eval()
     progress = None if quiet or not sys.stderr.isatty() else _progress(total)
-    return_free_heap = _FreeHeapReturner()
+    return_free_heap = FreeHeapReturner()
+    if device.type == "cpu":
+        kernel.start_workers()
     count = 0
     try:
         with torch.no_grad():

@@ -79,11 +79,13 @@ class BatchSummary:
 def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference_percentile: float, *,
                      scratch: Optional[ScratchBuffers] = None, sync_free: Optional[bool] = None,
                      percentile: bool = True, histogram: bool = True,
-                     selection_hint: Optional[torch.Tensor] = None) -> Optional[BatchSummary]:
+                     selection_hint: Optional[torch.Tensor] = None,
+                     use_kernel: bool = True) -> Optional[BatchSummary]:
     """Reduce one floating batch to its :class:`BatchSummary` (None for an empty batch).
 
     ``selection_hint``: the ``selection_hint`` of the previous summary of the
-    same stream, if any; it only changes how fast the percentile is found."""
+    same stream, if any; it only changes how fast the percentile is found.
+    ``use_kernel=False`` skips the compiled fast path (for a batch it already refused)."""
     if not batch.is_floating_point():
         raise TypeError(f"summarize_batch needs a floating tensor, got {batch.dtype}")
     if not 0.0 < reference_percentile < 1.0:
@@ -96,7 +98,7 @@ def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference
     if batch.requires_grad:
         batch = batch.detach()
     with torch.no_grad():
-        if not sync_free and batch.dtype == torch.float32 and kernel.available():
+        if use_kernel and not sync_free and batch.dtype == torch.float32 and kernel.available():
             summary = _summarize_finite_with_kernel(batch, channel_axis, reference_percentile, percentile,
                                                     histogram, selection_hint, scratch)
             if summary is not None:
@@ -183,11 +185,10 @@ class SummaryChunk:
         """The ``TensorStats`` of the stored batches."""
         if not self._size:
             return TensorStats.empty(channel_axis, q, self.channels, self.device)
-        uniform = [(row, count) for row, count in enumerate(self._uniform_counts[: self._size]) if count is not None]
-        if uniform:
-            rows = torch.tensor([row for row, _ in uniform], device=self.device)
-            self._counts[rows] = 0
-            self._counts[rows, 0] = torch.tensor([count for _, count in uniform], device=self.device).unsqueeze(1)
+        for row, count in enumerate(self._uniform_counts[: self._size]):
+            if count is not None:  # plain slices: an index_put here cost ~1 ms per fold
+                self._counts[row, 1:].zero_()
+                self._counts[row, 0].fill_(count)
         floats, counts = self._floats[: self._size], self._counts[: self._size]  # (batches, field, C)
         channel_min, channel_max, reference = floats[:, 0], floats[:, 1], floats[:, 4]
         has_values = counts[:, 0] > 0
@@ -266,6 +267,11 @@ def _per_channel(value: PerChannel, channels: int, **kind) -> torch.Tensor:
     return value
 
 
+def channel_count(shape: tuple[int, ...], channel_axis: Optional[int]) -> int:
+    """Channels of a tensor of this shape (see ``summarize_batch`` for short shapes)."""
+    return _outer_channels_inner(tuple(shape), channel_axis)[1]
+
+
 def _outer_channels_inner(shape: tuple[int, ...], channel_axis: Optional[int]) -> tuple[int, int, int]:
     """Split a shape around its channel axis: (product before, channels, product after).
 
@@ -327,6 +333,27 @@ def _moderate_and_finite(channel_min: torch.Tensor, channel_max: torch.Tensor, c
 
 
 # ---------------------------------------------------------- finite fast paths
+def kernel_view(batch: torch.Tensor, channel_axis: Optional[int], scratch: ScratchBuffers) -> torch.Tensor:
+    """A float32 CPU batch as the contiguous ``(outer, channels, inner)`` array the compiled kernel reads.
+
+    In place where the layout allows; short runs ([N, C, 7, 7]) would be read a few values at a
+    time, so they (and non-contiguous batches) are copied channel-major into a reused buffer:
+    fresh megabyte-sized blocks per batch fragment glibc's heap (RSS grows)."""
+    outer, channels, inner = _outer_channels_inner(tuple(batch.shape), channel_axis)
+    values = batch.reshape(outer, channels, inner)
+    short_runs = 1 < inner < _SHORT_RUN and outer > 1
+    if short_runs or not values.is_contiguous():
+        rows = scratch.get("rows", (channels, outer * inner), torch.float32, batch.device)
+        rows.view(channels, outer, inner).copy_(values.transpose(0, 1))
+        values = rows.view(1, channels, outer * inner)
+    return values
+
+
+def wanted_rank(width: int, q: float) -> int:
+    """The reference quantile of ``width`` values is their wanted_rank-th largest."""
+    return width - _host_reference_rank(width, q)
+
+
 def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[int], q: float, percentile: bool,
                                   histogram: bool, hint: Optional[torch.Tensor],
                                   scratch: ScratchBuffers) -> Optional[BatchSummary]:
@@ -335,18 +362,10 @@ def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[in
     None when the batch is not finite or of moderate magnitude: the general path takes it."""
     if batch.device.type != "cpu":
         return None
-    outer, channels, inner = _outer_channels_inner(tuple(batch.shape), channel_axis)
-    values = batch.reshape(outer, channels, inner)
-    short_runs = 1 < inner < _SHORT_RUN and outer > 1
-    if short_runs or not values.is_contiguous():
-        # Short runs ([N, C, 7, 7]) would be read a few values at a time: one channel-major
-        # copy makes each channel one long run. The copy goes to a reused buffer: fresh
-        # megabyte-sized blocks per batch fragment glibc's heap (RSS grows).
-        rows = scratch.get("rows", (channels, outer * inner), torch.float32, batch.device)
-        rows.view(channels, outer, inner).copy_(values.transpose(0, 1))
-        values = rows.view(1, channels, outer * inner)
+    values = kernel_view(batch, channel_axis, scratch)
+    outer, channels, inner = values.shape
     width = outer * inner
-    wanted = width - _host_reference_rank(width, q) if percentile else None
+    wanted = wanted_rank(width, q) if percentile else None
     if hint is not None and (wanted is None or tuple(hint.shape) != (channels,)):
         hint = None
     result = kernel.summarize_channels(values, wanted, histogram=histogram, hint=hint)
@@ -357,7 +376,7 @@ def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[in
     key_counts = result.key_counts
     return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
                         reference if percentile else None,
-                        _histogram_of_key_counts(key_counts) if key_counts is not None else None,
+                        histogram_of_key_counts(key_counts) if key_counts is not None else None,
                         next_hint if percentile else None, packed)
 
 
@@ -446,13 +465,13 @@ def _exponent_histogram(values: torch.Tensor, scratch: ScratchBuffers) -> torch.
     # exponent for positives, exponent - 256 for negatives.
     torch.bitwise_right_shift(as_float32.view(torch.int32), 23, out=keys)
     keys += 256
-    histogram = _histogram_of_key_counts(_count_keys(keys.view(-1), 512))
+    histogram = histogram_of_key_counts(_count_keys(keys.view(-1), 512))
     if infinities is not None:
         histogram[:, 254] -= infinities
     return histogram
 
 
-def _histogram_of_key_counts(counts: torch.Tensor) -> torch.Tensor:
+def histogram_of_key_counts(counts: torch.Tensor) -> torch.Tensor:
     """(sign, exponent) histogram from counts of ``(float32 bits >> 23) + 256``."""
     histogram = torch.stack([counts[256:], counts[:256]])
     histogram[:, 255] = 0  # NaN/Inf are counted by nan_count / inf_count

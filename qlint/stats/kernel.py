@@ -78,6 +78,22 @@ def summarize_channels(values: torch.Tensor, m: Optional[int], histogram: bool =
     It lets the selection read the data once instead of twice; results are exact with or
     without it, whatever its values.
     """
+    channels = values.shape[1] if values.dim() == 3 else 0
+    packed = torch.empty(6, max(channels, 1), dtype=torch.float64)
+    threads = threads if threads is not None else torch.get_num_threads()
+    key_counts = torch.zeros(max(threads, 1), HISTOGRAM_KEYS, dtype=torch.int64) if histogram else None
+    trusted = summarize_into(values, m, packed, hint=hint, key_counts=key_counts, threads=threads)
+    return KernelSummary(packed, trusted, key_counts.sum(0) if key_counts is not None else None, m is not None)
+
+
+def summarize_into(values: torch.Tensor, m: Optional[int], out: torch.Tensor, *,
+                   hint: Optional[torch.Tensor] = None, key_counts: Optional[torch.Tensor] = None,
+                   threads: Optional[int] = None) -> bool:
+    """:func:`summarize_channels` into buffers the caller keeps; returns ``trusted``.
+
+    ``out``: float64 ``[6, channels]``, overwritten (rows as ``KernelSummary.packed``).
+    ``key_counts``: int64 ``[k, 512]``, *added to* (at most k threads then take part).
+    ``hint`` must not share memory with ``out``."""
     if _compiled is None:
         raise RuntimeError("qlint's compiled statistics kernel is not built; check kernel.available() first")
     if values.dtype != torch.float32 or values.device.type != "cpu" or values.dim() != 3:
@@ -90,6 +106,11 @@ def summarize_channels(values: torch.Tensor, m: Optional[int], histogram: bool =
         raise ValueError(f"need a non-empty tensor, got shape {tuple(values.shape)}")
     if m is not None and not 1 <= m <= width:
         raise ValueError(f"m must be in [1, {width}], got {m}")
+    _check_buffer("out", out, (6, channels), torch.float64)
+    if key_counts is not None:
+        _check_buffer("key_counts", key_counts, (key_counts.shape[0], HISTOGRAM_KEYS), torch.int64)
+        if key_counts.shape[0] < 1:
+            raise ValueError("key_counts needs at least one row")
     if hint is not None:
         if m is None:
             raise ValueError("a hint needs m")
@@ -97,39 +118,65 @@ def summarize_channels(values: torch.Tensor, m: Optional[int], histogram: bool =
             raise ValueError(f"hint must have shape ({channels},) on the CPU")
         if hint.dtype != torch.float64 or not hint.is_contiguous():
             hint = hint.to(torch.float64).contiguous()
+        if _overlaps(hint, out):
+            raise ValueError("hint and out must not share memory")
     threads = threads if threads is not None else torch.get_num_threads()
     per_thread = MIN_VALUES_PER_THREAD if m is not None else MIN_VALUES_PER_THREAD_WITHOUT_SELECTION
-    parts = max(1, min(threads, values.numel() // per_thread))
+    parts = max(1, min(threads, values.numel() // per_thread, key_counts.shape[0] if key_counts is not None else threads))
     if channels == 1 and m is None and outer == 1 and parts > 1:
-        return _summarize_split_values(values, histogram, parts)
+        return _summarize_split_values(values, out, key_counts, parts)
     parts = min(parts, channels)
-    packed = torch.empty(6, channels, dtype=torch.float64)  # the kernel writes every row (NaN: not computed)
-    key_counts = torch.zeros(parts, HISTOGRAM_KEYS, dtype=torch.int64) if histogram else None
-    address, packed_address = values.data_ptr(), packed.data_ptr()
+    address, out_address = values.data_ptr(), out.data_ptr()
     hint_address = hint.data_ptr() if hint is not None else 0
     bounds = [channels * part // parts for part in range(parts + 1)]
-    jobs = [(address, outer, channels, inner, m or 0, bounds[part], bounds[part + 1], packed_address,
-             hint_address, key_counts[part].data_ptr() if key_counts is not None else 0)
-            for part in range(parts)]
-    trusted = _run_jobs(jobs)
-    return KernelSummary(packed, trusted, key_counts.sum(0) if key_counts is not None else None, m is not None)
+    return _run_jobs([(address, outer, channels, inner, m or 0, bounds[part], bounds[part + 1], out_address,
+                       hint_address, key_counts[part].data_ptr() if key_counts is not None else 0)
+                      for part in range(parts)])
 
 
-def _summarize_split_values(values: torch.Tensor, histogram: bool, parts: int) -> KernelSummary:
+def fold(summary: torch.Tensor, totals: torch.Tensor, flags: torch.Tensor, with_ratio: bool) -> float:
+    """Add one trusted summary (``out`` of :func:`summarize_into`) to running totals; returns the
+    batch's range over all channels. ``totals``: float64 ``[5, C]`` (min, max, sum, sum of squares,
+    sum of max / m-th largest); ``flags``: int64 ``[3, C]`` (ratio batches, zero-quantile batches,
+    constant batches). The ratio rows are untouched when ``with_ratio`` is False."""
+    if _compiled is None:
+        raise RuntimeError("qlint's compiled statistics kernel is not built; check kernel.available() first")
+    channels = summary.shape[-1]
+    _check_buffer("summary", summary, (6, channels), torch.float64)
+    _check_buffer("totals", totals, (5, channels), torch.float64)
+    _check_buffer("flags", flags, (3, channels), torch.int64)
+    return _compiled.fold(summary.data_ptr(), channels, totals.data_ptr(), flags.data_ptr(), with_ratio)
+
+
+def _check_buffer(name: str, buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if (tuple(buffer.shape) != shape or buffer.dtype != dtype or buffer.device.type != "cpu"
+            or not buffer.is_contiguous()):
+        raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape {shape}, got "
+                         f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end, b_end = a_start + a.numel() * a.element_size(), b_start + b.numel() * b.element_size()
+    return a_start < b_end and b_start < a_end
+
+
+def _summarize_split_values(values: torch.Tensor, out: torch.Tensor, key_counts: Optional[torch.Tensor],
+                            parts: int) -> bool:
     """One channel, no selection: each thread summarizes a slice of the values as a
-    one-channel array with its own output row; the rows are then combined."""
+    one-channel array with its own output row; the rows are then combined into ``out``."""
     flat = values.view(-1)
     rows = torch.empty(parts, 6, dtype=torch.float64)
-    key_counts = torch.zeros(parts, HISTOGRAM_KEYS, dtype=torch.int64) if histogram else None
     bounds = [flat.numel() * part // parts for part in range(parts + 1)]
     element = flat.element_size()
     trusted = _run_jobs([(flat.data_ptr() + bounds[part] * element, 1, 1, bounds[part + 1] - bounds[part], 0, 0, 1,
                           rows[part].data_ptr(), 0, key_counts[part].data_ptr() if key_counts is not None else 0)
                          for part in range(parts)])
-    nan = torch.tensor(float("nan"), dtype=torch.float64)
-    packed = torch.stack([rows[:, MIN].amin(), rows[:, MAX].amax(), rows[:, SUM].sum(), rows[:, SUM_OF_SQUARES].sum(),
-                          nan, nan]).reshape(6, 1)
-    return KernelSummary(packed, trusted, key_counts.sum(0) if key_counts is not None else None, False)
+    column = out[:, 0]
+    column[MIN], column[MAX] = rows[:, MIN].amin(), rows[:, MAX].amax()
+    column[SUM], column[SUM_OF_SQUARES] = rows[:, SUM].sum(), rows[:, SUM_OF_SQUARES].sum()
+    column[KTH_LARGEST:] = float("nan")
+    return trusted
 
 
 def _run_jobs(jobs: list[tuple]) -> bool:
@@ -153,6 +200,20 @@ def _worker_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
             _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="qlint-stats")
             _pool_workers = workers
         return _pool
+
+
+def start_workers(threads: Optional[int] = None) -> None:
+    """Start the worker threads now (a no-op without the kernel or with one thread).
+
+    Calibration calls this before its first batch: a thread started during a
+    forward pass leaves its long-lived allocations among that pass's activations."""
+    workers = (threads if threads is not None else torch.get_num_threads()) - 1
+    if _compiled is None or workers < 1:
+        return
+    pool = _worker_pool(workers)
+    barrier = threading.Barrier(workers)  # each task holds a worker until all have started
+    for future in [pool.submit(barrier.wait, 10) for _ in range(workers)]:
+        future.result()
 
 
 def release_workspaces() -> None:

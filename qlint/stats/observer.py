@@ -13,37 +13,19 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from qlint.stats import kernel
 from qlint.stats.accumulator import ScratchBuffers, TensorStats
-from qlint.stats.batch import SummaryChunk, summarize_values
+from qlint.stats.batch import SummaryChunk, channel_count, summarize_values
+from qlint.stats.stream import KernelStream
 
 _thread_local = threading.local()
-# Per-batch summaries are folded into the running stats this many at a time:
-# the fold's bookkeeping (ratios, flags, merge) then costs once per chunk, and
+# Batches off the compiled path (other devices or dtypes, NaN/Inf): their
+# summaries are folded into the running stats this many at a time, so the
+# fold's bookkeeping (ratios, flags, merge) costs once per chunk, and
 # a chunk holds only a few per-channel vectors per batch, never activations.
 # 8 already amortizes the fold; more would only grow the chunk buffers
 # (8 rows x 8 bytes per channel and batch slot, for every observer).
 FOLD_EVERY = 8
-
-
-class _SelectionHint:
-    """The latest selection hint of a stream, in a buffer of its own.
-
-    Copied rather than referenced: the summary it comes from is a per-batch
-    allocation, and keeping one alive until the next batch, among that batch's
-    large temporaries, fragments the heap (resident memory grows)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value: Optional[torch.Tensor] = None
-
-    def keep(self, hint: Optional[torch.Tensor]) -> None:
-        if hint is None:
-            self.value = None
-        elif self.value is None or self.value.shape != hint.shape or self.value.device != hint.device:
-            self.value = hint.clone()
-        else:
-            self.value.copy_(hint)
 
 
 def thread_scratch_buffers() -> ScratchBuffers:
@@ -66,6 +48,9 @@ class StatsObserver(nn.Module):
             ``max / quantile(q)`` (torch's OutlierDetector default 0.975).
         percentile, histogram: compute these two costly statistics (when off
             they stay zero; every other statistic is always computed).
+        expected_channels: the channel count the first batch will likely have
+            (from shape propagation); lets the observer allocate its buffers
+            before calibration rather than during its first forward pass.
 
     Non-tensors, non-floating tensors and empty tensors pass through ignored.
     Statistics live on the device of the tensors observed; the forward reads
@@ -75,17 +60,19 @@ class StatsObserver(nn.Module):
     """
 
     def __init__(self, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, *,
-                 percentile: bool = True, histogram: bool = True):
+                 percentile: bool = True, histogram: bool = True, expected_channels: Optional[int] = None):
         super().__init__()
         self.channel_axis = channel_axis
         self.reference_percentile = reference_percentile
         self.percentile = percentile
         self.histogram = histogram
         self._folded = TensorStats.empty(channel_axis, reference_percentile)
+        # float32 CPU batches: folded as they arrive (see qlint.stats.stream)
+        self._stream: Optional[KernelStream] = None
+        if expected_channels and kernel.available():  # buffers made now, not mid-forward
+            self._stream = self._new_stream(expected_channels)
+        # every other batch: summaries kept in a chunk, folded FOLD_EVERY at a time
         self._chunk: Optional[SummaryChunk] = None
-        # Not a statistic: guesses that speed up the next batch's percentile. A plain
-        # holder object, so the per-batch update skips nn.Module.__setattr__.
-        self._hint = _SelectionHint()
 
     @property
     def stats(self) -> TensorStats:
@@ -95,26 +82,48 @@ class StatsObserver(nn.Module):
 
     @stats.setter
     def stats(self, stats: TensorStats) -> None:
+        self._stream = None
         self._chunk = None
         self._folded = stats
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
-            summary = summarize_values(value, self.channel_axis, self.reference_percentile,
-                                       scratch=thread_scratch_buffers(), percentile=self.percentile,
-                                       histogram=self.histogram, selection_hint=self._hint.value)
-            self._hint.keep(summary.selection_hint)
-            width = self._chunk.channels if self._chunk is not None else self._folded.num_channels
-            if width and summary.channels != width:
-                raise ValueError(f"channel count changed from {width} to {summary.channels}")
-            if self._chunk is not None and not self._chunk.accepts(summary):
-                self._fold()  # full, or the data moved to another device
-            if self._chunk is None or self._chunk.device != summary.device:
-                self._chunk = SummaryChunk(FOLD_EVERY, summary.channels, summary.device)
-            self._chunk.add(summary)
+            self._observe(value)
         return value
 
+    def _observe(self, value: torch.Tensor) -> None:
+        width = self._width()
+        if width and channel_count(value.shape, self.channel_axis) != width:
+            raise ValueError(f"channel count changed from {width} to {channel_count(value.shape, self.channel_axis)}")
+        scratch = thread_scratch_buffers()
+        if self._stream is None and value.dtype == torch.float32 and value.device.type == "cpu" and kernel.available():
+            self._stream = self._new_stream(None)
+        if self._stream is not None and self._stream.add(value, scratch):
+            return
+        # The compiled path refused this batch (or does not apply): the tensor-op paths take it.
+        summary = summarize_values(value, self.channel_axis, self.reference_percentile, scratch=scratch,
+                                   percentile=self.percentile, histogram=self.histogram, use_kernel=False)
+        if self._chunk is not None and not self._chunk.accepts(summary):
+            self._fold()  # full, or the data moved to another device
+        if self._chunk is None or self._chunk.device != summary.device:
+            self._chunk = SummaryChunk(FOLD_EVERY, summary.channels, summary.device)
+        self._chunk.add(summary)
+
+    def _new_stream(self, expected_channels: Optional[int]) -> KernelStream:
+        return KernelStream(self.channel_axis, self.reference_percentile, percentile=self.percentile,
+                            histogram=self.histogram, expected_channels=expected_channels)
+
+    def _width(self) -> int:
+        """Channels seen so far (0 before the first batch)."""
+        if self._stream is not None and self._stream.observed_channels:
+            return self._stream.observed_channels
+        if self._chunk is not None:
+            return self._chunk.channels
+        return self._folded.num_channels
+
     def _fold(self) -> None:
+        if self._stream is not None and len(self._stream):
+            self._folded = self._folded.merge(self._stream.take())
         if self._chunk is not None and len(self._chunk):
             self._folded = self._folded.merge(self._chunk.stats(self.channel_axis, self.reference_percentile))
             self._chunk.clear()
