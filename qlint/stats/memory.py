@@ -33,23 +33,24 @@ def off_heap_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 class FreeHeapReturner:
     """Between calibration batches, hand glibc's free heap pages back to the OS
-    when resident memory has grown.
+    once, and again only if resident memory keeps growing.
 
     Activations are freed after each batch, but glibc keeps their pages, and
-    how much stays resident depends on where later blocks land: measured here,
-    peak RSS during calibration varied by 10-20 % of the model's footprint
-    from heap placement alone. ``malloc_trim`` returns free pages, but pages
-    that the next batch uses again then cost a page fault each: trimming after
-    every batch cost the encoder benchmark ~10 % time for no lower peak. So
-    trim after the first batch (one-time allocations are done by then) and
-    afterwards only when RSS has grown by more than ``growth`` bytes since the
-    last trim. Reading RSS costs a few microseconds. Does nothing where
-    glibc's ``malloc_trim`` or ``/proc/self/statm`` is absent."""
+    how much stays resident depends on where blocks land: measured here, peak
+    RSS during calibration varied by 10-20 % of the model's footprint from
+    heap placement alone. ``malloc_trim`` returns free pages, but every page
+    the next batch uses again then costs a page fault: trimming after every
+    batch cost the ResNet benchmark ~25 % time. So trim after the first batch
+    (setup and one-time allocations are done by then), and afterwards only
+    when RSS after a batch exceeds the highest RSS seen after any earlier
+    batch by more than ``growth`` bytes, i.e. when the heap keeps growing
+    rather than re-using pages. Reading RSS costs a few microseconds. Does
+    nothing where glibc's ``malloc_trim`` or ``/proc/self/statm`` is absent."""
 
     def __init__(self, growth: int = 32 << 20) -> None:
         self.growth = growth
         self.trims = 0
-        self._baseline: Optional[int] = None
+        self._highest: Optional[int] = None  # highest RSS after a batch, before any trim
         self._trim = None
         try:
             self._trim = ctypes.CDLL(None).malloc_trim
@@ -60,11 +61,14 @@ class FreeHeapReturner:
         if self._trim is None:
             return
         resident = resident_bytes()
-        if resident is None or (self._baseline is not None and resident <= self._baseline + self.growth):
+        if resident is None:
+            return
+        highest = self._highest
+        self._highest = resident if highest is None else max(highest, resident)
+        if highest is not None and resident <= highest + self.growth:
             return
         self._trim(0)
         self.trims += 1
-        self._baseline = resident_bytes()
 
 
 def resident_bytes() -> Optional[int]:
