@@ -3,13 +3,16 @@
     python bench/calibration.py [--batches 8] [--batch-size 8] [--models resnet18,encoder]
                                 [--repeats 3] [--loops 3]
 
-Each (model, mode) runs in its own subprocess on the same seeded batches, so peak
-RSS is measured per mode; times are wall-clock of the batch loop only (model
-build, tracing and observer insertion are reported separately as setup). The
-development VM shares its cores with other tenants, so single timings swing by
-+-30 %: every run times ``--loops`` passes and keeps the fastest, modes alternate
-within each of ``--repeats`` rounds, and the table shows medians over rounds plus
-the range of the per-round ratios.
+Times are wall-clock of the batch loop only (model build, tracing and observer
+insertion are reported separately as setup). The development VM shares its
+cores with other tenants, and its speed drifts by +-30 % over minutes, so the
+ratios are measured side by side: one process holds every mode and runs one
+pass of each in turn, ``repeats x loops`` rounds (ModelReport, ~20x slower,
+every ``loops``-th round); the table shows the median and range of the
+per-round ratios. Peak RSS needs a process per mode: each (model, mode) also
+runs in its own subprocess on the same seeded batches, ``--repeats`` times,
+modes alternating; those runs' times (fastest of ``--loops`` passes) are shown
+too, as "separate".
 """
 
 from __future__ import annotations
@@ -122,15 +125,12 @@ def batches(name, count, size):
     return [torch.randn(shape, generator=generator) for _ in range(count)]
 
 
-def run_one(name, mode, count, size, loops=1):
-    model = build(name)
-    data = batches(name, count, size)
-    example = (data[0],)
-    setup = time.perf_counter()
+def make_runner(name, mode, model, example):
+    """The module whose forward passes each mode times (plain: the model itself)."""
     if mode == "plain":
-        runner = model
-    elif mode == "qlint":
-        from qlint.calibration import insert_observers, resolve_point_needs, resolve_points, run_calibration
+        return model
+    if mode == "qlint":
+        from qlint.calibration import insert_observers, resolve_point_needs, resolve_points
         from qlint.engine import analyse, instantiate_rules
         from qlint.registry import Registry
 
@@ -138,18 +138,39 @@ def run_one(name, mode, count, size, loops=1):
         rules = instantiate_rules(Registry.default(include_plugins=False).select(["QL201", "QL202", "QL203"], None), {})
         runner, _, _ = insert_observers(analysis.traced.graph_module, resolve_points(analysis.graph, rules),
                                         needs=resolve_point_needs(analysis.graph, rules))
-    else:
-        from torch.ao.quantization import get_default_qconfig_mapping
-        from torch.ao.quantization.fx._model_report.detector import (DynamicStaticDetector,
-                                                                      InputWeightEqualizationDetector,
-                                                                      OutlierDetector, PerChannelDetector)
-        from torch.ao.quantization.fx._model_report.model_report import ModelReport
-        from torch.ao.quantization.quantize_fx import prepare_fx
+        return runner
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.fx._model_report.detector import (DynamicStaticDetector,
+                                                                  InputWeightEqualizationDetector,
+                                                                  OutlierDetector, PerChannelDetector)
+    from torch.ao.quantization.fx._model_report.model_report import ModelReport
+    from torch.ao.quantization.quantize_fx import prepare_fx
 
-        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), example)
-        report = ModelReport(prepared, {PerChannelDetector(), DynamicStaticDetector(),
-                                        InputWeightEqualizationDetector(0.5), OutlierDetector()})
-        runner = report.prepare_detailed_calibration()
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), example)
+    report = ModelReport(prepared, {PerChannelDetector(), DynamicStaticDetector(),
+                                    InputWeightEqualizationDetector(0.5), OutlierDetector()})
+    return report.prepare_detailed_calibration()
+
+
+def time_batches(runner, mode, data):
+    """Seconds for one pass over the batches, the way each mode runs them."""
+    start = time.perf_counter()
+    if mode == "qlint":  # qlint's own batch loop, as `qlint --calibration` and qlint.lint run it
+        from qlint.calibration import run_calibration
+
+        run_calibration(runner, data, quiet=True)
+    else:
+        for batch in data:
+            runner(batch)
+    return time.perf_counter() - start
+
+
+def run_one(name, mode, count, size, loops=1):
+    model = build(name)
+    data = batches(name, count, size)
+    example = (data[0],)
+    setup = time.perf_counter()
+    runner = make_runner(name, mode, model, example)
     setup = time.perf_counter() - setup
     runner.eval()
     with torch.no_grad():
@@ -157,13 +178,7 @@ def run_one(name, mode, count, size, loops=1):
         peak_resettable = _reset_peak_rss()
         loop_seconds = []
         for _ in range(loops):  # the fastest loop: the one least disturbed by other tenants of the VM
-            start = time.perf_counter()
-            if mode == "qlint":  # qlint's own batch loop, as `qlint --calibration` and qlint.lint run it
-                run_calibration(runner, data, quiet=True)
-            else:
-                for batch in data:
-                    runner(batch)
-            loop_seconds.append(time.perf_counter() - start)
+            loop_seconds.append(time_batches(runner, mode, data))
         seconds = min(loop_seconds)
     loop_peak_mib = _peak_rss_since_reset_mib() if peak_resettable else None
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -181,6 +196,25 @@ def run_one(name, mode, count, size, loops=1):
                           peak_rss_mib=peak_mib, loop_peak_rss_mib=loop_peak_mib, threads=torch.get_num_threads())))
 
 
+def run_interleaved(name, modes, count, size, rounds, loops):
+    """Every mode in one process, one pass each in turn, ``rounds`` times (ModelReport, ~20x
+    slower, every ``loops``-th round): the VM's slow and fast phases then hit all modes alike,
+    which separate processes minutes apart do not guarantee."""
+    model = build(name)
+    data = batches(name, count, size)
+    runners = {mode: make_runner(name, mode, model, (data[0],)) for mode in modes}
+    seconds: dict[str, list] = {mode: [] for mode in modes}
+    with torch.no_grad():
+        for mode, runner in runners.items():
+            runner.eval()
+            runner(data[0])  # warm-up
+        for number in range(rounds):
+            for mode, runner in runners.items():
+                slow = mode == "modelreport" and number % loops
+                seconds[mode].append(None if slow else time_batches(runner, mode, data))
+    print(json.dumps(dict(model=name, seconds=seconds)))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, default=8)
@@ -192,41 +226,59 @@ def main():
     parser.add_argument("--loops", type=int, default=3,
                         help="timed passes over the batches per run (the fastest counts); ModelReport gets 1")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         run_one(args.one[0], args.one[1], args.batches, args.batch_size, args.loops)
         return
+    if args.interleaved:
+        run_interleaved(args.interleaved, args.modes.split(","), args.batches, args.batch_size,
+                        args.repeats * args.loops, args.loops)
+        return
     modes = args.modes.split(",")
     results: dict[tuple[str, str], list[dict]] = {}
+    side_by_side: dict[str, dict[str, list]] = {}
+    common = ["--batches", str(args.batches), "--batch-size", str(args.batch_size)]
     for name in args.models.split(","):
-        # Modes alternate within each repeat, so a slow phase of the shared machine hits them alike.
+        out = subprocess.run([sys.executable, __file__, "--interleaved", name, "--modes", ",".join(modes),
+                              "--repeats", str(args.repeats), "--loops", str(args.loops)] + common,
+                             capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            print(out.stderr[-2000:], file=sys.stderr)
+        else:
+            side_by_side[name] = json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+        # Memory needs a process per mode; modes alternate within each repeat.
         for _ in range(args.repeats):
             for mode in modes:
                 loops = 1 if mode == "modelreport" else args.loops
-                out = subprocess.run([sys.executable, __file__, "--one", name, mode, "--batches", str(args.batches),
-                                      "--batch-size", str(args.batch_size), "--loops", str(loops)],
+                out = subprocess.run([sys.executable, __file__, "--one", name, mode, "--loops", str(loops)] + common,
                                      capture_output=True, text=True, cwd=ROOT)
                 if out.returncode:
                     print(out.stderr[-2000:], file=sys.stderr)
                     continue
                 results.setdefault((name, mode), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
-    # "loop peak": the kernel's peak-RSS mark reset just before the timed batches, i.e. peak RSS
-    # during calibration itself; "process peak" also covers imports, tracing and observer insertion.
-    print(f"{'model':10} {'mode':12} {'batch loop s':>12} {'x plain':>8} {'(range)':>13} {'loop peak MiB':>14} "
-          f"{'x plain':>8} {'process peak MiB':>17} {'x plain':>8} {'setup s':>8}")
+    # "side by side": every mode in one process, one pass each in turn; the median and range of
+    # the per-round ratios. "separate": the medians of the per-mode processes (fastest of --loops
+    # passes each), which also measure memory. "loop peak": the kernel's peak-RSS mark reset just
+    # before the timed batches, i.e. peak RSS during calibration itself; "process peak" also
+    # covers imports, tracing and observer insertion.
+    print(f"{'model':10} {'mode':12} {'x plain side by side':>21} {'(range)':>13} {'separate s':>10} "
+          f"{'x plain':>8} {'loop peak MiB':>14} {'x plain':>8} {'process peak MiB':>17} {'x plain':>8} "
+          f"{'setup s':>8}")
     for (name, mode), runs in results.items():
         plain_runs = results.get((name, "plain"))
         if not plain_runs:
             continue
+        rounds = side_by_side.get(name, {})
+        ratios = [t / p for t, p in zip(rounds.get(mode, []), rounds.get("plain", [])) if t is not None]
+        together = f"{_median(ratios):21.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>13}" if ratios else \
+            f"{'n/a':>21} {'':>13}"
         seconds, plain_seconds = _median([r["seconds"] for r in runs]), _median([r["seconds"] for r in plain_runs])
-        # per-repeat ratios (run i of this mode against run i of plain) show the spread
-        ratios = [r["seconds"] / p["seconds"] for r, p in zip(runs, plain_runs)]
         loop = _median([r["loop_peak_rss_mib"] for r in runs if r["loop_peak_rss_mib"]] or [0])
         plain_loop = _median([r["loop_peak_rss_mib"] for r in plain_runs if r["loop_peak_rss_mib"]] or [0])
         peak, plain_peak = _median([r["peak_rss_mib"] for r in runs]), _median([r["peak_rss_mib"] for r in plain_runs])
         loop_text = f"{loop:14.0f} {loop / plain_loop:8.2f}" if loop and plain_loop else f"{'n/a':>14} {'':8}"
-        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        print(f"{name:10} {mode:12} {seconds:12.2f} {seconds / plain_seconds:8.2f} {spread:>13} {loop_text} "
+        print(f"{name:10} {mode:12} {together} {seconds:10.2f} {seconds / plain_seconds:8.2f} {loop_text} "
               f"{peak:17.0f} {peak / plain_peak:8.2f} {_median([r['setup'] for r in runs]):8.2f}")
 
 
