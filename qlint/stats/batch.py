@@ -62,11 +62,8 @@ class BatchSummary:
     inf_count: PerChannel
     reference: Optional[torch.Tensor]  # None: the percentile was not requested
     histogram: Optional[torch.Tensor]  # None: not requested
-    # Not a statistic: guesses that make the next batch's percentile cheaper
-    # (see qlint.stats.kernel); None when this batch did not produce any.
-    selection_hint: Optional[torch.Tensor] = None
-    # The float rows (min, max, sum, sum of squares, reference, selection hint)
-    # already stacked as float64 [6, channels], when the producer had them so:
+    # The float rows (min, max, sum, sum of squares, reference, and the kernel's
+    # selection hint) already stacked as float64 [6, channels], when the producer had them so:
     # a chunk then stores the batch with one copy.
     packed: Optional[torch.Tensor] = None
 
@@ -79,12 +76,9 @@ class BatchSummary:
 def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference_percentile: float, *,
                      scratch: Optional[ScratchBuffers] = None, sync_free: Optional[bool] = None,
                      percentile: bool = True, histogram: bool = True,
-                     selection_hint: Optional[torch.Tensor] = None,
                      use_kernel: bool = True) -> Optional[BatchSummary]:
     """Reduce one floating batch to its :class:`BatchSummary` (None for an empty batch).
 
-    ``selection_hint``: the ``selection_hint`` of the previous summary of the
-    same stream, if any; it only changes how fast the percentile is found.
     ``use_kernel=False`` skips the compiled fast path (for a batch it already refused)."""
     if not batch.is_floating_point():
         raise TypeError(f"summarize_batch needs a floating tensor, got {batch.dtype}")
@@ -100,7 +94,7 @@ def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference
     with torch.no_grad():
         if use_kernel and not sync_free and batch.dtype == torch.float32 and kernel.available():
             summary = _summarize_finite_with_kernel(batch, channel_axis, reference_percentile, percentile,
-                                                    histogram, selection_hint, scratch)
+                                                    histogram, scratch)
             if summary is not None:
                 return summary
         values, by_column = _channel_layout(batch.detach(), channel_axis, scratch)
@@ -124,7 +118,7 @@ class SummaryChunk:
     the stored batches with a handful of vectorised ops."""
 
     # The last row only mirrors BatchSummary.packed's layout (one copy per batch); it is never folded.
-    _FLOAT_ROWS = ("channel_min", "channel_max", "sum", "sum_of_squares", "reference", "selection_hint")
+    _FLOAT_ROWS = ("channel_min", "channel_max", "sum", "sum_of_squares", "reference", "unused_hint")
     _COUNT_ROWS = ("count", "nan_count", "inf_count")
 
     def __init__(self, capacity: int, channels: int, device: torch.device) -> None:
@@ -355,8 +349,7 @@ def wanted_rank(width: int, q: float) -> int:
 
 
 def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[int], q: float, percentile: bool,
-                                  histogram: bool, hint: Optional[torch.Tensor],
-                                  scratch: ScratchBuffers) -> Optional[BatchSummary]:
+                                  histogram: bool, scratch: ScratchBuffers) -> Optional[BatchSummary]:
     """Compiled fast path (float32 CPU): every statistic in one read, in place in any layout.
 
     None when the batch is not finite or of moderate magnitude: the general path takes it."""
@@ -366,18 +359,16 @@ def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[in
     outer, channels, inner = values.shape
     width = outer * inner
     wanted = wanted_rank(width, q) if percentile else None
-    if hint is not None and (wanted is None or tuple(hint.shape) != (channels,)):
-        hint = None
-    result = kernel.summarize_channels(values, wanted, histogram=histogram, hint=hint)
+    result = kernel.summarize_channels(values, wanted, histogram=histogram)
     if not result.trusted:
         return None
     packed = result.packed
-    channel_min, channel_max, channel_sum, sum_of_squares, reference, next_hint = packed.unbind(0)
+    channel_min, channel_max, channel_sum, sum_of_squares, reference, _ = packed.unbind(0)
     key_counts = result.key_counts
     return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
                         reference if percentile else None,
                         histogram_of_key_counts(key_counts) if key_counts is not None else None,
-                        next_hint if percentile else None, packed)
+                        packed=packed)
 
 
 def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers, percentile: bool,

@@ -92,9 +92,9 @@ class StatsObserver(nn.Module):
         return value
 
     def _observe(self, value: torch.Tensor) -> None:
-        width = self._width()
-        if width and channel_count(value.shape, self.channel_axis) != width:
-            raise ValueError(f"channel count changed from {width} to {channel_count(value.shape, self.channel_axis)}")
+        width, channels = self._width(), channel_count(value.shape, self.channel_axis)
+        if width and channels != width:
+            raise ValueError(f"channel count changed from {width} to {channels}")
         scratch = thread_scratch_buffers()
         if self._stream is None and value.dtype == torch.float32 and value.device.type == "cpu" and kernel.available():
             self._stream = self._new_stream(None)
