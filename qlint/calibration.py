@@ -355,7 +355,7 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
     progress = None if quiet or not sys.stderr.isatty() else _progress(total)
     return_free_heap = FreeHeapReturner()
     if device.type == "cpu":
-        kernel.start_workers()
+        kernel.prepare_parallel()
     count = 0
     try:
         with torch.no_grad():

@@ -66,6 +66,7 @@
 #define BLOCK_WITHOUT_SELECTION 64  /* values per block (float partial sums) when there is no selection */
 #define MODERATE_LOW 1e-15   /* channel magnitudes where float32 partial sums of squares are exact enough */
 #define MODERATE_HIGH 1e15
+#define HISTOGRAM_KEYS 512  /* (sign, exponent) keys of float32 values */
 #define REDO_BY_COLUMN 16  /* more failed hints than this in a band: redo them in one read of its rows */
 
 typedef struct {
@@ -522,11 +523,13 @@ static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py
             if (job->histogram != NULL)
                 count_exponents(job->histogram, values, width);
         }
-        for (Py_ssize_t j = 0; j < width; ++j) {
-            band->low[j] = block_low[j] < band->low[j] ? block_low[j] : band->low[j];
-            band->high[j] = block_high[j] > band->high[j] ? block_high[j] : band->high[j];
-            band->sum[j] += block_sum[j];
-            band->sum_of_squares[j] += block_squares[j];
+        float *restrict low = band->low, *restrict high = band->high;
+        double *restrict sum = band->sum, *restrict squares = band->sum_of_squares;
+        for (Py_ssize_t j = 0; j < width; ++j) {  /* restrict: vectorised */
+            low[j] = block_low[j] < low[j] ? block_low[j] : low[j];
+            high[j] = block_high[j] > high[j] ? block_high[j] : high[j];
+            sum[j] += block_sum[j];
+            squares[j] += block_squares[j];
         }
         if (select)
             memcpy(band->block_max + b * width, block_high, sizeof(float) * (size_t)width);
@@ -899,46 +902,215 @@ static int summarize_channel_major(const Job *job)
 }
 
 /* ---------------------------------------------------------------------- Python entry */
-static PyObject *summarize(PyObject *self, PyObject *args)
+/* Runs one job; returns 0, or -1 when out of memory. `*trusted` becomes 0 when
+ * some channel of the job's range is not finite or not of moderate magnitude. */
+static int run_job(const Job *job, int *trusted)
 {
-    Py_ssize_t data, outer, channels, inner, m, channel_begin, channel_end;
-    Py_ssize_t out, hint, histogram;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnn", &data, &outer, &channels, &inner, &m, &channel_begin,
-                          &channel_end, &out, &hint, &histogram))
-        return NULL;
-    if (data == 0 || out == 0) {
-        PyErr_SetString(PyExc_ValueError, "null data or output address");
-        return NULL;
-    }
-    if (outer < 1 || channels < 1 || inner < 1 || channel_begin < 0 || channel_end > channels ||
-        channel_begin > channel_end || m < 0 || m > outer * inner || (m == 0 && hint != 0)) {
-        PyErr_SetString(PyExc_ValueError, "inconsistent shape, channel range, m or hint");
-        return NULL;
-    }
-    double *rows = (double *)out;
-    Job job = {
-        (const float *)data, outer, channels, inner, m, channel_begin, channel_end,
-        rows, rows + channels, rows + 2 * channels, rows + 3 * channels, m > 0 ? rows + 4 * channels : NULL,
-        (const double *)hint, m > 0 ? rows + 5 * channels : NULL, (int64_t *)histogram,
-    };
-    int status, trusted = 1;
-    Py_BEGIN_ALLOW_THREADS
-    status = inner == 1 ? summarize_channel_last(&job) : summarize_channel_major(&job);
-    if (m == 0) {  /* the selection rows hold NaN: not computed */
-        for (Py_ssize_t channel = channel_begin; channel < channel_end; ++channel)
+    const int status = job->inner == 1 ? summarize_channel_last(job) : summarize_channel_major(job);
+    double *rows = job->out_min;
+    const Py_ssize_t channels = job->channels;
+    if (job->m == 0) {  /* the selection rows hold NaN: not computed */
+        for (Py_ssize_t channel = job->channel_begin; channel < job->channel_end; ++channel)
             rows[4 * channels + channel] = rows[5 * channels + channel] = NAN;
     }
-    for (Py_ssize_t channel = channel_begin; channel < channel_end && trusted; ++channel) {
+    int ok = 1;
+    for (Py_ssize_t channel = job->channel_begin; channel < job->channel_end && ok; ++channel) {
         /* float32 partial sums of squares under- or overflow outside this range of magnitudes */
-        const double largest = fmax(fabs(job.out_min[channel]), fabs(job.out_max[channel]));
-        trusted = isfinite(job.out_sum[channel]) && isfinite(job.out_sum_of_squares[channel]) &&
-                  largest < MODERATE_HIGH && (largest > MODERATE_LOW || largest == 0.0);
+        const double largest = fmax(fabs(job->out_min[channel]), fabs(job->out_max[channel]));
+        ok = isfinite(job->out_sum[channel]) && isfinite(job->out_sum_of_squares[channel]) &&
+             largest < MODERATE_HIGH && (largest > MODERATE_LOW || largest == 0.0);
     }
+    *trusted = ok;
+    return status;
+}
+
+/* ---------------------------------------------------------------------- parallel runs
+ * A batch's work is cut into parts (channel ranges; value ranges for one
+ * channel without a selection) that run at once in the OpenMP team of the
+ * process's OpenMP runtime, torch's, entered through its GOMP_parallel entry
+ * point. The runtime is found at run time (set_team; this file is not built
+ * with OpenMP); without it the parts run one after another in the calling
+ * thread. Why not threads of our own: right after each of its parallel
+ * regions torch's idle team members keep spinning on their cores for a while,
+ * and an observer runs just then, so a thread of ours shared a core with a
+ * spinning one (measured on the encoder benchmark: the part on the calling
+ * thread took as long as the whole batch alone). The team's members are those
+ * very threads, and a spinning member takes new work within microseconds. */
+#define MOST_PARTS 64
+
+typedef void (*ParallelEntry)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*TeamQuery)(void);
+
+static ParallelEntry team_parallel;
+static TeamQuery team_thread_number, team_size;
+
+typedef struct {
+    const Job *jobs;
+    Py_ssize_t count;
+    int status[MOST_PARTS], trusted[MOST_PARTS];
+} PartsRun;
+
+static void team_member(void *argument)
+{
+    PartsRun *run = (PartsRun *)argument;
+    const Py_ssize_t size = team_size(), first = team_thread_number();
+    for (Py_ssize_t k = first; k < run->count; k += size)
+        run->status[k] = run_job(&run->jobs[k], &run->trusted[k]);
+}
+
+static void release_in_team(void *argument)
+{
+    (void)argument;
+    workspace_free();
+}
+
+/* Runs every job; returns 0 (and whether all are trusted), or -1 when out of memory. */
+static int run_parts(const Job *jobs, Py_ssize_t count, int *trusted)
+{
+    PartsRun run;
+    run.jobs = jobs;
+    run.count = count;
+    if (count > 1 && team_parallel != NULL) {
+        team_parallel(team_member, &run, (unsigned)count, 0);
+    } else {
+        for (Py_ssize_t k = 0; k < count; ++k)
+            run.status[k] = run_job(&jobs[k], &run.trusted[k]);
+    }
+    *trusted = 1;
+    for (Py_ssize_t k = 0; k < count; ++k) {
+        if (run.status[k] != 0)
+            return -1;
+        *trusted = *trusted && run.trusted[k];
+    }
+    return 0;
+}
+
+typedef struct {
+    Job job;  /* the whole batch */
+    Py_ssize_t parts;
+    int64_t *key_counts;  /* `parts` rows of HISTOGRAM_KEYS, or NULL */
+} Request;
+
+/* Parses (data, outer, channels, inner, m, parts, out, hint, key_counts); 0, or -1 with an exception set. */
+static int parse_request(PyObject *args, Py_ssize_t offset, Request *request)
+{
+    Py_ssize_t data, outer, channels, inner, m, parts, out, hint, key_counts;
+    PyObject *head = PyTuple_GetSlice(args, offset, offset + 9);
+    if (head == NULL)
+        return -1;
+    const int parsed = PyArg_ParseTuple(head, "nnnnnnnnn", &data, &outer, &channels, &inner, &m, &parts, &out,
+                                        &hint, &key_counts);
+    Py_DECREF(head);
+    if (!parsed)
+        return -1;
+    if (data == 0 || out == 0) {
+        PyErr_SetString(PyExc_ValueError, "null data or output address");
+        return -1;
+    }
+    if (outer < 1 || channels < 1 || inner < 1 || m < 0 || m > outer * inner || (m == 0 && hint != 0) ||
+        parts < 1 || parts > MOST_PARTS) {
+        PyErr_SetString(PyExc_ValueError, "inconsistent shape, m, hint or parts");
+        return -1;
+    }
+    double *rows = (double *)out;
+    const Job job = {
+        (const float *)data, outer, channels, inner, m, 0, channels,
+        rows, rows + channels, rows + 2 * channels, rows + 3 * channels, m > 0 ? rows + 4 * channels : NULL,
+        (const double *)hint, m > 0 ? rows + 5 * channels : NULL, NULL,
+    };
+    request->job = job;
+    request->parts = parts;
+    request->key_counts = (int64_t *)key_counts;
+    return 0;
+}
+
+/* Summarizes the request's batch in its parts; 0, or -1 when out of memory. */
+static int summarize_request(const Request *request, int *trusted)
+{
+    const Job *whole = &request->job;
+    const Py_ssize_t channels = whole->channels, values = whole->outer * whole->inner;
+    Job jobs[MOST_PARTS];
+    if (channels == 1 && whole->m == 0 && whole->outer == 1 && request->parts > 1) {
+        /* one channel, no selection: value ranges, each summarized as a channel of its own */
+        const Py_ssize_t parts = request->parts < values ? request->parts : values;
+        double rows[MOST_PARTS][6];
+        for (Py_ssize_t k = 0; k < parts; ++k) {
+            const Py_ssize_t first = values * k / parts, last = values * (k + 1) / parts;
+            const Job part = {
+                whole->data + first, 1, 1, last - first, 0, 0, 1,
+                &rows[k][0], &rows[k][1], &rows[k][2], &rows[k][3], NULL, NULL, NULL,
+                request->key_counts != NULL ? request->key_counts + k * HISTOGRAM_KEYS : NULL,
+            };
+            jobs[k] = part;
+        }
+        if (run_parts(jobs, parts, trusted) != 0)
+            return -1;
+        double low = INFINITY, high = -INFINITY, sum = 0.0, squares = 0.0;
+        for (Py_ssize_t k = 0; k < parts; ++k) {
+            low = rows[k][0] < low ? rows[k][0] : low;
+            high = rows[k][1] > high ? rows[k][1] : high;
+            sum += rows[k][2];
+            squares += rows[k][3];
+        }
+        whole->out_min[0] = low;
+        whole->out_max[0] = high;
+        whole->out_sum[0] = sum;
+        whole->out_sum_of_squares[0] = squares;
+        whole->out_min[4] = whole->out_min[5] = NAN;  /* rows of the selection: not computed */
+        return 0;
+    }
+    const Py_ssize_t parts = request->parts < channels ? request->parts : channels;
+    for (Py_ssize_t k = 0; k < parts; ++k) {
+        jobs[k] = *whole;
+        jobs[k].channel_begin = channels * k / parts;
+        jobs[k].channel_end = channels * (k + 1) / parts;
+        jobs[k].histogram = request->key_counts != NULL ? request->key_counts + k * HISTOGRAM_KEYS : NULL;
+    }
+    return run_parts(jobs, parts, trusted);
+}
+
+static PyObject *summarize(PyObject *self, PyObject *args)
+{
+    Request request;
+    (void)self;
+    if (parse_request(args, 0, &request) != 0)
+        return NULL;
+    int status, trusted;
+    Py_BEGIN_ALLOW_THREADS
+    status = summarize_request(&request, &trusted);
     Py_END_ALLOW_THREADS
     if (status != 0)
         return PyErr_NoMemory();
     return PyBool_FromLong(trusted);
+}
+
+static PyObject *set_team(PyObject *self, PyObject *args)
+{
+    Py_ssize_t parallel, thread_number, size;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnn", &parallel, &thread_number, &size))
+        return NULL;
+    if ((parallel == 0) != (thread_number == 0) || (parallel == 0) != (size == 0)) {
+        PyErr_SetString(PyExc_ValueError, "give all three entry points, or none");
+        return NULL;
+    }
+    team_parallel = (ParallelEntry)parallel;
+    team_thread_number = (TeamQuery)thread_number;
+    team_size = (TeamQuery)size;
+    Py_RETURN_NONE;
+}
+
+static PyObject *release_team_workspaces(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    if (team_parallel != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        team_parallel(release_in_team, NULL, 0, 0);
+        Py_END_ALLOW_THREADS
+    }
+    workspace_free();
+    Py_RETURN_NONE;
 }
 
 /* Adds one batch's summary (rows as summarize writes them) to a stream's running
@@ -949,24 +1121,15 @@ static PyObject *summarize(PyObject *self, PyObject *args)
  * The ratio rows are left alone when `with_ratio` is false. Returns the batch's
  * range over all channels (max of maxima - min of minima). Every input is a
  * trusted summary: finite, as summarize reports. */
-static PyObject *fold(PyObject *self, PyObject *args)
+static double fold_summary(const double *summary, Py_ssize_t channels, double *totals, int64_t *flags,
+                           int with_ratio)
 {
-    Py_ssize_t summary_address, channels, totals_address, flags_address;
-    int with_ratio;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "nnnnp", &summary_address, &channels, &totals_address, &flags_address,
-                          &with_ratio))
-        return NULL;
-    if (summary_address == 0 || totals_address == 0 || flags_address == 0 || channels < 1) {
-        PyErr_SetString(PyExc_ValueError, "null address or no channels");
-        return NULL;
-    }
-    const double *low = (const double *)summary_address, *high = low + channels, *sum = high + channels;
+    const double *low = summary, *high = low + channels, *sum = high + channels;
     const double *squares = sum + channels, *kth = squares + channels;
-    double *total_low = (double *)totals_address, *total_high = total_low + channels;
+    double *total_low = totals, *total_high = total_low + channels;
     double *total_sum = total_high + channels, *total_squares = total_sum + channels;
     double *ratio_sum = total_squares + channels;
-    int64_t *counted = (int64_t *)flags_address, *zero_denominator = counted + channels;
+    int64_t *counted = flags, *zero_denominator = counted + channels;
     int64_t *constant = zero_denominator + channels;
     double batch_low = INFINITY, batch_high = -INFINITY;
     for (Py_ssize_t j = 0; j < channels; ++j) {
@@ -986,7 +1149,58 @@ static PyObject *fold(PyObject *self, PyObject *args)
             zero_denominator[j] += high[j] != 0.0;
         }
     }
-    return PyFloat_FromDouble(batch_high - batch_low);
+    return batch_high - batch_low;
+}
+
+static PyObject *fold(PyObject *self, PyObject *args)
+{
+    Py_ssize_t summary_address, channels, totals_address, flags_address;
+    int with_ratio;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnp", &summary_address, &channels, &totals_address, &flags_address,
+                          &with_ratio))
+        return NULL;
+    if (summary_address == 0 || totals_address == 0 || flags_address == 0 || channels < 1) {
+        PyErr_SetString(PyExc_ValueError, "null address or no channels");
+        return NULL;
+    }
+    return PyFloat_FromDouble(fold_summary((const double *)summary_address, channels, (double *)totals_address,
+                                           (int64_t *)flags_address, with_ratio));
+}
+
+/* summarize, then, when the batch is trusted, fold: one call per observed batch. */
+static PyObject *add_batch(PyObject *self, PyObject *args)
+{
+    Request request;
+    Py_ssize_t totals, flags;
+    (void)self;
+    if (PyTuple_GET_SIZE(args) != 11) {
+        PyErr_SetString(PyExc_TypeError, "add_batch takes 11 arguments");
+        return NULL;
+    }
+    if (parse_request(args, 0, &request) != 0)
+        return NULL;
+    totals = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 9));
+    flags = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 10));
+    if (PyErr_Occurred())
+        return NULL;
+    if (totals == 0 || flags == 0) {
+        PyErr_SetString(PyExc_ValueError, "null totals or flags address");
+        return NULL;
+    }
+    int status, trusted;
+    double range = 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    status = summarize_request(&request, &trusted);
+    if (status == 0 && trusted)
+        range = fold_summary(request.job.out_min, request.job.channels, (double *)totals, (int64_t *)flags,
+                             request.job.m > 0);
+    Py_END_ALLOW_THREADS
+    if (status != 0)
+        return PyErr_NoMemory();
+    if (!trusted)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(range);
 }
 
 static PyObject *release_workspace(PyObject *self, PyObject *args)
@@ -1016,11 +1230,20 @@ static PyMethodDef methods[] = {
      "fold(summary, channels, totals, flags, with_ratio) -> batch range: add one trusted summary (as summarize "
      "writes it) to a stream's running float64 [5, C] totals (min, max, sum, sum of squares, ratio sum) and "
      "int64 [3, C] flags (ratio batches, zero-quantile batches, constant batches). Use qlint.stats.stream."},
+    {"add_batch", add_batch, METH_VARARGS,
+     "add_batch(data, outer, channels, inner, m, parts, out, hint, key_counts, totals, flags) -> batch range "
+     "or None: summarize, then fold when the batch is trusted (None: untrusted, totals untouched)."},
+    {"set_team", set_team, METH_VARARGS,
+     "set_team(parallel, thread_number, team_size): run parts in the OpenMP team entered through these "
+     "addresses (GOMP_parallel, omp_get_thread_num, omp_get_num_threads); all 0: in the calling thread."},
+    {"release_team_workspaces", release_team_workspaces, METH_NOARGS,
+     "release_team_workspaces(): free the work buffers of the calling thread and of its team's members."},
     {"summarize", summarize, METH_VARARGS,
-     "summarize(data, outer, channels, inner, m, channel_begin, channel_end, out, hint, histogram) -> trusted: "
+     "summarize(data, outer, channels, inner, m, parts, out, hint, key_counts) -> trusted: "
      "per-channel summaries of a contiguous float32 array into out, float64 rows (min, max, sum, sum of "
-     "squares, m-th largest, hint for the next batch; the last two NaN when m = 0 skips the selection). "
-     "hint: float64 per channel or 0. Addresses as ints, 0 to skip an optional one. "
+     "squares, m-th largest, hint for the next batch; the last two NaN when m = 0 skips the selection), "
+     "computed in up to `parts` parts at once. hint: float64 per channel or 0; key_counts: int64 "
+     "[parts, 512], added to, or 0. Addresses as ints. "
      "True when every channel in the range is finite and of moderate magnitude. Use qlint.stats.kernel, "
      "which checks every address and size."},
     {NULL, NULL, 0, NULL},

@@ -16,7 +16,7 @@ the same statistics.
 
 from __future__ import annotations
 
-import concurrent.futures
+import ctypes
 import dataclasses
 import os
 import threading
@@ -30,16 +30,18 @@ except ImportError:  # built optionally: see setup.py
     _compiled = None
 
 HISTOGRAM_KEYS = 512
-# Below this many values per thread, handing work to another thread costs more than it saves
-# (measured: a pool hand-off is ~50 us; the kernel reads ~4 values/ns without a selection).
-MIN_VALUES_PER_THREAD = 1 << 18
-MIN_VALUES_PER_THREAD_WITHOUT_SELECTION = 1 << 21
+# Below this many values per part, waking another team member costs more than it saves
+# (a spinning member takes work in ~2 us, a sleeping one in ~20-50 us; the kernel reads ~1
+# value/ns with a selection and ~4 without).
+MIN_VALUES_PER_PART = 1 << 15
+MIN_VALUES_PER_PART_WITHOUT_SELECTION = 1 << 16
+MOST_PARTS = 64  # as the kernel's MOST_PARTS
 # Rows of KernelSummary.packed
 MIN, MAX, SUM, SUM_OF_SQUARES, KTH_LARGEST, NEXT_HINT = range(6)
 
-_pool_lock = threading.Lock()
-_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_pool_workers = 0
+# Set once, at the first use with more than one part (see _use_openmp_team)
+_team_checked = False
+_team_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +96,8 @@ def summarize_into(values: torch.Tensor, m: Optional[int], out: torch.Tensor, *,
     ``out``: float64 ``[6, channels]``, overwritten (rows as ``KernelSummary.packed``).
     ``key_counts``: int64 ``[k, 512]``, *added to* (at most k threads then take part).
     ``hint`` must not share memory with ``out``."""
-    if _compiled is None:
-        raise RuntimeError("qlint's compiled statistics kernel is not built; check kernel.available() first")
-    if values.dtype != torch.float32 or values.device.type != "cpu" or values.dim() != 3:
-        raise ValueError(f"need a 3-D float32 CPU tensor, got {values.dim()}-D {values.dtype} on {values.device}")
-    if not values.is_contiguous():
-        raise ValueError("need a contiguous tensor")
-    outer, channels, inner = values.shape
-    width = outer * inner
-    if width == 0 or channels == 0:
-        raise ValueError(f"need a non-empty tensor, got shape {tuple(values.shape)}")
-    if m is not None and not 1 <= m <= width:
-        raise ValueError(f"m must be in [1, {width}], got {m}")
+    _check_batch(values, m)
+    channels = values.shape[1]
     _check_buffer("out", out, (6, channels), torch.float64)
     if key_counts is not None:
         _check_buffer("key_counts", key_counts, (key_counts.shape[0], HISTOGRAM_KEYS), torch.int64)
@@ -120,18 +112,104 @@ def summarize_into(values: torch.Tensor, m: Optional[int], out: torch.Tensor, *,
             hint = hint.to(torch.float64).contiguous()
         if _overlaps(hint, out):
             raise ValueError("hint and out must not share memory")
+    parts = part_count(values.numel(), m is not None, threads, key_counts.shape[0] if key_counts is not None else None)
+    outer, channels, inner = values.shape
+    return _compiled.summarize(values.data_ptr(), outer, channels, inner, m or 0, parts, out.data_ptr(),
+                               hint.data_ptr() if hint is not None else 0,
+                               key_counts.data_ptr() if key_counts is not None else 0)
+
+
+def part_count(values: int, selection: bool, threads: Optional[int] = None,
+               key_rows: Optional[int] = None) -> int:
+    """Parts a batch of this many values is cut into: one per thread of torch's OpenMP team
+    (where qlint can enter it), fewer for small batches; 1 without the team."""
     threads = threads if threads is not None else torch.get_num_threads()
-    per_thread = MIN_VALUES_PER_THREAD if m is not None else MIN_VALUES_PER_THREAD_WITHOUT_SELECTION
-    parts = max(1, min(threads, values.numel() // per_thread, key_counts.shape[0] if key_counts is not None else threads))
-    if channels == 1 and m is None and outer == 1 and parts > 1:
-        return _summarize_split_values(values, out, key_counts, parts)
-    parts = min(parts, channels)
-    address, out_address = values.data_ptr(), out.data_ptr()
-    hint_address = hint.data_ptr() if hint is not None else 0
-    bounds = [channels * part // parts for part in range(parts + 1)]
-    return _run_jobs([(address, outer, channels, inner, m or 0, bounds[part], bounds[part + 1], out_address,
-                       hint_address, key_counts[part].data_ptr() if key_counts is not None else 0)
-                      for part in range(parts)])
+    per_part = MIN_VALUES_PER_PART if selection else MIN_VALUES_PER_PART_WITHOUT_SELECTION
+    parts = max(1, min(threads, values // per_part, MOST_PARTS, key_rows if key_rows is not None else threads))
+    if parts > 1 and not _use_openmp_team():
+        return 1
+    return parts
+
+
+def _check_batch(values: torch.Tensor, m: Optional[int]) -> None:
+    if _compiled is None:
+        raise RuntimeError("qlint's compiled statistics kernel is not built; check kernel.available() first")
+    if values.dtype != torch.float32 or values.device.type != "cpu" or values.dim() != 3:
+        raise ValueError(f"need a 3-D float32 CPU tensor, got {values.dim()}-D {values.dtype} on {values.device}")
+    if not values.is_contiguous():
+        raise ValueError("need a contiguous tensor")
+    outer, channels, inner = values.shape
+    width = outer * inner
+    if width == 0 or channels == 0:
+        raise ValueError(f"need a non-empty tensor, got shape {tuple(values.shape)}")
+    if m is not None and not 1 <= m <= width:
+        raise ValueError(f"m must be in [1, {width}], got {m}")
+
+
+class StreamBuffers:
+    """The buffers of one stream's running totals on the compiled path, made once for a width.
+
+    ``summaries``: float64 ``[2, 6, C]``, used in turn (the other holds the previous batch's
+    hints); ``totals``: float64 ``[5, C]`` (min, max, sum, sum of squares, sum of
+    max / m-th largest); ``flags``: int64 ``[3, C]`` (ratio batches, zero-quantile batches,
+    constant batches); with a histogram, ``key_counts`` int64 ``[parts, 512]`` (running) and a
+    batch's own. ``allocate(count, dtype)`` makes each flat buffer (qlint passes
+    :func:`qlint.stats.memory.off_heap_empty`). Nothing is allocated per batch and nothing
+    is checked per batch but the batch itself: this class made every buffer."""
+
+    __slots__ = ("channels", "summaries", "totals", "flags", "key_counts", "batch_keys", "latest")
+
+    def __init__(self, channels: int, *, histogram: bool, allocate=torch.empty) -> None:
+        if channels < 1:
+            raise ValueError(f"need at least one channel, got {channels}")
+        self.channels = channels
+        floats = allocate(17 * channels, torch.float64)
+        self.summaries = floats[: 12 * channels].view(2, 6, channels)
+        self.totals = floats[12 * channels :].view(5, channels)
+        rows = max(1, min(torch.get_num_threads(), MOST_PARTS)) if histogram else 0
+        counts = allocate(3 * channels + 2 * rows * HISTOGRAM_KEYS, torch.int64)
+        self.flags = counts[: 3 * channels].view(3, channels)
+        self.key_counts = self.batch_keys = None
+        if histogram:
+            keys = counts[3 * channels :].view(2, rows, HISTOGRAM_KEYS)
+            self.key_counts, self.batch_keys = keys[0], keys[1]
+        self.latest: Optional[int] = None  # which summary holds the latest trusted batch
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the totals (the hints of the latest batch are kept)."""
+        self.totals[0].fill_(float("inf"))
+        self.totals[1].fill_(float("-inf"))
+        self.totals[2:].zero_()
+        self.flags.zero_()
+        if self.key_counts is not None:
+            self.key_counts.zero_()
+
+    def add(self, values: torch.Tensor, m: Optional[int]) -> Optional[float]:
+        """Summarize one batch (as :func:`summarize_into`, with the previous batch's hints) and
+        add it to the totals; returns its range over all channels, or None when the batch is
+        not trusted (the totals are then untouched)."""
+        _check_batch(values, m)
+        outer, channels, inner = values.shape
+        if channels != self.channels:
+            raise ValueError(f"these buffers hold {self.channels} channels, the batch has {channels}")
+        latest = self.latest
+        target = 0 if latest is None else 1 - latest
+        hint = 0 if latest is None or m is None else self.summaries[latest, NEXT_HINT].data_ptr()
+        keys = self.batch_keys
+        if keys is not None:
+            keys.zero_()
+        parts = part_count(values.numel(), m is not None, key_rows=keys.shape[0] if keys is not None else None)
+        batch_range = _compiled.add_batch(values.data_ptr(), outer, channels, inner, m or 0, parts,
+                                          self.summaries[target].data_ptr(), hint,
+                                          keys.data_ptr() if keys is not None else 0,
+                                          self.totals.data_ptr(), self.flags.data_ptr())
+        if batch_range is None:
+            return None
+        self.latest = target
+        if keys is not None:
+            self.key_counts += keys
+        return batch_range
 
 
 def fold(summary: torch.Tensor, totals: torch.Tensor, flags: torch.Tensor, with_ratio: bool) -> float:
@@ -161,90 +239,78 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_start < b_end and b_start < a_end
 
 
-def _summarize_split_values(values: torch.Tensor, out: torch.Tensor, key_counts: Optional[torch.Tensor],
-                            parts: int) -> bool:
-    """One channel, no selection: each thread summarizes a slice of the values as a
-    one-channel array with its own output row; the rows are then combined into ``out``."""
-    flat = values.view(-1)
-    rows = torch.empty(parts, 6, dtype=torch.float64)
-    bounds = [flat.numel() * part // parts for part in range(parts + 1)]
-    element = flat.element_size()
-    trusted = _run_jobs([(flat.data_ptr() + bounds[part] * element, 1, 1, bounds[part + 1] - bounds[part], 0, 0, 1,
-                          rows[part].data_ptr(), 0, key_counts[part].data_ptr() if key_counts is not None else 0)
-                         for part in range(parts)])
-    column = out[:, 0]
-    column[MIN], column[MAX] = rows[:, MIN].amin(), rows[:, MAX].amax()
-    column[SUM], column[SUM_OF_SQUARES] = rows[:, SUM].sum(), rows[:, SUM_OF_SQUARES].sum()
-    column[KTH_LARGEST:] = float("nan")
-    return trusted
+def _use_openmp_team() -> bool:
+    """Whether parts run at once, in torch's OpenMP team (found and handed to the kernel once).
+
+    The kernel enters the team through the OpenMP runtime's ``GOMP_parallel`` entry point
+    (GNU libgomp's; LLVM's and Intel's runtimes provide it too). It is looked up among the
+    libraries this process has loaded, preferring the one inside torch's package. Without
+    it (torch built with another parallel backend, or no /proc/self/maps to read) the parts
+    run one after another: threads of qlint's own ran slower than one thread in the
+    measurements, as they share cores with the team's spinning members (see
+    ``_channel_kernel.c``, "parallel runs")."""
+    global _team_checked
+    if _team_checked:
+        return _compiled is not None and _compiled_team_set
+    with _team_lock:
+        if not _team_checked:
+            _set_team(_find_openmp_entries())
+            _team_checked = True
+    return _compiled_team_set
 
 
-def _run_jobs(jobs: list[tuple]) -> bool:
-    """Run the kernel on every job (the first in this thread); True when all parts are trusted."""
-    if len(jobs) == 1:
-        return _compiled.summarize(*jobs[0])
-    pool = _worker_pool(len(jobs) - 1)
-    futures = [pool.submit(_compiled.summarize, *job) for job in jobs[1:]]
-    trusted = _compiled.summarize(*jobs[0])
-    for future in futures:
-        trusted = future.result() and trusted
-    return trusted
+_compiled_team_set = False
 
 
-def _worker_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    global _pool, _pool_workers
-    with _pool_lock:
-        if _pool is None or _pool_workers < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="qlint-stats")
-            _pool_workers = workers
-        return _pool
-
-
-def start_workers(threads: Optional[int] = None) -> None:
-    """Start the worker threads now (a no-op without the kernel or with one thread).
-
-    Calibration calls this before its first batch: a thread started during a
-    forward pass leaves its long-lived allocations among that pass's activations."""
-    workers = (threads if threads is not None else torch.get_num_threads()) - 1
-    if _compiled is None or workers < 1:
+def _set_team(entries: Optional[tuple[int, int, int]]) -> None:
+    global _compiled_team_set
+    if _compiled is None:
         return
-    pool = _worker_pool(workers)
-    barrier = threading.Barrier(workers)  # each task holds a worker until all have started
-    for future in [pool.submit(barrier.wait, 10) for _ in range(workers)]:
-        future.result()
+    _compiled.set_team(*(entries or (0, 0, 0)))
+    _compiled_team_set = entries is not None
+
+
+def _find_openmp_entries() -> Optional[tuple[int, int, int]]:
+    """Addresses of GOMP_parallel, omp_get_thread_num and omp_get_num_threads in the OpenMP
+    runtime torch uses, or None."""
+    if os.environ.get("QLINT_KERNEL_TEAM", "1") == "0" or "parallel backend: OpenMP" not in _parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as handle:
+            paths = {line.split()[-1] for line in handle if line.rstrip().endswith(".so") or ".so." in line}
+    except OSError:
+        return None
+    torch_dir = os.path.dirname(torch.__file__)
+    runtimes = sorted((not path.startswith(torch_dir), path) for path in paths
+                      if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")))
+    for _, path in runtimes:
+        try:
+            library = ctypes.CDLL(path)
+            return tuple(ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+                         for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads"))
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def _parallel_info() -> str:
+    try:
+        return torch.__config__.parallel_info()
+    except (AttributeError, RuntimeError):
+        return ""
+
+
+def prepare_parallel() -> None:
+    """Find torch's OpenMP team now (calibration calls this before its first batch)."""
+    if _compiled is not None:
+        _use_openmp_team()
 
 
 def release_workspaces() -> None:
-    """Free the kernel's work buffers: this thread's and every pool worker's.
+    """Free the kernel's work buffers: this thread's and those of its OpenMP team's members.
 
     The kernel keeps one buffer per thread between calls (re-allocating it for
     every batch fragments the heap); calibration releases them when done."""
     if _compiled is None:
         return
-    _compiled.release_workspace()
-    with _pool_lock:
-        pool, workers = _pool, _pool_workers
-    if pool is None:
-        return
-    # One task per worker, each held at a barrier until all have started, so every
-    # worker thread runs exactly one of them.
-    barrier = threading.Barrier(workers)
-
-    def release_on_this_worker() -> None:
-        barrier.wait(timeout=10)
-        _compiled.release_workspace()
-
-    for future in [pool.submit(release_on_this_worker) for _ in range(workers)]:
-        future.result()
-
-
-def _forget_pool_after_fork() -> None:
-    # A forked child inherits the pool object but none of its threads.
-    global _pool, _pool_workers
-    _pool, _pool_workers = None, 0
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+    _compiled.release_team_workspaces()

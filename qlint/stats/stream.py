@@ -39,8 +39,7 @@ class KernelStream:
     first batch of another width still works (the buffers are re-made)."""
 
     __slots__ = ("channel_axis", "reference_percentile", "percentile", "histogram", "channels", "_started",
-                 "_summaries", "_latest", "_totals", "_flags", "_key_counts", "_batch_keys", "_batches",
-                 "_values", "_range_sum")
+                 "_buffers", "_batches", "_values", "_range_sum")
 
     def __init__(self, channel_axis: Optional[int], reference_percentile: float, *, percentile: bool,
                  histogram: bool, expected_channels: Optional[int] = None) -> None:
@@ -50,14 +49,7 @@ class KernelStream:
         self.histogram = histogram
         self.channels = 0  # the width of the buffers
         self._started = False  # whether a batch was ever folded in: the width is then fixed
-        # Two summary buffers used in turn: the one not being written holds the
-        # previous batch's selection hints (the kernel reads them while writing).
-        self._summaries: Optional[torch.Tensor] = None  # float64 [2, 6, C]
-        self._latest: Optional[int] = None  # which buffer holds the latest trusted summary
-        self._totals: Optional[torch.Tensor] = None  # float64 [5, C]
-        self._flags: Optional[torch.Tensor] = None  # int64 [3, C]
-        self._key_counts: Optional[torch.Tensor] = None  # int64 [threads, 512]
-        self._batch_keys: Optional[torch.Tensor] = None  # a batch's key counts, kept only once trusted
+        self._buffers: Optional[kernel.StreamBuffers] = None
         self._clear_totals()
         if expected_channels:
             self._allocate(expected_channels)
@@ -82,23 +74,14 @@ class KernelStream:
                 return False
             self._allocate(channels)
         width = outer * inner
-        wanted = wanted_rank(width, self.reference_percentile) if self.percentile else None
-        target = 0 if self._latest is None else 1 - self._latest
-        hint = None if self._latest is None or wanted is None else self._summaries[self._latest, kernel.NEXT_HINT]
-        batch_keys = None
-        if self.histogram:
-            batch_keys = self._batch_keys
-            batch_keys.zero_()
-        out = self._summaries[target]
-        if not kernel.summarize_into(values, wanted, out, hint=hint, key_counts=batch_keys):
+        batch_range = self._buffers.add(values, wanted_rank(width, self.reference_percentile)
+                                        if self.percentile else None)
+        if batch_range is None:
             return False
-        self._latest = target
         self._started = True
-        self._range_sum += kernel.fold(out, self._totals, self._flags, wanted is not None)
+        self._range_sum += batch_range
         self._values += width
         self._batches += 1
-        if batch_keys is not None:
-            self._key_counts += batch_keys
         return True
 
     def take(self) -> TensorStats:
@@ -113,13 +96,14 @@ class KernelStream:
             return TensorStats.empty(self.channel_axis, q, self.channels)
         counts = torch.zeros(6, self.channels, dtype=torch.int64)
         counts[0] = self._values  # no NaN/Inf (rows 1, 2) reach this path
-        counts[3:] = self._flags
-        histogram = (histogram_of_key_counts(self._key_counts.sum(0)) if self._key_counts is not None
+        buffers = self._buffers
+        counts[3:] = buffers.flags
+        histogram = (histogram_of_key_counts(buffers.key_counts.sum(0)) if buffers.key_counts is not None
                      else torch.zeros(HISTOGRAM_SHAPE, dtype=torch.int64))
         return TensorStats._packed(
             self.channel_axis, q,
-            extrema=self._totals[:2].clone(),
-            channel_sums=self._totals[2:].clone(),
+            extrema=buffers.totals[:2].clone(),
+            channel_sums=buffers.totals[2:].clone(),
             channel_counts=counts,
             histogram=histogram,
             # every batch here has values, so each counts towards the batch range
@@ -129,27 +113,13 @@ class KernelStream:
 
     def _allocate(self, channels: int) -> None:
         self.channels = channels
-        # One mapping of its own, outside malloc's heap (see qlint.stats.memory).
-        floats = off_heap_empty(17 * channels, torch.float64)
-        self._summaries = floats[: 12 * channels].view(2, 6, channels)
-        self._totals = floats[12 * channels :].view(5, channels)
-        threads = max(torch.get_num_threads(), 1) if self.histogram else 0
-        counts = off_heap_empty(3 * channels + 2 * threads * kernel.HISTOGRAM_KEYS, torch.int64)
-        self._flags = counts[: 3 * channels].view(3, channels)
-        if self.histogram:
-            keys = counts[3 * channels :].view(2, threads, kernel.HISTOGRAM_KEYS)
-            self._key_counts, self._batch_keys = keys[0], keys[1]
+        # Mappings of their own, outside malloc's heap (see qlint.stats.memory).
+        self._buffers = kernel.StreamBuffers(channels, histogram=self.histogram, allocate=off_heap_empty)
         self._clear_totals()
 
     def _clear_totals(self) -> None:
         self._batches = 0
         self._values = 0  # per channel: every channel of a batch has the same count
         self._range_sum = 0.0
-        if self._totals is None:
-            return
-        self._totals[0].fill_(float("inf"))
-        self._totals[1].fill_(float("-inf"))
-        self._totals[2:].zero_()
-        self._flags.zero_()
-        if self._key_counts is not None:
-            self._key_counts.zero_()
+        if self._buffers is not None:
+            self._buffers.clear()
