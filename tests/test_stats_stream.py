@@ -71,7 +71,8 @@ def test_stream_counts_constant_and_zero_quantile_batches():
     zeros = torch.zeros(64, 3)
     spikes = torch.zeros(64, 3)
     spikes[0] = torch.tensor([5.0, -1.0, 0.0])  # quantile 0 with a non-zero max in channel 0 only
-    batches = [zeros, spikes, torch.randn(64, 3)]
+    # positive: float32 partial sums carry relative error only against sums that do not cancel
+    batches = [zeros, spikes, torch.rand(64, 3, generator=torch.Generator().manual_seed(5)) + 0.5]
     stream = KernelStream(-1, 0.975, percentile=True, histogram=False)
     for batch in batches:
         assert stream.add(batch, ScratchBuffers())

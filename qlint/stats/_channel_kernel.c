@@ -67,7 +67,7 @@
 #define MODERATE_LOW 1e-15   /* channel magnitudes where float32 partial sums of squares are exact enough */
 #define MODERATE_HIGH 1e15
 #define HISTOGRAM_KEYS 512  /* (sign, exponent) keys of float32 values */
-#define REDO_BY_COLUMN 16  /* more failed hints than this in a band: redo them in one read of its rows */
+#define REDO_BY_COLUMN 16  /* more failed hints than this in a band: redo them in reads of its rows */
 
 typedef struct {
     const float *data;
@@ -179,6 +179,43 @@ static float select_top(float *values, Py_ssize_t count, Py_ssize_t m)
     return values[m - 1];
 }
 
+/* The values of ranks m and m2 (from the top; m2 = 0: not wanted) among at
+ * most RANK_PAIR_MOST values, without moving them: each value's rank is
+ * counted against all the others with vector compares, which for a few dozen
+ * values beats quickselect's mispredicted branches (measured: ~2x on the
+ * candidates of 256-channel batches; past 64 values quickselect wins). Set by choose_kernels where the CPU has
+ * such a version; NULL: quickselect only. */
+typedef void (*RankPair)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float *, float *);
+static RankPair rank_pair;
+#define RANK_PAIR_MOST 64
+
+/* The m-th largest of values[0, count) (which may be reordered). */
+static float select_value(float *values, Py_ssize_t count, Py_ssize_t m)
+{
+    if (rank_pair == NULL || count > RANK_PAIR_MOST)
+        return select_top(values, count, m);
+    float kth = NAN;
+    rank_pair(values, count, m, 0, &kth, NULL);
+    return kth;
+}
+
+/* As select_top: values[0, m) become the m largest; returns the m-th largest. */
+static float keep_top(float *values, Py_ssize_t count, Py_ssize_t m)
+{
+    if (rank_pair == NULL || count > RANK_PAIR_MOST)
+        return select_top(values, count, m);
+    float kth = NAN;
+    rank_pair(values, count, m, 0, &kth, NULL);
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < count; ++i) {
+        values[kept] = values[i];
+        kept += values[i] > kth;
+    }
+    while (kept < m)  /* ties at the m-th largest */
+        values[kept++] = kth;
+    return kth;
+}
+
 static inline Py_ssize_t buffer_capacity(Py_ssize_t m)
 {
     return 2 * m + 64;
@@ -198,7 +235,7 @@ static inline Py_ssize_t block_length(Py_ssize_t values, Py_ssize_t m)
  * reordered): the m-th largest, or -inf with fewer than m blocks. */
 static float block_threshold(float *scratch, Py_ssize_t blocks, Py_ssize_t m)
 {
-    return blocks >= m ? select_top(scratch, blocks, m) : -INFINITY;
+    return blocks >= m ? select_value(scratch, blocks, m) : -INFINITY;
 }
 
 /* Outcome for one channel whose candidates are the values above `threshold`.
@@ -223,17 +260,22 @@ static int finish_channel(float *candidates, Py_ssize_t kept, Py_ssize_t m, floa
         return 0;
     }
     if (from_hint && threshold == hint && 4 * kept >= 5 * m && kept <= 3 * m) {
-        *out_kth = select_top(candidates, kept, m);
+        *out_kth = select_value(candidates, kept, m);
         *out_hint = hint;
         return 0;
     }
-    float guess = NAN;
-    if (kept >= 2 * m) {
-        guess = select_top(candidates, kept, 2 * m);
-        kept = 2 * m;
+    float guess = NAN, kth = NAN;
+    if (rank_pair != NULL && kept <= RANK_PAIR_MOST) {
+        rank_pair(candidates, kept, m, kept >= 2 * m ? 2 * m : 0, &kth, &guess);
+    } else {
+        if (kept >= 2 * m) {
+            guess = select_top(candidates, kept, 2 * m);
+            kept = 2 * m;
+        }
+        kth = select_top(candidates, kept, m);
     }
-    *out_kth = select_top(candidates, kept, m);
-    *out_hint = isnan(guess) ? threshold - (float)(*out_kth - threshold) : guess;
+    *out_kth = kth;
+    *out_hint = isnan(guess) ? threshold - (float)((double)kth - threshold) : guess;
     return 0;
 }
 
@@ -249,7 +291,7 @@ static inline void count_exponents(int64_t *histogram, const float *values, Py_s
 /* --------------------------------------------------------------------- channel-last */
 typedef struct {
     float *low, *high, *block_low, *block_high, *block_sum, *block_squares, *threshold, *block_max, *scratch,
-        *candidates;
+        *candidates, *column;
     double *sum, *sum_of_squares;
     Py_ssize_t *kept;
     int32_t *found;  /* work list of append_above (width + 8 entries) */
@@ -257,12 +299,12 @@ typedef struct {
     void *memory;  /* the thread's workspace */
 } Band;
 
-static int band_allocate(Band *band, Py_ssize_t width, Py_ssize_t blocks, Py_ssize_t m)
+static int band_allocate(Band *band, Py_ssize_t width, Py_ssize_t rows, Py_ssize_t blocks, Py_ssize_t m)
 {
     const int select = m > 0;
     const Py_ssize_t capacity = buffer_capacity(select ? m : 1);
     const size_t floats = (size_t)width * 7 +
-                          (select ? (size_t)width * (size_t)(blocks + capacity) + (size_t)blocks : 0);
+                          (select ? (size_t)width * (size_t)(blocks + capacity) + (size_t)blocks + (size_t)rows : 0);
     char *memory = (char *)workspace_get(floats * sizeof(float) +
                                   (size_t)width * (2 * sizeof(double) + sizeof(Py_ssize_t) + sizeof(int32_t)) + 8 * sizeof(int32_t));
     if (memory == NULL)
@@ -285,6 +327,8 @@ static int band_allocate(Band *band, Py_ssize_t width, Py_ssize_t blocks, Py_ssi
     next += select ? blocks * width : 0;
     band->scratch = select ? next : NULL;
     next += select ? blocks : 0;
+    band->column = select ? next : NULL;
+    next += select ? rows : 0;
     band->candidates = select ? next : NULL;
     return 0;
 }
@@ -294,7 +338,7 @@ static inline void append_value(const Band *band, Py_ssize_t column, float value
     float *own = band->candidates + column * band->capacity;
     own[band->kept[column]++] = value;
     if (band->kept[column] == band->capacity) {  /* raise the threshold: keep only the m largest */
-        band->threshold[column] = select_top(own, band->capacity, band->m);
+        band->threshold[column] = keep_top(own, band->capacity, band->m);
         band->kept[column] = band->m;
     }
 }
@@ -438,6 +482,38 @@ AVX512 static Py_ssize_t find_above_avx512(const float *restrict values, const f
 }
 #endif
 
+#if HAVE_AVX2_DISPATCH
+AVX512 static void rank_pair_avx512(const float *values, Py_ssize_t count, Py_ssize_t m, Py_ssize_t m2,
+                                    float *out_m, float *out_m2)
+{
+    __m512 vectors[RANK_PAIR_MOST / 16];
+    __mmask16 live[RANK_PAIR_MOST / 16];
+    const int used = (int)((count + 15) / 16);
+    for (int k = 0; k < used; ++k) {
+        const Py_ssize_t left = count - 16 * (Py_ssize_t)k;
+        live[k] = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        vectors[k] = _mm512_maskz_loadu_ps(live[k], values + 16 * k);
+    }
+    int want_m = 1, want_m2 = m2 > 0;
+    for (Py_ssize_t i = 0; i < count && (want_m || want_m2); ++i) {
+        const __m512 value = _mm512_set1_ps(values[i]);
+        Py_ssize_t above = 0, at_least = 0;
+        for (int k = 0; k < used; ++k) {
+            above += __builtin_popcount((unsigned)_mm512_mask_cmp_ps_mask(live[k], vectors[k], value, _CMP_GT_OQ));
+            at_least += __builtin_popcount((unsigned)_mm512_mask_cmp_ps_mask(live[k], vectors[k], value, _CMP_GE_OQ));
+        }
+        if (want_m && above < m && m <= at_least) {
+            *out_m = values[i];
+            want_m = 0;
+        }
+        if (want_m2 && above < m2 && m2 <= at_least) {
+            *out_m2 = values[i];
+            want_m2 = 0;
+        }
+    }
+}
+#endif
+
 static RowAccumulator accumulate_row = accumulate_row_baseline;
 static FourRowAccumulator accumulate_4_rows = accumulate_4_rows_baseline;
 static ColumnFinder find_above = find_above_baseline;
@@ -450,33 +526,80 @@ static inline void append_above(const Band *band, const float *restrict values, 
         append_value(band, band->found[k], values[band->found[k]]);
 }
 
-/* Collect again the channels whose hint failed (threshold finite; the others
- * have +inf) and finish them. Few channels: read just the blocks that can
- * hold candidates, down the column; many: one more read of the band's rows,
- * which costs the same whatever the number. */
-static void redo_channels(const Job *job, Band *band, Py_ssize_t band_start, Py_ssize_t width, Py_ssize_t block,
-                          Py_ssize_t blocks, Py_ssize_t count, float *next_hint)
+/* Block maxima of the band's rows, element-wise over its channels (one more read). */
+static void record_block_maxima(const Job *job, Band *band, Py_ssize_t band_start, Py_ssize_t width,
+                                Py_ssize_t block, Py_ssize_t blocks)
 {
     const Py_ssize_t rows = job->outer;
     const float *first_column = job->data + band_start;
-    if (count > REDO_BY_COLUMN) {
-        for (Py_ssize_t row = 0; row < rows; ++row)
-            append_above(band, first_column + row * job->channels, width);
-    } else {
-        for (Py_ssize_t j = 0; j < width; ++j) {
-            if (band->threshold[j] == INFINITY)
-                continue;
-            for (Py_ssize_t b = 0; b < blocks; ++b) {
-                if (!(band->block_max[b * width + j] > band->threshold[j]))
-                    continue;
-                const Py_ssize_t last = (b + 1) * block < rows ? (b + 1) * block : rows;
-                for (Py_ssize_t row = b * block; row < last; ++row) {
-                    const float v = first_column[row * job->channels + j];
-                    if (v > band->threshold[j])
-                        append_value(band, j, v);
-                }
-            }
+    for (Py_ssize_t b = 0; b < blocks; ++b) {
+        float *restrict block_max = band->block_max + b * width;
+        const Py_ssize_t first = b * block, last = first + block < rows ? first + block : rows;
+        for (Py_ssize_t j = 0; j < width; ++j)
+            block_max[j] = -INFINITY;
+        for (Py_ssize_t row = first; row < last; ++row) {
+            const float *restrict values = first_column + row * job->channels;
+            for (Py_ssize_t j = 0; j < width; ++j)
+                block_max[j] = values[j] > block_max[j] ? values[j] : block_max[j];
         }
+    }
+}
+
+static void threshold_from_block_maxima(Band *band, Py_ssize_t j, Py_ssize_t width, Py_ssize_t blocks)
+{
+    for (Py_ssize_t b = 0; b < blocks; ++b)
+        band->scratch[b] = band->block_max[b * width + j];
+    band->threshold[j] = block_threshold(band->scratch, blocks, band->m);
+    band->kept[j] = 0;
+}
+
+/* One channel again, alone: its column is gathered (a strided read) and its
+ * candidates are the values above the m-th largest maximum of its blocks. */
+static void redo_column(const Job *job, Band *band, Py_ssize_t band_start, Py_ssize_t j, Py_ssize_t block,
+                        Py_ssize_t blocks)
+{
+    const Py_ssize_t rows = job->outer;
+    const float *source = job->data + band_start + j;
+    float *restrict column = band->column;
+    for (Py_ssize_t row = 0; row < rows; ++row)
+        column[row] = source[row * job->channels];
+    for (Py_ssize_t b = 0; b < blocks; ++b) {
+        const Py_ssize_t first = b * block, last = first + block < rows ? first + block : rows;
+        float high = -INFINITY;
+        for (Py_ssize_t row = first; row < last; ++row)
+            high = column[row] > high ? column[row] : high;
+        band->scratch[b] = high;
+    }
+    band->threshold[j] = block_threshold(band->scratch, blocks, band->m);
+    band->kept[j] = 0;
+    for (Py_ssize_t row = 0; row < rows; ++row) {
+        if (column[row] > band->threshold[j])
+            append_value(band, j, column[row]);
+    }
+}
+
+/* Collect again the channels whose hint failed (the others have threshold
+ * +inf) and finish them. Few: each down its own column. Many: the band's
+ * block maxima (unless pass one kept them) give every such channel a bound,
+ * then one more read of the band's rows collects them all. */
+static void redo_channels(const Job *job, Band *band, Py_ssize_t band_start, Py_ssize_t width, Py_ssize_t block,
+                          Py_ssize_t blocks, Py_ssize_t count, int maxima_kept, float *next_hint)
+{
+    const float *first_column = job->data + band_start;
+    if (count <= REDO_BY_COLUMN) {
+        for (Py_ssize_t j = 0; j < width; ++j) {
+            if (band->threshold[j] != INFINITY)
+                redo_column(job, band, band_start, j, block, blocks);
+        }
+    } else {
+        if (!maxima_kept)
+            record_block_maxima(job, band, band_start, width, block, blocks);
+        for (Py_ssize_t j = 0; j < width; ++j) {
+            if (band->threshold[j] != INFINITY)
+                threshold_from_block_maxima(band, j, width, blocks);
+        }
+        for (Py_ssize_t row = 0; row < job->outer; ++row)
+            append_above(band, first_column + row * job->channels, width);
     }
     for (Py_ssize_t j = 0; j < width; ++j) {
         if (band->threshold[j] != INFINITY)
@@ -485,22 +608,16 @@ static void redo_channels(const Job *job, Band *band, Py_ssize_t band_start, Py_
     }
 }
 
-static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py_ssize_t width,
-                           Py_ssize_t block, Py_ssize_t blocks)
+/* Pass one over the band's rows, in blocks of `block` rows: per-channel
+ * statistics (float partial sums per block), the values above each channel's
+ * threshold, and with `keep_maxima` each block's maxima. */
+static void read_band(const Job *job, Band *band, Py_ssize_t band_start, Py_ssize_t width, Py_ssize_t block,
+                      int append, int keep_maxima)
 {
-    const Py_ssize_t rows = job->outer, m = band->m;
+    const Py_ssize_t rows = job->outer;
     const float *first_column = job->data + band_start;
-    const int select = m > 0, hinted = select && job->hint != NULL;
-    for (Py_ssize_t j = 0; j < width; ++j) {
-        band->low[j] = INFINITY;
-        band->high[j] = -INFINITY;
-        band->sum[j] = 0.0;
-        band->sum_of_squares[j] = 0.0;
-        band->kept[j] = 0;
-        band->threshold[j] = hinted ? (float)job->hint[band_start + j] : INFINITY;
-    }
-    for (Py_ssize_t b = 0; b < blocks; ++b) {
-        const Py_ssize_t first = b * block, last = first + block < rows ? first + block : rows;
+    for (Py_ssize_t first = 0, b = 0; first < rows; first += block, ++b) {
+        const Py_ssize_t last = first + block < rows ? first + block : rows;
         float *restrict block_low = band->block_low, *restrict block_high = band->block_high;
         float *restrict block_sum = band->block_sum, *restrict block_squares = band->block_squares;
         for (Py_ssize_t j = 0; j < width; ++j) {
@@ -516,9 +633,9 @@ static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py
         for (; row < last; ++row)
             accumulate_row(first_column + row * job->channels, width, block_low, block_high, block_sum,
                            block_squares);
-        for (row = first; row < last; ++row) {  /* the block's rows are still in cache */
+        for (row = first; row < last && (append || job->histogram != NULL); ++row) {  /* rows still in cache */
             const float *values = first_column + row * job->channels;
-            if (hinted)
+            if (append)
                 append_above(band, values, width);
             if (job->histogram != NULL)
                 count_exponents(job->histogram, values, width);
@@ -531,9 +648,32 @@ static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py
             sum[j] += block_sum[j];
             squares[j] += block_squares[j];
         }
-        if (select)
+        if (keep_maxima)
             memcpy(band->block_max + b * width, block_high, sizeof(float) * (size_t)width);
     }
+}
+
+/* A band with a hint per channel reads its rows once, in long blocks (the
+ * sums need no more), and keeps no block maxima: the hints rarely fail, and a
+ * failed channel is redone on its own. Without hints, pass one keeps the
+ * block maxima (`block` rows each) that give every channel its bound, and a
+ * second read collects the candidates. */
+static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py_ssize_t width,
+                           Py_ssize_t block, Py_ssize_t blocks)
+{
+    const Py_ssize_t rows = job->outer, m = band->m;
+    const float *first_column = job->data + band_start;
+    const int select = m > 0, hinted = select && job->hint != NULL;
+    for (Py_ssize_t j = 0; j < width; ++j) {
+        band->low[j] = INFINITY;
+        band->high[j] = -INFINITY;
+        band->sum[j] = 0.0;
+        band->sum_of_squares[j] = 0.0;
+        band->kept[j] = 0;
+        band->threshold[j] = hinted ? (float)job->hint[band_start + j] : INFINITY;
+    }
+    const int keep_maxima = select && !hinted;
+    read_band(job, band, band_start, width, keep_maxima ? block : BLOCK_WITHOUT_SELECTION, hinted, keep_maxima);
     for (Py_ssize_t j = 0; j < width; ++j) {
         const Py_ssize_t channel = band_start + j;
         job->out_min[channel] = band->low[j];
@@ -545,11 +685,8 @@ static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py
         return;
     float next_hint[BAND];
     if (!hinted) {  /* thresholds from the block maxima, then a second read (the band may still be cached) */
-        for (Py_ssize_t j = 0; j < width; ++j) {
-            for (Py_ssize_t b = 0; b < blocks; ++b)
-                band->scratch[b] = band->block_max[b * width + j];
-            band->threshold[j] = block_threshold(band->scratch, blocks, m);
-        }
+        for (Py_ssize_t j = 0; j < width; ++j)
+            threshold_from_block_maxima(band, j, width, blocks);
         for (Py_ssize_t row = 0; row < rows; ++row)
             append_above(band, first_column + row * job->channels, width);
     }
@@ -562,15 +699,11 @@ static void summarize_band(const Job *job, Band *band, Py_ssize_t band_start, Py
             band->threshold[j] = INFINITY;  /* done: takes no part in a redo */
             continue;
         }
-        /* the hint was too high for this channel: redo it from its block maxima */
-        for (Py_ssize_t b = 0; b < blocks; ++b)
-            band->scratch[b] = band->block_max[b * width + j];
-        band->threshold[j] = block_threshold(band->scratch, blocks, m);
-        band->kept[j] = 0;
+        band->threshold[j] = -INFINITY;  /* the hint was too high for this channel: redo it */
         redo += 1;
     }
     if (redo > 0)
-        redo_channels(job, band, band_start, width, block, blocks, redo, next_hint);
+        redo_channels(job, band, band_start, width, block, blocks, redo, keep_maxima, next_hint);
     for (Py_ssize_t j = 0; j < width; ++j)
         job->out_hint[band_start + j] = next_hint[j];
 }
@@ -581,7 +714,7 @@ static int summarize_channel_last(const Job *job)
     const Py_ssize_t block = block_length(rows, m), blocks = (rows + block - 1) / block;
     const Py_ssize_t span = job->channel_end - job->channel_begin;
     Band band;
-    if (band_allocate(&band, span < BAND ? span : BAND, blocks, m) != 0)
+    if (band_allocate(&band, span < BAND ? span : BAND, rows, blocks, m) != 0)
         return -1;
     for (Py_ssize_t start = job->channel_begin; start < job->channel_end; start += BAND) {
         const Py_ssize_t width = job->channel_end - start < BAND ? job->channel_end - start : BAND;
@@ -626,7 +759,7 @@ static inline void append_values(float *candidates, Py_ssize_t *kept, Py_ssize_t
         k += v > t;
     }
     if (k >= capacity) {
-        *threshold = select_top(candidates, k, m);
+        *threshold = keep_top(candidates, k, m);
         k = m;
     }
     *kept = k;
@@ -753,6 +886,7 @@ static int choose_kernels(int limit)
     accumulate_row = accumulate_row_baseline;
     accumulate_4_rows = accumulate_4_rows_baseline;
     find_above = find_above_baseline;
+    rank_pair = NULL;
 #if defined(__SSE2__)
     read_chunk = read_chunk_sse;
 #endif
@@ -772,6 +906,7 @@ static int choose_kernels(int limit)
         accumulate_row = accumulate_row_avx512;
         accumulate_4_rows = accumulate_4_rows_avx512;
         find_above = find_above_avx512;
+        rank_pair = rank_pair_avx512;
     }
 #endif
     (void)limit;

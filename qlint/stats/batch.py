@@ -327,6 +327,15 @@ def _moderate_and_finite(channel_min: torch.Tensor, channel_max: torch.Tensor, c
 
 
 # ---------------------------------------------------------- finite fast paths
+def in_place_layout(batch: torch.Tensor, channel_axis: Optional[int]) -> Optional[tuple[int, int, int]]:
+    """``(outer, channels, inner)`` when the compiled kernel can read ``batch`` where it lies (as
+    :func:`kernel_view` would, without making the view), else None (it needs a copy)."""
+    outer, channels, inner = _outer_channels_inner(tuple(batch.shape), channel_axis)
+    if (1 < inner < _SHORT_RUN and outer > 1) or not batch.is_contiguous():
+        return None
+    return outer, channels, inner
+
+
 def kernel_view(batch: torch.Tensor, channel_axis: Optional[int], scratch: ScratchBuffers) -> torch.Tensor:
     """A float32 CPU batch as the contiguous ``(outer, channels, inner)`` array the compiled kernel reads.
 

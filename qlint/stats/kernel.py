@@ -157,9 +157,11 @@ class StreamBuffers:
     :func:`qlint.stats.memory.off_heap_empty`). Nothing is allocated per batch and nothing
     is checked per batch but the batch itself: this class made every buffer."""
 
-    __slots__ = ("channels", "summaries", "totals", "flags", "key_counts", "batch_keys", "latest")
+    __slots__ = ("channels", "summaries", "totals", "flags", "key_counts", "batch_keys", "latest", "_addresses")
 
     def __init__(self, channels: int, *, histogram: bool, allocate=torch.empty) -> None:
+        if _compiled is None:
+            raise RuntimeError("qlint's compiled statistics kernel is not built; check kernel.available() first")
         if channels < 1:
             raise ValueError(f"need at least one channel, got {channels}")
         self.channels = channels
@@ -173,6 +175,11 @@ class StreamBuffers:
         if histogram:
             keys = counts[3 * channels :].view(2, rows, HISTOGRAM_KEYS)
             self.key_counts, self.batch_keys = keys[0], keys[1]
+        # Addresses taken once: indexing a tensor per batch costs microseconds, per observer.
+        self._addresses = (tuple(summary.data_ptr() for summary in self.summaries),
+                           tuple(summary[NEXT_HINT].data_ptr() for summary in self.summaries),
+                           self.totals.data_ptr(), self.flags.data_ptr(),
+                           self.batch_keys.data_ptr() if histogram else 0)
         self.latest: Optional[int] = None  # which summary holds the latest trusted batch
         self.clear()
 
@@ -191,19 +198,24 @@ class StreamBuffers:
         not trusted (the totals are then untouched)."""
         _check_batch(values, m)
         outer, channels, inner = values.shape
+        return self.add_at(values.data_ptr(), outer, channels, inner, m)
+
+    def add_at(self, address: int, outer: int, channels: int, inner: int, m: Optional[int]) -> Optional[float]:
+        """:meth:`add` for a batch given by the address of a contiguous float32 CPU array of shape
+        ``(outer, channels, inner)``, alive for the call: the caller has checked it."""
         if channels != self.channels:
             raise ValueError(f"these buffers hold {self.channels} channels, the batch has {channels}")
         latest = self.latest
         target = 0 if latest is None else 1 - latest
-        hint = 0 if latest is None or m is None else self.summaries[latest, NEXT_HINT].data_ptr()
+        summaries, hints, totals, flags, keys_address = self._addresses
+        hint = 0 if latest is None or m is None else hints[latest]
         keys = self.batch_keys
         if keys is not None:
             keys.zero_()
-        parts = part_count(values.numel(), m is not None, key_rows=keys.shape[0] if keys is not None else None)
-        batch_range = _compiled.add_batch(values.data_ptr(), outer, channels, inner, m or 0, parts,
-                                          self.summaries[target].data_ptr(), hint,
-                                          keys.data_ptr() if keys is not None else 0,
-                                          self.totals.data_ptr(), self.flags.data_ptr())
+        parts = part_count(outer * channels * inner, m is not None,
+                           key_rows=keys.shape[0] if keys is not None else None)
+        batch_range = _compiled.add_batch(address, outer, channels, inner, m or 0, parts, summaries[target], hint,
+                                          keys_address, totals, flags)
         if batch_range is None:
             return None
         self.latest = target

@@ -92,14 +92,16 @@ class StatsObserver(nn.Module):
         return value
 
     def _observe(self, value: torch.Tensor) -> None:
+        scratch = thread_scratch_buffers()
+        if self._stream is not None and self._stream.add(value, scratch):
+            return  # the common case, first: a stream refuses a batch of another width
         width, channels = self._width(), channel_count(value.shape, self.channel_axis)
         if width and channels != width:
             raise ValueError(f"channel count changed from {width} to {channels}")
-        scratch = thread_scratch_buffers()
         if self._stream is None and value.dtype == torch.float32 and value.device.type == "cpu" and kernel.available():
             self._stream = self._new_stream(None)
-        if self._stream is not None and self._stream.add(value, scratch):
-            return
+            if self._stream.add(value, scratch):
+                return
         # The compiled path refused this batch (or does not apply): the tensor-op paths take it.
         summary = summarize_values(value, self.channel_axis, self.reference_percentile, scratch=scratch,
                                    percentile=self.percentile, histogram=self.histogram, use_kernel=False)

@@ -22,7 +22,7 @@ import torch
 
 from qlint.stats import kernel
 from qlint.stats.accumulator import HISTOGRAM_SHAPE, ScratchBuffers, TensorStats
-from qlint.stats.batch import histogram_of_key_counts, kernel_view, wanted_rank
+from qlint.stats.batch import histogram_of_key_counts, in_place_layout, kernel_view, wanted_rank
 from qlint.stats.memory import off_heap_empty
 
 
@@ -67,15 +67,22 @@ class KernelStream:
         or dtype, NaN/Inf, extreme magnitudes, another width): the caller must then summarize it."""
         if batch.dtype != torch.float32 or batch.device.type != "cpu" or not kernel.available():
             return False
-        values = kernel_view(batch.detach(), self.channel_axis, scratch)
-        outer, channels, inner = values.shape
+        # Called for every observed tensor of every batch: the common case (a contiguous
+        # batch) is read where it lies, with no view made and no check repeated.
+        layout = in_place_layout(batch, self.channel_axis)
+        if layout is None:
+            values = kernel_view(batch.detach(), self.channel_axis, scratch)
+            layout, address = tuple(values.shape), values.data_ptr()
+        else:
+            address = batch.data_ptr()
+        outer, channels, inner = layout
         if channels != self.channels:
             if self._started:
                 return False
             self._allocate(channels)
         width = outer * inner
-        batch_range = self._buffers.add(values, wanted_rank(width, self.reference_percentile)
-                                        if self.percentile else None)
+        m = wanted_rank(width, self.reference_percentile) if self.percentile else None
+        batch_range = self._buffers.add_at(address, outer, channels, inner, m)
         if batch_range is None:
             return False
         self._started = True
