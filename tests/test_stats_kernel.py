@@ -207,3 +207,64 @@ def test_workspaces_can_be_released_and_regrown():
     kernel.release_workspaces()
     kernel.release_workspaces()  # idempotent
     assert torch.equal(kernel.summarize_channels(values, 20, threads=2).packed, before)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or "parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+                    reason="the kernel enters torch's OpenMP team only where torch uses OpenMP and /proc is readable")
+def test_parts_run_in_torchs_openmp_team():
+    # Guards against silently falling back to one thread: the team is looked up at run time.
+    assert kernel._find_openmp_entries() is not None
+    kernel.prepare_parallel()
+    assert kernel._use_openmp_team()
+    assert kernel.part_count(1 << 20, True, threads=2) == 2
+
+
+def _summarize_in_parts(values: torch.Tensor, m, parts: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The kernel entry itself, with a fixed number of parts (kernel.part_count picks 1 without a team)."""
+    outer, channels, inner = values.shape
+    out = torch.empty(6, channels, dtype=torch.float64)
+    keys = torch.zeros(parts, kernel.HISTOGRAM_KEYS, dtype=torch.int64)
+    trusted = kernel._compiled.summarize(values.data_ptr(), outer, channels, inner, m or 0, parts, out.data_ptr(),
+                                         0, keys.data_ptr())
+    return out, keys.sum(0), trusted
+
+
+@pytest.mark.parametrize("layout", ["channel-last", "nchw", "single-channel", "sorted-columns"])
+@pytest.mark.parametrize("m_fraction", [None, 0.025])
+def test_team_and_calling_thread_give_identical_results(layout, m_fraction):
+    values = LAYOUTS[layout](torch.Generator().manual_seed(9))
+    width = values.shape[0] * values.shape[2]
+    m = None if m_fraction is None else max(1, round(m_fraction * width))
+    kernel.prepare_parallel()
+    in_team = _summarize_in_parts(values, m, 4)
+    entries = kernel._find_openmp_entries()
+    kernel._set_team(None)
+    try:
+        alone = _summarize_in_parts(values, m, 4)
+    finally:
+        kernel._set_team(entries)
+    assert torch.equal(in_team[0].nan_to_num(7.0), alone[0].nan_to_num(7.0))
+    assert torch.equal(in_team[1], alone[1]) and in_team[2] == alone[2]
+    rows = _per_channel(values)
+    assert torch.equal(in_team[0][kernel.MAX], rows.amax(1).double())  # and both are right
+    if m is not None:
+        assert torch.equal(in_team[0][kernel.KTH_LARGEST], rows.kthvalue(width - m + 1, dim=1).values.double())
+
+
+def test_stream_buffers_check_the_batch_and_keep_hints_between_batches():
+    buffers = kernel.StreamBuffers(8, histogram=False)
+    with pytest.raises(ValueError, match="channels"):
+        buffers.add(torch.randn(100, 9, 1), 3)
+    with pytest.raises(ValueError, match="float32"):
+        buffers.add(torch.randn(100, 8, 1, dtype=torch.float64), 3)
+    generator = torch.Generator().manual_seed(2)
+    batches = [torch.randn(400, 8, 1, generator=generator) for _ in range(3)]
+    ranges = [buffers.add(batch, 10) for batch in batches]
+    assert ranges == [pytest.approx(float(b.max() - b.min()), rel=0, abs=0) for b in batches]
+    last = buffers.summaries[buffers.latest]
+    assert torch.equal(last[kernel.KTH_LARGEST], _per_channel(batches[-1]).kthvalue(400 - 10 + 1, dim=1).values.double())
+    assert torch.equal(buffers.totals[1], torch.stack([_per_channel(b).amax(1) for b in batches]).amax(0).double())
+    poisoned = batches[0].clone()
+    poisoned[3, 2, 0] = float("nan")
+    totals = buffers.totals.clone()
+    assert buffers.add(poisoned, 10) is None and torch.equal(buffers.totals, totals)  # untouched

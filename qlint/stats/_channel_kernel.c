@@ -1078,6 +1078,7 @@ typedef int (*TeamQuery)(void);
 
 static ParallelEntry team_parallel;
 static TeamQuery team_thread_number, team_size;
+static unsigned largest_team;  /* the most members a run asked for: each may hold a workspace */
 
 typedef struct {
     const Job *jobs;
@@ -1106,6 +1107,7 @@ static int run_parts(const Job *jobs, Py_ssize_t count, int *trusted)
     run.jobs = jobs;
     run.count = count;
     if (count > 1 && team_parallel != NULL) {
+        largest_team = (unsigned)count > largest_team ? (unsigned)count : largest_team;
         team_parallel(team_member, &run, (unsigned)count, 0);
     } else {
         for (Py_ssize_t k = 0; k < count; ++k)
@@ -1164,7 +1166,7 @@ static int summarize_request(const Request *request, int *trusted)
 {
     const Job *whole = &request->job;
     const Py_ssize_t channels = whole->channels, values = whole->outer * whole->inner;
-    Job jobs[MOST_PARTS];
+    Job jobs[MOST_PARTS] = {0};
     if (channels == 1 && whole->m == 0 && whole->outer == 1 && request->parts > 1) {
         /* one channel, no selection: value ranges, each summarized as a channel of its own */
         const Py_ssize_t parts = request->parts < values ? request->parts : values;
@@ -1239,9 +1241,9 @@ static PyObject *release_team_workspaces(PyObject *self, PyObject *args)
 {
     (void)self;
     (void)args;
-    if (team_parallel != NULL) {
+    if (team_parallel != NULL && largest_team > 1) {
         Py_BEGIN_ALLOW_THREADS
-        team_parallel(release_in_team, NULL, 0, 0);
+        team_parallel(release_in_team, NULL, largest_team, 0);
         Py_END_ALLOW_THREADS
     }
     workspace_free();

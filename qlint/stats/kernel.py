@@ -20,7 +20,7 @@ import ctypes
 import dataclasses
 import os
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -41,6 +41,7 @@ MIN, MAX, SUM, SUM_OF_SQUARES, KTH_LARGEST, NEXT_HINT = range(6)
 
 # Set once, at the first use with more than one part (see _use_openmp_team)
 _team_checked = False
+_team_in_use = False
 _team_lock = threading.Lock()
 
 
@@ -159,12 +160,15 @@ class StreamBuffers:
 
     __slots__ = ("channels", "summaries", "totals", "flags", "key_counts", "batch_keys", "latest", "_addresses")
 
-    def __init__(self, channels: int, *, histogram: bool, allocate=torch.empty) -> None:
+    def __init__(self, channels: int, *, histogram: bool,
+                 allocate: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None) -> None:
         if _compiled is None:
             raise RuntimeError("qlint's compiled statistics kernel is not built; check kernel.available() first")
         if channels < 1:
             raise ValueError(f"need at least one channel, got {channels}")
         self.channels = channels
+        if allocate is None:
+            allocate = _allocate_on_heap
         floats = allocate(17 * channels, torch.float64)
         self.summaries = floats[: 12 * channels].view(2, 6, channels)
         self.totals = floats[12 * channels :].view(5, channels)
@@ -238,6 +242,10 @@ def fold(summary: torch.Tensor, totals: torch.Tensor, flags: torch.Tensor, with_
     return _compiled.fold(summary.data_ptr(), channels, totals.data_ptr(), flags.data_ptr(), with_ratio)
 
 
+def _allocate_on_heap(count: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(count, dtype=dtype)
+
+
 def _check_buffer(name: str, buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if (tuple(buffer.shape) != shape or buffer.dtype != dtype or buffer.device.type != "cpu"
             or not buffer.is_contiguous()):
@@ -262,24 +270,20 @@ def _use_openmp_team() -> bool:
     measurements, as they share cores with the team's spinning members (see
     ``_channel_kernel.c``, "parallel runs")."""
     global _team_checked
-    if _team_checked:
-        return _compiled is not None and _compiled_team_set
-    with _team_lock:
-        if not _team_checked:
-            _set_team(_find_openmp_entries())
-            _team_checked = True
-    return _compiled_team_set
-
-
-_compiled_team_set = False
+    if not _team_checked:
+        with _team_lock:
+            if not _team_checked:
+                _set_team(_find_openmp_entries())
+                _team_checked = True
+    return _team_in_use
 
 
 def _set_team(entries: Optional[tuple[int, int, int]]) -> None:
-    global _compiled_team_set
+    global _team_in_use
     if _compiled is None:
         return
     _compiled.set_team(*(entries or (0, 0, 0)))
-    _compiled_team_set = entries is not None
+    _team_in_use = entries is not None
 
 
 def _find_openmp_entries() -> Optional[tuple[int, int, int]]:
