@@ -13,6 +13,9 @@ setup(
         Extension(
             "qlint.stats._channel_kernel",
             sources=["qlint/stats/_channel_kernel.c"],
+            # included by _channel_kernel.c (one translation unit)
+            depends=["qlint/stats/_kernel_selection.h", "qlint/stats/_kernel_channel_last.h",
+                     "qlint/stats/_kernel_channel_major.h"],
             extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math"],
             optional=True,
         )
