@@ -268,3 +268,26 @@ def test_stream_buffers_check_the_batch_and_keep_hints_between_batches():
     poisoned[3, 2, 0] = float("nan")
     totals = buffers.totals.clone()
     assert buffers.add(poisoned, 10) is None and torch.equal(buffers.totals, totals)  # untouched
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_runs_the_kernel_in_its_calling_thread():
+    import os
+
+    kernel.prepare_parallel()
+    values = torch.randn(4096, 64, 1)
+    expected = kernel.summarize_channels(values, 30, threads=2).packed
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: must neither hang nor use the parent's team
+        try:
+            os.close(read_end)
+            result = kernel.summarize_channels(values, 30, threads=2).packed
+            ok = torch.equal(result, expected) and not kernel._use_openmp_team()
+            os.write(write_end, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    answer = os.read(read_end, 1)
+    os.waitpid(pid, 0)
+    assert answer == b"1"

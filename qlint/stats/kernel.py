@@ -286,6 +286,18 @@ def _set_team(entries: Optional[tuple[int, int, int]]) -> None:
     _team_in_use = entries is not None
 
 
+def _calling_thread_only_after_fork() -> None:
+    # A forked child inherits the parent's OpenMP state but not its team's threads, and GNU
+    # libgomp is not fork-safe: in a child the kernel's parts run in the calling thread.
+    global _team_checked
+    _set_team(None)
+    _team_checked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_calling_thread_only_after_fork)
+
+
 def _find_openmp_entries() -> Optional[tuple[int, int, int]]:
     """Addresses of GOMP_parallel, omp_get_thread_num and omp_get_num_threads in the OpenMP
     runtime torch uses, or None."""
