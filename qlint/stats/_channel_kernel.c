@@ -91,8 +91,8 @@ typedef struct {
  * buffer is mapped directly rather than taken from malloc: a long-lived block
  * allocated mid-forward would sit in the heap among the activations that come
  * and go, and the heap grows around it (measured: +20 to +60 MiB of free but
- * resident heap on the encoder benchmark). release_workspace() frees the
- * calling thread's buffer. */
+ * resident heap on the encoder benchmark). release_team_workspaces() frees the
+ * calling thread's buffer and those of its team's members. */
 #if defined(__unix__) || defined(__APPLE__)
 #include <sys/mman.h>
 #define WORKSPACE_MAPPED 1
@@ -268,18 +268,12 @@ typedef struct {
     int64_t *key_counts;  /* `parts` rows of HISTOGRAM_KEYS, or NULL */
 } Request;
 
-/* Parses (data, outer, channels, inner, m, parts, out, hint, key_counts); 0, or -1 with an exception set. */
-static int parse_request(PyObject *args, Py_ssize_t offset, Request *request)
+/* The request for summarize's arguments (data, outer, channels, inner, m, parts, out,
+ * hint, key_counts: `address` holds them in that order); 0, or -1 with an exception set. */
+static int make_request(const Py_ssize_t address[9], Request *request)
 {
-    Py_ssize_t data, outer, channels, inner, m, parts, out, hint, key_counts;
-    PyObject *head = PyTuple_GetSlice(args, offset, offset + 9);
-    if (head == NULL)
-        return -1;
-    const int parsed = PyArg_ParseTuple(head, "nnnnnnnnn", &data, &outer, &channels, &inner, &m, &parts, &out,
-                                        &hint, &key_counts);
-    Py_DECREF(head);
-    if (!parsed)
-        return -1;
+    const Py_ssize_t data = address[0], outer = address[1], channels = address[2], inner = address[3];
+    const Py_ssize_t m = address[4], parts = address[5], out = address[6], hint = address[7];
     if (data == 0 || out == 0) {
         PyErr_SetString(PyExc_ValueError, "null data or output address");
         return -1;
@@ -297,7 +291,7 @@ static int parse_request(PyObject *args, Py_ssize_t offset, Request *request)
     };
     request->job = job;
     request->parts = parts;
-    request->key_counts = (int64_t *)key_counts;
+    request->key_counts = (int64_t *)address[8];
     return 0;
 }
 
@@ -348,9 +342,11 @@ static int summarize_request(const Request *request, int *trusted)
 
 static PyObject *summarize(PyObject *self, PyObject *args)
 {
+    Py_ssize_t a[9];
     Request request;
     (void)self;
-    if (parse_request(args, 0, &request) != 0)
+    if (!PyArg_ParseTuple(args, "nnnnnnnnn", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6], &a[7], &a[8]) ||
+        make_request(a, &request) != 0)
         return NULL;
     int status, trusted;
     Py_BEGIN_ALLOW_THREADS
@@ -448,18 +444,12 @@ static PyObject *fold(PyObject *self, PyObject *args)
 /* summarize, then, when the batch is trusted, fold: one call per observed batch. */
 static PyObject *add_batch(PyObject *self, PyObject *args)
 {
+    Py_ssize_t a[9], totals, flags;
     Request request;
-    Py_ssize_t totals, flags;
     (void)self;
-    if (PyTuple_GET_SIZE(args) != 11) {
-        PyErr_SetString(PyExc_TypeError, "add_batch takes 11 arguments");
-        return NULL;
-    }
-    if (parse_request(args, 0, &request) != 0)
-        return NULL;
-    totals = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 9));
-    flags = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 10));
-    if (PyErr_Occurred())
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnn", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6], &a[7], &a[8],
+                          &totals, &flags) ||
+        make_request(a, &request) != 0)
         return NULL;
     if (totals == 0 || flags == 0) {
         PyErr_SetString(PyExc_ValueError, "null totals or flags address");
@@ -480,14 +470,6 @@ static PyObject *add_batch(PyObject *self, PyObject *args)
     return PyFloat_FromDouble(range);
 }
 
-static PyObject *release_workspace(PyObject *self, PyObject *args)
-{
-    (void)self;
-    (void)args;
-    workspace_free();
-    Py_RETURN_NONE;
-}
-
 static PyObject *use_instruction_set(PyObject *self, PyObject *args)
 {
     int limit;
@@ -498,8 +480,6 @@ static PyObject *use_instruction_set(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
-    {"release_workspace", release_workspace, METH_NOARGS,
-     "release_workspace(): free the calling thread's work buffer (kept between calls otherwise)."},
     {"use_instruction_set", use_instruction_set, METH_VARARGS,
      "use_instruction_set(limit) -> level: use the best versions of the hot loops up to limit (0 baseline, "
      "1 AVX2, 2 AVX-512) that this CPU runs; returns the level in use. For tests; not thread-safe."},

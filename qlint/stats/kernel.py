@@ -3,9 +3,11 @@
 :func:`summarize_channels` reads one contiguous float32 CPU batch, viewed as
 ``(outer, channels, inner)``, once (twice for a selection without a hint), and
 returns per-channel min, max, sum and sum of squares, optionally the exact
-m-th largest value and the (sign, exponent) key counts. Work is split over
-``torch.get_num_threads()`` threads (the kernel releases the GIL), by channel
-ranges, or by value ranges for a single channel without selection.
+m-th largest value and the (sign, exponent) key counts. Work is cut into up to
+``torch.get_num_threads()`` parts (channel ranges, or value ranges for a single
+channel without selection) that run in torch's OpenMP team where it can be found
+(:func:`_use_openmp_team`). :class:`StreamBuffers` keeps a stream's running totals
+and folds each batch in with the same call.
 
 Everything the kernel is given is checked here: dtype, device, contiguity,
 sizes, and the output buffers it writes, which this module allocates itself.
