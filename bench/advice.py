@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from advice_models import MODELS  # noqa: E402
 
 import qlint  # noqa: E402
-from qlint.plan import plan_from_report  # noqa: E402
-from qlint.verify import (_backend_config, _conv_linear_modules, _functional_owners,  # noqa: E402
+from qlint.advice.plan import plan_from_report  # noqa: E402
+from qlint.advice.verify import (_backend_config, _conv_linear_modules, _functional_owners,  # noqa: E402
                           conv_linear_coverage, verify)
 
 

@@ -130,9 +130,9 @@ def make_runner(name, mode, model, example):
     if mode == "plain":
         return model
     if mode == "qlint":
-        from qlint.calibration import insert_observers, resolve_point_needs, resolve_points
-        from qlint.engine import analyse, instantiate_rules
-        from qlint.registry import Registry
+        from qlint.linter.calibration import insert_observers, resolve_point_needs, resolve_points
+        from qlint.linter.engine import analyse, instantiate_rules
+        from qlint.linter.registry import Registry
 
         analysis = analyse(model, example, "x86")
         rules = instantiate_rules(Registry.default(include_plugins=False).select(["QL201", "QL202", "QL203"], None), {})
@@ -156,7 +156,7 @@ def time_batches(runner, mode, data):
     """Seconds for one pass over the batches, the way each mode runs them."""
     start = time.perf_counter()
     if mode == "qlint":  # qlint's own batch loop, as `qlint --calibration` and qlint.lint run it
-        from qlint.calibration import run_calibration
+        from qlint.linter.calibration import run_calibration
 
         run_calibration(runner, data, quiet=True)
     else:

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.ao.quantization import QConfigMapping, QuantStub, DeQuantStub, get_default_qconfig_mapping
 
-from qlint.context import LintContext
-from qlint.findings import Finding, Severity
-from qlint.graph import ModelGraph, OpNode
-from qlint.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.context import LintContext
+from qlint.linter.findings import Finding, Severity
+from qlint.core.graph import ModelGraph, OpNode
+from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 REASON_EAGER = "eager-no-fuse"
 REASON_FANOUT = "fan-out"

@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 from pydantic import Field
 
-from qlint.context import LintContext
-from qlint.findings import Finding, Severity
-from qlint.graph import ModelGraph, ModuleInfo
-from qlint.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.context import LintContext
+from qlint.linter.findings import Finding, Severity
+from qlint.core.graph import ModelGraph, ModuleInfo
+from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 # Modules with no learned state whose reuse matters only where observers are per module.
 _STATELESS_KINDS = frozenset({"relu", "relu6", "identity", "dropout", "flatten", "max_pool",

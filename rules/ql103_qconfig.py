@@ -13,17 +13,17 @@ from torch.ao.quantization import (DeQuantStub, QConfig, QConfigMapping, QuantSt
 from torch.ao.quantization.observer import (HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver,
                                             default_per_channel_weight_observer)
 
-from qlint.context import LintContext
-from qlint.findings import Finding, Severity
-from qlint.graph import OpNode
-from qlint.islands import Island, eager_float_islands, feeds_cat, fx_float_islands, is_static_quantized, unique_nodes
-from qlint.ops import CONV_OR_LINEAR_KINDS, FIXED_QPARAMS_KINDS, SHAPE_KINDS, WEIGHTED_KINDS
-from qlint.qconfig_checks import (CALL_OPS, LISTED_NODES, FindingGroups, QConfigCheckState, activation_dtype_text,
+from qlint.linter.context import LintContext
+from qlint.linter.findings import Finding, Severity
+from qlint.core.graph import OpNode
+from qlint.rules._ql103_islands import Island, eager_float_islands, feeds_cat, fx_float_islands, is_static_quantized, unique_nodes
+from qlint.core.ops import CONV_OR_LINEAR_KINDS, FIXED_QPARAMS_KINDS, SHAPE_KINDS, WEIGHTED_KINDS
+from qlint.rules._ql103_checks import (CALL_OPS, LISTED_NODES, FindingGroups, QConfigCheckState, activation_dtype_text,
                                   activation_range_text, describe_nodes, fixed_qparams_range, float_reason,
                                   full_range_activation_text, is_reduced_range, qparams_text, requires_fixed_qparams,
                                   scale_text, wasted_reduce_range_text, weight_dtype_text, weight_qscheme_text,
                                   weight_range_text, within_quant_range)
-from qlint.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 # Sub-check kinds (data["kind"]; part of each finding's fingerprint).
 KIND_FIXED_OBSERVER = "fixed-qparams-observer"

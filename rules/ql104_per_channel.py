@@ -11,12 +11,12 @@ from pydantic import Field
 from torch.ao.quantization import QConfig, QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
 from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver
 
-from qlint.context import INTENT_EAGER, LintContext
-from qlint.findings import Finding, Severity
-from qlint.graph import OpNode
-from qlint.intent import ObserverSpec
-from qlint.ops import CONV_KINDS, CONV_OR_LINEAR_KINDS
-from qlint.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.context import INTENT_EAGER, LintContext
+from qlint.linter.findings import Finding, Severity
+from qlint.core.graph import OpNode
+from qlint.core.intent import ObserverSpec
+from qlint.core.ops import CONV_KINDS, CONV_OR_LINEAR_KINDS
+from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 
 class PerChannel(Rule):

@@ -20,9 +20,9 @@ from torch.ao.quantization.backend_config import (get_fbgemm_backend_config, get
 from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-from qlint.context import INTENT_PREPARED, LintContext
-from qlint.findings import Finding, Severity
-from qlint.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.context import INTENT_PREPARED, LintContext
+from qlint.linter.findings import Finding, Severity
+from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 _BACKEND_CONFIGS = {"x86": get_x86_backend_config, "fbgemm": get_fbgemm_backend_config,
                     "qnnpack": get_qnnpack_backend_config, "onednn": get_onednn_backend_config}

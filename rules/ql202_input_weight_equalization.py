@@ -11,11 +11,11 @@ import torch.nn as nn
 from pydantic import Field
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
-from qlint.calibration import FEATURES, json_float
-from qlint.context import LintContext
-from qlint.findings import Finding, LayerRow, Severity
-from qlint.graph import ModelGraph, OpNode
-from qlint.rule import Example, Need, ObservationSpec, Rule, RuleOptions
+from qlint.linter.calibration import FEATURES, json_float
+from qlint.linter.context import LintContext
+from qlint.linter.findings import Finding, LayerRow, Severity
+from qlint.core.graph import ModelGraph, OpNode
+from qlint.linter.rule import Example, Need, ObservationSpec, Rule, RuleOptions
 
 KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d"})
 

@@ -140,7 +140,7 @@ def build_case(draw: Draw) -> dict[str, Any]:
         else:
             spec.append((op, src))
             channels.append(c)
-    from qlint.registry import Registry
+    from qlint.linter.registry import Registry
 
     codes = [cls.code for cls in Registry.default().all()]
     selectors = codes + ["QL1", "QL2", "ALL", "unfused-pattern"]
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    from qlint.registry import Registry
+    from qlint.linter.registry import Registry
 
     registry = Registry.default()
     rng = random.Random(args.seed)

@@ -4,7 +4,7 @@
     python scripts/gen_rule_docs.py           # (re)generate
     python scripts/gen_rule_docs.py --check   # exit 1 if any file is stale or missing
 
-The text comes from ``qlint.docs.rule_markdown`` (the same as ``qlint rule CODE``),
+The text comes from ``qlint.linter.docs.rule_markdown`` (the same as ``qlint rule CODE``),
 so the docs can never drift from the rules' docstrings and Options models.
 """
 
@@ -19,7 +19,7 @@ DOCS_DIR = ROOT / "docs" / "rules"
 
 
 def _rule_classes():
-    from qlint.registry import builtin_rule_classes
+    from qlint.linter.registry import builtin_rule_classes
 
     return sorted(builtin_rule_classes(), key=lambda cls: cls.code)
 
@@ -43,7 +43,7 @@ def index_markdown(classes) -> str:
 
 def expected_files() -> dict[str, str]:
     """File name (relative to docs/rules) → the text it must hold."""
-    from qlint.docs import rule_markdown
+    from qlint.linter.docs import rule_markdown
 
     classes = _rule_classes()
     files = {f"{cls.code}.md": rule_markdown(cls) for cls in classes}

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from qlint.baseline import filter_new, read_baseline, write_baseline
+from qlint.linter.baseline import filter_new, read_baseline, write_baseline
 from qlint.errors import ConfigError
-from qlint.findings import Finding, Report, Severity
+from qlint.linter.findings import Finding, Report, Severity
 
 BADNET = ("examples.badnet:build", "--input-shape", "1,3,32,32")
 MAPPING = ("--qconfig-mapping", "examples.badnet:qconfig_mapping")

@@ -12,9 +12,9 @@ from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 import qlint
-import qlint.engine
-import qlint.registry
-from qlint.calibration import (CalibrationStatistics, EmptyCalibrationError, load_calibration,
+import qlint.linter.engine
+import qlint.linter.registry
+from qlint.linter.calibration import (CalibrationStatistics, EmptyCalibrationError, load_calibration,
                                random_calibration)
 from qlint.errors import LoadError, QlintError
 
@@ -57,10 +57,10 @@ def test_statistics_object_and_user_model_untouched():
     model = _net()
     before = copy.deepcopy(model.state_dict())
     modules_before = [name for name, _ in model.named_modules()]
-    analysis = qlint.engine.analyse(model, (torch.randn(2, 3, 8, 8),), "x86")
-    rules = qlint.engine.instantiate_rules(qlint.registry.Registry.default(include_plugins=False)
+    analysis = qlint.linter.engine.analyse(model, (torch.randn(2, 3, 8, 8),), "x86")
+    rules = qlint.linter.engine.instantiate_rules(qlint.linter.registry.Registry.default(include_plugins=False)
                                            .select(DATA_RULES, None), {})
-    from qlint.calibration import collect_statistics
+    from qlint.linter.calibration import collect_statistics
 
     stats, _ = collect_statistics(analysis, rules, _images(5), {"quiet": True})
     assert isinstance(stats, CalibrationStatistics)
@@ -103,10 +103,10 @@ def test_batch_forms_give_identical_statistics(form):
 
 
 def test_num_batches_limits_the_run():
-    from qlint.calibration import collect_statistics
+    from qlint.linter.calibration import collect_statistics
 
-    analysis = qlint.engine.analyse(_net(), (torch.randn(2, 3, 8, 8),), "x86")
-    rules = qlint.engine.instantiate_rules(qlint.registry.Registry.default(include_plugins=False)
+    analysis = qlint.linter.engine.analyse(_net(), (torch.randn(2, 3, 8, 8),), "x86")
+    rules = qlint.linter.engine.instantiate_rules(qlint.linter.registry.Registry.default(include_plugins=False)
                                            .select(["QL203"], None), {})
     stats, _ = collect_statistics(analysis, rules, _images(6), {"quiet": True, "num_batches": 2})
     assert stats.batches == 2
@@ -320,7 +320,7 @@ def test_cli_empty_calibration_file_exits_2(run_cli, tmp_path):
 
 
 def test_preserved_state_restores_modes_and_buffers():
-    from qlint.calibration import preserved_state
+    from qlint.linter.calibration import preserved_state
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -357,9 +357,9 @@ def test_switched_off_statistics_leave_the_rest_identical():
 
 
 def test_point_needs_are_the_union_of_the_rules_asking():
-    from qlint.calibration import resolve_point_needs
-    from qlint.engine import analyse
-    from qlint.registry import Registry
+    from qlint.linter.calibration import resolve_point_needs
+    from qlint.linter.engine import analyse
+    from qlint.linter.registry import Registry
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
     analysis = analyse(model, (torch.randn(2, 8),), "x86")

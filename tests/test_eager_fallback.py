@@ -7,11 +7,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qlint.eager_fallback import FRONTEND_EAGER, eager_analysis, eager_graph
+from qlint.core.eager_fallback import FRONTEND_EAGER, eager_analysis, eager_graph
 from qlint.errors import TraceError
-from qlint.graph import ModelGraph, TensorInfo
-from qlint.intent import NodeQConfig
-from qlint.tracing import private_copy, trace
+from qlint.core.graph import ModelGraph, TensorInfo
+from qlint.core.intent import NodeQConfig
+from qlint.core.trace import private_copy, trace
 
 
 class DataDependent(nn.Module):

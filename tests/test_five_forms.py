@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qlint
-from qlint.cli import main
+from qlint.cli.main import main
 from tests import models
 
 RULES = ["QL101", "QL103", "QL104"]

@@ -25,7 +25,7 @@ _SPEC.loader.exec_module(fuzz)
 
 @pytest.fixture(scope="module")
 def registry():
-    from qlint.registry import Registry
+    from qlint.linter.registry import Registry
 
     return Registry.default()
 

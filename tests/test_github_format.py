@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from qlint.findings import Finding, Notice, Report, Severity, SkippedRule
+from qlint.linter.findings import Finding, Notice, Report, Severity, SkippedRule
 from qlint.render.github import escape_data, escape_property, render_github
 
 COMMAND = re.compile(r"^::(error|warning|notice) ([^:]*)::(.*)$")

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch.ao.quantization import QConfigMapping, get_default_qconfig, default_dynamic_qconfig
 from torch.ao.quantization.quantize_fx import prepare_fx
 
-from qlint.engine import analyse
-from qlint.intent import describe_observer
+from qlint.linter.engine import analyse
+from qlint.core.intent import describe_observer
 
 
 class Inner(nn.Module):

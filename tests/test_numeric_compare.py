@@ -11,7 +11,7 @@ import torch
 import torch.ao.ns._numeric_suite_fx as torch_ns
 from torch.ao.ns.fx.utils import compute_sqnr
 
-from qlint.findings import Report
+from qlint.linter.findings import Report
 from qlint.numeric.badcases import BadCaseSet, compare_badcases, find_badcases, per_sample_scores
 from qlint.numeric.compare import compare
 from qlint.numeric.examples import (

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qlint.findings import LayerRow
+from qlint.linter.findings import LayerRow
 from qlint.numeric.metrics import (
     SQNR_CAP_DB,
     UNIFORM_ROUNDING_RMSE_OVER_SCALE,

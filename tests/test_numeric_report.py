@@ -11,9 +11,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from qlint.findings import Report
+from qlint.linter.findings import Report
 from qlint.numeric import html as report_html
-from qlint.numeric.command import EXIT_FINDINGS, EXIT_USAGE, add_compare_arguments, load_data_arg, run_compare
+from qlint.cli.compare import EXIT_FINDINGS, EXIT_USAGE, add_compare_arguments, load_data_arg, run_compare
 from qlint.numeric.compare import activation_histograms, compare, worst_layers
 from qlint.numeric.examples import (
     SmallConvNet,

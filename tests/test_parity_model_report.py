@@ -27,9 +27,9 @@ from torch.ao.quantization.fx._model_report.detector import (DynamicStaticDetect
 from torch.ao.quantization.fx._model_report.model_report import ModelReport
 from torch.ao.quantization.quantize_fx import prepare_fx, prepare_qat_fx
 
-from qlint.calibration import collect_statistics
-from qlint.engine import analyse, instantiate_rules
-from qlint.registry import Registry
+from qlint.linter.calibration import collect_statistics
+from qlint.linter.engine import analyse, instantiate_rules
+from qlint.linter.registry import Registry
 from qlint.rules import ql201_dynamic_static, ql202_input_weight_equalization, ql203_activation_outlier
 
 

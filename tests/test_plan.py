@@ -13,10 +13,10 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 import qlint
 from qlint.errors import ConfigError
-from qlint.plan import (ActivationSpec, EqualizationPair, ModuleDecision, PlanFormatError, Provenance, QuantPlan,
+from qlint.advice.plan import (ActivationSpec, EqualizationPair, ModuleDecision, PlanFormatError, Provenance, QuantPlan,
                         Rewrite, WeightSpec, default_plan, plan_from_report)
-from qlint.plan_cli import COMMANDS, emit_plan_outputs
-from qlint.plan_export import PercentileObserver
+from qlint.cli.plan import COMMANDS, emit_plan_outputs
+from qlint.advice.export import PercentileObserver
 
 
 # --- models -------------------------------------------------------------------------------

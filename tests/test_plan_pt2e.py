@@ -34,7 +34,7 @@ def _quantize(model, quantizer, batches):
 
 
 def test_plan_exports_to_a_working_pt2e_quantizer():
-    from qlint.plan import ModuleDecision, Provenance, default_plan
+    from qlint.advice.plan import ModuleDecision, Provenance, default_plan
 
     torch.manual_seed(0)
     model = Net().eval()
@@ -56,7 +56,7 @@ def test_plan_exports_to_a_working_pt2e_quantizer():
 
 def test_non_x86_backend_is_refused_with_a_clear_error():
     from qlint.errors import ConfigError
-    from qlint.plan import default_plan
+    from qlint.advice.plan import default_plan
 
     with pytest.raises(ConfigError, match="XNNPACK"):
         default_plan("qnnpack").to_pt2e_quantizer()

@@ -17,11 +17,11 @@ from torch.ao.quantization.observer import (HistogramObserver, MinMaxObserver,
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx, prepare_qat_fx
 
 import qlint
-from qlint.backends import backend_info
-from qlint.engine import analyse
+from qlint.core.backends import backend_info
+from qlint.linter.engine import analyse
 from qlint.errors import ConfigError
-from qlint.findings import Report, Severity
-from qlint.rule import parse_doc_sections
+from qlint.linter.findings import Report, Severity
+from qlint.linter.rule import parse_doc_sections
 from qlint.rules.ql103_qconfig import QConfigCheck
 from qlint.rules.ql104_per_channel import PerChannel
 

@@ -7,8 +7,8 @@ import textwrap
 import pytest
 
 from qlint.errors import ConfigError
-from qlint.registry import Registry
-from qlint.rule import validate_rule_class
+from qlint.linter.registry import Registry
+from qlint.linter.rule import validate_rule_class
 
 
 def test_builtin_rules_are_valid_and_unique():
@@ -57,8 +57,8 @@ def _make_plugin(tmp_path, name, body):
 
 PLUGIN = '''
 import torch
-from qlint.rule import Rule, Need, RuleOptions
-from qlint.findings import Severity
+from qlint.linter.rule import Rule, Need, RuleOptions
+from qlint.linter.findings import Severity
 
 class TooManyLinears(Rule):
     """Flags models with more than a few linear layers.
@@ -107,7 +107,7 @@ def test_third_party_rule_loads_and_runs(tmp_path):
 
 def test_broken_plugin_names_its_package(tmp_path):
     _make_plugin(tmp_path, "qlint_broken_plugin", "raise ImportError('missing dependency foo')\n")
-    result = _run(tmp_path, "from qlint.registry import Registry\n"
+    result = _run(tmp_path, "from qlint.linter.registry import Registry\n"
                   "from qlint.errors import RuleLoadError\n"
                   "try:\n    Registry.default()\nexcept RuleLoadError as e:\n    print('ERR', e)\n")
     assert result.returncode == 0, result.stderr

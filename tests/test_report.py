@@ -5,7 +5,7 @@ import torch
 
 import qlint
 from examples.badnet import build, qconfig_mapping
-from qlint.findings import Finding, Report
+from qlint.linter.findings import Finding, Report
 
 
 def test_report_json_round_trip():

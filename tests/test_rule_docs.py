@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qlint.registry import Registry, builtin_rule_classes
+from qlint.linter.registry import Registry, builtin_rule_classes
 
 OPTION_LINE = re.compile(r"^\s*[-*]\s+`([A-Za-z_][A-Za-z0-9_]*)`\s*:")
 
@@ -75,7 +75,7 @@ def test_option_parser_reads_bullets():
 
 
 def test_rules_json_lists_every_rule(repo_root):
-    result = subprocess.run([sys.executable, "-m", "qlint.cli", "rules", "--format", "json"],
+    result = subprocess.run([sys.executable, "-m", "qlint", "rules", "--format", "json"],
                             cwd=repo_root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     listed = json.loads(result.stdout)

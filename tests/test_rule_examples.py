@@ -3,7 +3,7 @@
 import pytest
 
 import qlint
-from qlint.registry import Registry
+from qlint.linter.registry import Registry
 
 RULES = Registry.default(include_plugins=False).all()
 CASES = []

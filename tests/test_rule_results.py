@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 
 import qlint
-from qlint.findings import LayerRow, Severity
-from qlint.registry import Registry
-from qlint.rule import Need, Rule
+from qlint.linter.findings import LayerRow, Severity
+from qlint.linter.registry import Registry
+from qlint.linter.rule import Need, Rule
 
 # The docstring sections every rule must have (the registry checks them).
 _SECTIONS = """

@@ -34,7 +34,7 @@ def test_refused_without_trust_flag(run_cli, tmp_path):
 
 def test_python_api_refuses_too(tmp_path):
     from qlint.errors import LoadError
-    from qlint.loading import load_model
+    from qlint.core.load import load_model
 
     model_path = tmp_path / "evil.pt"
     marker = tmp_path / "pwned.txt"

@@ -8,10 +8,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from qlint.findings import Finding, Notice, Report, Severity, SkippedRule
-from qlint.registry import Registry
+from qlint.linter.findings import Finding, Notice, Report, Severity, SkippedRule
+from qlint.linter.registry import Registry
 from qlint.render.extra import EXTRA_FORMATS
-from qlint.docs import rule_markdown
+from qlint.linter.docs import rule_markdown
 from qlint.render.sarif import render_sarif, repository_url
 
 SCHEMA_PATH = Path(__file__).with_name("sarif-schema-2.1.0.json")

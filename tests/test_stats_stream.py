@@ -13,7 +13,7 @@ import platform
 import pytest
 import torch
 
-from qlint.calibration import insert_observers
+from qlint.linter.calibration import insert_observers
 from qlint.stats import StatsObserver, TensorStats, kernel, summarize_batch
 from qlint.stats.accumulator import ScratchBuffers
 from qlint.stats.memory import FreeHeapReturner, off_heap_empty, resident_bytes
@@ -126,7 +126,7 @@ def test_inserted_observers_allocate_their_buffers_before_calibration():
     model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU(), torch.nn.Linear(20, 7))
     traced = torch.fx.symbolic_trace(model)
     torch.fx.passes.shape_prop.ShapeProp(traced).propagate(torch.randn(5, 12))
-    from qlint.calibration import ObservationPoint
+    from qlint.linter.calibration import ObservationPoint
 
     points = [ObservationPoint("_0", "input", 0, -1), ObservationPoint("_2", "input", 0, -1),
               ObservationPoint("_2", "output", 0, None)]

@@ -1,12 +1,12 @@
-"""qlint.verify and the `qlint verify` / `qlint fix` commands, on real quantization runs."""
+"""qlint.advice.verify and the `qlint verify` / `qlint fix` commands, on real quantization runs."""
 
 import json
 
 import pytest
 import torch
 
-from qlint.plan import ModuleDecision, Provenance, QuantPlan, default_plan
-from qlint.verify import VerifyReport, verify
+from qlint.advice.plan import ModuleDecision, Provenance, QuantPlan, default_plan
+from qlint.advice.verify import VerifyReport, verify
 from tests.test_rewrite import make_fanout_net, make_same_conv_net
 
 

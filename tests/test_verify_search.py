@@ -1,11 +1,11 @@
-"""The static <-> dynamic scheme search of qlint.verify (qlint/verify_search.py), on real quantization runs."""
+"""The static <-> dynamic scheme search of qlint.advice.verify (qlint/advice/verify_search.py), on real quantization runs."""
 
 import pytest
 import torch
 import torch.nn as nn
 
-from qlint.plan import ModuleDecision, Provenance, default_plan
-from qlint.verify import SQNR_TOLERANCE_DB, verify
+from qlint.advice.plan import ModuleDecision, Provenance, default_plan
+from qlint.advice.verify import SQNR_TOLERANCE_DB, verify
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

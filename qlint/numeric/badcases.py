@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from qlint.findings import Report
+from qlint.linter.findings import Report
 from qlint.numeric.capture import PairedRunner, batch_size
 from qlint.numeric.compare import compare
 from qlint.numeric.matching import match_layers

@@ -1,6 +1,6 @@
 """compare(): per-layer numeric comparison of a float model and its quantized counterpart.
 
-The result is a ``qlint.findings.Report``: one ``LayerRow`` per matched layer
+The result is a ``qlint.linter.findings.Report``: one ``LayerRow`` per matched layer
 (weight SQNR, propagated and shadow activation SQNR, cosine, and the rest of
 the metrics in ``extra``) and findings QL301 (low-sqnr-layer) and QL302
 (error-onset), built in ``qlint.numeric.diagnose``.
@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from qlint.findings import LayerRow, Notice, Report, Severity, Timing
+from qlint.linter.findings import LayerRow, Notice, Report, Severity, Timing
 from qlint.numeric.capture import PairedRunner
 from qlint.numeric.diagnose import (
     DEFAULT_ONSET_JUMP_DB,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from qlint.findings import Finding, LayerRow, Severity
+from qlint.linter.findings import Finding, LayerRow, Severity
 from qlint.numeric.metrics import (
     SQNR_CAP_DB,
     UNIFORM_ROUNDING_RMSE_OVER_SCALE,

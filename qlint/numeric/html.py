@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from qlint.findings import LayerRow, Report
+from qlint.linter.findings import LayerRow, Report
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB
 
 PROPAGATED_COLOR = "#1f77b4"

@@ -1,4 +1,4 @@
-"""Output formats beyond text and json, looked up by ``qlint.lint_command``."""
+"""Output formats beyond text and json, looked up by ``qlint.cli.lint``."""
 
 from qlint.render.github import render_github
 from qlint.render.sarif import render_sarif

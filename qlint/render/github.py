@@ -8,7 +8,7 @@ Escaping follows the runner's rules (actions/toolkit command.ts): in the message
 
 from __future__ import annotations
 
-from qlint.findings import Report, Severity
+from qlint.linter.findings import Report, Severity
 
 _COMMAND = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "notice"}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qlint.findings import Report
+from qlint.linter.findings import Report
 
 
 def render_json(report: Report, **_: object) -> str:

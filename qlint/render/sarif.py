@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from qlint.docs import rule_markdown
-from qlint.findings import Finding, Report, Severity
+from qlint.linter.docs import rule_markdown
+from qlint.linter.findings import Finding, Report, Severity
 
 SARIF_VERSION = "2.1.0"
 SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
@@ -48,12 +48,12 @@ def rule_help_uri(code: str) -> Optional[str]:
 
 
 def _rule_classes() -> list[Any]:
-    from qlint.registry import Registry
+    from qlint.linter.registry import Registry
 
     try:
         return Registry.default().all()
     except Exception:  # a broken plugin must not stop the report from being written
-        from qlint.registry import Registry as _R, builtin_rule_classes
+        from qlint.linter.registry import Registry as _R, builtin_rule_classes
 
         return _R(builtin_rule_classes()).all()
 
@@ -103,7 +103,7 @@ def model_artifact_uri(model: str) -> Optional[str]:
 
 
 def _functional_names() -> set[str]:
-    from qlint.ops import FUNCTION_KINDS, METHOD_KINDS
+    from qlint.core.ops import FUNCTION_KINDS, METHOD_KINDS
 
     names = set(FUNCTION_KINDS.values()) | set(METHOD_KINDS.values()) | set(METHOD_KINDS)
     names |= {getattr(f, "__name__", str(f)) for f in FUNCTION_KINDS}

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
-from qlint.graph import ModelGraph, OpNode
-from qlint.ops import SHAPE_KINDS
+from qlint.core.graph import ModelGraph, OpNode
+from qlint.core.ops import SHAPE_KINDS
 
 _OPS = ("module", "function", "method")
 

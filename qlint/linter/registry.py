@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 from typing import Iterable, Optional
 
 from qlint.errors import ConfigError, RuleLoadError
-from qlint.rule import Rule, validate_rule_class
+from qlint.linter.rule import Rule, validate_rule_class
 
 ENTRY_POINT_GROUP = "qlint.rules"
 

@@ -20,7 +20,7 @@ from torch.ao.quantization.backend_config import (
 )
 from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
 
-from qlint.ops import function_kind, module_kind
+from qlint.core.ops import function_kind, module_kind
 
 _GETTERS = {
     "x86": get_x86_backend_config,
@@ -74,7 +74,7 @@ def _kind_of_pattern_element(element: Any) -> Optional[str]:
         except Exception:  # a class whose __new__ needs arguments: fall back on its name
             return None
     if isinstance(element, str):
-        from qlint.ops import method_kind
+        from qlint.core.ops import method_kind
 
         return method_kind(element)
     if callable(element):

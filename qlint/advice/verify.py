@@ -16,7 +16,7 @@ both against the float model on the held-out ``eval_data``:
 Then it prunes: every plan decision (module decision, equalization pair, applied
 rewrite) is dropped when removing it does not lower SQNR (greedy, one pass). Then a
 scheme search flips each Linear static <-> dynamic and keeps the flips that raise SQNR
-(``search_schemes``; qlint/verify_search.py). When ``target_sqnr`` is given and not met,
+(``search_schemes``; qlint/advice/verify_search.py). When ``target_sqnr`` is given and not met,
 the most sensitive conv/linear layers (measured by the SQNR gained when each alone is
 kept float) are kept float, as few as reach the target (at most ``max_float_fraction``
 of the conv+linear layers); dynamic layers are candidates too.
@@ -38,8 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from qlint.errors import ConfigError, QlintError
 from qlint.numeric.metrics import sqnr_db_from_powers
-from qlint.plan import Provenance, QuantPlan, Rewrite, default_plan
-from qlint.rewrite import AppliedRewrite, apply_equalization, apply_rewrites, rewrite_key
+from qlint.advice.plan import Provenance, QuantPlan, Rewrite, default_plan
+from qlint.advice.rewrite import AppliedRewrite, apply_equalization, apply_rewrites, rewrite_key
 
 SQNR_TOLERANCE_DB = 1e-3  # "does not lower SQNR": a removal that costs less than this is noise
 
@@ -405,7 +405,7 @@ def verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_d
     ``calibration`` and ``eval_data`` are iterables of batches (a tensor, a tuple of
     positional tensors, or a dict of keyword tensors). ``eval_fn(quantized_model,
     eval_data) -> float`` adds the user's metric (also computed for the float model).
-    The plan's equalization pairs are realized by :func:`qlint.rewrite.apply_equalization`
+    The plan's equalization pairs are realized by :func:`qlint.advice.rewrite.apply_equalization`
     (a float-preserving cross-layer rescale using calibration ranges); pass torch's
     ``equalization_qconfig`` to use prepare_fx's ``_equalization_config`` instead.
     ``search_schemes`` tries each Linear static <-> dynamic after pruning (at most
@@ -476,8 +476,8 @@ def verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_d
                          "verify continued from the default")
             current, skip, best = fresh, skip_all, fresh_sqnr
 
-    # --- scheme search, then target-SQNR fallback (qlint/verify_search.py) --------------
-    from qlint.verify_search import float_fallback, scheme_search
+    # --- scheme search, then target-SQNR fallback (qlint/advice/verify_search.py) --------------
+    from qlint.advice.verify_search import float_fallback, scheme_search
 
     if search_schemes:
         frozen = [] if prune else [d.fqn for d in plan.modules]  # --no-prune: plan decisions stay as given
@@ -530,7 +530,7 @@ def _record_rewrites(plan: QuantPlan, applied: Sequence[AppliedRewrite]) -> Quan
             rewrites.append(Rewrite(kind=a.kind, modules=list(a.modules), params={"nodes": list(a.nodes)},  # type: ignore[arg-type]
                                     provenance=[Provenance(source="measurement", metric="float relative error",
                                                            value=a.max_relative_error or 0.0,
-                                                           detail="detected by qlint.rewrite")]))
+                                                           detail="detected by qlint.advice.rewrite")]))
     return plan.model_copy(update={"rewrites": rewrites})
 
 

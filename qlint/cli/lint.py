@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from qlint.errors import ConfigError, QlintError
-from qlint.findings import Notice, Report, Severity
-from qlint.loading import (load_batches, load_example_inputs, load_model, parse_input_shape,
+from qlint.linter.findings import Notice, Report, Severity
+from qlint.core.load import (load_batches, load_example_inputs, load_model, parse_input_shape,
                            resolve_object)
-from qlint.settings import FileSettings, Settings, load_settings
+from qlint.linter.settings import FileSettings, Settings, load_settings
 
 EXIT_CLEAN, EXIT_FINDINGS = 0, 1
 
@@ -59,7 +59,7 @@ def _lint_one(args: argparse.Namespace, model_spec: str, settings: Settings) -> 
     ignore = (_split(args.ignore) or []) + list(settings.ignore)
     calibration, calibration_notices = _calibration(args, per_file, settings, example)
 
-    from qlint.engine import lint
+    from qlint.linter.engine import lint
 
     report = lint(loaded.module, example, calibration=calibration, backend=backend,
                   qconfig_mapping=mapping, select=select, ignore=ignore, options=settings.rules,
@@ -70,7 +70,7 @@ def _lint_one(args: argparse.Namespace, model_spec: str, settings: Settings) -> 
         report = report.model_copy(update={"notices": list(calibration_notices) + list(report.notices)})
     report = _apply_baseline(report, args.baseline or settings.baseline, args.write_baseline)
     if args.emit_plan or args.emit_qconfig:
-        from qlint.plan_cli import emit_plan_outputs
+        from qlint.cli.plan import emit_plan_outputs
 
         emit_plan_outputs(report, args.emit_plan, args.emit_qconfig)
     _emit(report, output_format, args)
@@ -78,7 +78,7 @@ def _lint_one(args: argparse.Namespace, model_spec: str, settings: Settings) -> 
 
 
 def _split(values):
-    from qlint.cli import _split_list
+    from qlint.cli.main import _split_list
 
     return _split_list(values)
 
@@ -99,7 +99,7 @@ def _calibration(args, per_file, settings: Settings, example):
     if source is None and not args.random_calibration:
         return None, []
     try:
-        from qlint.calibration import random_calibration
+        from qlint.linter.calibration import random_calibration
     except ImportError as error:
         raise QlintError(f"calibration support is unavailable: {error}") from error
     if source is not None:
@@ -117,7 +117,7 @@ def _apply_baseline(report: Report, baseline: Optional[str], write: bool) -> Rep
         if write:
             raise ConfigError("--write-baseline needs --baseline FILE")
         return report
-    from qlint.baseline import filter_new, write_baseline
+    from qlint.linter.baseline import filter_new, write_baseline
 
     if write:
         write_baseline(report, baseline)

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import networkx as nx
 
-from qlint.intent import NodeQConfig
+from qlint.core.intent import NodeQConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""The measured search steps of :func:`qlint.verify.verify`, run after greedy pruning.
+"""The measured search steps of :func:`qlint.advice.verify.verify`, run after greedy pruning.
 
 1. **Scheme search** (:func:`scheme_search`). The Linears that the backend can quantize
-   dynamically are flipped static <-> dynamic (a :class:`~qlint.plan.ModuleDecision`
+   dynamically are flipped static <-> dynamic (a :class:`~qlint.advice.plan.ModuleDecision`
    with ``mode``): first all at once, then one at a time from the output backwards. A
    flip is kept when the output SQNR rises by more than ``SQNR_TOLERANCE_DB`` and int8
    coverage does not fall. No finding has to recommend it: dynamic quantization of a
@@ -13,7 +13,7 @@
    reach the target, within a budget of conv+linear layers. Dynamic layers are candidates
    like static ones.
 
-Every trial is recorded as a :class:`~qlint.verify.DecisionOutcome` (kind ``scheme`` or
+Every trial is recorded as a :class:`~qlint.advice.verify.DecisionOutcome` (kind ``scheme`` or
 ``keep_float``); kept decisions carry a ``Provenance(source="measurement")``.
 """
 
@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch.fx as fx
 import torch.nn as nn
 
-from qlint.plan import ModuleDecision, Provenance, QuantPlan
-from qlint.verify import SQNR_TOLERANCE_DB, DecisionOutcome, _conv_linear_modules, _functional_owners
+from qlint.advice.plan import ModuleDecision, Provenance, QuantPlan
+from qlint.advice.verify import SQNR_TOLERANCE_DB, DecisionOutcome, _conv_linear_modules, _functional_owners
 
 if TYPE_CHECKING:
-    from qlint.verify import _Session
+    from qlint.advice.verify import _Session
 
 # Module types the search may flip, by qlint op kind. LSTM/GRU also have dynamic kernels,
 # but FX leaves them float under a static mapping, so there is nothing to flip from.
@@ -37,7 +37,7 @@ _DYNAMIC_TYPES = {"linear": (nn.Linear,)}
 
 
 def _dynamic_int8(backend: str, kind: str) -> bool:
-    from qlint.backends import backend_info
+    from qlint.core.backends import backend_info
 
     return any(o.is_dynamic and o.input_dtype == "torch.quint8" and o.weight_dtype == "torch.qint8"
                for o in backend_info(backend).dtype_options(kind))

@@ -6,12 +6,12 @@
 
 The lead's CLI dispatches ``COMMANDS[argv[0]](argv[1:])``.
 
-Wiring ``--emit-plan`` / ``--emit-qconfig`` into qlint/lint_command.py (two flags on
+Wiring ``--emit-plan`` / ``--emit-qconfig`` into qlint/cli/lint.py (two flags on
 build_lint_parser: ``--emit-plan FILE`` and ``--emit-qconfig FILE``), in run_lint right
 after the baseline is applied and before ``_emit``::
 
     if args.emit_plan or args.emit_qconfig:
-        from qlint.plan_cli import emit_plan_outputs
+        from qlint.cli.plan import emit_plan_outputs
         emit_plan_outputs(report, args.emit_plan, args.emit_qconfig)
 
 emit_plan_outputs raises QlintError (exit 2) when a file cannot be written.
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from qlint.errors import ConfigError, QlintError
-from qlint.findings import Report
-from qlint.plan import QuantPlan, plan_from_report
+from qlint.linter.findings import Report
+from qlint.advice.plan import QuantPlan, plan_from_report
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,6 +85,6 @@ def plan_command(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "plan": plan_command,
-    "verify": lambda argv: __import__("qlint.verify_cli", fromlist=["verify_command"]).verify_command(argv),
-    "fix": lambda argv: __import__("qlint.verify_cli", fromlist=["fix_command"]).fix_command(argv),
+    "verify": lambda argv: __import__("qlint.cli.verify", fromlist=["verify_command"]).verify_command(argv),
+    "fix": lambda argv: __import__("qlint.cli.verify", fromlist=["fix_command"]).fix_command(argv),
 }

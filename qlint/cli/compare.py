@@ -1,6 +1,6 @@
 """`qlint compare FLOAT QUANT --calibration DATA`: the numeric suite on the command line.
 
-The lead wires ``add_compare_arguments`` / ``run_compare`` into ``qlint.cli``.
+The lead wires ``add_compare_arguments`` / ``run_compare`` into ``qlint.cli.main``.
 Models and data are loaded by ``load_model_arg``/``load_data_arg`` alone, so that the project's
 model loader can replace it in one place.
 """
@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qlint.errors import QlintError
-from qlint.findings import Notice, Report, Severity
+from qlint.linter.findings import Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
 from qlint.numeric.compare import MODES, activation_histograms, compare, worst_layers
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB, DEFAULT_WEIGHT_SQNR_THRESHOLD_DB
@@ -29,14 +29,14 @@ EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
 def load_model_arg(spec: str, trust_pickle: bool = False) -> torch.nn.Module:
     """FLOAT or QUANT: anything qlint's safe loader takes (.pt2, .pt, module:factory)."""
-    from qlint.loading import load_model
+    from qlint.core.load import load_model
 
     return load_model(spec, trust_pickle=trust_pickle).module
 
 
 def load_data_arg(spec: str) -> Any:
     """Batches: a saved tensor/list or folder (weights_only), or package.module:function."""
-    from qlint.loading import load_batches
+    from qlint.core.load import load_batches
 
     return load_batches(spec)
 

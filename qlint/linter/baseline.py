@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from qlint.errors import ConfigError, QlintError
-from qlint.findings import Notice, Report, Severity
+from qlint.linter.findings import Notice, Report, Severity
 
 BASELINE_VERSION = 1
 

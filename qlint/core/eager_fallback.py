@@ -35,10 +35,10 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from qlint.errors import TraceError
-from qlint.nested import leaves_of_type
-from qlint.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
-from qlint.intent import CallDescription, function_candidates
-from qlint.ops import FUNCTION_KINDS, WEIGHTED_KINDS, function_kind, method_kind, module_kind
+from qlint.core.nested import leaves_of_type
+from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
+from qlint.core.intent import CallDescription, function_candidates
+from qlint.core.ops import FUNCTION_KINDS, WEIGHTED_KINDS, function_kind, method_kind, module_kind
 
 FRONTEND_EAGER = "eager-hooks"
 
@@ -257,7 +257,7 @@ def eager_analysis(model: nn.Module, example_inputs: Optional[Sequence[Any]],
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     if copy_model:
-        from qlint.tracing import private_copy
+        from qlint.core.trace import private_copy
 
         model = private_copy(model)
     recorder = _record_run(model, tuple(example_inputs))

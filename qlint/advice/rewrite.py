@@ -212,7 +212,7 @@ def _checked(record: dict[str, Any], error: float, max_relative_error: float) ->
 
 
 def _outputs(gm: nn.Module, inputs: Sequence[Any]) -> list[torch.Tensor]:
-    from qlint.nested import leaves_of_type
+    from qlint.core.nested import leaves_of_type
 
     with torch.no_grad():
         out = gm(*inputs)

@@ -154,8 +154,8 @@ class Report(_Frozen):
     qconfig_table: list[QConfigRow] = Field(default_factory=list)
 
     def plan(self):
-        """The quantization plan these findings call for (see qlint.plan)."""
-        from qlint.plan import plan_from_report
+        """The quantization plan these findings call for (see qlint.advice.plan)."""
+        from qlint.advice.plan import plan_from_report
 
         return plan_from_report(self)
 

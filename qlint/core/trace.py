@@ -21,9 +21,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qlint.errors import TraceError
-from qlint.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
-from qlint.intent import CallDescription, NodeQConfig
-from qlint.ops import MODULE_KINDS, function_kind, method_kind, module_kind
+from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
+from qlint.core.intent import CallDescription, NodeQConfig
+from qlint.core.ops import MODULE_KINDS, function_kind, method_kind, module_kind
 
 FRONTEND_SYMBOLIC = "fx.symbolic_trace"
 FRONTEND_GRAPH_MODULE = "fx.GraphModule"
@@ -103,7 +103,7 @@ def propagate_shapes(traced: Traced, example_inputs: Optional[Sequence[Any]]) ->
     """Fill tensor metadata on every node; returns a notice when it could not."""
     if traced.exported or not example_inputs:
         return None if traced.exported else "no example inputs: shapes are unknown"
-    from qlint.preserve import preserved_state
+    from qlint.core.preserve import preserved_state
 
     module = traced.graph_module
     # A forward pass updates BN running stats and observer/fake-quant buffers; calibration
@@ -165,7 +165,7 @@ def _stack(node: fx.Node) -> list[_Owner]:
         if isinstance(type_ref, type):
             owners.append(_Owner(path, f"{type_ref.__module__}.{type_ref.__qualname__}", type_ref))
         else:
-            from qlint.intent import import_type
+            from qlint.core.intent import import_type
 
             owners.append(_Owner(path, str(type_ref), import_type(str(type_ref))))
     return owners
@@ -274,7 +274,7 @@ class GraphBuilder:
             output=_tensor_info(node), training=training,
             target=getattr(raw, "__name__", str(raw)),
         )
-        from qlint.intent import function_candidates
+        from qlint.core.intent import function_candidates
 
         if owning_module is not None and self.traced.exported and _is_torch_leaf(owning_module):
             # An aten op that an nn leaf module produced: resolve it as that module's call,
@@ -301,12 +301,12 @@ class GraphBuilder:
                     break
         if observer is None:
             return None
-        from qlint.intent import describe_observer
+        from qlint.core.intent import describe_observer
 
         return NodeQConfig(activation=describe_observer(observer), weight=None, source="prepared")
 
     def _weight_refs(self, node: fx.Node, kind: str) -> tuple[Optional[str], Optional[str]]:
-        from qlint.ops import WEIGHTED_KINDS
+        from qlint.core.ops import WEIGHTED_KINDS
 
         if kind not in WEIGHTED_KINDS and kind != "batch_norm":
             return None, None
@@ -364,7 +364,7 @@ def _module_weight_refs(module: nn.Module, target: str) -> tuple[Optional[str], 
 
 
 def _flat_args(node: fx.Node) -> list[fx.Node]:
-    from qlint.nested import leaves_of_type
+    from qlint.core.nested import leaves_of_type
 
     return [n for n in leaves_of_type((node.args, node.kwargs), fx.Node) if n.op != "get_attr"]
 

@@ -29,10 +29,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qlint.errors import LoadError, QlintError
-from qlint.findings import Notice
-from qlint.graph import ModelGraph
-from qlint.preserve import preserved_state
-from qlint.rule import Need, ObservationSpec, Rule
+from qlint.linter.findings import Notice
+from qlint.core.graph import ModelGraph
+from qlint.core.preserve import preserved_state
+from qlint.linter.rule import Need, ObservationSpec, Rule
 from qlint.stats import StatsObserver, TensorStats, all_reduce_stats, kernel, thread_scratch_buffers
 from qlint.stats.batch import channel_count
 from qlint.stats.memory import FreeHeapReturner, return_free_heap_to_os

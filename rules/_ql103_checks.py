@@ -6,12 +6,12 @@ from typing import Any, Iterator, Optional, Sequence
 
 from torch.ao.quantization import QConfigMapping
 
-from qlint.context import INTENT_EAGER, INTENT_PREPARED, LintContext
-from qlint.engine import qconfig_rows
-from qlint.findings import QConfigRow, Severity
-from qlint.graph import ModelGraph, OpNode
-from qlint.islands import is_static_quantized, through_shape_ops
-from qlint.intent import ObserverSpec, default_mapping, function_candidates, import_type, node_qconfig
+from qlint.linter.context import INTENT_EAGER, INTENT_PREPARED, LintContext
+from qlint.linter.engine import qconfig_rows
+from qlint.linter.findings import QConfigRow, Severity
+from qlint.core.graph import ModelGraph, OpNode
+from qlint.rules._ql103_islands import is_static_quantized, through_shape_ops
+from qlint.core.intent import ObserverSpec, default_mapping, function_candidates, import_type, node_qconfig
 
 # node.op values of calls: producers that are real ops (not inputs, outputs or attributes).
 CALL_OPS = ("module", "function", "method")

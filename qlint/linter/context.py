@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional
 
 from torch.ao.quantization import QConfigMapping
 
-from qlint.backends import BackendInfo
-from qlint.graph import ModelGraph
+from qlint.core.backends import BackendInfo
+from qlint.core.graph import ModelGraph
 
 # How the user stated their quantization intent.
 INTENT_DEFAULT = "backend default mapping"

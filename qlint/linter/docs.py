@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qlint.rule import DOC_SECTIONS, Rule
+from qlint.linter.rule import DOC_SECTIONS, Rule
 
 
 def options_table(rule: type[Rule]) -> str:

@@ -118,7 +118,7 @@ def _extra_commands() -> dict[str, Callable[[list[str]], int]]:
     """Commands provided by optional modules (plan, verify, fix) when present."""
     found: dict[str, Callable[[list[str]], int]] = {}
     try:
-        from qlint.plan_cli import COMMANDS  # type: ignore[import-not-found]
+        from qlint.cli.plan import COMMANDS  # type: ignore[import-not-found]
     except ImportError:
         return found
     found.update(COMMANDS)
@@ -126,15 +126,15 @@ def _extra_commands() -> dict[str, Callable[[list[str]], int]]:
 
 
 def _cmd_lint(argv: list[str]) -> int:
-    from qlint.lint_command import run_lint
+    from qlint.cli.lint import run_lint
 
     args = build_lint_parser().parse_args(argv)
     return run_lint(args)
 
 
 def _cmd_rule(argv: list[str]) -> int:
-    from qlint.docs import rule_markdown
-    from qlint.registry import Registry
+    from qlint.linter.docs import rule_markdown
+    from qlint.linter.registry import Registry
 
     parser = _Parser(prog="qlint rule", description="Print a rule's documentation.")
     parser.add_argument("code", help="rule code or name, such as QL101 or unfused-pattern")
@@ -147,7 +147,7 @@ def _cmd_rule(argv: list[str]) -> int:
 def _cmd_rules(argv: list[str]) -> int:
     import json
 
-    from qlint.registry import Registry
+    from qlint.linter.registry import Registry
 
     parser = _Parser(prog="qlint rules", description="List every rule.")
     parser.add_argument("--format", choices=("text", "json"), default="text")
@@ -176,7 +176,7 @@ def _cmd_rules(argv: list[str]) -> int:
 
 def _cmd_compare(argv: list[str]) -> int:
     try:
-        from qlint.numeric.command import add_compare_arguments, run_compare
+        from qlint.cli.compare import add_compare_arguments, run_compare
     except ImportError as error:
         raise QlintError(f"qlint compare is unavailable: {error}") from error
     parser = _Parser(prog="qlint compare", description="Compare a float model with its quantized version.")
@@ -185,6 +185,3 @@ def _cmd_compare(argv: list[str]) -> int:
         parser.add_argument("--debug", action="store_true")
     return run_compare(parser.parse_args(argv))
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

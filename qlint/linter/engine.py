@@ -12,18 +12,18 @@ import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 
 from qlint import __version__
-from qlint.backends import backend_info
-from qlint.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
+from qlint.core.backends import backend_info
+from qlint.linter.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
 from qlint.errors import ConfigError, QlintError, TraceError
-from qlint.findings import Finding, LayerRow, Notice, QConfigRow, Report, Severity, SkippedRule, Timing
-from qlint.graph import ModelGraph, OpNode
-from qlint.intent import (BACKENDS, CallDescription, NodeQConfig, QConfigResolver, default_mapping,
+from qlint.linter.findings import Finding, LayerRow, Notice, QConfigRow, Report, Severity, SkippedRule, Timing
+from qlint.core.graph import ModelGraph, OpNode
+from qlint.core.intent import (BACKENDS, CallDescription, NodeQConfig, QConfigResolver, default_mapping,
                           describe_observer, load_mapping_object, node_qconfig)
-from qlint.ops import module_kind
-from qlint.preserve import preserved_state
-from qlint.registry import Registry
-from qlint.rule import Need, Rule
-from qlint.tracing import GraphBuilder, Traced, private_copy, propagate_shapes, trace
+from qlint.core.ops import module_kind
+from qlint.core.preserve import preserved_state
+from qlint.linter.registry import Registry
+from qlint.linter.rule import Need, Rule
+from qlint.core.trace import GraphBuilder, Traced, private_copy, propagate_shapes, trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: 
 def _eager_fallback(working: nn.Module, example_inputs: Sequence[Any], backend: str,
                     user_mapping: Any, error: TraceError) -> Analysis:
     """Neither tracer could read the model: build the graph from one hooked eager run."""
-    from qlint.eager_fallback import eager_analysis
+    from qlint.core.eager_fallback import eager_analysis
 
     if user_mapping is not None:
         intent, mapping, resolve = _intent(working, None, backend, user_mapping)
@@ -267,7 +267,7 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
     notices = list(analysis.notices)
     statistics = None
     if calibration is not None and any(Need.STATISTICS in r.requires for r in rules):
-        from qlint.calibration import collect_statistics
+        from qlint.linter.calibration import collect_statistics
 
         stage = time.perf_counter()
         statistics, calibration_notices = collect_statistics(

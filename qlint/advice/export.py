@@ -31,7 +31,7 @@ from torch.ao.quantization.observer import (
 from qlint.errors import ConfigError
 
 if TYPE_CHECKING:
-    from qlint.plan import ActivationSpec, ModuleDecision, QuantPlan, WeightSpec
+    from qlint.advice.plan import ActivationSpec, ModuleDecision, QuantPlan, WeightSpec
 
 
 class PercentileObserver(MinMaxObserver):
@@ -72,7 +72,7 @@ _OBSERVERS = {cls.__name__: cls for cls in (
     FixedQParamsObserver, HistogramObserver, MinMaxObserver, MovingAverageMinMaxObserver,
     MovingAveragePerChannelMinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver,
     PercentileObserver)}
-_MODULE_OF = {name: ("qlint.plan_export" if name == "PercentileObserver" else "torch.ao.quantization.observer")
+_MODULE_OF = {name: ("qlint.advice.export" if name == "PercentileObserver" else "torch.ao.quantization.observer")
               for name in _OBSERVERS}
 
 _TORCH_DTYPES = {"quint8": torch.quint8, "qint8": torch.qint8, "int16": torch.int16}
@@ -115,7 +115,7 @@ class QConfigRecipe:
 def _check_backend_dtype(backend: str, dtype: str, side: str) -> None:
     if dtype != "int16":
         return
-    from qlint.backends import backend_info
+    from qlint.core.backends import backend_info
 
     info = backend_info(backend)
     field = "input_dtype" if side == "activation" else "weight_dtype"
@@ -186,7 +186,7 @@ _DYNAMIC_ACTIVATION = ObserverRecipe(
 
 def global_recipe(plan: "QuantPlan") -> Optional[QConfigRecipe]:
     """The global QConfig, or None when the plan's globals are the backend's defaults."""
-    from qlint.plan import backend_defaults
+    from qlint.advice.plan import backend_defaults
 
     if (plan.activation, plan.weight) == backend_defaults(plan.backend):
         return None
@@ -251,7 +251,7 @@ def to_python(plan: "QuantPlan") -> str:
     if torch_names:
         lines.append(f"from torch.ao.quantization.observer import {', '.join(torch_names)}")
     if "PercentileObserver" in used:
-        lines.append("from qlint.plan_export import PercentileObserver")
+        lines.append("from qlint.advice.export import PercentileObserver")
     lines += ["", "", "def build_qconfig_mapping():",
               f"    mapping = get_default_qconfig_mapping({plan.backend!r})"]
     if global_qc is not None:

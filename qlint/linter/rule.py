@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Op
 
 from pydantic import BaseModel, ConfigDict
 
-from qlint.findings import Finding, LayerRow, Severity
+from qlint.linter.findings import Finding, LayerRow, Severity
 
 if TYPE_CHECKING:
-    from qlint.context import LintContext
+    from qlint.linter.context import LintContext
 
 DOC_SECTIONS = ("What it does", "Why is this bad?", "Example", "Use instead", "Options", "References")
 CODE_PATTERN = re.compile(r"^[A-Z]{1,6}[0-9]{3,4}$")

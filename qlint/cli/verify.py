@@ -6,7 +6,7 @@
     qlint fix MODEL [--plan plan.json] --output out.pt2|out.pt [--emit-qconfig q.py]
               [--input-shape SHAPE | --example-inputs FILE]
 
-MODEL is anything qlint.loading.load_model reads (module:factory [--weights], .pt2,
+MODEL is anything qlint.core.load.load_model reads (module:factory [--weights], .pt2,
 .pt with --trust-pickle). Data files are loaded with weights_only=True. Every user error
 is a QlintError: one line on stderr, exit 2.
 """
@@ -39,8 +39,8 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from qlint.loading import load_example_inputs, load_model, parse_input_shape
-    from qlint.plan import QuantPlan, default_plan
+    from qlint.core.load import load_example_inputs, load_model, parse_input_shape
+    from qlint.advice.plan import QuantPlan, default_plan
 
     loaded = load_model(args.model, weights=args.weights, trust_pickle=args.trust_pickle)
     plan = QuantPlan.load(args.plan) if args.plan else default_plan(args.backend or "x86", model=loaded.name)
@@ -133,8 +133,8 @@ def verify_command(argv: list[str]) -> int:
     args = _verify_parser().parse_args(argv)
     if args.max_scheme_trials < 0:
         raise ConfigError(f"--max-scheme-trials must be >= 0, got {args.max_scheme_trials}")
-    from qlint.loading import load_batches
-    from qlint.verify import verify
+    from qlint.core.load import load_batches
+    from qlint.advice.verify import verify
 
     loaded, plan, _ = _load(args)
     calibration = load_batches(args.calibration)
@@ -168,7 +168,7 @@ def fix_command(argv: list[str]) -> int:
     args = _fix_parser().parse_args(argv)
     import torch
 
-    from qlint.rewrite import apply_rewrites
+    from qlint.advice.rewrite import apply_rewrites
 
     out = Path(args.output)
     if out.suffix not in (".pt2", ".pt"):

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qlint.errors import ConfigError
-from qlint.findings import Finding, _check_json_able
+from qlint.linter.findings import Finding, _check_json_able
 
 if TYPE_CHECKING:
     from torch.ao.quantization import QConfigMapping
 
-    from qlint.findings import Report
+    from qlint.linter.findings import Report
 
 PLAN_TYPE = "qlint.QuantPlan"
 SCHEMA_VERSION = 1
@@ -284,25 +284,25 @@ class QuantPlan(_Frozen):
         d = self.decision(fqn)
         return d.weight if d is not None and d.weight is not None else self.weight
 
-    # --- exporting (qlint.plan_export) -------------------------------------------------
+    # --- exporting (qlint.advice.export) -------------------------------------------------
     def to_qconfig_mapping(self) -> "QConfigMapping":
-        from qlint.plan_export import to_qconfig_mapping
+        from qlint.advice.export import to_qconfig_mapping
 
         return to_qconfig_mapping(self)
 
     def to_equalization_mapping(self, equalization_qconfig: Any = None) -> "QConfigMapping":
-        from qlint.plan_export import to_equalization_mapping
+        from qlint.advice.export import to_equalization_mapping
 
         return to_equalization_mapping(self, equalization_qconfig)
 
     def to_python(self) -> str:
-        from qlint.plan_export import to_python
+        from qlint.advice.export import to_python
 
         return to_python(self)
 
     def to_pt2e_quantizer(self) -> Any:
         """A torchao pt2e quantizer applying this plan (needs the extra ``qlint[pt2e]``)."""
-        from qlint.plan_pt2e import to_pt2e_quantizer
+        from qlint.advice.pt2e import to_pt2e_quantizer
 
         return to_pt2e_quantizer(self)
 

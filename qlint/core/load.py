@@ -56,7 +56,7 @@ def load_batches(spec: str) -> Any:
             return target()
         except Exception as error:  # the user's function may raise anything
             raise LoadError(f"data function {spec} raised {type(error).__name__}: {error}") from error
-    from qlint.calibration import load_calibration
+    from qlint.linter.calibration import load_calibration
 
     return load_calibration(spec)
 

@@ -1,0 +1,5 @@
+"""Layer 7, cli: every ``qlint`` command."""
+
+from qlint.cli.main import main
+
+__all__ = ["main"]
