@@ -146,3 +146,56 @@ class GatedFunctional(FunctionalNet):
 def gated_nested_train():
     """Factory used as 'tests.models:gated_nested_train' (BatchNorm left in training mode)."""
     return _init(GatedNested()).train()
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: expand 1x1, depthwise 3x3, project 1x1; a residual add when shapes allow."""
+
+    def __init__(self, cin, cout, stride, expand, inplace):
+        super().__init__()
+        hidden = cin * expand
+        self.use_residual = stride == 1 and cin == cout
+        self.conv = nn.Sequential(
+            nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=inplace),
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=inplace),
+            nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout),
+        )
+
+    def forward(self, x):
+        return x + self.conv(x) if self.use_residual else self.conv(x)
+
+
+class MobileNetStyle(nn.Module):
+    """A small MobileNetV2: ReLU6 activations (in place, as torchvision writes them) and residual adds."""
+
+    def __init__(self, inplace=True, num_classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(inplace=inplace))
+        self.blocks = nn.Sequential(
+            InvertedResidual(8, 8, 1, 2, inplace), InvertedResidual(8, 12, 2, 3, inplace),
+            InvertedResidual(12, 12, 1, 3, inplace),
+        )
+        self.head = nn.Sequential(nn.Conv2d(12, 24, 1, bias=False), nn.BatchNorm2d(24), nn.ReLU6(inplace=inplace))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(24, num_classes)
+
+    def forward(self, x):
+        x = self.head(self.blocks(self.stem(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def mobilenet_style(inplace=True):
+    """Default init plus BN statistics away from identity; the same weights for either ``inplace``."""
+    torch.manual_seed(0)
+    model = MobileNetStyle(inplace)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                channels = module.num_features
+                module.running_mean.copy_(torch.rand(channels, generator=generator) * 0.4 - 0.2)
+                module.running_var.copy_(torch.rand(channels, generator=generator) + 0.5)
+                module.weight.copy_(torch.rand(channels, generator=generator) + 0.5)
+                module.bias.copy_(torch.rand(channels, generator=generator) * 0.4 - 0.2)
+    return model.eval()

@@ -123,10 +123,12 @@ def test_shadow_shows_only_local_error(broken):
     rows = {row.name: row for row in report.layers}
     downstream = ["res2.conv1", "res2.conv2", "block3.conv", "pointwise"]
     for name in downstream:
-        # propagated carries the broken layer's error; shadow feeds float inputs and sees int8 noise only
+        # propagated carries the broken layer's error; shadow runs the float layer on the quantized
+        # layer's own input, so both sides start equal and only this layer's int8 noise shows
         assert rows[name].sqnr_propagated < 15.0 < 25.0 < rows[name].sqnr_shadow, name
     first = rows["stem.conv"]
-    assert abs(first.sqnr_shadow - first.sqnr_propagated) < 0.01  # model inputs are exact
+    # the model input's quantization error is inherited too: shadow leaves it out, propagated does not
+    assert first.sqnr_shadow > first.sqnr_propagated + 1.0
 
 
 @pytest.mark.parametrize("counterpart", ["fx-prepared", "eager-prepared"])

@@ -345,7 +345,9 @@ class _Session:
                     continue
 
                 def hook(_m, _i, output, key=(side, fqn)):
-                    captured[key] = _first_tensor(output)
+                    value = _first_tensor(output)
+                    # A copy: in-place ops downstream (ReLU6(inplace=True)) change the output tensor itself.
+                    captured[key] = None if value is None else value.clone()
 
                 handles.append(module.register_forward_hook(hook))
         try:

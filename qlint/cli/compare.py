@@ -120,7 +120,7 @@ def run_compare(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> in
         return EXIT_USAGE
     ranking = None
     if args.sensitivity:
-        # Rank the layers of the quantized model the user gave: its shadow errors are the real ones.
+        # Rank the layers of the quantized model the user gave: its isolated errors are the real ones.
         ranking = sensitivity_rows(float_model, data, args.backend, max_batches=args.max_batches,
                                    quantized_model=quantized_model)
     badcase_report = None

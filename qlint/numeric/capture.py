@@ -4,12 +4,19 @@
 for functional ops of FX graphs, reads node outputs through an FX interpreter),
 and for every batch:
 
-1. runs the float model, keeping each layer's input and output for this batch;
+1. runs the float model, keeping each layer's output for this batch.  The
+   model goes on with a copy, so in-place ops downstream (``ReLU6(inplace=True)``,
+   ``x += y``) cannot change what was kept;
 2. runs the quantized model on its own (*propagated*), handing each layer's
    output to ``on_propagated`` next to the float output;
-3. feeds each quantized layer the float layer's input, quantized with the
-   qparams that layer saw in step 2 (*shadow*), handing the result to
-   ``on_shadow``, so that only the error the layer adds itself shows.
+3. as each quantized module layer runs in step 2, runs the float layer (with
+   the BN/ReLU the quantized one fused in) on that layer's dequantized input
+   (*shadow*, torch NS ``add_shadow_loggers``'s definition), handing both
+   outputs to ``on_shadow``: the error this layer adds, given the input it
+   really gets;
+4. optionally (*isolated*, for sensitivity) feeds each quantized layer the float
+   layer's input, put on the grid its input had in step 2, handing the result to
+   ``on_isolated``: the error of quantizing this layer alone.
 
 Values of one batch are dropped before the next batch starts, so memory does
 not grow with the number of batches.  ``ModelStateGuard`` makes sure neither
@@ -21,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -32,9 +38,8 @@ from torch.func import functional_call
 
 from qlint.numeric.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
 from qlint.numeric.metrics import as_float_tensor, quantization_scale
+from qlint.numeric.quantizers import FrozenQuantizer, apply_input_spec, frozen_quantizer, input_spec
 from qlint.numeric.weights import simulated_weight_parameters
-
-_PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 
 
 # --- calling conventions --------------------------------------------------------
@@ -118,87 +123,17 @@ class ModelStateGuard(contextlib.AbstractContextManager):
             module.training = flag
 
 
-# --- quantizers with frozen qparams -----------------------------------------------
-@dataclass
-class FrozenQuantizer:
-    """Fake-quantization with fixed qparams; ``scale`` is the per-tensor step (None per channel)."""
-
-    function: Callable[[torch.Tensor], torch.Tensor]
-    scale: Optional[float]
-
-    def __call__(self, value: torch.Tensor) -> torch.Tensor:
-        return self.function(value)
-
-
-def frozen_quantizer(module: nn.Module) -> Optional[FrozenQuantizer]:
-    """Fake-quantize with the qparams ``module`` holds now (observer or fake-quant).
-
-    PTQ observers only watch values; freezing them into a fake-quant shows the
-    error convert would introduce.  Fake-quant modules are frozen too, so that
-    their scales do not drift with the comparison data.  None: leave as is.
-    """
-    if isinstance(module, FakeQuantizeBase):
-        if not bool(module.fake_quant_enabled.reshape(-1)[0]):
-            return None
-        scale, zero_point = module.scale.detach().clone(), module.zero_point.detach().clone()
-    elif isinstance(module, ObserverBase) and hasattr(module, "quant_min") and hasattr(module, "calculate_qparams"):
-        if getattr(module, "dtype", None) not in (torch.quint8, torch.qint8, torch.qint32):
-            return None
-        min_val = getattr(module, "min_val", None)
-        if isinstance(min_val, torch.Tensor) and (min_val.numel() == 0 or not bool(torch.isfinite(min_val).all())):
-            return None  # never calibrated: there are no qparams to freeze
-        scale, zero_point = module.calculate_qparams()
-    else:
-        return None
-    quant_min, quant_max = int(module.quant_min), int(module.quant_max)
-    if getattr(module, "qscheme", torch.per_tensor_affine) in _PER_TENSOR or scale.numel() == 1:
-        scale_value, zero_value = float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
-        return FrozenQuantizer(
-            lambda x: torch.fake_quantize_per_tensor_affine(x, scale_value, zero_value, quant_min, quant_max),
-            scale_value,
-        )
-    axis = int(module.ch_axis)
-    return FrozenQuantizer(
-        lambda x: torch.fake_quantize_per_channel_affine(
-            x, scale.float(), zero_point.to(torch.int32), axis, quant_min, quant_max),
-        None,
-    )
-
-
-@dataclass
-class InputSpec:
-    """How a quantized layer's input was quantized in the propagated run."""
-
-    scale: float
-    zero_point: int
-    dtype: torch.dtype
-
-
-def _input_spec(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_quantized and value.qscheme() in _PER_TENSOR:
-        return InputSpec(float(value.q_scale()), int(value.q_zero_point()), value.dtype)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_input_spec(item) for item in value)
-    return None
-
-
-def _apply_input_spec(value: Any, spec: Any) -> Any:
-    if isinstance(spec, InputSpec) and isinstance(value, torch.Tensor):
-        return torch.quantize_per_tensor(value.detach(), spec.scale, spec.zero_point, spec.dtype)
-    if isinstance(spec, (tuple, list)) and isinstance(value, (tuple, list)):
-        return type(value)(_apply_input_spec(item, item_spec) for item, item_spec in zip(value, spec))
-    return _map_tensors(value, lambda t: t.detach())
-
-
 class _NodeTap(torch.fx.Interpreter):
     """Runs a GraphModule node by node, reporting selected node outputs.
 
-    ``module_overrides`` replace the call of a submodule (by fqn): used to run
-    prepared models with frozen fake-quant instead of their observers, and PTQ
-    layers with fake-quantized weights, without touching the modules.
+    A callback may return a replacement for the node's value (see
+    ``PairedRunner._keep_float_output``).  ``module_overrides`` replace the call
+    of a submodule (by fqn): used to run prepared models with frozen fake-quant
+    instead of their observers, and PTQ layers with fake-quantized weights,
+    without touching the modules.
     """
 
-    def __init__(self, graph_module: torch.fx.GraphModule, callbacks: dict[str, Callable[[Any], None]],
+    def __init__(self, graph_module: torch.fx.GraphModule, callbacks: dict[str, Callable[[Any], Any]],
                  module_overrides: Optional[dict[str, Callable[..., Any]]] = None):
         super().__init__(graph_module, garbage_collect_values=True)
         self.callbacks = callbacks
@@ -215,7 +150,9 @@ class _NodeTap(torch.fx.Interpreter):
         result = super().run_node(node)
         callback = self.callbacks.get(node.name)
         if callback is not None:
-            callback(result)
+            replacement = callback(result)
+            if replacement is not None:
+                return replacement
         return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -229,7 +166,12 @@ Callback = Callable[[LayerMatch, torch.Tensor, torch.Tensor, Optional[float]], N
 
 
 class PairedRunner:
-    """Hooks both models for one comparison session; use as a context manager."""
+    """Hooks both models for one comparison session; use as a context manager.
+
+    ``on_propagated``, ``on_shadow`` and ``on_isolated`` receive (layer, float
+    reference, quantized value, quantization step or None) as each pair becomes
+    available; the tensors are valid only during the call (copy to keep them).
+    """
 
     def __init__(
         self,
@@ -239,22 +181,29 @@ class PairedRunner:
         *,
         propagated: bool = True,
         shadow: bool = True,
+        isolated: bool = False,
         on_propagated: Optional[Callback] = None,
         on_shadow: Optional[Callback] = None,
+        on_isolated: Optional[Callback] = None,
         float_grad: bool = False,
         capture: bool = True,
     ):
         self.float_model, self.quantized_model, self.match = float_model, quantized_model, match
-        self.propagated, self.shadow = propagated, shadow
-        self.on_propagated, self.on_shadow = on_propagated, on_shadow
+        self.propagated = propagated and on_propagated is not None
+        self.shadow = shadow and on_shadow is not None
+        self.isolated = isolated and on_isolated is not None
+        self.on_propagated, self.on_shadow, self.on_isolated = on_propagated, on_shadow, on_isolated
         self.float_grad = float_grad
         self.capture = capture  # False: only run both models (prepared-model simulation still applies)
         self.guard = ModelStateGuard(float_model, quantized_model)
-        self.float_inputs: dict[str, list] = defaultdict(list)
+        self.float_inputs: dict[str, list] = defaultdict(list)  # isolated run only
         self.float_outputs: dict[str, list] = defaultdict(list)
         self.quant_calls: dict[str, int] = defaultdict(int)
+        self.quant_inputs: dict[str, tuple[tuple, dict]] = {}  # shadow run: the current call's input
         self.input_specs: dict[str, Any] = {}
-        self.shadowing = False
+        # The runner's own calls (shadow and isolated runs; weight simulation re-entering a
+        # module): the capture hooks ignore them.
+        self.replaying = False
         self.simulating = False
         self.float_modules = dict(float_model.named_modules(remove_duplicate=False))
         self.quant_modules = dict(quantized_model.named_modules(remove_duplicate=False))
@@ -368,35 +317,48 @@ class PairedRunner:
 
     def _install_float(self, layer: LayerMatch, node_callbacks: dict) -> None:
         def keep_output(value):
-            if self.shadowing or self.simulating:
-                return
-            tensor = value
-            while isinstance(tensor, (tuple, list)) and tensor:
-                tensor = tensor[0]
-            # Kept as produced (ReLU applied on read) so that gradients reach it in float_grad mode.
-            self.float_outputs[layer.name].append(tensor if self.float_grad else _detach(tensor))
+            return None if self.in_own_call else self._keep_float_output(layer, value)
 
         if layer.float_exit.kind == NODE_SITE:
             node_callbacks[layer.float_exit.name] = keep_output
         else:
             self._hook(self.float_modules[layer.float_exit.name], lambda module, args, output: keep_output(output))
-        if self.shadow and layer.is_module:
+        if self.isolated and layer.is_module:
             def keep_input(module, args, kwargs):
-                self.float_inputs[layer.name].append((_map_tensors(args, _detach), _map_tensors(kwargs, _detach)))
+                if not self.in_own_call:
+                    self.float_inputs[layer.name].append((_map_tensors(args, _float_copy), _map_tensors(kwargs, _float_copy)))
             self._hook(self.float_modules[layer.float_entry.name], keep_input, pre=True)
+
+    def _keep_float_output(self, layer: LayerMatch, value: Any) -> Any:
+        """Keep the layer's output as produced and hand the model a copy to go on with.
+
+        In-place ops downstream (``ReLU6(inplace=True)``, ``x += y``) then change
+        the copy, not what is compared; and in ``float_grad`` mode the kept tensor
+        stays on the autograd path to the model output (through the copy).
+        """
+        tensor = value
+        while isinstance(tensor, (tuple, list)) and tensor:
+            tensor = tensor[0]
+        self.float_outputs[layer.name].append(tensor if self.float_grad else _detach(tensor))
+        return _map_tensors(value, torch.Tensor.clone)
 
     def _install_quant(self, layer: LayerMatch, node_callbacks: dict) -> None:
         def compare_output(value):
-            if self.shadowing or self.simulating:
+            if self.in_own_call:
                 return
             index = self.quant_calls[layer.name]
             self.quant_calls[layer.name] += 1
-            outputs = self.float_outputs.get(layer.name, [])
-            if not self.propagated or self.on_propagated is None or index >= len(outputs):
+            quantized = as_float_tensor(value)
+            if quantized is None:
                 return
-            reference, quantized = self.float_value(layer, outputs[index]), as_float_tensor(value)
-            if reference is not None and quantized is not None and reference.shape == quantized.shape:
-                self.on_propagated(layer, reference, quantized, quantization_scale(value) or self._frozen_scale(layer))
+            scale = quantization_scale(value) or self._frozen_scale(layer)
+            if self.shadow:
+                self._run_shadow(layer, quantized, scale)
+            outputs = self.float_outputs.get(layer.name, [])
+            if self.propagated and index < len(outputs):
+                reference = self.float_value(layer, outputs[index])
+                if reference is not None and reference.shape == quantized.shape:
+                    self.on_propagated(layer, reference, quantized, scale)
 
         exit_name = layer.quant_output_quantizer if layer.quant_output_quantizer in self.frozen else None
         if exit_name is not None and exit_name in self.quant_overrides:
@@ -411,11 +373,20 @@ class PairedRunner:
             node_callbacks[layer.quant_site.name] = compare_output
         else:
             self._hook(self.quant_modules[exit_name or layer.quant_site.name], lambda m, a, output: compare_output(output))
-        if layer.quant_site.kind == MODULE_SITE:
-            def keep_spec(module, args, kwargs):
-                if not self.shadowing:
-                    self.input_specs[layer.name] = _input_spec(args)
-            self._hook(self.quant_modules[layer.quant_site.name], keep_spec, pre=True)
+        if layer.quant_site.kind == MODULE_SITE and (self.shadow or self.isolated):
+            def keep_input(module, args, kwargs):
+                if self.in_own_call:
+                    return
+                if self.shadow:  # dequantized or copied now: an in-place layer may change its input
+                    self.quant_inputs[layer.name] = (_map_tensors(args, _float_copy),
+                                                     _map_tensors(kwargs, _float_copy))
+                if self.isolated:
+                    self.input_specs[layer.name] = input_spec(args)
+            self._hook(self.quant_modules[layer.quant_site.name], keep_input, pre=True)
+
+    @property
+    def in_own_call(self) -> bool:
+        return self.replaying or self.simulating
 
     @staticmethod
     def float_value(layer: LayerMatch, raw: Any) -> Optional[torch.Tensor]:
@@ -435,17 +406,45 @@ class PairedRunner:
         self.float_inputs.clear()
         self.float_outputs.clear()
         self.quant_calls.clear()
+        self.quant_inputs.clear()
         args, kwargs = split_batch(batch)
         context = torch.enable_grad() if self.float_grad else torch.no_grad()
         with context:
             float_output = self.float_runner(*args, **kwargs)
         with torch.no_grad():
             quant_output = self.quant_runner(*args, **kwargs)
-            if self.shadow and self.on_shadow is not None:
-                self._run_shadow()
+            if self.isolated:
+                self._run_isolated()
         return float_output, quant_output
 
-    def _run_shadow(self) -> None:
+    def _run_shadow(self, layer: LayerMatch, quantized: torch.Tensor, scale: Optional[float]) -> None:
+        """torch NS's shadow: the float layer run on the quantized layer's (dequantized) input.
+
+        Both sides then start from the same input, so the difference is the error
+        this layer adds, whatever error its input carries.
+        """
+        inputs = self.quant_inputs.pop(layer.name, None)
+        if inputs is None or not layer.is_module:
+            return
+        args, kwargs = inputs
+        self.replaying = True
+        try:
+            with torch.no_grad():
+                value = self.float_modules[layer.float_entry.name](*args, **kwargs)
+                for name in layer.float_chain:  # BN / ReLU the quantized layer fused in
+                    value = self.float_modules[name](value)
+        finally:
+            self.replaying = False
+        reference = self.float_value(layer, value)
+        if reference is not None and reference.shape == quantized.shape:
+            self.on_shadow(layer, reference, quantized, scale)
+
+    def _run_isolated(self) -> None:
+        """Each quantized layer run on the float layer's input, put on the grid its input had.
+
+        This is the error the layer would add if it alone were quantized, input
+        quantization included: what ``qlint.numeric.sensitivity`` propagates.
+        """
         for layer in self.match.layers:
             if not layer.is_module or layer.name not in self.float_inputs:
                 continue
@@ -454,25 +453,25 @@ class PairedRunner:
                 outputs = self.float_outputs.get(layer.name, [])
                 if call_index >= len(outputs):
                     break
-                shadow_args = self._shadow_inputs(layer, args, spec)
-                self.shadowing = True
+                isolated_args = self._isolated_inputs(layer, args, spec)
+                self.replaying = True
                 try:
-                    value = self._call_quant_module(layer.quant_site.name, shadow_args, kwargs)
+                    value = self._call_quant_module(layer.quant_site.name, isolated_args, kwargs)
                     if layer.quant_output_quantizer in self.frozen:
                         value = self.frozen[layer.quant_output_quantizer](as_float_tensor(value))
                 finally:
-                    self.shadowing = False
+                    self.replaying = False
                 quantized = as_float_tensor(value)
                 reference = self.float_value(layer, outputs[call_index])
                 if quantized is not None and reference is not None and quantized.shape == reference.shape:
-                    self.on_shadow(layer, reference, quantized, quantization_scale(value) or self._frozen_scale(layer))
+                    self.on_isolated(layer, reference, quantized, quantization_scale(value) or self._frozen_scale(layer))
 
-    def _shadow_inputs(self, layer: LayerMatch, args: tuple, spec: Any) -> tuple:
+    def _isolated_inputs(self, layer: LayerMatch, args: tuple, spec: Any) -> tuple:
         if layer.quant_input_quantizer in self.frozen and args:
             first = self.frozen[layer.quant_input_quantizer](args[0])
             return (first,) + tuple(args[1:])
         if spec is not None:
-            return _apply_input_spec(args, spec)
+            return apply_input_spec(args, spec)
         return args
 
     def run(self, data: Iterable) -> Iterator[tuple[Any, Any, Any]]:
@@ -486,6 +485,11 @@ class PairedRunner:
 
 def _detach(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _float_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A float copy of a layer input, detached (dequantizing makes one)."""
+    return tensor.dequantize() if tensor.is_quantized else tensor.detach().clone()
 
 
 def split_batch(batch: Any) -> tuple[tuple, dict]:

@@ -30,6 +30,9 @@ DEFAULT_ONSET_JUMP_DB = 6.0
 _ERROR_SQNR_DB = 10.0
 # RMSE this many times the pure-rounding baseline means values are being clipped.
 _CLIPPING_FACTOR = 3.0
+# A layer whose own (shadow) error is under this share of the error at its output mostly
+# passes on inherited error; QL301 does not blame it for its activations.
+_MIN_LOCAL_SHARE = 0.1
 
 LOW_SQNR = ("QL301", "low-sqnr-layer")
 ERROR_ONSET = ("QL302", "error-onset")
@@ -112,6 +115,13 @@ def low_sqnr_findings(rows: list[LayerRow], sqnr_threshold: float, weight_sqnr_t
             # Without a shadow run the unit-gain estimate is rough (a ReLU changes signal and
             # noise power differently); blame the layer only if SQNR visibly drops at it.
             activation_low = inherited - row.sqnr_propagated >= onset_jump_db
+        if source == "shadow" and activation_low and row.sqnr_propagated is not None:
+            # The shadow run feeds the layer the input it really gets.  Where that input is already
+            # far off (an upstream layer is broken), the layer's own error is measured on values it
+            # was never calibrated for, and is a small part of the error it passes on: the upstream
+            # onset is the finding, and this layer is judged again once that is fixed.
+            share = noise_power_ratio(local) / noise_power_ratio(row.sqnr_propagated)
+            activation_low = share >= _MIN_LOCAL_SHARE
         weight_low = row.weight_sqnr is not None and row.weight_sqnr < weight_sqnr_threshold
         if not (activation_low or weight_low):
             continue

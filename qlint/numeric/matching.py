@@ -55,6 +55,8 @@ class LayerMatch:
     matched_by: str
     float_exit_relu: bool = False  # the quantized op fuses a ReLU the float side applies functionally
     absorbed: list[str] = field(default_factory=list)
+    # Float modules run after float_entry, in order, to reach float_exit (BN, ReLU fused on the quantized side).
+    float_chain: list[str] = field(default_factory=list)
     folded_batch_norm: Optional[str] = None  # float BN fqn folded into the quantized weight
     quant_input_quantizer: Optional[str] = None  # observer/fake-quant fqn feeding the layer
     quant_output_quantizer: Optional[str] = None  # observer/fake-quant fqn after the layer
@@ -360,6 +362,7 @@ def _absorb_fused_followers(layer, quant_module, float_modules, quant_modules, n
             layer.absorbed.append(follower if is_module else follower.name)
             if is_module:
                 absorbed.add(follower)
+                layer.float_chain.append(follower)
                 layer.float_exit = Site(MODULE_SITE, follower)
             else:
                 # A functional ReLU has no module to hook: apply it to the last hooked output.

@@ -4,8 +4,9 @@ The exhaustive method quantizes one layer at a time and runs the whole model
 for each (N calibrations and N x data forward passes).  ``sensitivity`` gets a
 close ranking from one calibrated quantization and one pass over the data:
 
-* the *shadow* run gives, for every layer L, the error vector ``e_L`` it adds
-  by itself (float input -> quantized layer -> minus float output);
+* the *isolated* run gives, for every layer L, the error vector ``e_L`` it adds
+  if it alone is quantized (float input, quantized on L's input grid ->
+  quantized layer -> minus float output);
 * how much of ``e_L`` reaches the model output is ``||J_L e_L||^2``, with
   ``J_L`` the Jacobian of the float output with respect to L's output.  For a
   random sign vector ``v`` at the output, ``E[(v . J_L e_L)^2] = ||J_L e_L||^2``
@@ -187,14 +188,14 @@ def sensitivity_rows(
     errors: dict[str, list[torch.Tensor]] = {}
     generator = torch.Generator().manual_seed(seed)
 
-    def on_shadow(layer, reference, quantized, scale):
+    def on_isolated(layer, reference, quantized, scale):
         error = quantized - reference
         errors.setdefault(layer.name, []).append(error)
         local_noise[layer.name] += float(error.double().pow(2).sum())
         local_signal[layer.name] += float(reference.double().pow(2).sum())
 
-    runner = PairedRunner(model, quantized_model, match, propagated=False, shadow=True,
-                          on_shadow=on_shadow, float_grad=True)
+    runner = PairedRunner(model, quantized_model, match, propagated=False, shadow=False, isolated=True,
+                          on_isolated=on_isolated, float_grad=True)
     with runner:
         for index, batch in enumerate(data):
             if max_batches is not None and index >= max_batches:
