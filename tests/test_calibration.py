@@ -14,9 +14,9 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 import qlint
 import qlint.linter.engine
 import qlint.linter.registry
-from qlint.linter.calibration import (CalibrationStatistics, EmptyCalibrationError, load_calibration,
-                               random_calibration)
-from qlint.errors import LoadError, QlintError
+from qlint.core.load import load_calibration, random_calibration
+from qlint.errors import EmptyCalibrationError, LoadError, QlintError
+from qlint.linter.calibration import CalibrationStatistics
 
 DATA_RULES = ["QL201", "QL202", "QL203"]
 

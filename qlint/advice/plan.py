@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from qlint.core.backends import BACKENDS
 from qlint.errors import ConfigError
 from qlint.linter.findings import Finding, _check_json_able
 
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 
 PLAN_TYPE = "qlint.QuantPlan"
 SCHEMA_VERSION = 1
-BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
 
 ObserverKind = Literal["minmax", "moving_average", "histogram", "percentile", "fixed"]
 ActivationDType = Literal["quint8", "qint8", "int16"]

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
-from qlint.core.load import (load_batches, load_example_inputs, load_model, parse_input_shape,
+from qlint.core.load import (load_batches, load_example_inputs, load_model, parse_input_shape, random_calibration,
                            resolve_object)
 from qlint.linter.settings import FileSettings, Settings, load_settings
 
@@ -98,10 +98,6 @@ def _calibration(args, per_file, settings: Settings, example):
     source = _pick(args.calibration, per_file.calibration if per_file else None, settings.calibration)
     if source is None and not args.random_calibration:
         return None, []
-    try:
-        from qlint.linter.calibration import random_calibration
-    except ImportError as error:
-        raise QlintError(f"calibration support is unavailable: {error}") from error
     if source is not None:
         return load_batches(source), []
     if not example:

@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import math
 import sys
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
@@ -28,9 +27,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from qlint.errors import LoadError, QlintError
-from qlint.linter.findings import Notice
+from qlint.core.batches import as_call, batch_count, batches_of, model_device
 from qlint.core.graph import ModelGraph
+from qlint.core.nested import first_tensor
+from qlint.errors import CalibrationError, EmptyCalibrationError, QlintError
+from qlint.linter.findings import Notice
 from qlint.core.preserve import preserved_state
 from qlint.linter.rule import Need, ObservationSpec, Rule
 from qlint.stats import StatsObserver, TensorStats, all_reduce_stats, kernel, thread_scratch_buffers
@@ -42,15 +43,6 @@ DEFAULT_REFERENCE_PERCENTILE = 0.975
 _CONV_LIKE = ("conv", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
               "conv_transpose3d", "batch_norm")
 _OBSERVER_PREFIX = "qlint_stats_observer_"
-_CALIBRATION_SUFFIXES = (".pt", ".pth", ".bin", ".tensor", ".tensors")
-
-
-class EmptyCalibrationError(QlintError):
-    """The calibration data held no batch at all."""
-
-
-class CalibrationError(QlintError):
-    """A calibration batch could not be run through the model."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -322,7 +314,7 @@ def _attach_hooks(module: nn.Module, per_call: dict[int, list], handles: list[An
     def post_hook(_module, _args, output):
         for point, observer in per_call.get(counter["current"], ()):
             if point.side == "output":
-                observer(output[0] if isinstance(output, tuple) else output)
+                observer(first_tensor(output))
 
     handles.append(module.register_forward_pre_hook(pre_hook))
     handles.append(module.register_forward_hook(post_hook))
@@ -360,7 +352,7 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
     try:
         with torch.no_grad():
             for count_before, batch in enumerate(batches):
-                args, kwargs = as_call(batch, device, count_before)
+                args, kwargs = as_call(batch, device, f"calibration batch {count_before}")
                 try:
                     model(*args, **kwargs)
                 except QlintError:
@@ -391,55 +383,18 @@ def _progress(total: Optional[int]):
     return bar, bar.add_task("calibrating", total=total)
 
 
-def model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
-    return torch.device("cpu")
-
-
-def as_call(batch: Any, device: torch.device, number: int = 0) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A batch as (args, kwargs): a tensor, a tuple/list of positional args, or a dict of kwargs."""
-    if isinstance(batch, torch.Tensor):
-        return (batch.to(device),), {}
-    if isinstance(batch, (tuple, list)):
-        return tuple(_to(v, device) for v in batch), {}
-    if isinstance(batch, Mapping):
-        return (), {str(k): _to(v, device) for k, v in batch.items()}
-    raise CalibrationError(f"calibration batch {number} is a {type(batch).__name__}; expected a tensor, "
-                           "a tuple of tensors (positional inputs) or a dict (keyword inputs)")
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
-
-
 def _limit(calibration: Any, num_batches: Optional[int]) -> Iterator[Any]:
     if calibration is None:
         raise EmptyCalibrationError("no calibration data given")
-    if isinstance(calibration, (torch.Tensor, Mapping)):
-        calibration = [calibration]  # one batch
-    try:
-        iterator = iter(calibration)
-    except TypeError as error:
-        raise CalibrationError(f"calibration data must be iterable, got {type(calibration).__name__}") from error
-    for number, batch in enumerate(iterator):
+    for number, batch in enumerate(batches_of(calibration, "calibration data")):
         if num_batches is not None and number >= num_batches:
             return
         yield batch
 
 
 def _length(calibration: Any, num_batches: Optional[int]) -> Optional[int]:
-    try:
-        total = 1 if isinstance(calibration, (torch.Tensor, Mapping)) else len(calibration)
-    except TypeError:
+    total = batch_count(calibration)
+    if total is None:
         return num_batches
     return total if num_batches is None else min(total, num_batches)
 
@@ -466,74 +421,6 @@ def _all_reduce_count(count: int, group: Any) -> int:
     total = torch.tensor([count], dtype=torch.int64)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return int(total.item())
-
-
-# ------------------------------------------------------------------------------ loading
-def load_calibration(path: Any) -> list[Any]:
-    """Batches from a saved tensor / list of tensors / list of tuples, or a folder of such files."""
-    source = Path(path)
-    if not source.exists():
-        raise LoadError(f"calibration data not found: {source}")
-    if source.is_dir():
-        files = sorted(p for p in source.iterdir() if p.is_file() and not p.name.startswith("."))
-        if not files:
-            raise EmptyCalibrationError(f"calibration folder {source} holds no files")
-        batches: list[Any] = []
-        for file in files:
-            batches.extend(_load_file(file))
-        return batches
-    return _load_file(source)
-
-
-def _load_file(file: Path) -> list[Any]:
-    try:
-        data = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:  # pickle errors, truncated zip, non-tensor objects
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise LoadError(f"cannot load calibration file {file}: {detail}"[:400]) from error
-    if isinstance(data, torch.Tensor):
-        return [data]
-    if isinstance(data, Mapping):
-        return [dict(data)]
-    if isinstance(data, (list, tuple)):
-        batches = list(data)
-        for number, batch in enumerate(batches):
-            if not _is_batch(batch):
-                raise LoadError(f"calibration file {file}: item {number} is a {type(batch).__name__}; "
-                                "expected a tensor, a tuple of tensors or a dict")
-        return batches
-    raise LoadError(f"calibration file {file} holds a {type(data).__name__}; expected a tensor or a list of batches")
-
-
-def _is_batch(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(isinstance(v, (torch.Tensor, int, float, bool)) or v is None for v in value)
-    if isinstance(value, Mapping):
-        return True
-    return False
-
-
-def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> list[tuple[Any, ...]]:
-    """``n`` random batches shaped like ``example_inputs`` (standard normal floats; ints kept in range)."""
-    if n <= 0:
-        raise QlintError(f"--random-calibration needs a positive number of batches, got {n}")
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(n):
-        batch = []
-        for value in example_inputs:
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                batch.append(torch.randn(value.shape, generator=generator, dtype=value.dtype))
-            elif isinstance(value, torch.Tensor) and value.dtype != torch.bool and value.numel():
-                low, high = int(value.min()), int(value.max()) + 1
-                batch.append(torch.randint(low, max(high, low + 1), value.shape, generator=generator,
-                                           dtype=value.dtype))
-            else:
-                batch.append(value)
-        batches.append(tuple(batch))
-    return batches
 
 
 # ------------------------------------------------------------------- helpers for rules

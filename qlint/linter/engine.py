@@ -12,12 +12,12 @@ import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 
 from qlint import __version__
-from qlint.core.backends import backend_info
+from qlint.core.backends import BACKENDS, backend_info
 from qlint.linter.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
 from qlint.errors import ConfigError, QlintError, TraceError
 from qlint.linter.findings import Finding, LayerRow, Notice, QConfigRow, Report, Severity, SkippedRule, Timing
 from qlint.core.graph import ModelGraph, OpNode
-from qlint.core.intent import (BACKENDS, CallDescription, NodeQConfig, QConfigResolver, default_mapping,
+from qlint.core.intent import (CallDescription, NodeQConfig, QConfigResolver, default_mapping,
                           describe_observer, load_mapping_object, node_qconfig)
 from qlint.core.ops import module_kind
 from qlint.core.preserve import preserved_state

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from qlint.linter.findings import Report
-from qlint.numeric.capture import PairedRunner, batch_size
+from qlint.core.batches import batch_size
+from qlint.core.nested import first_float
+from qlint.numeric.capture import PairedRunner
 from qlint.numeric.compare import compare
 from qlint.numeric.matching import match_layers
-from qlint.numeric.metrics import as_float_tensor
 
 BADCASES_FORMAT = "qlint-badcases-v1"
 
@@ -137,7 +138,7 @@ def find_badcases(
     runner = PairedRunner(float_model, quantized_model, match, propagated=False, shadow=False, capture=False)
     with runner:
         for batch, float_output, quant_output in runner.run(itertools.islice(data, max_batches)):
-            reference, quantized = as_float_tensor(float_output), as_float_tensor(quant_output)
+            reference, quantized = first_float(float_output), first_float(quant_output)
             size = batch_size(batch)
             if reference is None or quantized is None or reference.shape[0] != size:
                 raise ValueError("badcase search needs outputs whose first dimension is the batch")

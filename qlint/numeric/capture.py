@@ -30,50 +30,13 @@ from torch import nn
 from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 from torch.func import functional_call
 
+from qlint.core.batches import as_call
+from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.numeric.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
-from qlint.numeric.metrics import as_float_tensor, quantization_scale
+from qlint.numeric.metrics import quantization_scale
 from qlint.numeric.weights import simulated_weight_parameters
 
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
-
-
-# --- calling conventions --------------------------------------------------------
-def call_model(model: Callable, batch: Any) -> Any:
-    """A batch is a tensor (one input), a tuple/list (positional inputs) or a dict (keyword inputs)."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def batch_size(batch: Any) -> int:
-    first = batch
-    while isinstance(first, (tuple, list, dict)):
-        values = list(first.values()) if isinstance(first, dict) else list(first)
-        if not values:
-            return 0
-        first = values[0]
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
-
-
-def reiterable(data: Iterable, purpose: str) -> Iterable:
-    """Reject one-shot iterators where the data must be read more than once."""
-    if iter(data) is data:
-        raise TypeError(f"{purpose} reads the data more than once; pass a list or a DataLoader, not an iterator")
-    return data
-
-
-def _map_tensors(value: Any, function: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return function(value)
-    if isinstance(value, tuple):
-        return tuple(_map_tensors(item, function) for item in value)
-    if isinstance(value, list):
-        return [_map_tensors(item, function) for item in value]
-    if isinstance(value, dict):
-        return {key: _map_tensors(item, function) for key, item in value.items()}
-    return value
 
 
 # --- leaving models as they were ------------------------------------------------
@@ -187,7 +150,7 @@ def _apply_input_spec(value: Any, spec: Any) -> Any:
         return torch.quantize_per_tensor(value.detach(), spec.scale, spec.zero_point, spec.dtype)
     if isinstance(spec, (tuple, list)) and isinstance(value, (tuple, list)):
         return type(value)(_apply_input_spec(item, item_spec) for item, item_spec in zip(value, spec))
-    return _map_tensors(value, lambda t: t.detach())
+    return map_tensors(value, lambda t: t.detach())
 
 
 class _NodeTap(torch.fx.Interpreter):
@@ -370,11 +333,9 @@ class PairedRunner:
         def keep_output(value):
             if self.shadowing or self.simulating:
                 return
-            tensor = value
-            while isinstance(tensor, (tuple, list)) and tensor:
-                tensor = tensor[0]
+            tensor = first_tensor(value)
             # Kept as produced (ReLU applied on read) so that gradients reach it in float_grad mode.
-            self.float_outputs[layer.name].append(tensor if self.float_grad else _detach(tensor))
+            self.float_outputs[layer.name].append(tensor if self.float_grad or tensor is None else tensor.detach())
 
         if layer.float_exit.kind == NODE_SITE:
             node_callbacks[layer.float_exit.name] = keep_output
@@ -382,7 +343,7 @@ class PairedRunner:
             self._hook(self.float_modules[layer.float_exit.name], lambda module, args, output: keep_output(output))
         if self.shadow and layer.is_module:
             def keep_input(module, args, kwargs):
-                self.float_inputs[layer.name].append((_map_tensors(args, _detach), _map_tensors(kwargs, _detach)))
+                self.float_inputs[layer.name].append((map_tensors(args, _detach), map_tensors(kwargs, _detach)))
             self._hook(self.float_modules[layer.float_entry.name], keep_input, pre=True)
 
     def _install_quant(self, layer: LayerMatch, node_callbacks: dict) -> None:
@@ -394,7 +355,7 @@ class PairedRunner:
             outputs = self.float_outputs.get(layer.name, [])
             if not self.propagated or self.on_propagated is None or index >= len(outputs):
                 return
-            reference, quantized = self.float_value(layer, outputs[index]), as_float_tensor(value)
+            reference, quantized = self.float_value(layer, outputs[index]), first_float(value)
             if reference is not None and quantized is not None and reference.shape == quantized.shape:
                 self.on_propagated(layer, reference, quantized, quantization_scale(value) or self._frozen_scale(layer))
 
@@ -420,7 +381,7 @@ class PairedRunner:
     @staticmethod
     def float_value(layer: LayerMatch, raw: Any) -> Optional[torch.Tensor]:
         """The float value to compare: the stored output, with the fused ReLU applied if needed."""
-        tensor = as_float_tensor(raw)
+        tensor = first_float(raw)
         if tensor is not None and layer.float_exit_relu:
             tensor = torch.relu(tensor)
         return tensor
@@ -435,7 +396,7 @@ class PairedRunner:
         self.float_inputs.clear()
         self.float_outputs.clear()
         self.quant_calls.clear()
-        args, kwargs = split_batch(batch)
+        args, kwargs = as_call(batch)
         context = torch.enable_grad() if self.float_grad else torch.no_grad()
         with context:
             float_output = self.float_runner(*args, **kwargs)
@@ -459,10 +420,10 @@ class PairedRunner:
                 try:
                     value = self._call_quant_module(layer.quant_site.name, shadow_args, kwargs)
                     if layer.quant_output_quantizer in self.frozen:
-                        value = self.frozen[layer.quant_output_quantizer](as_float_tensor(value))
+                        value = self.frozen[layer.quant_output_quantizer](first_float(value))
                 finally:
                     self.shadowing = False
-                quantized = as_float_tensor(value)
+                quantized = first_float(value)
                 reference = self.float_value(layer, outputs[call_index])
                 if quantized is not None and reference is not None and quantized.shape == reference.shape:
                     self.on_shadow(layer, reference, quantized, quantization_scale(value) or self._frozen_scale(layer))
@@ -484,13 +445,5 @@ class PairedRunner:
             self.float_outputs.clear()
 
 
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-def split_batch(batch: Any) -> tuple[tuple, dict]:
-    if isinstance(batch, dict):
-        return (), batch
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    return (batch,), {}
+def _detach(value: torch.Tensor) -> torch.Tensor:
+    return value.detach()

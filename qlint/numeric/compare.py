@@ -27,7 +27,8 @@ from qlint.numeric.diagnose import (
     local_sqnr,
 )
 from qlint.numeric.matching import MODULE_SITE, LayerMatch, MatchResult, match_layers
-from qlint.numeric.metrics import PairwiseErrorStats, as_float_tensor
+from qlint.core.nested import first_float
+from qlint.numeric.metrics import PairwiseErrorStats
 from qlint.numeric.weights import float_layer_weights, quantized_layer_weights
 
 MODES = ("propagated", "shadow")
@@ -113,7 +114,7 @@ def compare(
         for layer in match.layers:
             stats[layer.name].weight = weight_stats(layer, float_model, quantized_model)
         for _, float_output, quant_output in runner.run(data):
-            reference, quantized = as_float_tensor(float_output), as_float_tensor(quant_output)
+            reference, quantized = first_float(float_output), first_float(quant_output)
             if reference is not None and quantized is not None and reference.shape == quantized.shape:
                 output_stats.update(reference, quantized)
             batches += 1
@@ -235,7 +236,7 @@ def activation_histograms(
         histogram = histograms.get(layer.name)
         if histogram is None:
             return
-        for counts, tensor in ((histogram.float_counts, as_float_tensor(reference)), (histogram.quantized_counts, quantized)):
+        for counts, tensor in ((histogram.float_counts, first_float(reference)), (histogram.quantized_counts, quantized)):
             found = torch.histc(tensor.float().reshape(-1), bins=bins, min=histogram.low, max=histogram.high)
             for index, value in enumerate(found.tolist()):
                 counts[index] += int(value)

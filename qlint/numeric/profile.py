@@ -21,8 +21,10 @@ from pydantic import BaseModel, ConfigDict
 from rich.table import Table
 from torch import nn
 
-from qlint.numeric.capture import ModelStateGuard, call_model
-from qlint.numeric.matching import float_layer_modules, layer_kind, quantized_layer_modules
+from qlint.core.batches import call_model
+from qlint.numeric.capture import ModelStateGuard
+from qlint.core.ops import layer_kind
+from qlint.numeric.matching import float_layer_modules, quantized_layer_modules
 from qlint.numeric.metrics import finite_or_none
 
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)

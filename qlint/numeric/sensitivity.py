@@ -30,16 +30,11 @@ from torch import nn
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-from qlint.numeric.capture import (
-    ModelStateGuard,
-    PairedRunner,
-    batch_size,
-    call_model,
-    reiterable,
-    split_batch,
-)
+from qlint.core.batches import as_call, batch_size, call_model, reiterable
+from qlint.core.nested import first_float
+from qlint.core.sqnr import sqnr_db_from_powers
+from qlint.numeric.capture import ModelStateGuard, PairedRunner
 from qlint.numeric.matching import MODULE_SITE, LayerMatch, match_layers
-from qlint.numeric.metrics import as_float_tensor, sqnr_db_from_powers
 
 
 class SensitivityRow(BaseModel):
@@ -63,7 +58,7 @@ def _first_batch(data: Iterable) -> Any:
 
 
 def _example_inputs(batch: Any) -> tuple:
-    args, kwargs = split_batch(batch)
+    args, kwargs = as_call(batch)
     if kwargs:
         raise TypeError("prepare_fx needs positional example inputs; yield tensors or tuples, not dicts")
     return args
@@ -113,7 +108,7 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
 
     def counter(name):
         def hook(module, args, output):
-            out = as_float_tensor(output)
+            out = first_float(output)
             if out is None:
                 return
             if hasattr(module, "kernel_size") and hasattr(module, "in_channels") and hasattr(module, "groups"):
@@ -287,8 +282,8 @@ def exhaustive_sensitivity(
             for index, batch in enumerate(data):
                 if max_batches is not None and index >= max_batches:
                     break
-                reference = as_float_tensor(call_model(float_model, batch)).double()
-                approximation = as_float_tensor(call_model(quantized, batch)).double()
+                reference = first_float(call_model(float_model, batch)).double()
+                approximation = first_float(call_model(quantized, batch)).double()
                 noise += float((reference - approximation).pow(2).sum())
                 signal += float(reference.pow(2).sum())
         scores.append((name, noise / signal if signal > 0 else 0.0))
