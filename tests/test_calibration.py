@@ -320,7 +320,7 @@ def test_cli_empty_calibration_file_exits_2(run_cli, tmp_path):
 
 
 def test_preserved_state_restores_modes_and_buffers():
-    from qlint.linter.calibration import preserved_state
+    from qlint.core.preserve import preserved_state
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qlint.core.backends import BACKENDS
 from qlint.errors import ConfigError
-from qlint.linter.findings import Finding, _check_json_able
+from qlint.linter.findings import Finding
+from qlint.linter.json_values import check_json_able
 
 if TYPE_CHECKING:
     from torch.ao.quantization import QConfigMapping
@@ -202,7 +203,7 @@ class Rewrite(_Frozen):
     @field_validator("params")
     @classmethod
     def _json_able(cls, value: Any) -> Any:
-        _check_json_able(value, "params")
+        check_json_able(value, "params")
         return value
 
 

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from qlint.linter.json_values import check_json_able
+
 
 class Severity(str, enum.Enum):
     ERROR = "error"
@@ -33,28 +35,6 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def _check_json_able(value: Any, path: str = "data") -> None:
-    """Reject values that would not survive a JSON round trip unchanged."""
-    if value is None or isinstance(value, (str, bool, int)):
-        return
-    if isinstance(value, float):
-        # NaN and Inf are not JSON; rules encode them as strings ("nan", "inf").
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"{path} holds a non-finite float; store it as a string")
-        return
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_json_able(item, f"{path}[{i}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ValueError(f"{path} has a non-string key {key!r}")
-            _check_json_able(item, f"{path}.{key}")
-        return
-    raise ValueError(f"{path} holds {type(value).__name__}, which is not JSON-able")
-
-
 class Finding(_Frozen):
     """One problem found by one rule, at one place in the model."""
 
@@ -72,7 +52,7 @@ class Finding(_Frozen):
     @classmethod
     def _json_able(cls, value: Any) -> Any:
         if value is not None:
-            _check_json_able(value)
+            check_json_able(value)
         return value
 
     def fingerprint(self) -> str:
@@ -120,7 +100,7 @@ class LayerRow(_Frozen):
     @field_validator("extra")
     @classmethod
     def _json_able(cls, value: Any) -> Any:
-        _check_json_able(value, "extra")
+        check_json_able(value, "extra")
         return value
 
 
