@@ -1,8 +1,6 @@
 """`qlint compare FLOAT QUANT --calibration DATA`: the numeric suite on the command line.
 
-The lead wires ``add_compare_arguments`` / ``run_compare`` into ``qlint.cli.main``.
-Models and data are loaded by ``load_model_arg``/``load_data_arg`` alone, so that the project's
-model loader can replace it in one place.
+Models and data are loaded by ``load_model_arg``/``load_data_arg``, through qlint.core.load.
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ def layer_table(report: Report) -> Table:
     def number(value: Optional[float], digits: int = 1) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
-    for row in report.layers:
+    for row in report.compare_rows():
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
         table.add_row(row.name, row.kind or "", number(row.weight_sqnr), number(row.sqnr_propagated),
                       number(row.sqnr_shadow), number(row.cosine, 5), number(summary.get("rmse_over_scale"), 2))

@@ -21,6 +21,7 @@ from qlint.core.intent import (CallDescription, NodeQConfig, QConfigResolver, de
                           describe_observer, load_mapping_object, node_qconfig)
 from qlint.core.ops import module_kind
 from qlint.core.preserve import preserved_state
+from qlint.linter.docs import rule_info
 from qlint.linter.registry import Registry
 from qlint.linter.rule import Need, Rule
 from qlint.core.trace import GraphBuilder, Traced, private_copy, propagate_shapes, trace
@@ -288,4 +289,5 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
         model=ctx.model_name, backend=backend, frontend=analysis.graph.frontend,
         findings=findings, skipped=skipped, notices=notices, timings=timings,
         layers=layers, qconfig_table=qconfig_rows(analysis.graph),
+        rules=[rule_info(type(rule)) for rule in rules],
     )

@@ -8,11 +8,15 @@ and so that reporters never have to guess at the shape of what rules produced.
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional
+import hashlib
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch.ao.quantization import QConfigMapping
 
 from qlint.linter.json_values import check_json_able
+from qlint.linter.mapping import qconfig_mapping
+from qlint.linter.suggestions import Provenance, Suggestions, collect_suggestions
 
 
 class Severity(str, enum.Enum):
@@ -57,11 +61,14 @@ class Finding(_Frozen):
 
     def fingerprint(self) -> str:
         """A stable identity for baselines: rule, target and the finding's kind."""
-        import hashlib
-
         kind = str(self.data.get("kind", ""))
         raw = f"{self.rule}|{self.target}|{kind}"
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+    def provenance(self) -> Provenance:
+        """This finding as the reason for a plan decision."""
+        return Provenance(source="finding", rule=self.rule, target=self.target,
+                          fingerprint=self.fingerprint(), detail=self.name)
 
 
 class SkippedRule(_Frozen):
@@ -83,7 +90,7 @@ class Notice(_Frozen):
 
 
 class LayerRow(_Frozen):
-    """One row of a per-layer table (data rules, compare)."""
+    """One row of a data rule's per-layer table: the statistic it measured on one layer."""
 
     name: str
     kind: Optional[str] = None
@@ -91,17 +98,48 @@ class LayerRow(_Frozen):
     statistic: Optional[str] = None
     value: Optional[float] = None
     verdict: Optional[str] = None
-    weight_sqnr: Optional[float] = None
-    sqnr_propagated: Optional[float] = None
-    sqnr_shadow: Optional[float] = None
-    cosine: Optional[float] = None
     extra: dict[str, Any] = Field(default_factory=dict)
+    table: Literal["lint"] = "lint"
 
     @field_validator("extra")
     @classmethod
     def _json_able(cls, value: Any) -> Any:
         check_json_able(value, "extra")
         return value
+
+
+class CompareRow(_Frozen):
+    """One row of ``qlint compare``: the error one matched layer shows, float vs quantized (dB)."""
+
+    name: str
+    kind: Optional[str] = None
+    weight_sqnr: Optional[float] = None
+    sqnr_propagated: Optional[float] = None
+    sqnr_shadow: Optional[float] = None
+    cosine: Optional[float] = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+    table: Literal["compare"] = "compare"
+
+    @field_validator("extra")
+    @classmethod
+    def _json_able(cls, value: Any) -> Any:
+        check_json_able(value, "extra")
+        return value
+
+
+# A report's per-layer rows; ``table`` says which table a row belongs to.
+Row = Annotated[Union[LayerRow, CompareRow], Field(discriminator="table")]
+
+
+class RuleInfo(_Frozen):
+    """A rule of the run, described well enough to document it (SARIF lists these)."""
+
+    code: str
+    name: str
+    summary: str
+    severity: Severity
+    requires: list[str] = Field(default_factory=list)
+    documentation: str = Field(default="", description="The rule's full documentation, markdown.")
 
 
 class QConfigRow(_Frozen):
@@ -130,18 +168,24 @@ class Report(_Frozen):
     skipped: list[SkippedRule] = Field(default_factory=list)
     notices: list[Notice] = Field(default_factory=list)
     timings: list[Timing] = Field(default_factory=list)
-    layers: list[LayerRow] = Field(default_factory=list)
+    layers: list[Row] = Field(default_factory=list)
     qconfig_table: list[QConfigRow] = Field(default_factory=list)
+    rules: list[RuleInfo] = Field(default_factory=list, description="The rules of this run, ran or skipped.")
 
-    def plan(self):
-        """The quantization plan these findings call for (see qlint.advice.plan)."""
-        from qlint.advice.plan import plan_from_report
+    def lint_rows(self) -> list[LayerRow]:
+        return [row for row in self.layers if isinstance(row, LayerRow)]
 
-        return plan_from_report(self)
+    def compare_rows(self) -> list[CompareRow]:
+        return [row for row in self.layers if isinstance(row, CompareRow)]
 
-    def qconfig_mapping(self):
-        """Shortcut: ``report.plan().to_qconfig_mapping()``."""
-        return self.plan().to_qconfig_mapping()
+    def suggestions(self) -> Suggestions:
+        """What the findings ask for, as typed decisions (qlint.advice.plan makes a plan file of them)."""
+        return collect_suggestions(self.backend, self.model,
+                                   ((f.suggestion, f.provenance()) for f in self.findings if f.suggestion))
+
+    def qconfig_mapping(self) -> QConfigMapping:
+        """The QConfigMapping the findings call for: the backend default with their suggestions applied."""
+        return qconfig_mapping(self.suggestions())
 
     def by_rule(self, code: str) -> list[Finding]:
         return [f for f in self.findings if f.rule == code or f.name == code]
