@@ -150,13 +150,3 @@ def run_compare(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> in
             console.print("[bold]On the worst inputs only:[/bold]")
             print_text(badcase_report, console)
     return EXIT_FINDINGS if report.findings else EXIT_CLEAN
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Stand-alone entry point until the CLI wires the subcommand in."""
-    parser = add_compare_arguments(argparse.ArgumentParser(prog="qlint compare"))
-    return run_compare(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -74,8 +74,20 @@ def plan_command(argv: list[str]) -> int:
     return 0
 
 
+def _verify_command(argv: list[str]) -> int:
+    from qlint.cli.verify import verify_command
+
+    return verify_command(argv)
+
+
+def _fix_command(argv: list[str]) -> int:
+    from qlint.cli.verify import fix_command
+
+    return fix_command(argv)
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "plan": plan_command,
-    "verify": lambda argv: __import__("qlint.cli.verify", fromlist=["verify_command"]).verify_command(argv),
-    "fix": lambda argv: __import__("qlint.cli.verify", fromlist=["fix_command"]).fix_command(argv),
+    "verify": _verify_command,
+    "fix": _fix_command,
 }

@@ -89,42 +89,38 @@ class Notice(_Frozen):
     message: str
 
 
-class LayerRow(_Frozen):
-    """One row of a data rule's per-layer table: the statistic it measured on one layer."""
+class _Row(_Frozen):
+    """One row of a per-layer table: a layer (module fqn or node name), its op kind, evidence."""
 
     name: str
     kind: Optional[str] = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("extra")
+    @classmethod
+    def _json_able(cls, value: Any) -> Any:
+        check_json_able(value, "extra")
+        return value
+
+
+class LayerRow(_Row):
+    """One row of a data rule's per-layer table: the statistic it measured on one layer."""
+
     rule: Optional[str] = None
     statistic: Optional[str] = None
     value: Optional[float] = None
     verdict: Optional[str] = None
-    extra: dict[str, Any] = Field(default_factory=dict)
     table: Literal["lint"] = "lint"
 
-    @field_validator("extra")
-    @classmethod
-    def _json_able(cls, value: Any) -> Any:
-        check_json_able(value, "extra")
-        return value
 
-
-class CompareRow(_Frozen):
+class CompareRow(_Row):
     """One row of ``qlint compare``: the error one matched layer shows, float vs quantized (dB)."""
 
-    name: str
-    kind: Optional[str] = None
     weight_sqnr: Optional[float] = None
     sqnr_propagated: Optional[float] = None
     sqnr_shadow: Optional[float] = None
     cosine: Optional[float] = None
-    extra: dict[str, Any] = Field(default_factory=dict)
     table: Literal["compare"] = "compare"
-
-    @field_validator("extra")
-    @classmethod
-    def _json_able(cls, value: Any) -> Any:
-        check_json_able(value, "extra")
-        return value
 
 
 # A report's per-layer rows; ``table`` says which table a row belongs to.

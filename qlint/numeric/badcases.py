@@ -14,14 +14,14 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from qlint.linter.findings import Report
 from qlint.core.batches import batch_size
-from qlint.core.nested import first_float
+from qlint.core.nested import first_float, map_tensors
 from qlint.numeric.capture import PairedRunner
 from qlint.numeric.compare import compare
 from qlint.numeric.matching import match_layers
@@ -89,17 +89,9 @@ class BadCaseSet:
 
 def split_samples(batch: Any, size: int) -> list[Any]:
     """One batch-of-one per sample; non-batched members (flags, lengths) are shared."""
-    def take(value: Any, row: int) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
-            return value[row: row + 1].clone()
-        if isinstance(value, tuple):
-            return tuple(take(item, row) for item in value)
-        if isinstance(value, list):
-            return [take(item, row) for item in value]
-        if isinstance(value, dict):
-            return {key: take(item, row) for key, item in value.items()}
-        return value
-    return [take(batch, row) for row in range(size)]
+    def take(row: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: t[row: row + 1].clone() if t.dim() > 0 and t.shape[0] == size else t
+    return [map_tensors(batch, take(row)) for row in range(size)]
 
 
 def per_sample_scores(reference: torch.Tensor, quantized: torch.Tensor) -> dict[str, torch.Tensor]:
