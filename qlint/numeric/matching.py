@@ -182,7 +182,9 @@ def _missing_or_identity(model_modules: dict[str, nn.Module], fqn: str) -> bool:
     return module is None or isinstance(module, nn.Identity)
 
 
-def _nearest_layer_ancestors(node: torch.fx.Node, layer_of: dict[torch.fx.Node, str]) -> frozenset[str]:
+def _nearest_layer_ancestors(node: torch.fx.Node, layer_of: dict[torch.fx.Node, str],
+                             through: Optional[str] = None) -> frozenset[str]:
+    """The layers nearest upstream of ``node``; the nodes of layer ``through`` are walked past."""
     found: set[str] = set()
     stack, seen = list(node.all_input_nodes), set()
     while stack:
@@ -190,8 +192,9 @@ def _nearest_layer_ancestors(node: torch.fx.Node, layer_of: dict[torch.fx.Node, 
         if current in seen:
             continue
         seen.add(current)
-        if current in layer_of:
-            found.add(layer_of[current])
+        owner = layer_of.get(current)
+        if owner is not None and owner != through:
+            found.add(owner)
         else:
             stack.extend(current.all_input_nodes)
     return frozenset(found)
@@ -448,18 +451,7 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
         node = entry_nodes.get(layer.name)
         if node is None:
             continue
-        ancestors = set()
-        stack, seen = list(node.all_input_nodes), set()
-        while stack:
-            current = stack.pop()
-            if current in seen:
-                continue
-            seen.add(current)
-            owner = layer_of.get(current)
-            if owner is not None and owner != layer.name:
-                ancestors.add(owner)
-            else:
-                stack.extend(current.all_input_nodes)
+        ancestors = _nearest_layer_ancestors(node, layer_of, through=layer.name)
         order = {other.name: index for index, other in enumerate(ordered)}
         layer.predecessors = sorted(ancestors, key=lambda name: order.get(name, 0))
 
