@@ -34,22 +34,18 @@ from advice_models import MODELS  # noqa: E402
 
 import qlint  # noqa: E402
 from qlint.advice.plan import plan_from_report  # noqa: E402
-from qlint.advice.verify import (_backend_config, _conv_linear_modules, _functional_owners,  # noqa: E402
-                          conv_linear_coverage, verify)
+from qlint.advice.verify import conv_linear_coverage, verify  # noqa: E402
+from qlint.advice.verify_session import conv_linear_modules, functional_owners  # noqa: E402
+from qlint.core.backends import backend_config  # noqa: E402
+from qlint.core.sqnr import SqnrSums  # noqa: E402
 
 
 def sqnr_db(model, float_model, eval_data) -> float:
-    signal = noise = 0.0
+    sums = SqnrSums()
     with torch.no_grad():
         for batch in eval_data:
-            a = float_model(batch).double()
-            b = model(batch)
-            b = (b.dequantize() if b.is_quantized else b).double()
-            signal += float((a * a).sum())
-            noise += float(((a - b) ** 2).sum())
-    import math
-
-    return 10 * math.log10(signal / noise) if noise > 0 else 200.0
+            sums.add(float_model(batch), model(batch))
+    return sums.sqnr_db()
 
 
 def model_report_mapping(model, calibration):
@@ -81,11 +77,11 @@ def quantize(model, mapping, calibration):
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
     prepared = prepare_fx(copy.deepcopy(model).eval(), mapping, (calibration[0],),
-                          backend_config=_backend_config("x86"))
+                          backend_config=backend_config("x86"))
     with torch.no_grad():
         for batch in calibration:
             prepared(batch)
-    return convert_fx(prepared, backend_config=_backend_config("x86"))
+    return convert_fx(prepared, backend_config=backend_config("x86"))
 
 
 def _measure(model, mapping, calibration, eval_data) -> tuple[float, int, int, list[str]]:
@@ -136,8 +132,8 @@ def equal_coverage(model, mapping, calibration, eval_data, float_count: int, qli
     float layers costing least SQNR are quantized back); (2) the very layers qlint keeps float.
     """
     traced = torch.fx.symbolic_trace(copy.deepcopy(model))
-    layers = _conv_linear_modules(traced) + [o for o in _functional_owners(traced)
-                                             if o not in _conv_linear_modules(traced)]
+    layers = conv_linear_modules(traced) + [o for o in functional_owners(traced)
+                                            if o not in conv_linear_modules(traced)]
     base, int8, total, floats = _measure(model, mapping, calibration, eval_data)
     already = [f for f in layers if f in floats]
     choices: dict[str, list[str]] = {}

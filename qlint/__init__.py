@@ -5,17 +5,12 @@
 """
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version as _version
 from typing import Any
 
-try:
-    __version__ = _version("qlint")
-except PackageNotFoundError:  # running from a source checkout that is not installed
-    __version__ = "0.1.0"
-
-from qlint.linter.engine import lint  # noqa: E402
-from qlint.linter.findings import (Finding, LayerRow, Notice, QConfigRow, Report, Severity,  # noqa: E402
+from qlint.linter.engine import lint
+from qlint.linter.findings import (CompareRow, Finding, LayerRow, Notice, QConfigRow, Report, RuleInfo, Severity,
                                    SkippedRule, Timing)
+from qlint.version import __version__
 
 # Public functions of the higher layers, imported when first used.
 _LAZY = {
@@ -34,5 +29,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["Finding", "LayerRow", "Notice", "QConfigRow", "Report", "Severity", "SkippedRule",
-           "Timing", "compare", "lint", "sensitivity", "verify", "__version__"]
+__all__ = ["CompareRow", "Finding", "LayerRow", "Notice", "QConfigRow", "Report", "RuleInfo", "Severity",
+           "SkippedRule", "Timing", "compare", "lint", "sensitivity", "verify", "__version__"]

@@ -21,3 +21,11 @@ class ConfigError(QlintError):
 
 class RuleLoadError(QlintError):
     """A third-party rule package failed to import or defines an invalid rule."""
+
+
+class EmptyCalibrationError(QlintError):
+    """The calibration data held no batch at all."""
+
+
+class CalibrationError(QlintError):
+    """A calibration batch could not be run through the model."""

@@ -7,7 +7,7 @@ from typing import Any, Iterator, Optional, Sequence
 from torch.ao.quantization import QConfigMapping
 
 from qlint.linter.context import INTENT_EAGER, INTENT_PREPARED, LintContext
-from qlint.linter.engine import qconfig_rows
+from qlint.linter.qconfig_table import qconfig_rows
 from qlint.linter.findings import QConfigRow, Severity
 from qlint.core.graph import ModelGraph, OpNode
 from qlint.rules._ql103_islands import is_static_quantized, through_shape_ops

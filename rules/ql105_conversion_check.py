@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import traceback
 import warnings
 from typing import Any, Iterable, Optional
@@ -15,17 +14,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
 from torch.ao.quantization import QConfigMapping, get_default_qconfig, get_default_qconfig_mapping
-from torch.ao.quantization.backend_config import (get_fbgemm_backend_config, get_onednn_backend_config,
-                                                  get_qnnpack_backend_config)
-from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
+from qlint.core.backends import backend_config
+from qlint.core.sqnr import sqnr_db
 from qlint.linter.context import INTENT_PREPARED, LintContext
 from qlint.linter.findings import Finding, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
-
-_BACKEND_CONFIGS = {"x86": get_x86_backend_config, "fbgemm": get_fbgemm_backend_config,
-                    "qnnpack": get_qnnpack_backend_config, "onednn": get_onednn_backend_config}
 
 STAGE_FLOAT, STAGE_PREPARE, STAGE_CALIBRATE, STAGE_CONVERT, STAGE_RUN = (
     "float run", "prepare_fx", "calibration", "convert_fx", "quantized run")
@@ -121,7 +116,7 @@ class ConversionCheck(Rule):
         inputs = tuple(ctx.example_inputs or ())
         backend = ctx.backend.name
         mapping = ctx.qconfig_mapping if ctx.qconfig_mapping is not None else get_default_qconfig_mapping(backend)
-        backend_config = _BACKEND_CONFIGS[backend]()
+        config = backend_config(backend)
 
         reference = ctx.model_factory().eval()
         try:
@@ -133,7 +128,7 @@ class ConversionCheck(Rule):
         model = ctx.model_factory().eval()
         modules = {id(m): name for name, m in model.named_modules() if name}
         try:
-            prepared = prepare_fx(model, mapping, inputs, backend_config=backend_config)
+            prepared = prepare_fx(model, mapping, inputs, backend_config=config)
         except Exception as error:
             yield self._failure(ctx, STAGE_PREPARE, error, _locate_in_traceback(error, modules), None)
             return
@@ -144,7 +139,7 @@ class ConversionCheck(Rule):
             return
         modules = {id(m): name for name, m in prepared.named_modules() if name}
         try:
-            converted = convert_fx(prepared, backend_config=backend_config)
+            converted = convert_fx(prepared, backend_config=config)
         except Exception as error:
             yield self._failure(ctx, STAGE_CONVERT, error, _locate_in_traceback(error, modules), None)
             return
@@ -157,8 +152,7 @@ class ConversionCheck(Rule):
             return
         sqnr = output_sqnr(float_out, quant_out)
         low = self.options.min_sqnr_db is not None and sqnr is not None and sqnr < self.options.min_sqnr_db
-        text = "n/a (no floating-point outputs)" if sqnr is None else (
-            "inf" if math.isinf(sqnr) else f"{sqnr:.1f} dB")
+        text = "n/a (no floating-point outputs)" if sqnr is None else f"{sqnr:.1f} dB"
         message = (f"prepare_fx, calibration, convert_fx and a quantized forward pass all succeed on the "
                    f"example inputs ({backend}); output SQNR of the converted model vs float: {text}.")
         if low:
@@ -167,7 +161,7 @@ class ConversionCheck(Rule):
         yield self.finding(
             ctx.model_name, message, severity=Severity.WARNING if low else Severity.INFO,
             data={"kind": "conversion-ok", "backend": backend,
-                  "sqnr_db": None if sqnr is None else ("inf" if math.isinf(sqnr) else round(sqnr, 3))})
+                  "sqnr_db": None if sqnr is None else round(sqnr, 3)})
 
     def _failure(self, ctx: LintContext, stage: str, error: BaseException, where: Optional[dict[str, Any]],
                  failing_node: Optional[fx.Node]) -> Finding:
@@ -347,29 +341,13 @@ def _quantized_engine(backend: str):
         torch.backends.quantized.engine = previous
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for key in sorted(value, key=str) for t in _tensors(value[key])]
-    return []
-
-
 def output_sqnr(float_out: Any, quant_out: Any) -> Optional[float]:
-    """10·log10(Σ f² / Σ (f − q)²) over every floating-point output tensor; inf when identical."""
-    reference = [t for t in _tensors(float_out) if t.is_floating_point()]
-    candidate = [t.dequantize() if t.is_quantized else t for t in _tensors(quant_out)]
-    if not reference or len(reference) != len(candidate):
+    """SQNR (dB, :mod:`qlint.core.sqnr`) over every floating-point output tensor; None when the
+    outputs hold none, or when the quantized outputs do not pair up with the float ones."""
+    try:
+        return sqnr_db(float_out, quant_out)
+    except ValueError:
         return None
-    signal = sum(float(r.double().pow(2).sum()) for r in reference)
-    noise = sum(float((r.double() - c.double()).pow(2).sum()) for r, c in zip(reference, candidate))
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
 
 
 # --- examples -----------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import torch.nn as nn
 from pydantic import Field
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
-from qlint.linter.calibration import FEATURES, json_float
+from qlint.linter.calibration import FEATURES
+from qlint.linter.json_values import json_float
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
 from qlint.core.graph import OpNode

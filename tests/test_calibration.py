@@ -14,9 +14,9 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 import qlint
 import qlint.linter.engine
 import qlint.linter.registry
-from qlint.linter.calibration import (CalibrationStatistics, EmptyCalibrationError, load_calibration,
-                               random_calibration)
-from qlint.errors import LoadError, QlintError
+from qlint.core.load import load_calibration, random_calibration
+from qlint.errors import EmptyCalibrationError, LoadError, QlintError
+from qlint.linter.calibration import CalibrationStatistics
 
 DATA_RULES = ["QL201", "QL202", "QL203"]
 
@@ -320,7 +320,7 @@ def test_cli_empty_calibration_file_exits_2(run_cli, tmp_path):
 
 
 def test_preserved_state_restores_modes_and_buffers():
-    from qlint.linter.calibration import preserved_state
+    from qlint.core.preserve import preserved_state
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}

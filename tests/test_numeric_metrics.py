@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qlint.linter.findings import LayerRow
+from qlint.linter.findings import CompareRow
 from qlint.numeric.metrics import (
     SQNR_CAP_DB,
     UNIFORM_ROUNDING_RMSE_OVER_SCALE,
@@ -119,8 +119,8 @@ def test_identical_and_degenerate_streams_stay_finite_json():
     for stats in (identical, zeros, broken):
         summary = stats.summary()
         json.dumps(summary, allow_nan=False)
-        row = LayerRow(name="layer", sqnr_propagated=stats.sqnr_db(), cosine=stats.cosine(), extra=summary)
-        assert LayerRow.model_validate_json(row.model_dump_json()) == row
+        row = CompareRow(name="layer", sqnr_propagated=stats.sqnr_db(), cosine=stats.cosine(), extra=summary)
+        assert CompareRow.model_validate_json(row.model_dump_json()) == row
 
 
 def test_nonfinite_values_are_counted_not_propagated():

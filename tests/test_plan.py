@@ -137,7 +137,7 @@ def test_json_round_trip_hand_built_and_from_report():
     report = qlint.lint(_build(Cnn), _inputs(Cnn), qconfig_mapping=QConfigMapping().set_global(
         QConfig(activation=HistogramObserver.with_args(reduce_range=True),
                 weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))))
-    from_report = report.plan()
+    from_report = plan_from_report(report)
     assert from_report.modules, "QL104 findings should become module decisions"
     assert QuantPlan.model_validate_json(from_report.model_dump_json()) == from_report
     raw = json.loads(from_report.model_dump_json())
@@ -314,7 +314,7 @@ def test_plan_from_report_follows_findings_and_fixes_conversion():
     build = _seeded(_Decoder)
     report = qlint.lint(build(), _image(), qconfig_mapping=_global_per_channel_x86(), select=["QL105"])
     assert report.by_rule("QL105")[0].severity.value == "error"
-    plan = report.plan()
+    plan = plan_from_report(report)
     decision = plan.decision("up")
     assert decision is not None and decision.weight is not None and not decision.weight.per_channel
     assert decision.provenance[0].rule == "QL105" and decision.provenance[0].target == "up"
@@ -326,7 +326,7 @@ def test_plan_from_report_maps_weight_and_fixed_qparams_suggestions():
     per_tensor = QConfig(activation=HistogramObserver.with_args(reduce_range=True),
                          weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))
     report = qlint.lint(_build(Gate), _inputs(Gate), qconfig_mapping=QConfigMapping().set_global(per_tensor))
-    plan = report.plan()
+    plan = plan_from_report(report)
     flagged_weights = {f.target for f in report.by_rule("QL104")}
     assert flagged_weights, "expected QL104 findings for per-tensor linear weights"
     for fqn in flagged_weights:
@@ -338,6 +338,9 @@ def test_plan_from_report_maps_weight_and_fixed_qparams_suggestions():
         assert spec.observer == "fixed" and spec.scale == pytest.approx(f.suggestion["scale"])
     converted, out = _quantize(_build(Gate), plan.to_qconfig_mapping(), _inputs(Gate), "x86")
     assert torch.isfinite(out).all()
+    # the report's own shortcut builds the same mapping, without a plan
+    assert _same_mapping(report.qconfig_mapping(), plan.to_qconfig_mapping())
+    assert report.qconfig_mapping().module_name_qconfigs.keys() == {d.fqn for d in plan.modules}
 
 
 # --- CLI ----------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from qlint.linter.findings import Finding, Notice, Report, Severity, SkippedRule
+from qlint.linter.findings import Finding, Notice, Report, RuleInfo, Severity, SkippedRule
 from qlint.linter.registry import Registry
 from qlint.render.extra import EXTRA_FORMATS
-from qlint.linter.docs import rule_markdown
+from qlint.linter.docs import rule_info, rule_markdown
 from qlint.render.sarif import render_sarif, repository_url
 
 SCHEMA_PATH = Path(__file__).with_name("sarif-schema-2.1.0.json")
@@ -39,6 +39,7 @@ def _report(model: str = "models/net.pt2") -> Report:
         ],
         skipped=[SkippedRule(rule="QL102", name="shared-module", reason="no example inputs")],
         notices=[Notice(level=Severity.WARNING, message="calibrating on RANDOM batches")],
+        rules=[rule_info(cls) for cls in Registry.default().all()],
     )
 
 
@@ -55,7 +56,7 @@ def test_schema_validation_can_fail(validator):
     assert not validator.is_valid(document)
 
 
-def test_driver_lists_every_registered_rule_with_its_documentation():
+def test_driver_lists_the_rules_of_the_run_with_their_documentation():
     driver = json.loads(render_sarif(_report()))["runs"][0]["tool"]["driver"]
     registered = Registry.default().all()
     assert [r["id"] for r in driver["rules"]] == [c.code for c in registered]
@@ -66,6 +67,22 @@ def test_driver_lists_every_registered_rule_with_its_documentation():
         assert ("helpUri" in entry) == (repository_url() is not None)
         assert entry["fullDescription"]["text"] == cls.summary
         assert entry["name"] == cls.name
+
+
+def test_rule_documentation_comes_from_the_report_not_the_registry(validator):
+    # A report read back from JSON describes its rules itself, registered here or not.
+    unregistered = RuleInfo(code="XQ901", name="elsewhere", summary="A rule this process never loaded.",
+                            severity=Severity.WARNING, requires=["graph"],
+                            documentation="# XQ901 elsewhere\n\n## Why is this bad?\n\nIt is.\n")
+    report = _report().model_copy(update={"rules": [unregistered]})
+    document = json.loads(render_sarif(Report.model_validate_json(report.model_dump_json())))
+    validator.validate(document)
+    rules = document["runs"][0]["tool"]["driver"]["rules"]
+    assert rules[0]["id"] == "XQ901" and rules[0]["help"]["markdown"] == unregistered.documentation
+    assert rules[0]["defaultConfiguration"]["level"] == "warning"
+    # the findings' rules that the report does not describe are still listed, without help
+    assert [r["id"] for r in rules[1:]] == ["QL101", "QL103", "QL102"]
+    assert all("help" not in r for r in rules[1:])
 
 
 def test_results_levels_locations_and_fingerprints():
@@ -114,3 +131,6 @@ def test_cli_sarif_on_badnet(run_cli, repo_root, validator):
     validator.validate(document)
     ids = {r["ruleId"] for r in document["runs"][0]["results"]}
     assert {"QL101", "QL102"} <= ids
+    described = {r["id"]: r for r in document["runs"][0]["tool"]["driver"]["rules"]}
+    assert set(described) == {cls.code for cls in Registry.default().all()}  # every rule of the run
+    assert all("## Why is this bad?" in r["help"]["markdown"] for r in described.values())

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from qlint.advice.plan import ModuleDecision, Provenance, QuantPlan, default_plan
+from qlint.advice.plan import ModuleDecision, Provenance, QuantPlan, default_plan, plan_from_report
 from qlint.advice.verify import VerifyReport, verify
 from tests.test_rewrite import make_fanout_net, make_same_conv_net
 
@@ -195,7 +195,7 @@ def test_a_plan_that_loses_to_the_default_as_a_whole_is_replaced_by_it():
 
     batches = list(calibration_batches())
     report = qlint.lint(build(), (batches[0],), calibration=batches, calibration_options={"quiet": True})
-    result = verify(build(), report.plan(), batches, batches)
+    result = verify(build(), plan_from_report(report), batches, batches)
     restart = [d for d in result.decisions if d.kind == "plan"]
     assert restart and restart[0].sqnr_with_db < restart[0].sqnr_without_db
     assert result.plan.sqnr_db >= result.default.sqnr_db - 0.05

@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from qlint.errors import ConfigError
+from qlint.linter.suggestions import Suggestions
 
 _X86_FAMILY = ("x86", "fbgemm", "onednn")
 
 
-def to_pt2e_quantizer(plan: Any) -> Any:
+def to_pt2e_quantizer(plan: Suggestions) -> Any:
     try:
         from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
             X86InductorQuantizer, get_default_x86_inductor_quantization_config)

@@ -39,7 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
-from qlint.errors import QlintError
+from qlint.core.batches import as_call
+from qlint.core.nested import tensors_in
+from qlint.core.trace import symbolic_graph
+from qlint.errors import QlintError, TraceError
 
 DEFAULT_MAX_RELATIVE_ERROR = 1e-5
 
@@ -212,11 +215,9 @@ def _checked(record: dict[str, Any], error: float, max_relative_error: float) ->
 
 
 def _outputs(gm: nn.Module, inputs: Sequence[Any]) -> list[torch.Tensor]:
-    from qlint.core.nested import leaves_of_type
-
     with torch.no_grad():
         out = gm(*inputs)
-    return [t.detach().float() for t in leaves_of_type(out, torch.Tensor)]
+    return [t.detach().float() for t in tensors_in(out)]
 
 
 def rewrite_key(kind: str, nodes: Sequence[str]) -> str:
@@ -263,13 +264,10 @@ def apply_rewrites(graph_module: nn.Module, plan: Any = None, example_inputs: Se
     """
     if not example_inputs:
         raise QlintError("apply_rewrites needs example inputs to check that float outputs are unchanged")
-    if isinstance(graph_module, fx.GraphModule):
-        current = copy.deepcopy(graph_module)
-    else:
-        try:
-            current = fx.symbolic_trace(copy.deepcopy(graph_module))
-        except Exception as error:  # user forward may not be symbolically traceable
-            raise QlintError(f"cannot trace the model for rewriting: {type(error).__name__}: {error}") from error
+    try:
+        current = symbolic_graph(copy.deepcopy(graph_module))
+    except TraceError as error:
+        raise QlintError(f"cannot trace the model for rewriting: {error}") from error
     current.eval()
     reference = _outputs(current, example_inputs)
     applied: list[AppliedRewrite] = []
@@ -346,7 +344,8 @@ def _input_channel_absmax(gm: fx.GraphModule, module: str, batches: Sequence[Any
     try:
         with torch.no_grad():
             for batch in batches:
-                gm(*(batch if isinstance(batch, (tuple, list)) else (batch,)))
+                args, kwargs = as_call(batch)
+                gm(*args, **kwargs)
     finally:
         handle.remove()
     return torch.stack(seen).amax(0)
@@ -383,7 +382,7 @@ def apply_equalization(graph_module: fx.GraphModule, modules: Sequence[str], bat
     if not batches:
         raise QlintError("equalization needs calibration batches")
     current = copy.deepcopy(graph_module)
-    example = batches[0] if isinstance(batches[0], (tuple, list)) else (batches[0],)
+    example = as_call(batches[0])[0]
     reference = _outputs(current, example)
     applied: list[AppliedRewrite] = []
     for module in modules:

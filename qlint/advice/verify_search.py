@@ -20,39 +20,36 @@ Every trial is recorded as a :class:`~qlint.advice.verify.DecisionOutcome` (kind
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch.fx as fx
-import torch.nn as nn
 
 from qlint.advice.plan import ModuleDecision, Provenance, QuantPlan
-from qlint.advice.verify import SQNR_TOLERANCE_DB, DecisionOutcome, _conv_linear_modules, _functional_owners
+from qlint.advice.verify_report import DecisionOutcome
+from qlint.advice.verify_session import SQNR_TOLERANCE_DB, Session, conv_linear_modules, functional_owners
+from qlint.core.backends import backend_info
+from qlint.core.ops import CONV_OR_LINEAR_KINDS, NORM_KINDS, module_kind
 
-if TYPE_CHECKING:
-    from qlint.advice.verify import _Session
-
-# Module types the search may flip, by qlint op kind. LSTM/GRU also have dynamic kernels,
-# but FX leaves them float under a static mapping, so there is nothing to flip from.
-_DYNAMIC_TYPES = {"linear": (nn.Linear,)}
+# Op kinds the search may flip. LSTM/GRU also have dynamic kernels, but FX leaves them
+# float under a static mapping, so there is nothing to flip from.
+_DYNAMIC_KINDS = ("linear",)
 
 
 def _dynamic_int8(backend: str, kind: str) -> bool:
-    from qlint.core.backends import backend_info
-
     return any(o.is_dynamic and o.input_dtype == "torch.quint8" and o.weight_dtype == "torch.qint8"
                for o in backend_info(backend).dtype_options(kind))
 
 
 def scheme_candidates(gm: fx.GraphModule, plan: QuantPlan, backend: str, frozen: Sequence[str] = ()) -> list[str]:
     """Called modules (graph order) that can run static or dynamic int8 and that the plan quantizes."""
-    types = tuple(t for kind, kinds in _DYNAMIC_TYPES.items() if _dynamic_int8(backend, kind) for t in kinds)
+    kinds = [kind for kind in _DYNAMIC_KINDS if _dynamic_int8(backend, kind)]
     called = dict.fromkeys(str(n.target) for n in gm.graph.nodes if n.op == "call_module")
     out = []
     for fqn in called:
         decision = plan.decision(fqn)
         if fqn in frozen or (decision is not None and not decision.quantize):
             continue
-        if types and isinstance(gm.get_submodule(fqn), types):
+        if module_kind(gm.get_submodule(fqn)) in kinds:
             out.append(fqn)
     return out
 
@@ -83,7 +80,7 @@ def _flipped(plan: QuantPlan, fqns: Sequence[str], gain: float) -> QuantPlan:
     return plan
 
 
-def scheme_search(session: "_Session", plan: QuantPlan, best: float, skip: Sequence[str], *,
+def scheme_search(session: Session, plan: QuantPlan, best: float, skip: Sequence[str], *,
                   max_trials: int, frozen: Sequence[str] = ()) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
     """Static <-> dynamic flips of Linear layers; returns (plan, its SQNR, one outcome per trial).
 
@@ -160,15 +157,14 @@ def scheme_search(session: "_Session", plan: QuantPlan, best: float, skip: Seque
 
 
 # ------------------------------------------------------------------- target-SQNR fallback
-_FALLBACK_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d,
-                   nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d)
+_FALLBACK_KINDS = CONV_OR_LINEAR_KINDS | NORM_KINDS
 
 
 def _fallback_candidates(gm: fx.GraphModule) -> list[str]:
     """Layers the target-SQNR fallback may keep float: called conv/linear/norm modules, functional owners."""
     called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
-    modules = [t for t in dict.fromkeys(called) if isinstance(gm.get_submodule(t), _FALLBACK_TYPES)]
-    return modules + [o for o in _functional_owners(gm) if o not in modules]
+    modules = [t for t in dict.fromkeys(called) if module_kind(gm.get_submodule(t)) in _FALLBACK_KINDS]
+    return modules + [o for o in functional_owners(gm) if o not in modules]
 
 
 def _keep_float(plan: QuantPlan, fqn: str, gain: float) -> QuantPlan:
@@ -179,7 +175,7 @@ def _keep_float(plan: QuantPlan, fqn: str, gain: float) -> QuantPlan:
     return plan.model_copy(update={"modules": modules})
 
 
-def float_fallback(session: "_Session", plan: QuantPlan, best: float, skip: Sequence[str], *,
+def float_fallback(session: Session, plan: QuantPlan, best: float, skip: Sequence[str], *,
                    target_sqnr: float, max_float_fraction: float, max_trials: int, total_layers: int
                    ) -> tuple[QuantPlan, float, list[str], list[DecisionOutcome], Optional[str]]:
     """Keep the most sensitive layers float until ``target_sqnr`` is met.
@@ -191,7 +187,7 @@ def float_fallback(session: "_Session", plan: QuantPlan, best: float, skip: Sequ
     """
     outcomes: list[DecisionOutcome] = []
     kept_float: list[str] = []
-    conv_linear = set(_conv_linear_modules(session.traced)) | set(_functional_owners(session.traced))
+    conv_linear = set(conv_linear_modules(session.traced)) | set(functional_owners(session.traced))
     candidates = [f for f in _fallback_candidates(session.traced)
                   if (plan.decision(f) is None or plan.decision(f).quantize)]
     budget = int(math.floor(max_float_fraction * max(1, total_layers) + 1e-9))

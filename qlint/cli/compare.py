@@ -1,8 +1,6 @@
 """`qlint compare FLOAT QUANT --calibration DATA`: the numeric suite on the command line.
 
-The lead wires ``add_compare_arguments`` / ``run_compare`` into ``qlint.cli.main``.
-Models and data are loaded by ``load_model_arg``/``load_data_arg`` alone, so that the project's
-model loader can replace it in one place.
+Models and data are loaded by ``load_model_arg``/``load_data_arg``, through qlint.core.load.
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ def layer_table(report: Report) -> Table:
     def number(value: Optional[float], digits: int = 1) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
-    for row in report.layers:
+    for row in report.compare_rows():
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
         table.add_row(row.name, row.kind or "", number(row.weight_sqnr), number(row.sqnr_propagated),
                       number(row.sqnr_shadow), number(row.cosine, 5), number(summary.get("rmse_over_scale"), 2))
@@ -152,13 +150,3 @@ def run_compare(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> in
             console.print("[bold]On the worst inputs only:[/bold]")
             print_text(badcase_report, console)
     return EXIT_FINDINGS if report.findings else EXIT_CLEAN
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Stand-alone entry point until the CLI wires the subcommand in."""
-    parser = add_compare_arguments(argparse.ArgumentParser(prog="qlint compare"))
-    return run_compare(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

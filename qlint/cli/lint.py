@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
-from qlint.core.load import (load_batches, load_example_inputs, load_model, parse_input_shape,
+from qlint.core.load import (load_batches, load_example_inputs, load_model, parse_input_shape, random_calibration,
                            resolve_object)
 from qlint.linter.settings import FileSettings, Settings, load_settings
 
@@ -77,10 +77,11 @@ def _lint_one(args: argparse.Namespace, model_spec: str, settings: Settings) -> 
     return EXIT_FINDINGS if report.has_findings_at_least(fail_on) else EXIT_CLEAN
 
 
-def _split(values):
-    from qlint.cli.main import _split_list
-
-    return _split_list(values)
+def _split(values: Optional[list[str]]) -> Optional[list[str]]:
+    """``--select A,B --select C`` → ["A", "B", "C"]; None when the flag was not given."""
+    if not values:
+        return None
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
 def _example_inputs(args, per_file, settings: Settings, from_file):
@@ -98,10 +99,6 @@ def _calibration(args, per_file, settings: Settings, example):
     source = _pick(args.calibration, per_file.calibration if per_file else None, settings.calibration)
     if source is None and not args.random_calibration:
         return None, []
-    try:
-        from qlint.linter.calibration import random_calibration
-    except ImportError as error:
-        raise QlintError(f"calibration support is unavailable: {error}") from error
     if source is not None:
         return load_batches(source), []
     if not example:
@@ -127,15 +124,9 @@ def _apply_baseline(report: Report, baseline: Optional[str], write: bool) -> Rep
 
 def _emit(report: Report, output_format: str, args) -> None:
     from qlint.render import FORMATS
+    from qlint.render.extra import EXTRA_FORMATS
 
-    if output_format not in FORMATS:
-        try:
-            from qlint.render.extra import EXTRA_FORMATS  # sarif, github
-        except ImportError as error:
-            raise ConfigError(f"format {output_format!r} is unavailable: {error}") from error
-        renderer = EXTRA_FORMATS[output_format]
-    else:
-        renderer = FORMATS[output_format]
+    renderer = FORMATS.get(output_format) or EXTRA_FORMATS[output_format]
     if output_format == "text":
         color = None if args.output is None and sys.stdout.isatty() else False
         text = renderer(report, color=color, show_qconfig=args.show_qconfig)

@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from qlint.core.backends import BACKENDS
 from qlint.errors import ConfigError, QlintError
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
@@ -24,12 +25,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{message} (see '{self.prog} --help')")
-
-
-def _split_list(values: Optional[Sequence[str]]) -> Optional[list[str]]:
-    if not values:
-        return None
-    return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
 def build_lint_parser() -> argparse.ArgumentParser:
@@ -43,7 +38,7 @@ def build_lint_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights", metavar="FILE", help="state_dict for a module:factory model")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow unpickling a full nn.Module (runs code from the file)")
-    parser.add_argument("--backend", choices=("x86", "fbgemm", "qnnpack", "onednn"))
+    parser.add_argument("--backend", choices=BACKENDS)
     parser.add_argument("--qconfig-mapping", metavar="MODULE:ATTR",
                         help="your QConfigMapping (or a function returning one)")
     parser.add_argument("--select", action="append", metavar="CODES", help="rule codes, prefixes or names")
@@ -99,30 +94,19 @@ def _fail(message: str, debug: bool) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
+    from qlint.cli.plan import COMMANDS
+
     commands: dict[str, Callable[[list[str]], int]] = {
-        "rule": _cmd_rule, "rules": _cmd_rules, "compare": _cmd_compare,
+        "rule": _cmd_rule, "rules": _cmd_rules, "compare": _cmd_compare, **COMMANDS,
     }
-    for name, command in _extra_commands().items():
-        commands.setdefault(name, command)
     if argv and argv[0] in commands and not Path(argv[0]).is_file():
         return commands[argv[0]](argv[1:])
     if argv and argv[0] in ("--version", "-V"):
-        from qlint import __version__
+        from qlint.version import __version__
 
         print(f"qlint {__version__}")
         return EXIT_CLEAN
     return _cmd_lint(argv)
-
-
-def _extra_commands() -> dict[str, Callable[[list[str]], int]]:
-    """Commands provided by optional modules (plan, verify, fix) when present."""
-    found: dict[str, Callable[[list[str]], int]] = {}
-    try:
-        from qlint.cli.plan import COMMANDS  # type: ignore[import-not-found]
-    except ImportError:
-        return found
-    found.update(COMMANDS)
-    return found
 
 
 def _cmd_lint(argv: list[str]) -> int:
@@ -175,10 +159,8 @@ def _cmd_rules(argv: list[str]) -> int:
 
 
 def _cmd_compare(argv: list[str]) -> int:
-    try:
-        from qlint.cli.compare import add_compare_arguments, run_compare
-    except ImportError as error:
-        raise QlintError(f"qlint compare is unavailable: {error}") from error
+    from qlint.cli.compare import add_compare_arguments, run_compare
+
     parser = _Parser(prog="qlint compare", description="Compare a float model with its quantized version.")
     add_compare_arguments(parser)
     if not any(a.dest == "debug" for a in parser._actions):

@@ -4,17 +4,8 @@
     qlint plan qconfig PLAN.json [-o FILE.py]        write the Python file that builds the mapping
     qlint plan check PLAN.json                       validate; exit 0 when the plan is readable
 
-The lead's CLI dispatches ``COMMANDS[argv[0]](argv[1:])``.
-
-Wiring ``--emit-plan`` / ``--emit-qconfig`` into qlint/cli/lint.py (two flags on
-build_lint_parser: ``--emit-plan FILE`` and ``--emit-qconfig FILE``), in run_lint right
-after the baseline is applied and before ``_emit``::
-
-    if args.emit_plan or args.emit_qconfig:
-        from qlint.cli.plan import emit_plan_outputs
-        emit_plan_outputs(report, args.emit_plan, args.emit_qconfig)
-
-emit_plan_outputs raises QlintError (exit 2) when a file cannot be written.
+``qlint MODEL --emit-plan FILE --emit-qconfig FILE.py`` writes the plan of a lint
+report through :func:`emit_plan_outputs`; a file that cannot be written is exit 2.
 """
 
 from __future__ import annotations
@@ -42,7 +33,7 @@ def _write(path: str, text: str) -> None:
 
 
 def emit_plan_outputs(report: Report, plan_path: Optional[str], qconfig_path: Optional[str]) -> QuantPlan:
-    """Write ``report.plan()`` as JSON to plan_path and/or its Python mapping to qconfig_path."""
+    """Write the report's plan as JSON to plan_path and/or its Python mapping to qconfig_path."""
     plan = plan_from_report(report)
     if plan_path:
         _write(plan_path, plan.model_dump_json(indent=2) + "\n")
@@ -83,8 +74,20 @@ def plan_command(argv: list[str]) -> int:
     return 0
 
 
+def _verify_command(argv: list[str]) -> int:
+    from qlint.cli.verify import verify_command
+
+    return verify_command(argv)
+
+
+def _fix_command(argv: list[str]) -> int:
+    from qlint.cli.verify import fix_command
+
+    return fix_command(argv)
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "plan": plan_command,
-    "verify": lambda argv: __import__("qlint.cli.verify", fromlist=["verify_command"]).verify_command(argv),
-    "fix": lambda argv: __import__("qlint.cli.verify", fromlist=["fix_command"]).fix_command(argv),
+    "verify": _verify_command,
+    "fix": _fix_command,
 }

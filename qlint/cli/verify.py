@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from qlint.core.backends import BACKENDS
 from qlint.errors import ConfigError, QlintError
 
 
@@ -34,7 +35,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", metavar="PLAN.json", help="a qlint plan (default: the backend defaults)")
     parser.add_argument("--input-shape", action="append", metavar="SHAPE[:DTYPE]")
     parser.add_argument("--example-inputs", metavar="FILE")
-    parser.add_argument("--backend", choices=("x86", "fbgemm", "qnnpack", "onednn"))
+    parser.add_argument("--backend", choices=BACKENDS)
     parser.add_argument("--debug", action="store_true")
 
 

@@ -20,7 +20,7 @@ from torch.ao.quantization.backend_config import (
 )
 from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
 
-from qlint.core.ops import function_kind, module_kind
+from qlint.core.ops import function_kind, method_kind, module_kind
 
 _GETTERS = {
     "x86": get_x86_backend_config,
@@ -28,6 +28,7 @@ _GETTERS = {
     "qnnpack": get_qnnpack_backend_config,
     "onednn": get_onednn_backend_config,
 }
+BACKENDS = tuple(_GETTERS)
 
 # add-relu is fused at lowering time (quantized::add_relu) rather than by a fuser method.
 _LOWERING_FUSIONS = (("add", "relu"),)
@@ -74,8 +75,6 @@ def _kind_of_pattern_element(element: Any) -> Optional[str]:
         except Exception:  # a class whose __new__ needs arguments: fall back on its name
             return None
     if isinstance(element, str):
-        from qlint.core.ops import method_kind
-
         return method_kind(element)
     if callable(element):
         return function_kind(element)
@@ -110,11 +109,16 @@ def _describe(dtype_config: Any) -> DTypeSupport:
     )
 
 
+def backend_config(name: str) -> BackendConfig:
+    """torch's BackendConfig for ``name``, a fresh object for every call (prepare_fx keeps it)."""
+    if name not in _GETTERS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return _GETTERS[name]()
+
+
 @functools.lru_cache(maxsize=None)
 def backend_info(name: str) -> BackendInfo:
-    if name not in _GETTERS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_GETTERS)}")
-    config: BackendConfig = _GETTERS[name]()
+    config = backend_config(name)
     fusable: set[tuple[str, ...]] = set(_LOWERING_FUSIONS)
     dtypes: dict[str, list[DTypeSupport]] = {}
     for pattern_config in config.configs:

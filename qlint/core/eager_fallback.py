@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from qlint.errors import TraceError
-from qlint.core.nested import leaves_of_type
+from qlint.core.nested import tensors_in
 from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.core.intent import CallDescription, function_candidates
 from qlint.core.ops import FUNCTION_KINDS, WEIGHTED_KINDS, function_kind, method_kind, module_kind
@@ -60,10 +60,6 @@ def is_leaf(module: nn.Module) -> bool:
     if type_module.startswith("torch.nn.") or type_module.startswith("torch.ao.nn."):
         return True
     return not any(True for _ in module.children())
-
-
-def _flat_tensors(value: Any) -> list[torch.Tensor]:
-    return leaves_of_type(value, torch.Tensor)
 
 
 def _info(tensor: Optional[torch.Tensor]) -> Optional[TensorInfo]:
@@ -119,7 +115,7 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.leaf_depth > 0:
             return out
-        outputs = _flat_tensors(out)
+        outputs = tensors_in(out)
         if not outputs:
             return out  # x.shape, x.dim(), bool(x): no tensor flows on
         name = getattr(func, "__name__", None) or str(func)
@@ -132,7 +128,7 @@ class _Recorder(TorchFunctionMode):
             op, raw, kind = "method", name, method_kind(name)
         else:
             op, raw, kind = "function", func, function_kind(func)
-        inputs = _flat_tensors((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         scope, scope_type = self.scopes[-1]
         record = _Record(self.unique(getattr(raw, "__name__", None) or str(raw)), op, kind,
                          inputs, outputs, scope=scope, scope_type=scope_type, raw=raw)
@@ -172,7 +168,7 @@ class _Recorder(TorchFunctionMode):
             bias = getattr(mod, "bias", None)
             self.produce(_Record(
                 self.unique(fqn.replace(".", "_")), "module", module_kind(mod),
-                _flat_tensors((args, kwargs)), _flat_tensors(output), module=fqn, module_obj=mod,
+                tensors_in((args, kwargs)), tensors_in(output), module=fqn, module_obj=mod,
                 scope=fqn.rpartition(".")[0], scope_type=scope_type,
                 weight=f"{fqn}.weight" if isinstance(weight, torch.Tensor) else None,
                 bias=f"{fqn}.bias" if isinstance(bias, torch.Tensor) else None,
@@ -196,7 +192,7 @@ def _input_names(model: nn.Module, count: int) -> list[str]:
 def _record_run(model: nn.Module, example_inputs: Sequence[Any]) -> _Recorder:
     recorder = _Recorder(model)
     for name, value in zip(_input_names(model, len(example_inputs)), example_inputs):
-        recorder.produce(_Record(recorder.unique(name), "input", "input", [], _flat_tensors(value)))
+        recorder.produce(_Record(recorder.unique(name), "input", "input", [], tensors_in(value)))
     handles = []
     try:
         for fqn, module in model.named_modules():
@@ -216,7 +212,7 @@ def _record_run(model: nn.Module, example_inputs: Sequence[Any]) -> _Recorder:
     finally:
         for handle in handles:
             handle.remove()
-    recorder.produce(_Record("output", "output", "output", _flat_tensors(output), []))
+    recorder.produce(_Record("output", "output", "output", tensors_in(output), []))
     return recorder
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.ao.quantization import QConfig, QConfigMapping, get_default_qconfig_mapping
 
-BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
+from qlint.core.backends import BACKENDS
 
 
 @dataclasses.dataclass(frozen=True)

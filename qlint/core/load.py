@@ -18,12 +18,12 @@ import sys
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from qlint.errors import LoadError
+from qlint.errors import EmptyCalibrationError, LoadError, QlintError
 
 MODEL_SUFFIXES = (".pt2", ".pt", ".pth", ".ckpt", ".bin")
 
@@ -56,9 +56,72 @@ def load_batches(spec: str) -> Any:
             return target()
         except Exception as error:  # the user's function may raise anything
             raise LoadError(f"data function {spec} raised {type(error).__name__}: {error}") from error
-    from qlint.linter.calibration import load_calibration
-
     return load_calibration(spec)
+
+
+def load_calibration(path: Any) -> list[Any]:
+    """Batches from a saved tensor / list of tensors / list of tuples, or a folder of such files."""
+    source = Path(path)
+    if not source.exists():
+        raise LoadError(f"calibration data not found: {source}")
+    if source.is_dir():
+        files = sorted(p for p in source.iterdir() if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise EmptyCalibrationError(f"calibration folder {source} holds no files")
+        batches: list[Any] = []
+        for file in files:
+            batches.extend(_load_batch_file(file))
+        return batches
+    return _load_batch_file(source)
+
+
+def _load_batch_file(file: Path) -> list[Any]:
+    try:
+        data = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickle errors, truncated zip, non-tensor objects
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise LoadError(f"cannot load calibration file {file}: {detail}"[:400]) from error
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, Mapping):
+        return [dict(data)]
+    if isinstance(data, (list, tuple)):
+        batches = list(data)
+        for number, batch in enumerate(batches):
+            if not _is_batch(batch):
+                raise LoadError(f"calibration file {file}: item {number} is a {type(batch).__name__}; "
+                                "expected a tensor, a tuple of tensors or a dict")
+        return batches
+    raise LoadError(f"calibration file {file} holds a {type(data).__name__}; expected a tensor or a list of batches")
+
+
+def _is_batch(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, (torch.Tensor, int, float, bool)) or v is None for v in value)
+    return isinstance(value, Mapping)
+
+
+def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> list[tuple[Any, ...]]:
+    """``n`` random batches shaped like ``example_inputs`` (standard normal floats; ints kept in range)."""
+    if n <= 0:
+        raise QlintError(f"--random-calibration needs a positive number of batches, got {n}")
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        batch = []
+        for value in example_inputs:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                batch.append(torch.randn(value.shape, generator=generator, dtype=value.dtype))
+            elif isinstance(value, torch.Tensor) and value.dtype != torch.bool and value.numel():
+                low, high = int(value.min()), int(value.max()) + 1
+                batch.append(torch.randint(low, max(high, low + 1), value.shape, generator=generator,
+                                           dtype=value.dtype))
+            else:
+                batch.append(value)
+        batches.append(tuple(batch))
+    return batches
 
 
 def load_model(spec: str, *, weights: Optional[str] = None, trust_pickle: bool = False) -> LoadedModel:

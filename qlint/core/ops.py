@@ -7,7 +7,9 @@ extending these tables and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,6 +47,8 @@ MODULE_KINDS: list[tuple[type, str]] = [
     (nn.Hardtanh, "hardtanh"),
     (nn.Sigmoid, "sigmoid"),
     (nn.Tanh, "tanh"),
+    (nn.Mish, "mish"),
+    (nn.CELU, "celu"),
     (nn.Softmax, "softmax"),
     (nn.LogSoftmax, "log_softmax"),
     (nn.LSTM, "lstm"),
@@ -52,6 +56,7 @@ MODULE_KINDS: list[tuple[type, str]] = [
     (nn.RNN, "rnn"),
     (nn.LSTMCell, "lstm_cell"),
     (nn.GRUCell, "gru_cell"),
+    (nn.RNNCell, "rnn_cell"),
     (nn.Embedding, "embedding"),
     (nn.EmbeddingBag, "embedding_bag"),
     (nn.MultiheadAttention, "multihead_attention"),
@@ -170,10 +175,18 @@ _ATEN_KINDS: dict[str, str] = {
 WEIGHTED_KINDS = frozenset({
     "conv1d", "conv2d", "conv3d", "conv", "conv_transpose1d", "conv_transpose2d",
     "conv_transpose3d", "linear", "bilinear", "lstm", "gru", "rnn", "lstm_cell",
-    "gru_cell", "embedding", "embedding_bag", "multihead_attention",
+    "gru_cell", "rnn_cell", "embedding", "embedding_bag", "multihead_attention",
 })
 CONV_KINDS = frozenset({"conv1d", "conv2d", "conv3d", "conv"})
 CONV_OR_LINEAR_KINDS = CONV_KINDS | {"linear"}
+TRANSPOSED_CONV_KINDS = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm"})
+ACTIVATION_KINDS = frozenset({
+    "relu", "relu6", "leaky_relu", "prelu", "elu", "celu", "gelu", "silu", "mish", "hardswish",
+    "hardsigmoid", "hardtanh", "sigmoid", "tanh", "softmax",
+})
+# What a float model and its quantized twin are compared on, layer by layer.
+LAYER_KINDS = (WEIGHTED_KINDS - {"bilinear", "multihead_attention"}) | NORM_KINDS | ACTIVATION_KINDS
 # Ops whose output range is fixed by the math; backends quantize them with fixed qparams.
 FIXED_QPARAMS_KINDS = frozenset({"sigmoid", "tanh", "hardsigmoid", "softmax"})
 # Ops that neither compute nor change values; they never need their own qparams.
@@ -185,15 +198,17 @@ SHAPE_KINDS = frozenset({
 
 
 def module_kind(module: nn.Module) -> str:
-    """The op kind a leaf module computes; quantized and QAT variants map to their float kind."""
-    float_type = _float_counterpart(type(module))
-    for cls, kind in MODULE_KINDS:
-        if issubclass(float_type, cls):
+    """The op kind a leaf module computes; quantized, QAT and fused variants map to their float kind."""
+    cls = type(module)
+    if cls.__module__.startswith("torch.ao.nn."):
+        kind = _kind_from_class_name(cls.__name__)
+        if kind is not None:
             return kind
-    intrinsic = _intrinsic_kind(type(module))
-    if intrinsic is not None:
-        return intrinsic
-    name = type(module).__name__
+    float_type = _float_counterpart(cls)
+    for base, kind in MODULE_KINDS:
+        if issubclass(float_type, base):
+            return kind
+    name = cls.__name__
     if "Observer" in name or "FakeQuant" in name:
         return "observer"
     if name == "QuantStub":
@@ -201,6 +216,30 @@ def module_kind(module: nn.Module) -> str:
     if name == "DeQuantStub":
         return "dequant_stub"
     return "module:" + name
+
+
+_KIND_OF_CLASS_NAME = {cls.__name__: kind for cls, kind in reversed(MODULE_KINDS)}
+# torch.ao.nn names fused modules after their leading op (ConvBnReLU2d, LinearReLU, BNReLU2d).
+_FUSED_PREFIXES = (("ConvTranspose", "conv_transpose"), ("Conv", "conv"), ("Linear", "linear"),
+                   ("BNReLU", "batch_norm"))
+
+
+def _kind_from_class_name(name: str) -> Optional[str]:
+    """The kind of a torch.ao.nn class (quantized, QAT, fused) from its name; None when unknown.
+
+    Names decide because quantized classes do not always derive from their float class
+    (quantized ReLU6 derives from ReLU) and fused ones derive from Sequential."""
+    if "Packed" in name:
+        return None  # LinearPackedParams & co. hold a layer's weights; they compute nothing
+    if name in _KIND_OF_CLASS_NAME:
+        return _KIND_OF_CLASS_NAME[name]
+    for prefix, kind in _FUSED_PREFIXES:
+        if name.startswith(prefix):
+            if kind == "linear" or kind == "batch_norm":
+                return kind
+            dims = re.search(r"([123])d$", name)
+            return f"{kind}{dims.group(1) if dims else 2}d"
+    return None
 
 
 def _float_counterpart(cls: type) -> type:
@@ -211,40 +250,79 @@ def _float_counterpart(cls: type) -> type:
     return cls
 
 
-def _intrinsic_kind(cls: type) -> Optional[str]:
-    """Fused intrinsic modules (ConvReLU2d, LinearReLU, ConvBn2d…) report their leading op."""
-    name = cls.__name__
-    lowered = name.lower()
-    for prefix, kind in (("conv", "conv2d"), ("linear", "linear"), ("bn", "batch_norm")):
-        if lowered.startswith(prefix):
-            if kind == "conv2d":
-                if "1d" in lowered:
-                    return "conv1d"
-                if "3d" in lowered:
-                    return "conv3d"
-            return kind
-    return None
+def layer_kind(module: nn.Module) -> Optional[str]:
+    """The kind of a torch layer (float, QAT, fused or quantized); None for anything else.
+
+    Containers, observers, stubs, weight holders and the user's own classes are not layers."""
+    if not type(module).__module__.startswith("torch."):
+        return None
+    kind = module_kind(module)
+    return kind if kind in LAYER_KINDS else None
+
+
+def fuses_relu(module: nn.Module) -> bool:
+    """True for fused layers that apply a ReLU after their op (ConvReLU2d, LinearReLU, BNReLU2d...)."""
+    kind = layer_kind(module)
+    return kind is not None and kind not in ACTIVATION_KINDS and "ReLU" in type(module).__name__
+
+
+def quantized_form(module: nn.Module) -> Optional[str]:
+    """"static" or "dynamic" for torch's quantized modules; None for float, QAT and observed ones."""
+    path = type(module).__module__
+    if not path.startswith(("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
+        return None
+    return "dynamic" if ".dynamic" in path else "static"
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionOp:
+    """What a call_function target computes."""
+
+    kind: str
+    fused_relu: bool = False  # a quantized kernel that applies a ReLU after its op (quantized::add_relu)
+    quantized: bool = False  # a kernel of torch's quantized:: namespace
+
+
+def function_op(target: Callable[..., Any]) -> FunctionOp:
+    """The kind of a function target; quantized kernels map to their float kind."""
+    namespace, name = _op_name(target)
+    if namespace == "quantized" and name is not None:
+        base = name.removesuffix("_dynamic")
+        fused = base.endswith("_relu")
+        base = base.removesuffix("_relu").removesuffix("_scalar")
+        kind = _ATEN_KINDS.get(base)
+        if kind is not None:
+            return FunctionOp(kind, fused_relu=fused, quantized=True)
+        return FunctionOp("quantized:" + name, quantized=True)
+    kind = FUNCTION_KINDS.get(target)
+    if kind is not None:
+        return FunctionOp(kind)
+    if namespace in _ATEN_NAMESPACES and name is not None:
+        return FunctionOp(_ATEN_KINDS.get(name, "aten:" + name))
+    name = getattr(target, "__name__", None) or str(target)
+    return FunctionOp(_ATEN_KINDS.get(name, "function:" + name))
 
 
 def function_kind(target: Callable[..., Any]) -> str:
-    kind = FUNCTION_KINDS.get(target)
-    if kind is not None:
-        return kind
-    packet = _aten_packet_name(target)
-    if packet is not None:
-        return _ATEN_KINDS.get(packet, "aten:" + packet)
-    name = getattr(target, "__name__", None) or str(target)
-    return _ATEN_KINDS.get(name, "function:" + name)
+    return function_op(target).kind
 
 
 def method_kind(name: str) -> str:
     return METHOD_KINDS.get(name, "method:" + name)
 
 
-def _aten_packet_name(target: Any) -> Optional[str]:
-    """aten.conv2d.default → "conv2d". Duck-typed so no private torch module is needed."""
+_ATEN_NAMESPACES = ("aten", "quantized_decomposed", "prims")
+
+
+def _op_name(target: Any) -> tuple[Optional[str], Optional[str]]:
+    """(namespace, packet name) of a torch op: aten.conv2d.default → ("aten", "conv2d").
+
+    Duck-typed so that no private torch module is needed: an overload names its
+    namespace, a packet (torch.ops.quantized.add) prints as "quantized.add"."""
     namespace = getattr(target, "namespace", None)
-    if namespace not in ("aten", "quantized", "quantized_decomposed", "prims"):
-        return None
-    name = getattr(target, "__name__", "")
-    return name.split(".")[0] or None
+    if isinstance(namespace, str):
+        return namespace, (getattr(target, "__name__", "").split(".")[0] or None)
+    if type(target).__name__ == "OpOverloadPacket":
+        namespace, _, name = str(target).partition(".")
+        return namespace, name or None
+    return None, None

@@ -59,12 +59,9 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
     if isinstance(model, fx.GraphModule):
         return Traced(model, FRONTEND_GRAPH_MODULE, exported=False)
     try:
-        tracer = LeafTracer()
-        graph = tracer.trace(model)
-        name = type(model).__name__
-        return Traced(fx.GraphModule(tracer.root, graph, name), FRONTEND_SYMBOLIC, exported=False)
-    except Exception as symbolic_error:  # any tracing failure means: try the next front end
-        first = _one_line(symbolic_error)
+        return Traced(symbolic_graph(model), FRONTEND_SYMBOLIC, exported=False)
+    except TraceError as symbolic_error:  # try the next front end
+        first = str(symbolic_error)
     if not example_inputs:
         raise TraceError(
             f"symbolic_trace failed ({first}) and torch.export needs example inputs: "
@@ -80,6 +77,23 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
         ) from export_error
     note = f"symbolic_trace failed ({first}); used torch.export(strict=False)"
     return Traced(program.module(), FRONTEND_EXPORT, exported=True, notes=(note,))
+
+
+def symbolic_graph(model: nn.Module) -> fx.GraphModule:
+    """``model`` as an FX GraphModule: itself when it is one, else ``symbolic_trace`` with
+    quantizable modules, observers and stubs kept as leaves.
+
+    The graph module shares the model's submodules and parameters (tracing copies
+    nothing), so hooks on the model see the graph's calls. Raises TraceError with the
+    reason on one line when the model cannot be traced symbolically."""
+    if isinstance(model, fx.GraphModule):
+        return model
+    try:
+        tracer = LeafTracer()
+        graph = tracer.trace(model)
+    except Exception as error:  # user code fails symbolic tracing in many ways
+        raise TraceError(_one_line(error)) from error
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 @contextlib.contextmanager

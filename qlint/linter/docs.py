@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qlint.linter.findings import RuleInfo
 from qlint.linter.rule import DOC_SECTIONS, Rule
 
 
@@ -37,3 +38,9 @@ def rule_markdown(rule: type[Rule]) -> str:
         parts.append("")
     parts.append(f"Configure in pyproject.toml under `[tool.qlint.rules.{rule.code}]`.")
     return "\n".join(parts).rstrip() + "\n"
+
+
+def rule_info(rule: type[Rule]) -> RuleInfo:
+    """What a report records about a rule of its run."""
+    return RuleInfo(code=rule.code, name=rule.name, summary=rule.summary, severity=rule.severity,
+                    requires=sorted(n.value for n in rule.requires), documentation=rule_markdown(rule))

@@ -11,16 +11,18 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 
-from qlint import __version__
-from qlint.core.backends import backend_info
+from qlint.version import __version__
+from qlint.core.backends import BACKENDS, backend_info
 from qlint.linter.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
 from qlint.errors import ConfigError, QlintError, TraceError
-from qlint.linter.findings import Finding, LayerRow, Notice, QConfigRow, Report, Severity, SkippedRule, Timing
+from qlint.linter.findings import Finding, LayerRow, Notice, Report, Severity, SkippedRule, Timing
 from qlint.core.graph import ModelGraph, OpNode
-from qlint.core.intent import (BACKENDS, CallDescription, NodeQConfig, QConfigResolver, default_mapping,
+from qlint.core.intent import (CallDescription, NodeQConfig, QConfigResolver, default_mapping,
                           describe_observer, load_mapping_object, node_qconfig)
 from qlint.core.ops import module_kind
 from qlint.core.preserve import preserved_state
+from qlint.linter.docs import rule_info
+from qlint.linter.qconfig_table import qconfig_rows
 from qlint.linter.registry import Registry
 from qlint.linter.rule import Need, Rule
 from qlint.core.trace import GraphBuilder, Traced, private_copy, propagate_shapes, trace
@@ -157,27 +159,6 @@ def _eager_resolver(model: nn.Module):
     return resolve
 
 
-def qconfig_rows(graph: ModelGraph) -> list[QConfigRow]:
-    rows = []
-    for node in graph.ops():
-        qc = node.qconfig
-        act = qc.activation if qc else None
-        weight = qc.weight if qc else None
-        inputs = [p.qconfig.activation.dtype for p in graph.producers(node.name)
-                  if p.qconfig is not None and p.qconfig.activation is not None]
-        rows.append(QConfigRow(
-            node=node.name, target=node.display, kind=node.kind, quantized=node.is_quantized,
-            input_dtype=inputs[0] if inputs else ("torch.float32" if graph.producers(node.name) else None),
-            output_dtype=act.dtype if act else "torch.float32",
-            weight_dtype=weight.dtype if weight and node.weight else None,
-            activation_observer=act.observer if act else None,
-            weight_observer=weight.observer if weight and node.weight else None,
-            weight_qscheme=weight.qscheme if weight and node.weight else None,
-            ch_axis=weight.ch_axis if weight and node.weight else None,
-        ))
-    return rows
-
-
 def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
     """Run every rule whose needs are met: (findings, per-layer rows, skipped rules, notices).
 
@@ -288,4 +269,5 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
         model=ctx.model_name, backend=backend, frontend=analysis.graph.frontend,
         findings=findings, skipped=skipped, notices=notices, timings=timings,
         layers=layers, qconfig_table=qconfig_rows(analysis.graph),
+        rules=[rule_info(type(rule)) for rule in rules],
     )

@@ -8,9 +8,15 @@ and so that reporters never have to guess at the shape of what rules produced.
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional
+import hashlib
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch.ao.quantization import QConfigMapping
+
+from qlint.linter.json_values import check_json_able
+from qlint.linter.mapping import qconfig_mapping
+from qlint.linter.suggestions import Provenance, Suggestions, collect_suggestions
 
 
 class Severity(str, enum.Enum):
@@ -33,28 +39,6 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def _check_json_able(value: Any, path: str = "data") -> None:
-    """Reject values that would not survive a JSON round trip unchanged."""
-    if value is None or isinstance(value, (str, bool, int)):
-        return
-    if isinstance(value, float):
-        # NaN and Inf are not JSON; rules encode them as strings ("nan", "inf").
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"{path} holds a non-finite float; store it as a string")
-        return
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_json_able(item, f"{path}[{i}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ValueError(f"{path} has a non-string key {key!r}")
-            _check_json_able(item, f"{path}.{key}")
-        return
-    raise ValueError(f"{path} holds {type(value).__name__}, which is not JSON-able")
-
-
 class Finding(_Frozen):
     """One problem found by one rule, at one place in the model."""
 
@@ -72,16 +56,19 @@ class Finding(_Frozen):
     @classmethod
     def _json_able(cls, value: Any) -> Any:
         if value is not None:
-            _check_json_able(value)
+            check_json_able(value)
         return value
 
     def fingerprint(self) -> str:
         """A stable identity for baselines: rule, target and the finding's kind."""
-        import hashlib
-
         kind = str(self.data.get("kind", ""))
         raw = f"{self.rule}|{self.target}|{kind}"
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+    def provenance(self) -> Provenance:
+        """This finding as the reason for a plan decision."""
+        return Provenance(source="finding", rule=self.rule, target=self.target,
+                          fingerprint=self.fingerprint(), detail=self.name)
 
 
 class SkippedRule(_Frozen):
@@ -102,26 +89,53 @@ class Notice(_Frozen):
     message: str
 
 
-class LayerRow(_Frozen):
-    """One row of a per-layer table (data rules, compare)."""
+class _Row(_Frozen):
+    """One row of a per-layer table: a layer (module fqn or node name), its op kind, evidence."""
 
     name: str
     kind: Optional[str] = None
-    rule: Optional[str] = None
-    statistic: Optional[str] = None
-    value: Optional[float] = None
-    verdict: Optional[str] = None
-    weight_sqnr: Optional[float] = None
-    sqnr_propagated: Optional[float] = None
-    sqnr_shadow: Optional[float] = None
-    cosine: Optional[float] = None
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("extra")
     @classmethod
     def _json_able(cls, value: Any) -> Any:
-        _check_json_able(value, "extra")
+        check_json_able(value, "extra")
         return value
+
+
+class LayerRow(_Row):
+    """One row of a data rule's per-layer table: the statistic it measured on one layer."""
+
+    rule: Optional[str] = None
+    statistic: Optional[str] = None
+    value: Optional[float] = None
+    verdict: Optional[str] = None
+    table: Literal["lint"] = "lint"
+
+
+class CompareRow(_Row):
+    """One row of ``qlint compare``: the error one matched layer shows, float vs quantized (dB)."""
+
+    weight_sqnr: Optional[float] = None
+    sqnr_propagated: Optional[float] = None
+    sqnr_shadow: Optional[float] = None
+    cosine: Optional[float] = None
+    table: Literal["compare"] = "compare"
+
+
+# A report's per-layer rows; ``table`` says which table a row belongs to.
+Row = Annotated[Union[LayerRow, CompareRow], Field(discriminator="table")]
+
+
+class RuleInfo(_Frozen):
+    """A rule of the run, described well enough to document it (SARIF lists these)."""
+
+    code: str
+    name: str
+    summary: str
+    severity: Severity
+    requires: list[str] = Field(default_factory=list)
+    documentation: str = Field(default="", description="The rule's full documentation, markdown.")
 
 
 class QConfigRow(_Frozen):
@@ -150,18 +164,24 @@ class Report(_Frozen):
     skipped: list[SkippedRule] = Field(default_factory=list)
     notices: list[Notice] = Field(default_factory=list)
     timings: list[Timing] = Field(default_factory=list)
-    layers: list[LayerRow] = Field(default_factory=list)
+    layers: list[Row] = Field(default_factory=list)
     qconfig_table: list[QConfigRow] = Field(default_factory=list)
+    rules: list[RuleInfo] = Field(default_factory=list, description="The rules of this run, ran or skipped.")
 
-    def plan(self):
-        """The quantization plan these findings call for (see qlint.advice.plan)."""
-        from qlint.advice.plan import plan_from_report
+    def lint_rows(self) -> list[LayerRow]:
+        return [row for row in self.layers if isinstance(row, LayerRow)]
 
-        return plan_from_report(self)
+    def compare_rows(self) -> list[CompareRow]:
+        return [row for row in self.layers if isinstance(row, CompareRow)]
 
-    def qconfig_mapping(self):
-        """Shortcut: ``report.plan().to_qconfig_mapping()``."""
-        return self.plan().to_qconfig_mapping()
+    def suggestions(self) -> Suggestions:
+        """What the findings ask for, as typed decisions (qlint.advice.plan makes a plan file of them)."""
+        return collect_suggestions(self.backend, self.model,
+                                   ((f.suggestion, f.provenance()) for f in self.findings if f.suggestion))
+
+    def qconfig_mapping(self) -> QConfigMapping:
+        """The QConfigMapping the findings call for: the backend default with their suggestions applied."""
+        return qconfig_mapping(self.suggestions())
 
     def by_rule(self, code: str) -> list[Finding]:
         return [f for f in self.findings if f.rule == code or f.name == code]

@@ -14,16 +14,17 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from qlint.linter.findings import Report
-from qlint.numeric.capture import PairedRunner, batch_size
+from qlint.core.batches import batch_size
+from qlint.core.nested import first_float, map_tensors
+from qlint.numeric.capture import PairedRunner
 from qlint.numeric.compare import compare
 from qlint.numeric.matching import match_layers
-from qlint.numeric.metrics import as_float_tensor
 
 BADCASES_FORMAT = "qlint-badcases-v1"
 
@@ -88,17 +89,9 @@ class BadCaseSet:
 
 def split_samples(batch: Any, size: int) -> list[Any]:
     """One batch-of-one per sample; non-batched members (flags, lengths) are shared."""
-    def take(value: Any, row: int) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
-            return value[row: row + 1].clone()
-        if isinstance(value, tuple):
-            return tuple(take(item, row) for item in value)
-        if isinstance(value, list):
-            return [take(item, row) for item in value]
-        if isinstance(value, dict):
-            return {key: take(item, row) for key, item in value.items()}
-        return value
-    return [take(batch, row) for row in range(size)]
+    def take(row: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: t[row: row + 1].clone() if t.dim() > 0 and t.shape[0] == size else t
+    return [map_tensors(batch, take(row)) for row in range(size)]
 
 
 def per_sample_scores(reference: torch.Tensor, quantized: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -137,7 +130,7 @@ def find_badcases(
     runner = PairedRunner(float_model, quantized_model, match, propagated=False, shadow=False, capture=False)
     with runner:
         for batch, float_output, quant_output in runner.run(itertools.islice(data, max_batches)):
-            reference, quantized = as_float_tensor(float_output), as_float_tensor(quant_output)
+            reference, quantized = first_float(float_output), first_float(quant_output)
             size = batch_size(batch)
             if reference is None or quantized is None or reference.shape[0] != size:
                 raise ValueError("badcase search needs outputs whose first dimension is the batch")

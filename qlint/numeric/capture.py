@@ -37,48 +37,11 @@ from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 from torch.func import functional_call
 
 from qlint.numeric.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
-from qlint.numeric.metrics import as_float_tensor, quantization_scale
+from qlint.core.batches import as_call
+from qlint.core.nested import first_float, first_tensor, map_tensors
+from qlint.numeric.metrics import quantization_scale
 from qlint.numeric.quantizers import FrozenQuantizer, apply_input_spec, frozen_quantizer, input_spec
 from qlint.numeric.weights import simulated_weight_parameters
-
-
-# --- calling conventions --------------------------------------------------------
-def call_model(model: Callable, batch: Any) -> Any:
-    """A batch is a tensor (one input), a tuple/list (positional inputs) or a dict (keyword inputs)."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def batch_size(batch: Any) -> int:
-    first = batch
-    while isinstance(first, (tuple, list, dict)):
-        values = list(first.values()) if isinstance(first, dict) else list(first)
-        if not values:
-            return 0
-        first = values[0]
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
-
-
-def reiterable(data: Iterable, purpose: str) -> Iterable:
-    """Reject one-shot iterators where the data must be read more than once."""
-    if iter(data) is data:
-        raise TypeError(f"{purpose} reads the data more than once; pass a list or a DataLoader, not an iterator")
-    return data
-
-
-def _map_tensors(value: Any, function: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return function(value)
-    if isinstance(value, tuple):
-        return tuple(_map_tensors(item, function) for item in value)
-    if isinstance(value, list):
-        return [_map_tensors(item, function) for item in value]
-    if isinstance(value, dict):
-        return {key: _map_tensors(item, function) for key, item in value.items()}
-    return value
 
 
 # --- leaving models as they were ------------------------------------------------
@@ -326,7 +289,7 @@ class PairedRunner:
         if self.isolated and layer.is_module:
             def keep_input(module, args, kwargs):
                 if not self.in_own_call:
-                    self.float_inputs[layer.name].append((_map_tensors(args, _float_copy), _map_tensors(kwargs, _float_copy)))
+                    self.float_inputs[layer.name].append((map_tensors(args, _float_copy), map_tensors(kwargs, _float_copy)))
             self._hook(self.float_modules[layer.float_entry.name], keep_input, pre=True)
 
     def _keep_float_output(self, layer: LayerMatch, value: Any) -> Any:
@@ -336,11 +299,9 @@ class PairedRunner:
         the copy, not what is compared; and in ``float_grad`` mode the kept tensor
         stays on the autograd path to the model output (through the copy).
         """
-        tensor = value
-        while isinstance(tensor, (tuple, list)) and tensor:
-            tensor = tensor[0]
-        self.float_outputs[layer.name].append(tensor if self.float_grad else _detach(tensor))
-        return _map_tensors(value, torch.Tensor.clone)
+        tensor = first_tensor(value)
+        self.float_outputs[layer.name].append(tensor if self.float_grad or tensor is None else tensor.detach())
+        return map_tensors(value, torch.Tensor.clone)
 
     def _install_quant(self, layer: LayerMatch, node_callbacks: dict) -> None:
         def compare_output(value):
@@ -348,7 +309,7 @@ class PairedRunner:
                 return
             index = self.quant_calls[layer.name]
             self.quant_calls[layer.name] += 1
-            quantized = as_float_tensor(value)
+            quantized = first_float(value)
             if quantized is None:
                 return
             scale = quantization_scale(value) or self._frozen_scale(layer)
@@ -378,8 +339,8 @@ class PairedRunner:
                 if self.in_own_call:
                     return
                 if self.shadow:  # dequantized or copied now: an in-place layer may change its input
-                    self.quant_inputs[layer.name] = (_map_tensors(args, _float_copy),
-                                                     _map_tensors(kwargs, _float_copy))
+                    self.quant_inputs[layer.name] = (map_tensors(args, _float_copy),
+                                                     map_tensors(kwargs, _float_copy))
                 if self.isolated:
                     self.input_specs[layer.name] = input_spec(args)
             self._hook(self.quant_modules[layer.quant_site.name], keep_input, pre=True)
@@ -391,7 +352,7 @@ class PairedRunner:
     @staticmethod
     def float_value(layer: LayerMatch, raw: Any) -> Optional[torch.Tensor]:
         """The float value to compare: the stored output, with the fused ReLU applied if needed."""
-        tensor = as_float_tensor(raw)
+        tensor = first_float(raw)
         if tensor is not None and layer.float_exit_relu:
             tensor = torch.relu(tensor)
         return tensor
@@ -407,7 +368,7 @@ class PairedRunner:
         self.float_outputs.clear()
         self.quant_calls.clear()
         self.quant_inputs.clear()
-        args, kwargs = split_batch(batch)
+        args, kwargs = as_call(batch)
         context = torch.enable_grad() if self.float_grad else torch.no_grad()
         with context:
             float_output = self.float_runner(*args, **kwargs)
@@ -458,10 +419,10 @@ class PairedRunner:
                 try:
                     value = self._call_quant_module(layer.quant_site.name, isolated_args, kwargs)
                     if layer.quant_output_quantizer in self.frozen:
-                        value = self.frozen[layer.quant_output_quantizer](as_float_tensor(value))
+                        value = self.frozen[layer.quant_output_quantizer](first_float(value))
                 finally:
                     self.replaying = False
-                quantized = as_float_tensor(value)
+                quantized = first_float(value)
                 reference = self.float_value(layer, outputs[call_index])
                 if quantized is not None and reference is not None and quantized.shape == reference.shape:
                     self.on_isolated(layer, reference, quantized, quantization_scale(value) or self._frozen_scale(layer))
@@ -483,18 +444,6 @@ class PairedRunner:
             self.float_outputs.clear()
 
 
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
 def _float_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A float copy of a layer input, detached (dequantizing makes one)."""
     return tensor.dequantize() if tensor.is_quantized else tensor.detach().clone()
-
-
-def split_batch(batch: Any) -> tuple[tuple, dict]:
-    if isinstance(batch, dict):
-        return (), batch
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    return (batch,), {}

@@ -1,6 +1,6 @@
 """compare(): per-layer numeric comparison of a float model and its quantized counterpart.
 
-The result is a ``qlint.linter.findings.Report``: one ``LayerRow`` per matched layer
+The result is a ``qlint.linter.findings.Report``: one ``CompareRow`` per matched layer
 (weight SQNR, propagated and shadow activation SQNR, cosine, and the rest of
 the metrics in ``extra``) and findings QL301 (low-sqnr-layer) and QL302
 (error-onset), built in ``qlint.numeric.diagnose``.
@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from qlint.linter.findings import LayerRow, Notice, Report, Severity, Timing
+from qlint.linter.findings import CompareRow, Notice, Report, Severity, Timing
 from qlint.numeric.capture import PairedRunner
 from qlint.numeric.diagnose import (
     DEFAULT_ONSET_JUMP_DB,
@@ -27,7 +27,8 @@ from qlint.numeric.diagnose import (
     local_sqnr,
 )
 from qlint.numeric.matching import MODULE_SITE, LayerMatch, MatchResult, match_layers
-from qlint.numeric.metrics import PairwiseErrorStats, as_float_tensor
+from qlint.core.nested import first_float
+from qlint.numeric.metrics import PairwiseErrorStats
 from qlint.numeric.weights import float_layer_weights, quantized_layer_weights
 
 MODES = ("propagated", "shadow")
@@ -113,7 +114,7 @@ def compare(
         for layer in match.layers:
             stats[layer.name].weight = weight_stats(layer, float_model, quantized_model)
         for _, float_output, quant_output in runner.run(data):
-            reference, quantized = as_float_tensor(float_output), as_float_tensor(quant_output)
+            reference, quantized = first_float(float_output), first_float(quant_output)
             if reference is not None and quantized is not None and reference.shape == quantized.shape:
                 output_stats.update(reference, quantized)
             batches += 1
@@ -152,7 +153,7 @@ def _format_float(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[LayerRow]:
+def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[CompareRow]:
     rows = []
     for layer in match.layers:
         layer_stats = stats[layer.name]
@@ -169,7 +170,7 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[LayerRo
                                    ("weight", layer_stats.weight)):
             if not accumulated.empty:
                 extra[label] = accumulated.summary()
-        rows.append(LayerRow(
+        rows.append(CompareRow(
             name=layer.name,
             kind=layer.kind,
             weight_sqnr=layer_stats.weight.sqnr_db(),
@@ -193,12 +194,13 @@ class LayerHistogram:
 
 def worst_layers(report: Report, count: int) -> list[str]:
     """The ``count`` layers adding the most error themselves (lowest local SQNR, see diagnose)."""
-    propagated = {row.name: row.sqnr_propagated for row in report.layers if row.sqnr_propagated is not None}
+    rows = report.compare_rows()
+    propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
 
-    def local(row: LayerRow) -> float:
+    def local(row: CompareRow) -> float:
         value, _ = local_sqnr(row, inherited_sqnr(row, propagated)[0])
         return float("inf") if value is None else value
-    return [row.name for row in sorted(report.layers, key=local)[:count]]
+    return [row.name for row in sorted(rows, key=local)[:count]]
 
 
 def activation_histograms(
@@ -217,7 +219,7 @@ def activation_histograms(
     streams with fixed-size counters.
     """
     names = list(layers) if layers is not None else worst_layers(report, 4)
-    rows = {row.name: row for row in report.layers}
+    rows = {row.name: row for row in report.compare_rows()}
     match = match_layers(float_model, quantized_model)
     match.layers = [layer for layer in match.layers if layer.name in names and layer.name in rows]
     histograms: dict[str, LayerHistogram] = {}
@@ -235,7 +237,7 @@ def activation_histograms(
         histogram = histograms.get(layer.name)
         if histogram is None:
             return
-        for counts, tensor in ((histogram.float_counts, as_float_tensor(reference)), (histogram.quantized_counts, quantized)):
+        for counts, tensor in ((histogram.float_counts, first_float(reference)), (histogram.quantized_counts, quantized)):
             found = torch.histc(tensor.float().reshape(-1), bins=bins, min=histogram.low, max=histogram.high)
             for index, value in enumerate(found.tolist()):
                 counts[index] += int(value)

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from qlint.linter.findings import Finding, LayerRow, Severity
-from qlint.numeric.metrics import (
-    SQNR_CAP_DB,
-    UNIFORM_ROUNDING_RMSE_OVER_SCALE,
-    noise_power_ratio,
-    sqnr_db_from_powers,
-)
+from qlint.linter.findings import CompareRow, Finding, Severity
+from qlint.core.sqnr import SQNR_CAP_DB, noise_power_ratio, sqnr_db_from_powers
+from qlint.numeric.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
 
 # Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
 # the signal's amplitude, which is where accuracy losses usually become visible.
@@ -38,13 +34,13 @@ LOW_SQNR = ("QL301", "low-sqnr-layer")
 ERROR_ONSET = ("QL302", "error-onset")
 
 
-def inherited_sqnr(row: LayerRow, propagated: dict[str, float]) -> tuple[float, list[str]]:
+def inherited_sqnr(row: CompareRow, propagated: dict[str, float]) -> tuple[float, list[str]]:
     """Worst propagated SQNR among the layers feeding ``row`` (exact inputs: the cap)."""
     upstream = [name for name in row.extra.get("predecessors", []) if name in propagated]
     return min((propagated[name] for name in upstream), default=SQNR_CAP_DB), upstream
 
 
-def local_sqnr(row: LayerRow, inherited: float = SQNR_CAP_DB) -> tuple[Optional[float], str]:
+def local_sqnr(row: CompareRow, inherited: float = SQNR_CAP_DB) -> tuple[Optional[float], str]:
     """The SQNR of the error the layer adds itself.
 
     Measured by the shadow run when there is one.  Otherwise it is estimated by
@@ -70,7 +66,7 @@ def _keep_float_suggestion(name: str, reason: str) -> dict:
     }
 
 
-def _cause_and_fix(row: LayerRow, weight_low: bool, activation_low: bool) -> tuple[str, str, str]:
+def _cause_and_fix(row: CompareRow, weight_low: bool, activation_low: bool) -> tuple[str, str, str]:
     """(why, fix, cause) from the evidence in the row."""
     if weight_low:
         return (
@@ -103,7 +99,7 @@ def _cause_and_fix(row: LayerRow, weight_low: bool, activation_low: bool) -> tup
     )
 
 
-def low_sqnr_findings(rows: list[LayerRow], sqnr_threshold: float, weight_sqnr_threshold: float,
+def low_sqnr_findings(rows: list[CompareRow], sqnr_threshold: float, weight_sqnr_threshold: float,
                       onset_jump_db: float = DEFAULT_ONSET_JUMP_DB) -> list[Finding]:
     findings = []
     propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
@@ -154,7 +150,7 @@ def low_sqnr_findings(rows: list[LayerRow], sqnr_threshold: float, weight_sqnr_t
     return findings
 
 
-def error_onset_findings(rows: list[LayerRow], sqnr_threshold: float, onset_jump_db: float) -> list[Finding]:
+def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_jump_db: float) -> list[Finding]:
     """Layers, in forward order, where propagated SQNR falls below threshold by a jump.
 
     The inherited SQNR of a layer is the worst propagated SQNR among the layers
@@ -212,7 +208,7 @@ def error_onset_findings(rows: list[LayerRow], sqnr_threshold: float, onset_jump
     return findings
 
 
-def diagnose(rows: list[LayerRow], *, sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
+def diagnose(rows: list[CompareRow], *, sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
              weight_sqnr_threshold: float = DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
              onset_jump_db: float = DEFAULT_ONSET_JUMP_DB) -> list[Finding]:
     return (low_sqnr_findings(rows, sqnr_threshold, weight_sqnr_threshold, onset_jump_db)

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from qlint.linter.findings import LayerRow, Report
+from qlint.linter.findings import CompareRow, Report
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB
 
 PROPAGATED_COLOR = "#1f77b4"
@@ -53,7 +53,7 @@ def _clamp_db(value: float) -> float:
     return max(0.0, min(DISPLAY_CEILING_DB, value))
 
 
-def sqnr_chart_svg(rows: Sequence[LayerRow], threshold: float, width: int = 960, height: int = 340) -> str:
+def sqnr_chart_svg(rows: Sequence[CompareRow], threshold: float, width: int = 960, height: int = 340) -> str:
     """Line chart of propagated and shadow SQNR (and weight SQNR dots) per layer, in forward order."""
     left, right, top, bottom = 48, 16, 16, 110
     plot_width, plot_height = width - left - right, height - top - bottom
@@ -175,7 +175,7 @@ def _layer_table(report: Report) -> str:
     header = ("<tr><th>#</th><th>layer</th><th>kind</th><th>quantized</th><th>weight SQNR</th><th>propagated</th>"
               "<th>shadow</th><th>cosine</th><th>max |err|</th><th>RMSE/scale</th></tr>")
     body = []
-    for index, row in enumerate(report.layers):
+    for index, row in enumerate(report.compare_rows()):
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
         body.append(
             f"<tr><td class=num>{index}</td><td>{_escape(row.name)}</td><td>{_escape(row.kind or '')}</td>"
@@ -221,13 +221,13 @@ def render_html(
         f"<h1>{_escape(title)}</h1>",
         f'<div class="meta">counterpart: {_escape(report.frontend)} &middot; backend: {_escape(report.backend)} '
         f"&middot; torch {_escape(report.torch_version)} &middot; qlint {_escape(report.qlint_version)} &middot; "
-        f"{len(report.layers)} layers &middot; {counts['error']} errors, {counts['warning']} warnings</div>",
+        f"{len(report.compare_rows())} layers &middot; {counts['error']} errors, {counts['warning']} warnings</div>",
     ]
     sections += [f'<p class="meta">{_escape(notice.message)}</p>' for notice in report.notices]
     sections.append("<h2>Per-layer SQNR (forward order)</h2>")
     sections.append(_legend([("propagated", PROPAGATED_COLOR), ("shadow (local)", SHADOW_COLOR),
                              ("weight", WEIGHT_COLOR), (f"threshold {sqnr_threshold:g} dB", THRESHOLD_COLOR)]))
-    sections.append(f'<div id="sqnr-chart">{sqnr_chart_svg(report.layers, sqnr_threshold)}</div>')
+    sections.append(f'<div id="sqnr-chart">{sqnr_chart_svg(report.compare_rows(), sqnr_threshold)}</div>')
     if histograms:
         sections.append("<h2>Float vs quantized activations (worst layers)</h2>")
         sections.append(_legend([("float", FLOAT_HISTOGRAM_COLOR), ("quantized", QUANTIZED_HISTOGRAM_COLOR)]))

@@ -15,14 +15,17 @@ and by their occurrence order.  Whatever is left is paired in graph order.
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.fx
 from torch import nn
-from torch.ao.quantization import DeQuantStub, FakeQuantizeBase, ObserverBase, QuantStub
+from torch.ao.quantization import FakeQuantizeBase, ObserverBase
+
+from qlint.core.ops import FunctionOp, function_op, fuses_relu, layer_kind, method_kind, quantized_form
+from qlint.core.trace import symbolic_graph
+from qlint.errors import TraceError
 
 MODULE_SITE = "module"
 NODE_SITE = "node"
@@ -82,73 +85,11 @@ class MatchResult:
 
 
 # --- what counts as a layer ---------------------------------------------------
-_WEIGHTED_PREFIXES = (
-    ("ConvTranspose", "conv_transpose"),
-    ("ConvBn", "conv"),
-    ("ConvAdd", "conv"),
-    ("ConvReLU", "conv"),
-    ("Conv", "conv"),
-    ("LinearBn", "linear"),
-    ("LinearReLU", "linear"),
-    ("LinearLeakyReLU", "linear"),
-    ("LinearTanh", "linear"),
-    ("Linear", "linear"),
-    ("LSTMCell", "lstm_cell"),
-    ("LSTM", "lstm"),
-    ("GRUCell", "gru_cell"),
-    ("GRU", "gru"),
-    ("RNNCell", "rnn_cell"),
-    ("EmbeddingBag", "embedding_bag"),
-    ("Embedding", "embedding"),
-    ("BNReLU", "batch_norm"),
-    ("BatchNorm", "batch_norm"),
-    ("LayerNorm", "layer_norm"),
-    ("GroupNorm", "group_norm"),
-    ("InstanceNorm", "instance_norm"),
-)
-_ACTIVATION_CLASSES = {
-    "ReLU", "ReLU6", "Hardswish", "Hardsigmoid", "Sigmoid", "Tanh", "GELU", "SiLU",
-    "LeakyReLU", "ELU", "Hardtanh", "PReLU", "Mish", "Softmax", "CELU",
-}
-_NOT_LAYERS = (ObserverBase, FakeQuantizeBase, QuantStub, DeQuantStub, nn.Identity, nn.Dropout)
-
-# Functional ops worth a row of their own, keyed by the op's base name.
-_FUNCTIONAL_KINDS = {
-    "add": "add", "add_": "add", "iadd": "add", "add_scalar": "add",
-    "mul": "mul", "mul_": "mul", "imul": "mul", "mul_scalar": "mul",
-    "cat": "cat", "matmul": "matmul", "bmm": "matmul",
-    "linear": "linear", "linear_dynamic": "linear",
-    "conv1d": "conv1d", "conv2d": "conv2d", "conv3d": "conv3d",
-    "relu": "relu", "relu_": "relu", "relu6": "relu6", "hardswish": "hardswish",
-    "sigmoid": "sigmoid", "tanh": "tanh", "gelu": "gelu", "silu": "silu",
-    "leaky_relu": "leaky_relu", "elu": "elu", "hardtanh": "hardtanh",
-    "layer_norm": "layer_norm", "softmax": "softmax",
-}
-
-
-def is_torch_class(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("torch.")
-
-
-def layer_kind(module: nn.Module) -> Optional[str]:
-    """conv2d, linear, lstm, relu... for torch layer classes and their quantized twins."""
-    if isinstance(module, _NOT_LAYERS) or not is_torch_class(module):
-        return None
-    name = type(module).__name__
-    if "Packed" in name:
-        return None  # LinearPackedParams & co. hold a layer's weights; they are not layers
-    if name in _ACTIVATION_CLASSES:
-        return name.lower()
-    for prefix, kind in _WEIGHTED_PREFIXES:
-        if name.startswith(prefix):
-            dims = re.search(r"(\d)d$", name)
-            return f"{kind}{dims.group(1)}d" if dims and kind in ("conv", "conv_transpose") else kind
-    return None
-
-
-def fuses_relu(module: nn.Module) -> bool:
-    """True for fused modules (ConvReLU2d, LinearReLU, BNReLU2d...) that apply a ReLU."""
-    return "ReLU" in type(module).__name__ and layer_kind(module) not in (None, "relu")
+# Functional ops worth a row of their own, by op kind.
+_COMPARED_FUNCTIONAL_KINDS = frozenset({
+    "add", "mul", "cat", "matmul", "linear", "conv1d", "conv2d", "conv3d", "relu", "relu6", "hardswish",
+    "sigmoid", "tanh", "gelu", "silu", "leaky_relu", "elu", "hardtanh", "layer_norm", "softmax",
+})
 
 
 def _is_quantizer(module: Optional[nn.Module]) -> bool:
@@ -156,17 +97,16 @@ def _is_quantizer(module: Optional[nn.Module]) -> bool:
 
 
 def functional_kind(node: torch.fx.Node) -> tuple[Optional[str], bool]:
-    """(kind, fuses_relu) for a call_function / call_method node."""
+    """(kind, fuses_relu) for a call_function / call_method node worth comparing, else (None, False)."""
     if node.op == "call_method":
-        raw = str(node.target)
+        op = FunctionOp(method_kind(str(node.target)))
     elif node.op == "call_function":
-        raw = getattr(node.target, "__name__", None) or str(node.target)
-        raw = str(raw).split(".")[-1]
+        op = function_op(node.target)
     else:
         return None, False
-    fused = raw.endswith("_relu") and raw[: -len("_relu")] in _FUNCTIONAL_KINDS
-    base = raw[: -len("_relu")] if fused else raw
-    return _FUNCTIONAL_KINDS.get(base), fused
+    if op.kind not in _COMPARED_FUNCTIONAL_KINDS:
+        return None, False
+    return op.kind, op.fused_relu
 
 
 def _is_relu_node(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
@@ -179,14 +119,13 @@ def _is_relu_node(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
 def detect_counterpart(model: nn.Module) -> CounterpartKind:
     has_quantizer = has_dynamic = has_static = False
     for module in model.modules():
-        origin = type(module).__module__
         if _is_quantizer(module):
             has_quantizer = True
         elif layer_kind(module) is None:
             continue  # packed-params holders and containers say nothing about the kind
-        elif origin.startswith("torch.ao.nn.quantized.dynamic"):
+        elif quantized_form(module) == "dynamic":
             has_dynamic = True
-        elif origin.startswith(("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
+        elif quantized_form(module) == "static":
             has_static = True
     if isinstance(model, torch.fx.GraphModule):
         quantize_ops = any(
@@ -228,17 +167,15 @@ def float_layer_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def trace_or_none(model: nn.Module, notes: list[str], label: str) -> Optional[torch.fx.GraphModule]:
-    """The model's FX graph; the model itself when already a GraphModule.
+    """The model's FX graph (see :func:`qlint.core.trace.symbolic_graph`); None when it has none.
 
     A traced float model shares its submodules with the original (tracing
     copies nothing), which is what lets hooks and the graph see the same calls.
     """
-    if isinstance(model, torch.fx.GraphModule):
-        return model
     try:
-        return torch.fx.symbolic_trace(model)
-    except (torch.fx.proxy.TraceError, TypeError, NotImplementedError, RuntimeError, AttributeError, ValueError) as error:
-        notes.append(f"{label} model is not FX-traceable ({type(error).__name__}); using module order")
+        return symbolic_graph(model)
+    except TraceError as error:
+        notes.append(f"{label} model is not FX-traceable ({str(error).partition(':')[0]}); using module order")
         return None
 
 
@@ -247,7 +184,9 @@ def _missing_or_identity(model_modules: dict[str, nn.Module], fqn: str) -> bool:
     return module is None or isinstance(module, nn.Identity)
 
 
-def _nearest_layer_ancestors(node: torch.fx.Node, layer_of: dict[torch.fx.Node, str]) -> frozenset[str]:
+def _nearest_layer_ancestors(node: torch.fx.Node, layer_of: dict[torch.fx.Node, str],
+                             through: Optional[str] = None) -> frozenset[str]:
+    """The layers nearest upstream of ``node``; the nodes of layer ``through`` are walked past."""
     found: set[str] = set()
     stack, seen = list(node.all_input_nodes), set()
     while stack:
@@ -255,8 +194,9 @@ def _nearest_layer_ancestors(node: torch.fx.Node, layer_of: dict[torch.fx.Node, 
         if current in seen:
             continue
         seen.add(current)
-        if current in layer_of:
-            found.add(layer_of[current])
+        owner = layer_of.get(current)
+        if owner is not None and owner != through:
+            found.add(owner)
         else:
             stack.extend(current.all_input_nodes)
     return frozenset(found)
@@ -514,24 +454,13 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
         node = entry_nodes.get(layer.name)
         if node is None:
             continue
-        ancestors = set()
-        stack, seen = list(node.all_input_nodes), set()
-        while stack:
-            current = stack.pop()
-            if current in seen:
-                continue
-            seen.add(current)
-            owner = layer_of.get(current)
-            if owner is not None and owner != layer.name:
-                ancestors.add(owner)
-            else:
-                stack.extend(current.all_input_nodes)
+        ancestors = _nearest_layer_ancestors(node, layer_of, through=layer.name)
         order = {other.name: index for index, other in enumerate(ordered)}
         layer.predecessors = sorted(ancestors, key=lambda name: order.get(name, 0))
 
 
 __all__ = [
     "CounterpartKind", "LayerMatch", "MatchResult", "Site", "MODULE_SITE", "NODE_SITE",
-    "match_layers", "layer_kind", "fuses_relu", "functional_kind", "detect_counterpart",
+    "match_layers", "functional_kind", "detect_counterpart",
     "quantized_layer_modules", "float_layer_modules",
 ]

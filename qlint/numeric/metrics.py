@@ -5,9 +5,8 @@ batches can be folded in with constant memory: nothing of a batch is kept once
 ``update`` returns.  The sums are accumulated in float64 so that a long stream
 does not lose the small error term against the large signal term.
 
-SQNR over a stream is ``10*log10(sum ||x||^2 / sum ||x - y||^2)``: the total
-signal power over the total noise power.  For a single pair this is exactly
-``torch.ao.ns.fx.utils.compute_sqnr`` (``20*log10(||x|| / ||x - y||)``).
+SQNR is the definition of :mod:`qlint.core.sqnr` (total signal power over total noise
+power), computed here from the same running sums as the other metrics.
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ from typing import Any, Optional
 
 import torch
 
-# An error-free pair has infinite SQNR.  Reports must hold finite JSON floats,
-# so the value is clamped to this cap; float32 round-off alone sits far below it.
-SQNR_CAP_DB = 200.0
+from qlint.core.nested import first_tensor
+from qlint.core.sqnr import SQNR_CAP_DB, sqnr_db_from_powers
+from qlint.core.sqnr import sqnr_db as pair_sqnr_db
 
 # Uniform rounding to a grid of step s leaves an error with standard deviation
 # s/sqrt(12); a layer whose RMSE/scale is near this number is as good as the
@@ -28,50 +27,13 @@ SQNR_CAP_DB = 200.0
 UNIFORM_ROUNDING_RMSE_OVER_SCALE = 1.0 / math.sqrt(12.0)
 
 
-def as_float_tensor(value: Any) -> Optional[torch.Tensor]:
-    """The float view of a layer output: dequantized, first tensor of a tuple.
-
-    Layers such as LSTM return ``(output, (h, c))``; the sequence output is the
-    part every consumer sees, so it is the part compared.
-    """
-    while isinstance(value, (tuple, list)):
-        if not value:
-            return None
-        value = value[0]
-    if not isinstance(value, torch.Tensor):
-        return None
-    if value.is_quantized:
-        value = value.dequantize()
-    if not value.is_floating_point():
-        return None
-    return value.detach()
-
-
 def quantization_scale(value: Any) -> Optional[float]:
-    """The per-tensor scale of a quantized tensor, else None."""
-    while isinstance(value, (tuple, list)):
-        if not value:
-            return None
-        value = value[0]
-    if isinstance(value, torch.Tensor) and value.is_quantized:
-        if value.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
-            return float(value.q_scale())
+    """The per-tensor scale of the first tensor in ``value`` when it is quantized, else None."""
+    tensor = first_tensor(value)
+    if tensor is not None and tensor.is_quantized:
+        if tensor.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            return float(tensor.q_scale())
     return None
-
-
-def sqnr_db_from_powers(signal_power: float, noise_power: float) -> float:
-    """10*log10(signal/noise), clamped to +-SQNR_CAP_DB so it stays finite."""
-    if noise_power <= 0.0:
-        return SQNR_CAP_DB
-    if signal_power <= 0.0:
-        return -SQNR_CAP_DB
-    value = 10.0 * math.log10(signal_power / noise_power)
-    return max(-SQNR_CAP_DB, min(SQNR_CAP_DB, value))
-
-
-def noise_power_ratio(sqnr_db: float) -> float:
-    """The inverse of sqnr_db_from_powers: noise power over signal power."""
-    return 10.0 ** (-sqnr_db / 10.0)
 
 
 @dataclass
@@ -227,8 +189,6 @@ def finite_or_none(value: Any) -> Any:
 
 
 def sqnr_db(reference: torch.Tensor, quantized: torch.Tensor) -> float:
-    """One-shot SQNR of a single pair (same definition as the streaming one)."""
-    stats = PairwiseErrorStats()
-    stats.update(reference, quantized)
-    value = stats.sqnr_db()
+    """One-shot SQNR of a single pair (the definition of :mod:`qlint.core.sqnr`)."""
+    value = pair_sqnr_db(reference, quantized)
     return SQNR_CAP_DB if value is None else value

@@ -14,15 +14,18 @@ import csv
 import itertools
 import math
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from rich.table import Table
 from torch import nn
 
-from qlint.numeric.capture import ModelStateGuard, call_model
-from qlint.numeric.matching import float_layer_modules, layer_kind, quantized_layer_modules
+from qlint.core.batches import call_model
+from qlint.core.nested import first_tensor
+from qlint.numeric.capture import ModelStateGuard
+from qlint.core.ops import layer_kind
+from qlint.numeric.matching import float_layer_modules, quantized_layer_modules
 from qlint.numeric.metrics import finite_or_none
 
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
@@ -98,12 +101,6 @@ class _RunningStats:
         )
 
 
-def _first_tensor(value: Any) -> Optional[torch.Tensor]:
-    while isinstance(value, (tuple, list)) and value:
-        value = value[0]
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _weights(module: nn.Module) -> list[torch.Tensor]:
     weight = getattr(module, "weight", None)
     if callable(weight) and not isinstance(weight, torch.Tensor):
@@ -137,10 +134,10 @@ def profile_model(model: nn.Module, data: Iterable, *, max_batches: Optional[int
                 statistics(name, "weight").update(weight)
 
             def hook(module, args, output, name=name):
-                first_input = _first_tensor(args)
+                first_input = first_tensor(args)
                 if first_input is not None:
                     statistics(name, "input").update(first_input)
-                first_output = _first_tensor(output)
+                first_output = first_tensor(output)
                 if first_output is not None:
                     statistics(name, "output").update(first_output)
             guard.add_handle(module.register_forward_hook(hook))

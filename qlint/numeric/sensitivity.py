@@ -31,16 +31,11 @@ from torch import nn
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-from qlint.numeric.capture import (
-    ModelStateGuard,
-    PairedRunner,
-    batch_size,
-    call_model,
-    reiterable,
-    split_batch,
-)
+from qlint.core.batches import as_call, batch_size, call_model, reiterable
+from qlint.core.nested import first_float, map_tensors, tensors_in
+from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
+from qlint.numeric.capture import ModelStateGuard, PairedRunner
 from qlint.numeric.matching import MODULE_SITE, LayerMatch, match_layers
-from qlint.numeric.metrics import as_float_tensor, sqnr_db_from_powers
 
 
 class SensitivityRow(BaseModel):
@@ -64,7 +59,7 @@ def _first_batch(data: Iterable) -> Any:
 
 
 def _example_inputs(batch: Any) -> tuple:
-    args, kwargs = split_batch(batch)
+    args, kwargs = as_call(batch)
     if kwargs:
         raise TypeError("prepare_fx needs positional example inputs; yield tensors or tuples, not dicts")
     return args
@@ -86,24 +81,13 @@ def quantize_with_fx(
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output] if output.is_floating_point() else []
-    if isinstance(output, (tuple, list)):
-        return [tensor for item in output for tensor in _output_tensors(item)]
-    if isinstance(output, dict):
-        return [tensor for item in output.values() for tensor in _output_tensors(item)]
-    return []
+    """The floating-point tensors of an output, as produced (gradients still reach them)."""
+    return [tensor for tensor in tensors_in(output) if tensor.is_floating_point()]
 
 
 def _requires_grad_inputs(batch: Any) -> Any:
     """Float inputs that require grad, so the output has a graph even with frozen parameters."""
-    if isinstance(batch, torch.Tensor):
-        return batch.detach().requires_grad_(True) if batch.is_floating_point() else batch
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_requires_grad_inputs(item) for item in batch)
-    if isinstance(batch, dict):
-        return {key: _requires_grad_inputs(item) for key, item in batch.items()}
-    return batch
+    return map_tensors(batch, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
 
 
 def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: Any) -> dict[str, tuple[float, int]]:
@@ -114,7 +98,7 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
 
     def counter(name):
         def hook(module, args, output):
-            out = as_float_tensor(output)
+            out = first_float(output)
             if out is None:
                 return
             if hasattr(module, "kernel_size") and hasattr(module, "in_channels") and hasattr(module, "groups"):
@@ -182,8 +166,7 @@ def sensitivity_rows(
     match = match_layers(model, quantized_model)
     match.layers = [layer for layer in match.layers if layer.is_module]
     estimated = {layer.name: 0.0 for layer in match.layers}
-    local_noise = {layer.name: 0.0 for layer in match.layers}
-    local_signal = {layer.name: 0.0 for layer in match.layers}
+    local = {layer.name: SqnrSums() for layer in match.layers}
     output_power = 0.0
     errors: dict[str, list[torch.Tensor]] = {}
     generator = torch.Generator().manual_seed(seed)
@@ -191,8 +174,7 @@ def sensitivity_rows(
     def on_isolated(layer, reference, quantized, scale):
         error = quantized - reference
         errors.setdefault(layer.name, []).append(error)
-        local_noise[layer.name] += float(error.double().pow(2).sum())
-        local_signal[layer.name] += float(reference.double().pow(2).sum())
+        local[layer.name].add(reference, quantized)
 
     runner = PairedRunner(model, quantized_model, match, propagated=False, shadow=False, isolated=True,
                           on_isolated=on_isolated, float_grad=True)
@@ -242,8 +224,7 @@ def sensitivity_rows(
             name=layer.name, kind=layer.kind,
             score=noise / output_power if output_power > 0 else 0.0,
             estimated_output_sqnr_db=sqnr_db_from_powers(output_power, noise),
-            local_sqnr_db=sqnr_db_from_powers(local_signal[layer.name], local_noise[layer.name])
-            if local_signal[layer.name] or local_noise[layer.name] else None,
+            local_sqnr_db=local[layer.name].sqnr_db(),
             flops=flops, flops_share=flops / total_flops, params=params, params_share=params / total_params,
         ))
     rows.sort(key=lambda row: row.score, reverse=True)
@@ -283,16 +264,13 @@ def exhaustive_sensitivity(
         qconfig = getattr(resolved.get_submodule(name), "qconfig", None)
         single = QConfigMapping().set_global(None).set_module_name(name, qconfig)
         quantized = quantize_with_fx(model, data, backend, single, max_batches)
-        noise = signal = 0.0
+        output = SqnrSums()
         with torch.no_grad():
             for index, batch in enumerate(data):
                 if max_batches is not None and index >= max_batches:
                     break
-                reference = as_float_tensor(call_model(float_model, batch)).double()
-                approximation = as_float_tensor(call_model(quantized, batch)).double()
-                noise += float((reference - approximation).pow(2).sum())
-                signal += float(reference.pow(2).sum())
-        scores.append((name, noise / signal if signal > 0 else 0.0))
+                output.add(first_float(call_model(float_model, batch)), first_float(call_model(quantized, batch)))
+        scores.append((name, output.noise_power / output.signal_power if output.signal_power > 0 else 0.0))
     scores.sort(key=lambda item: item[1], reverse=True)
     return scores
 

@@ -1,7 +1,7 @@
 """SARIF 2.1.0 output (``qlint MODEL --format sarif``) for code-scanning dashboards.
 
-One run, one tool: the driver lists every registered rule with its full
-documentation as ``help`` (the text of ``qlint rule CODE``; a ``helpUri`` only when
+One run, one tool: the driver lists every rule of the run (``Report.rules``) with its
+full documentation as ``help`` (the text of ``qlint rule CODE``; a ``helpUri`` only when
 the installed package declares a repository URL), each finding becomes a result with a logical
 location (the module fqn or functional node) and, when the model is a file, a
 physical location on that file. Skipped rules and run notices become tool
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import re
+from importlib.metadata import PackageNotFoundError, metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from qlint.linter.docs import rule_markdown
 from qlint.linter.findings import Finding, Report, Severity
 
 SARIF_VERSION = "2.1.0"
@@ -30,10 +30,8 @@ def repository_url() -> Optional[str]:
 
     SARIF viewers link to it; qlint never invents one."""
     try:
-        from importlib.metadata import PackageNotFoundError, metadata
-
         entries = metadata("qlint").get_all("Project-URL") or []
-    except (ImportError, PackageNotFoundError):
+    except PackageNotFoundError:
         return None
     urls = dict(entry.split(", ", 1) for entry in entries if ", " in entry)
     for key in ("Repository", "Source", "Homepage"):
@@ -47,37 +45,25 @@ def rule_help_uri(code: str) -> Optional[str]:
     return f"{base}/blob/main/docs/rules/{code}.md" if base else None
 
 
-def _rule_classes() -> list[Any]:
-    from qlint.linter.registry import Registry
-
-    try:
-        return Registry.default().all()
-    except Exception:  # a broken plugin must not stop the report from being written
-        from qlint.linter.registry import Registry as _R, builtin_rule_classes
-
-        return _R(builtin_rule_classes()).all()
-
-
 def _driver_rules(report: Report) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     known: set[str] = set()
-    for cls in _rule_classes():
-        known.add(cls.code)
-        doc = rule_markdown(cls)
+    for rule in report.rules:
+        known.add(rule.code)
         entry = {
-            "id": cls.code,
-            "name": cls.name,
-            "shortDescription": {"text": f"{cls.code} {cls.name}"},
-            "fullDescription": {"text": cls.summary},
-            "help": {"text": doc, "markdown": doc},
-            "defaultConfiguration": {"level": _LEVEL[cls.severity]},
-            "properties": {"requires": sorted(n.value for n in cls.requires)},
+            "id": rule.code,
+            "name": rule.name,
+            "shortDescription": {"text": f"{rule.code} {rule.name}"},
+            "fullDescription": {"text": rule.summary},
+            "help": {"text": rule.documentation, "markdown": rule.documentation},
+            "defaultConfiguration": {"level": _LEVEL[rule.severity]},
+            "properties": {"requires": list(rule.requires)},
         }
-        help_uri = rule_help_uri(cls.code)
+        help_uri = rule_help_uri(rule.code)
         if help_uri:
             entry["helpUri"] = help_uri
         rules.append(entry)
-    # Findings from rules that are not registered here (e.g. a report read from JSON).
+    # Findings from rules the report does not describe (e.g. qlint compare's QL301).
     for finding in report.findings:
         if finding.rule not in known:
             known.add(finding.rule)

@@ -34,7 +34,7 @@ def print_report(console: Console, report: Report, *, show_qconfig: bool = False
         console.print(Text(f"note: {notice.message}", style=_STYLE.get(notice.level, "")))
     if report.findings:
         console.print(_findings_table(report))
-    if report.layers:
+    if report.lint_rows():
         console.print(_layers_table(report))
     if show_qconfig and report.qconfig_table:
         console.print(_qconfig_table(report))
@@ -63,7 +63,7 @@ def _layers_table(report: Report) -> Table:
     table = Table(title="Per-layer statistics", expand=False)
     for column in ("Layer", "Rule", "Statistic", "Value", "Verdict"):
         table.add_column(column)
-    for row in report.layers:
+    for row in report.lint_rows():
         value = "" if row.value is None else f"{row.value:.4g}"
         table.add_row(row.name, row.rule or "", row.statistic or "", value, row.verdict or "")
     return table

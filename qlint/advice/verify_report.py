@@ -1,0 +1,72 @@
+"""What :func:`qlint.advice.verify.verify` reports: default mapping vs verified plan, measured."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from qlint.advice.plan import QuantPlan
+from qlint.advice.rewrite import AppliedRewrite
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class RunResult(_Model):
+    """One quantized model, measured against the float model on the eval batches."""
+
+    label: str
+    sqnr_db: float
+    int8_layers: int = Field(description="conv+linear ops that run in int8 after convert_fx")
+    total_layers: int = Field(description="all conv+linear ops in the converted graph")
+    int8_fraction: float
+    size_bytes: int
+    metric: Optional[float] = None
+    float_modules: list[str] = Field(default_factory=list, description="conv/linear modules left float")
+
+
+class LayerComparison(_Model):
+    fqn: str
+    kind: str
+    default_sqnr_db: Optional[float] = None
+    plan_sqnr_db: Optional[float] = None
+    default_int8: Optional[bool] = None
+    plan_int8: Optional[bool] = None
+
+
+class DecisionOutcome(_Model):
+    kind: str  # module | equalization | rewrite | plan | scheme | keep_float
+    target: str
+    kept: bool
+    sqnr_with_db: Optional[float] = None
+    sqnr_without_db: Optional[float] = None
+    detail: str = ""
+
+
+class VerifyReport(_Model):
+    """Default mapping vs verified plan, side by side. JSON round-trips via model_dump_json."""
+
+    type: str = "qlint.VerifyReport"
+    backend: str
+    model: Optional[str] = None
+    eval_batches: int
+    calibration_batches: int
+    target_sqnr_db: Optional[float] = None
+    target_met: Optional[bool] = None
+    float_metric: Optional[float] = None
+    default: RunResult
+    requested: RunResult = Field(description="the plan as given (after its rewrites), before pruning")
+    plan: RunResult = Field(description="the verified plan")
+    layers: list[LayerComparison] = Field(default_factory=list)
+    decisions: list[DecisionOutcome] = Field(default_factory=list)
+    rewrites: list[AppliedRewrite] = Field(default_factory=list)
+    kept_float: list[str] = Field(default_factory=list)
+    float_layer_fraction: float = 0.0
+    verified_plan: QuantPlan
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def sqnr_gain_db(self) -> float:
+        return self.plan.sqnr_db - self.default.sqnr_db

@@ -1,0 +1,92 @@
+"""Batches of data as call arguments: the one convention lint, verify and compare share.
+
+A batch is a tensor (one positional input), a tuple or list (positional inputs) or a
+mapping (keyword inputs). Data is an iterable of batches; a lone tensor or mapping is
+one batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from qlint.core.nested import first_tensor, map_tensors
+from qlint.errors import QlintError
+
+
+class BatchError(QlintError):
+    """A batch is not a tensor, a tuple of inputs or a mapping of keyword inputs."""
+
+
+def as_call(batch: Any, device: Optional[torch.device] = None,
+            what: str = "a batch") -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``batch`` as ``(args, kwargs)``, its tensors moved to ``device`` when one is given.
+
+    ``what`` names the batch in the error, e.g. "calibration batch 3"."""
+    if isinstance(batch, torch.Tensor):
+        args: tuple[Any, ...] = (batch,)
+        kwargs: dict[str, Any] = {}
+    elif isinstance(batch, (tuple, list)):
+        args, kwargs = tuple(batch), {}
+    elif isinstance(batch, Mapping):
+        args, kwargs = (), {str(key): value for key, value in batch.items()}
+    else:
+        raise BatchError(f"{what} is a {type(batch).__name__}; expected a tensor, a tuple of tensors "
+                         "(positional inputs) or a dict (keyword inputs)")
+    if device is not None:
+        args, kwargs = map_tensors(args, lambda t: t.to(device)), map_tensors(kwargs, lambda t: t.to(device))
+    return args, kwargs
+
+
+def call_model(model: Callable[..., Any], batch: Any) -> Any:
+    """``model`` called on one batch."""
+    args, kwargs = as_call(batch)
+    return model(*args, **kwargs)
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor (1 for a scalar, 0 for none)."""
+    first = first_tensor(batch)
+    if first is None:
+        return 0
+    return int(first.shape[0]) if first.dim() else 1
+
+
+def batches_of(data: Any, what: str = "data") -> Iterator[Any]:
+    """The batches of ``data``, one at a time; a lone tensor or mapping is one batch."""
+    if isinstance(data, (torch.Tensor, Mapping)):
+        yield data
+        return
+    try:
+        iterator = iter(data)
+    except TypeError as error:
+        raise BatchError(f"{what} must be iterable, got {type(data).__name__}") from error
+    yield from iterator
+
+
+def batch_count(data: Any) -> Optional[int]:
+    """How many batches ``data`` holds, when it can say without being read."""
+    if isinstance(data, (torch.Tensor, Mapping)):
+        return 1
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters (else buffers) live; CPU for a model with neither."""
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def reiterable(data: Iterable[Any], purpose: str) -> Iterable[Any]:
+    """Reject one-shot iterators where the data must be read more than once."""
+    if iter(data) is data:
+        raise TypeError(f"{purpose} reads the data more than once; pass a list or a DataLoader, not an iterator")
+    return data

@@ -1,0 +1,78 @@
+"""Signal-to-quantization-noise ratio, the one definition every layer reports.
+
+SQNR over any number of tensor pairs is ``10*log10(sum ||x||^2 / sum ||x - y||^2)``: the
+total signal power over the total noise power, summed in float64. For a single pair
+this is ``torch.ao.ns.fx.utils.compute_sqnr`` (``20*log10(||x|| / ||x - y||)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from qlint.core.nested import float_tensors
+
+# An error-free pair has infinite SQNR. Reports must hold finite JSON floats, so the
+# value is clamped to this cap; float32 round-off alone sits far below it.
+SQNR_CAP_DB = 200.0
+
+
+def sqnr_db_from_powers(signal_power: float, noise_power: float) -> float:
+    """10*log10(signal/noise), clamped to +-SQNR_CAP_DB so it stays finite."""
+    if noise_power <= 0.0:
+        return SQNR_CAP_DB
+    if signal_power <= 0.0:
+        return -SQNR_CAP_DB
+    value = 10.0 * math.log10(signal_power / noise_power)
+    return max(-SQNR_CAP_DB, min(SQNR_CAP_DB, value))
+
+
+def noise_power_ratio(sqnr_db: float) -> float:
+    """The inverse of sqnr_db_from_powers: noise power over signal power."""
+    return 10.0 ** (-sqnr_db / 10.0)
+
+
+@dataclasses.dataclass
+class SqnrSums:
+    """Signal and noise power of a stream of (reference, approximation) values."""
+
+    signal_power: float = 0.0
+    noise_power: float = 0.0
+    pairs: int = 0
+
+    def add(self, reference: Any, approximation: Any) -> None:
+        """Fold in every floating-point tensor of two values of the same structure.
+
+        Quantized tensors count by the float values they stand for; integer tensors
+        are not signal. Raises ValueError when the two values do not pair up.
+        """
+        references, approximations = float_tensors(reference), float_tensors(approximation)
+        if len(references) != len(approximations):
+            raise ValueError(f"the values hold {len(references)} and {len(approximations)} "
+                             "floating-point tensors")
+        for x, y in zip(references, approximations):
+            if x.numel() != y.numel():
+                raise ValueError(f"cannot compare tensors of {x.numel()} and {y.numel()} elements")
+            x64, y64 = x.double(), y.double().reshape(x.shape)
+            self.signal_power += float((x64 * x64).sum())
+            self.noise_power += float(((x64 - y64) ** 2).sum())
+            self.pairs += 1
+
+    def sqnr_db(self) -> Optional[float]:
+        """The SQNR of everything added; None before any pair."""
+        if self.pairs == 0:
+            return None
+        return sqnr_db_from_powers(self.signal_power, self.noise_power)
+
+
+def sqnr_db(reference: Any, approximation: Any) -> Optional[float]:
+    """SQNR (dB) of ``approximation`` against ``reference``: tensors or nested outputs alike.
+
+    None when there is no floating-point tensor to compare."""
+    sums = SqnrSums()
+    sums.add(reference, approximation)
+    return sums.sqnr_db()
+
+
+__all__ = ["SQNR_CAP_DB", "SqnrSums", "noise_power_ratio", "sqnr_db", "sqnr_db_from_powers"]

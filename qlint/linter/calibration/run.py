@@ -1,0 +1,76 @@
+"""The calibration run loop: every batch through the observed model, nothing kept between batches."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from qlint.core.batches import as_call, batch_count, batches_of, model_device
+from qlint.errors import CalibrationError, EmptyCalibrationError, QlintError
+from qlint.stats import kernel
+from qlint.stats.memory import FreeHeapReturner
+
+
+def limited_batches(calibration: Any, num_batches: Optional[int]) -> Iterator[Any]:
+    """The batches of ``calibration``, at most ``num_batches`` of them."""
+    if calibration is None:
+        raise EmptyCalibrationError("no calibration data given")
+    for number, batch in enumerate(batches_of(calibration, "calibration data")):
+        if num_batches is not None and number >= num_batches:
+            return
+        yield batch
+
+
+def batch_total(calibration: Any, num_batches: Optional[int]) -> Optional[int]:
+    """How many batches :func:`limited_batches` will yield, when that is known up front."""
+    total = batch_count(calibration)
+    if total is None:
+        return num_batches
+    return total if num_batches is None else min(total, num_batches)
+
+
+def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = False,
+                    total: Optional[int] = None) -> int:
+    """Run every batch through ``model`` (eval, no_grad, model's device); the batch count."""
+    device = model_device(model)
+    model.eval()
+    progress = None if quiet or not sys.stderr.isatty() else _progress(total)
+    return_free_heap = FreeHeapReturner()
+    if device.type == "cpu":
+        kernel.prepare_parallel()
+    count = 0
+    try:
+        with torch.no_grad():
+            for count_before, batch in enumerate(batches):
+                args, kwargs = as_call(batch, device, f"calibration batch {count_before}")
+                try:
+                    model(*args, **kwargs)
+                except QlintError:
+                    raise
+                except Exception as error:
+                    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                    raise CalibrationError(
+                        f"calibration batch {count_before} failed in the model: "
+                        f"{type(error).__name__}: {message}"[:400]) from error
+                count = count_before + 1
+                del args, kwargs, batch
+                return_free_heap()
+                if progress is not None:
+                    progress[0].update(progress[1], advance=1)
+    finally:
+        if progress is not None:
+            progress[0].stop()
+    return count
+
+
+def _progress(total: Optional[int]):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(file=sys.stderr), transient=True)
+    bar.start()
+    return bar, bar.add_task("calibrating", total=total)

@@ -1,0 +1,205 @@
+"""The torch QConfigMapping that a set of typed suggestions asks for.
+
+Every decision becomes an :class:`ObserverRecipe` (a public torch observer class name
+plus keyword arguments) before it becomes a QConfig, so the Python text that
+:mod:`qlint.advice.export` writes builds exactly the objects :func:`qconfig_mapping`
+returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch.ao.quantization import QConfig, QConfigMapping, get_default_qconfig_mapping
+from torch.ao.quantization.observer import (
+    FixedQParamsObserver,
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    PerChannelMinMaxObserver,
+    PlaceholderObserver,
+)
+
+from qlint.core.backends import backend_info
+from qlint.errors import ConfigError
+from qlint.linter.suggestions import ActivationSpec, ModuleDecision, Suggestions, WeightSpec, backend_defaults
+
+
+class PercentileObserver(MinMaxObserver):
+    """MinMaxObserver whose range is the running [100-p, p] percentile band, clipping outliers.
+
+    Each batch contributes its lower and upper percentile; the observer keeps the
+    widest of them (like MinMaxObserver keeps min/max), so qparams ignore the
+    rare extreme values that would otherwise stretch the int8 step.
+    """
+
+    _MAX_SAMPLES = 1 << 20
+
+    def __init__(self, percentile: float = 99.99, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not 50.0 < percentile <= 100.0:
+            raise ValueError(f"percentile must be in (50, 100], got {percentile}")
+        self.percentile = float(percentile)
+
+    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
+        if x_orig.numel() == 0:
+            return x_orig
+        x = x_orig.detach().to(self.min_val.dtype if self.min_val.is_floating_point() else torch.float32)
+        flat = x.flatten()
+        if flat.numel() > self._MAX_SAMPLES:  # torch.quantile has an input-size limit
+            step = (flat.numel() + self._MAX_SAMPLES - 1) // self._MAX_SAMPLES
+            flat = flat[::step]
+        q = torch.tensor([1.0 - self.percentile / 100.0, self.percentile / 100.0], dtype=flat.dtype)
+        low, high = torch.quantile(flat.float(), q.float()).to(flat.dtype)
+        self.min_val.copy_(torch.minimum(low, self.min_val) if self.min_val.numel() else low)
+        self.max_val.copy_(torch.maximum(high, self.max_val) if self.max_val.numel() else high)
+        return x_orig
+
+    def extra_repr(self) -> str:
+        return f"percentile={self.percentile}, " + super().extra_repr()
+
+
+OBSERVERS = {cls.__name__: cls for cls in (
+    FixedQParamsObserver, HistogramObserver, MinMaxObserver, MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver,
+    PercentileObserver)}
+
+_TORCH_DTYPES = {"quint8": torch.quint8, "qint8": torch.qint8, "int16": torch.int16}
+_INT16_RANGE = (-(2 ** 15), 2 ** 15 - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserverRecipe:
+    """A public observer class and the keyword arguments of its ``with_args``."""
+
+    cls_name: str
+    kwargs: tuple[tuple[str, Any], ...]
+
+    def factory(self) -> Any:
+        return OBSERVERS[self.cls_name].with_args(**dict(self.kwargs))
+
+    def source(self) -> str:
+        args = ", ".join(f"{k}={_literal(v)}" for k, v in self.kwargs)
+        return f"{self.cls_name}.with_args({args})"
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, torch.dtype) or isinstance(value, torch.qscheme):
+        return str(value)  # torch.quint8, torch.per_tensor_affine
+    return repr(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class QConfigRecipe:
+    activation: ObserverRecipe
+    weight: ObserverRecipe
+
+    def build(self) -> QConfig:
+        return QConfig(activation=self.activation.factory(), weight=self.weight.factory())
+
+    def source(self) -> str:
+        return f"QConfig(\n        activation={self.activation.source()},\n        weight={self.weight.source()})"
+
+
+def _check_backend_dtype(backend: str, dtype: str, side: str) -> None:
+    if dtype != "int16":
+        return
+    info = backend_info(backend)
+    field = "input_dtype" if side == "activation" else "weight_dtype"
+    supported = any(getattr(o, field) in ("torch.int16", "torch.qint16")
+                    for options in info.dtypes.values() for o in options)
+    if not supported:
+        raise ConfigError(f"the plan asks for int16 {side}s, but the {backend} backend has no int16 "
+                          f"{side} kernels; use 8-bit for this backend")
+
+
+def activation_recipe(spec: ActivationSpec, backend: str) -> ObserverRecipe:
+    _check_backend_dtype(backend, spec.dtype, "activation")
+    dtype = _TORCH_DTYPES[spec.dtype]
+    kwargs: list[tuple[str, Any]] = [("dtype", dtype)]
+    if spec.observer == "fixed":
+        kwargs += [("scale", float(spec.scale)), ("zero_point", int(spec.zero_point))]  # type: ignore[arg-type]
+        if spec.quant_min is not None:
+            kwargs += [("quant_min", spec.quant_min), ("quant_max", spec.quant_max)]
+        return ObserverRecipe("FixedQParamsObserver", tuple(kwargs))
+    qscheme = torch.per_tensor_symmetric if spec.symmetric else torch.per_tensor_affine
+    if qscheme != torch.per_tensor_affine:
+        kwargs.append(("qscheme", qscheme))
+    if spec.reduce_range:
+        kwargs.append(("reduce_range", True))
+    if spec.quant_min is not None:
+        kwargs += [("quant_min", spec.quant_min), ("quant_max", spec.quant_max)]
+    elif spec.dtype == "int16":
+        kwargs += [("quant_min", _INT16_RANGE[0]), ("quant_max", _INT16_RANGE[1])]
+    if spec.observer == "minmax":
+        return ObserverRecipe("MinMaxObserver", tuple(kwargs))
+    if spec.observer == "moving_average":
+        if spec.averaging_constant is not None:
+            kwargs.append(("averaging_constant", spec.averaging_constant))
+        return ObserverRecipe("MovingAverageMinMaxObserver", tuple(kwargs))
+    if spec.observer == "histogram":
+        if spec.bins is not None:
+            kwargs.append(("bins", spec.bins))
+        return ObserverRecipe("HistogramObserver", tuple(kwargs))
+    if spec.observer == "percentile":
+        if spec.percentile is not None:
+            kwargs.append(("percentile", spec.percentile))
+        return ObserverRecipe("PercentileObserver", tuple(kwargs))
+    raise ConfigError(f"unknown activation observer {spec.observer!r}")
+
+
+def weight_recipe(spec: WeightSpec, backend: str) -> ObserverRecipe:
+    _check_backend_dtype(backend, spec.dtype, "weight")
+    kwargs: list[tuple[str, Any]] = [("dtype", _TORCH_DTYPES[spec.dtype])]
+    if spec.per_channel:
+        kwargs.append(("qscheme", torch.per_channel_symmetric if spec.symmetric else torch.per_channel_affine))
+        if spec.ch_axis != 0:
+            kwargs.append(("ch_axis", spec.ch_axis))
+        name = "PerChannelMinMaxObserver" if spec.observer == "minmax" else "MovingAveragePerChannelMinMaxObserver"
+    else:
+        kwargs.append(("qscheme", torch.per_tensor_symmetric if spec.symmetric else torch.per_tensor_affine))
+        name = "MinMaxObserver" if spec.observer == "minmax" else "MovingAverageMinMaxObserver"
+    if spec.quant_min is not None:
+        kwargs += [("quant_min", spec.quant_min), ("quant_max", spec.quant_max)]
+    elif spec.dtype == "int16":
+        kwargs += [("quant_min", _INT16_RANGE[0]), ("quant_max", _INT16_RANGE[1])]
+    return ObserverRecipe(name, tuple(kwargs))
+
+
+_DYNAMIC_ACTIVATION = ObserverRecipe(
+    "PlaceholderObserver",
+    (("dtype", torch.quint8), ("quant_min", 0), ("quant_max", 255), ("is_dynamic", True)))
+
+
+def global_recipe(suggestions: Suggestions) -> Optional[QConfigRecipe]:
+    """The global QConfig, or None when the globals are the backend's defaults."""
+    if (suggestions.activation, suggestions.weight) == backend_defaults(suggestions.backend):
+        return None
+    return QConfigRecipe(activation_recipe(suggestions.activation, suggestions.backend),
+                         weight_recipe(suggestions.weight, suggestions.backend))
+
+
+def module_recipe(suggestions: Suggestions, decision: ModuleDecision) -> Optional[QConfigRecipe]:
+    """The QConfig for one module; None means keep it float."""
+    if not decision.quantize:
+        return None
+    weight = weight_recipe(decision.weight or suggestions.weight, suggestions.backend)
+    if decision.mode == "dynamic":
+        return QConfigRecipe(_DYNAMIC_ACTIVATION, weight)
+    return QConfigRecipe(activation_recipe(decision.activation or suggestions.activation, suggestions.backend),
+                         weight)
+
+
+def qconfig_mapping(suggestions: Suggestions) -> QConfigMapping:
+    """get_default_qconfig_mapping(backend) with the global and module-name decisions applied."""
+    mapping = get_default_qconfig_mapping(suggestions.backend)
+    recipe = global_recipe(suggestions)
+    if recipe is not None:
+        mapping.set_global(recipe.build())
+    for decision in suggestions.modules:
+        module_qconfig = module_recipe(suggestions, decision)
+        mapping.set_module_name(decision.fqn, None if module_qconfig is None else module_qconfig.build())
+    return mapping
