@@ -33,9 +33,8 @@ from qlint.findings import Notice
 from qlint.graph import ModelGraph
 from qlint.preserve import preserved_state
 from qlint.rule import Need, ObservationSpec, Rule
-from qlint.stats import StatsObserver, TensorStats, all_reduce_stats, kernel, thread_scratch_buffers
+from qlint.stats import StatsObserver, TensorStats, all_reduce_stats, thread_scratch_buffers
 from qlint.stats.batch import channel_count
-from qlint.stats.memory import FreeHeapReturner, return_free_heap_to_os
 
 FEATURES = "features"
 DEFAULT_REFERENCE_PERCENTILE = 0.975
@@ -185,7 +184,6 @@ def _calibrate(analysis: Any, graph: ModelGraph, points: Sequence[ObservationPoi
             handle.remove()
     stats = {point: observers[point].stats for point in observers}
     thread_scratch_buffers().clear()  # work buffers sized for the largest activation: not kept after lint
-    kernel.release_workspaces()
     if world > 1:
         count = _all_reduce_count(count, group)
         if count > 0:
@@ -269,7 +267,6 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
         observers[point] = observer
     observed.graph.lint()
     observed.recompile()
-    return_free_heap_to_os()
     return observed, observers, skipped
 
 
@@ -353,9 +350,6 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
     device = model_device(model)
     model.eval()
     progress = None if quiet or not sys.stderr.isatty() else _progress(total)
-    return_free_heap = FreeHeapReturner()
-    if device.type == "cpu":
-        kernel.prepare_parallel()
     count = 0
     try:
         with torch.no_grad():
@@ -372,7 +366,6 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
                         f"{type(error).__name__}: {message}"[:400]) from error
                 count = count_before + 1
                 del args, kwargs, batch
-                return_free_heap()
                 if progress is not None:
                     progress[0].update(progress[1], advance=1)
     finally:
