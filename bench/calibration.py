@@ -1,7 +1,15 @@
 """Calibration cost: plain forward vs qlint (QL201-203) vs torch ModelReport (4 detectors).
 
-    python bench/calibration.py [--batches 8] [--batch-size 8] [--models resnet18,encoder]
-                                [--repeats 3] [--loops 3]
+    python bench/calibration.py [--batches 8] [--batch-size 8] [--models resnet18,encoder,...]
+                                [--modes plain,qlint,modelreport] [--repeats 3] [--loops 3]
+                                [--real-models /work/shared/real_models]
+
+Models: two built-in ones with random weights and data (a ResNet-18-shaped CNN
+on 8x3x224x224 batches, a 4-block transformer encoder on 8x128x256 batches;
+``--batches`` and ``--batch-size`` apply to them) and the four pretrained models
+of the real-model kit (efficientnet_lite0, minilm_l6, silero_vad, digit_cnn,
+each with its own 8 calibration batches; ``--batches`` caps them). Models whose
+kit is missing are skipped with a message.
 
 Times are wall-clock of the batch loop only (model build, tracing and observer
 insertion are reported separately as setup). The development VM shares its
@@ -31,10 +39,13 @@ import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing qlint
+BUILT_IN = ("resnet18", "encoder")
+REAL = ("efficientnet_lite0", "minilm_l6", "silero_vad", "digit_cnn")
+DEFAULT_REAL_MODELS = "/work/shared/real_models"
 
 
 def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) of this process; False where unsupported."""
+    """Reset Linux's peak-RSS mark (VmHWM) of this process; False where unsupported."""
     try:
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")
@@ -114,18 +125,27 @@ class EncoderStack(nn.Module):
         return x
 
 
-def build(name):
-    torch.manual_seed(0)
-    return (ResNet18() if name == "resnet18" else EncoderStack()).eval()
+def load(name, count, size, real_models):
+    """(model in eval mode, list of batches as tuples of positional inputs)."""
+    if name in BUILT_IN:
+        torch.manual_seed(0)
+        model = (ResNet18() if name == "resnet18" else EncoderStack()).eval()
+        generator = torch.Generator().manual_seed(0)
+        shape = (size, 3, 224, 224) if name == "resnet18" else (size, 128, 256)
+        return model, [(torch.randn(shape, generator=generator),) for _ in range(count)]
+    if real_models not in sys.path:
+        sys.path.insert(0, real_models)
+    import models  # the real-model kit (see its README)
+
+    model, _example, calibration = models.load(name)
+    return model.eval(), [tuple(batch) for batch in calibration[:count]]
 
 
-def batches(name, count, size):
-    generator = torch.Generator().manual_seed(0)
-    shape = (size, 3, 224, 224) if name == "resnet18" else (size, 128, 256)
-    return [torch.randn(shape, generator=generator) for _ in range(count)]
+def real_kit_available(real_models):
+    return (Path(real_models) / "models.py").is_file()
 
 
-def make_runner(name, mode, model, example):
+def make_runner(mode, model, example):
     """The module whose forward passes each mode times (plain: the model itself)."""
     if mode == "plain":
         return model
@@ -161,20 +181,19 @@ def time_batches(runner, mode, data):
         run_calibration(runner, data, quiet=True)
     else:
         for batch in data:
-            runner(batch)
+            runner(*batch)
     return time.perf_counter() - start
 
 
-def run_one(name, mode, count, size, loops=1):
-    model = build(name)
-    data = batches(name, count, size)
-    example = (data[0],)
+def run_one(name, mode, count, size, real_models, loops=1):
+    model, data = load(name, count, size, real_models)
+    example = data[0]
     setup = time.perf_counter()
-    runner = make_runner(name, mode, model, example)
+    runner = make_runner(mode, model, example)
     setup = time.perf_counter() - setup
     runner.eval()
     with torch.no_grad():
-        runner(data[0])  # warm-up (not timed; also counts in the process peak RSS as for every mode)
+        runner(*data[0])  # warm-up (not timed; also counts in the process peak RSS as for every mode)
         peak_resettable = _reset_peak_rss()
         loop_seconds = []
         for _ in range(loops):  # the fastest loop: the one least disturbed by other tenants of the VM
@@ -187,7 +206,8 @@ def run_one(name, mode, count, size, loops=1):
         import qlint
 
         start = time.perf_counter()
-        qlint.lint(build(name), example, calibration=data, select=["QL201", "QL202", "QL203"],
+        qlint.lint(load(name, count, size, real_models)[0], example, calibration=data,
+                   select=["QL201", "QL202", "QL203"],
                    calibration_options={"quiet": True})
         lint_seconds = time.perf_counter() - start
     else:
@@ -196,18 +216,17 @@ def run_one(name, mode, count, size, loops=1):
                           peak_rss_mib=peak_mib, loop_peak_rss_mib=loop_peak_mib, threads=torch.get_num_threads())))
 
 
-def run_interleaved(name, modes, count, size, rounds, loops):
+def run_interleaved(name, modes, count, size, real_models, rounds, loops):
     """Every mode in one process, one pass each in turn, ``rounds`` times (ModelReport, ~20x
     slower, every ``loops``-th round): the VM's slow and fast phases then hit all modes alike,
     which separate processes minutes apart do not guarantee."""
-    model = build(name)
-    data = batches(name, count, size)
-    runners = {mode: make_runner(name, mode, model, (data[0],)) for mode in modes}
+    model, data = load(name, count, size, real_models)
+    runners = {mode: make_runner(mode, model, data[0]) for mode in modes}
     seconds: dict[str, list] = {mode: [] for mode in modes}
     with torch.no_grad():
         for mode, runner in runners.items():
             runner.eval()
-            runner(data[0])  # warm-up
+            runner(*data[0])  # warm-up
         for number in range(rounds):
             for mode, runner in runners.items():
                 slow = mode == "modelreport" and number % loops
@@ -219,7 +238,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--models", default="resnet18,encoder")
+    parser.add_argument("--models", default=",".join(BUILT_IN + REAL))
+    parser.add_argument("--real-models", default=DEFAULT_REAL_MODELS,
+                        help="folder of the real-model kit (models.py); its models are skipped when it is missing")
     parser.add_argument("--modes", default="plain,qlint,modelreport")
     parser.add_argument("--repeats", type=int, default=3,
                         help="subprocess runs per (model, mode), interleaved across modes; medians are reported")
@@ -229,17 +250,22 @@ def main():
     parser.add_argument("--interleaved", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        run_one(args.one[0], args.one[1], args.batches, args.batch_size, args.loops)
+        run_one(args.one[0], args.one[1], args.batches, args.batch_size, args.real_models, args.loops)
         return
     if args.interleaved:
-        run_interleaved(args.interleaved, args.modes.split(","), args.batches, args.batch_size,
+        run_interleaved(args.interleaved, args.modes.split(","), args.batches, args.batch_size, args.real_models,
                         args.repeats * args.loops, args.loops)
         return
     modes = args.modes.split(",")
     results: dict[tuple[str, str], list[dict]] = {}
     side_by_side: dict[str, dict[str, list]] = {}
-    common = ["--batches", str(args.batches), "--batch-size", str(args.batch_size)]
+    common = ["--batches", str(args.batches), "--batch-size", str(args.batch_size), "--real-models", args.real_models]
     for name in args.models.split(","):
+        if name not in BUILT_IN + REAL:
+            parser.error(f"unknown model {name!r}; choose from {', '.join(BUILT_IN + REAL)}")
+        if name in REAL and not real_kit_available(args.real_models):
+            print(f"skipping {name}: no real-model kit at {args.real_models}", file=sys.stderr)
+            continue
         out = subprocess.run([sys.executable, __file__, "--interleaved", name, "--modes", ",".join(modes),
                               "--repeats", str(args.repeats), "--loops", str(args.loops)] + common,
                              capture_output=True, text=True, cwd=ROOT)
@@ -262,7 +288,7 @@ def main():
     # passes each), which also measure memory. "loop peak": the kernel's peak-RSS mark reset just
     # before the timed batches, i.e. peak RSS during calibration itself; "process peak" also
     # covers imports, tracing and observer insertion.
-    print(f"{'model':10} {'mode':12} {'x plain side by side':>21} {'(range)':>13} {'separate s':>10} "
+    print(f"{'model':18} {'mode':12} {'x plain side by side':>21} {'(range)':>13} {'separate s':>10} "
           f"{'x plain':>8} {'loop peak MiB':>14} {'x plain':>8} {'process peak MiB':>17} {'x plain':>8} "
           f"{'setup s':>8}")
     for (name, mode), runs in results.items():
@@ -278,7 +304,7 @@ def main():
         plain_loop = _median([r["loop_peak_rss_mib"] for r in plain_runs if r["loop_peak_rss_mib"]] or [0])
         peak, plain_peak = _median([r["peak_rss_mib"] for r in runs]), _median([r["peak_rss_mib"] for r in plain_runs])
         loop_text = f"{loop:14.0f} {loop / plain_loop:8.2f}" if loop and plain_loop else f"{'n/a':>14} {'':8}"
-        print(f"{name:10} {mode:12} {together} {seconds:10.2f} {seconds / plain_seconds:8.2f} {loop_text} "
+        print(f"{name:18} {mode:12} {together} {seconds:10.2f} {seconds / plain_seconds:8.2f} {loop_text} "
               f"{peak:17.0f} {peak / plain_peak:8.2f} {_median([r['setup'] for r in runs]):8.2f}")
 
 

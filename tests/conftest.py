@@ -42,19 +42,3 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-@pytest.fixture(params=["kernel", "numpy", "torch_only"])
-def selection_backend(request, monkeypatch):
-    """Each way CPU statistics can be computed: the compiled kernel, or tensor ops
-    with the percentile search in numpy (optional) or in torch alone."""
-    from qlint.stats import kernel, selection
-
-    if request.param == "kernel":
-        if not kernel.available():
-            pytest.skip("the compiled statistics kernel is not built here")
-    else:
-        monkeypatch.setattr(kernel, "_compiled", None)
-    if request.param == "torch_only":
-        monkeypatch.setattr(selection, "_numpy", None)
-    return request.param

@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.ao.quantization.fx._model_report.model_report_observer import ModelReportObserver
 
-from qlint.stats import StatsObserver, selection
+from qlint.stats import PERCENTILE_SAMPLE, StatsObserver
+from qlint.stats.selection import EXACT_VALUES
 
 RTOL = 1e-4
 
@@ -46,7 +47,7 @@ def _linear_input(g, i):
 
 
 def _large_rows(g, i):
-    # long rows exercise the block-maximum prefilter of the percentile search
+    # 512 Ki values per batch: the reference quantile is estimated from a sample (see below)
     return torch.randn(8, 16, 64, 64, generator=g).relu() + 0.01 * i
 
 
@@ -66,10 +67,10 @@ GENERATORS = [
 ]
 
 
-def _run_both(make_batch, q, num_batches=5, seed=0):
+def _run_both(make_batch, q, num_batches=5, seed=0, percentile_sample=PERCENTILE_SAMPLE):
     generator = torch.Generator().manual_seed(seed)
     reference = ModelReportObserver(ch_axis=1, comp_percentile=q)
-    ours = StatsObserver(channel_axis=1, reference_percentile=q)
+    ours = StatsObserver(channel_axis=1, reference_percentile=q, percentile_sample=percentile_sample)
     for i in range(num_batches):
         batch = make_batch(generator, i)
         reference(batch)
@@ -83,11 +84,12 @@ def _check_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("make_batch", GENERATORS, ids=lambda f: f.__name__.strip("_"))
 @pytest.mark.parametrize("q", [0.975, 0.9])
-@pytest.mark.parametrize("numpy_search", [True, False], ids=["numpy", "torch_only"])
-def test_statistics_match_model_report_observer(make_batch, q, numpy_search, monkeypatch):
-    if not numpy_search:
-        monkeypatch.setattr(selection, "_numpy", None)  # the fallback when numpy is absent
-    reference, stats = _run_both(make_batch, q)
+def test_statistics_match_model_report_observer(make_batch, q):
+    # Batches of more than EXACT_VALUES values (only _large_rows here) get a sampled reference
+    # by default, within the bounds test_stats_selection.py checks; parity is element for
+    # element, so they are run with the exact selection (percentile_sample=None).
+    exact = make_batch(torch.Generator().manual_seed(0), 0).numel() > EXACT_VALUES
+    reference, stats = _run_both(make_batch, q, percentile_sample=None if exact else PERCENTILE_SAMPLE)
     assert torch.equal(stats.channel_min, reference.min_val.double())
     assert torch.equal(stats.channel_max, reference.max_val.double())
     _check_close(stats.epoch_min, reference.epoch_activation_min)
@@ -99,6 +101,17 @@ def test_statistics_match_model_report_observer(make_batch, q, numpy_search, mon
     assert torch.equal(stats.constant_batches, reference.constant_channels.long())
     assert not stats.zero_denominator_batches.any(), "these streams have no zero quantiles"
     _check_close(stats.average_percentile_ratio(), reference.average_percentile_ratio)
+
+
+def test_sampled_outlier_metric_stays_close_to_torch_on_large_batches():
+    # The default sampled reference on 512 Ki values per batch. Per batch its level lies in
+    # [0.95, 0.988] with 99 % probability (test_stats_selection.py): on these half-normal
+    # channels a quantile between 1.64 and 2.26 instead of 1.96, the ratio -13 %..+19 %;
+    # the mean over 5 independent batches stays within 10 % of torch's exact one.
+    reference, stats = _run_both(_large_rows, 0.975)
+    torch.testing.assert_close(stats.average_percentile_ratio(), reference.average_percentile_ratio.double(),
+                               rtol=0.1, atol=0)
+    assert torch.equal(stats.channel_max, reference.max_val.double())
 
 
 def test_zero_denominator_is_reported_as_inf_where_torch_saturates():

@@ -57,10 +57,10 @@ non-finite adds to ``batches`` only). torch's observer is poisoned by them.
 
 Channels: any ``channel_axis`` works (torch's percentile code is only right
 for ``ch_axis=1``: it takes quantiles along ``dim=ch_axis`` of the flattened
-2-D tensor). How a batch is reduced (in place for channel-major and
-channel-last data, exact selection for the quantile, chunked folding of
-per-batch summaries) is in :mod:`qlint.stats.batch` and
-:mod:`qlint.stats.selection`.
+2-D tensor). How a batch is reduced (in place in every layout, chunked
+folding of per-batch summaries) is in :mod:`qlint.stats.batch`; how the
+reference quantile is selected (exactly, or from a bounded sample of each
+channel of large batches) in :mod:`qlint.stats.selection`.
 
 Histogram: bins are keyed by the float32 sign bit and the 8-bit float32
 exponent, so ``histogram[s, e]`` counts values of sign ``s`` (0 positive,

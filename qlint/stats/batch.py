@@ -1,56 +1,59 @@
-"""From batches to :class:`~qlint.stats.accumulator.TensorStats`.
+"""One batch reduced to a :class:`BatchSummary`: the only step that reads an activation.
 
-Two steps, so that a stream of batches pays the bookkeeping once per chunk
-instead of once per batch:
+A summary is a few per-channel vectors (min, max, sum, sum of squares, the
+reference quantile, counts) and the histogram; :mod:`qlint.stats.fold` folds
+summaries into running statistics.
 
-1. :func:`summarize_values` reduces one batch to a :class:`BatchSummary`: a
-   few per-channel vectors (min, max, sum, sum of squares, the reference
-   quantile, counts) and the histogram. This is the only step that reads the
-   activation.
-2. :func:`stats_of_summaries` turns any number of summaries into the
-   ``TensorStats`` of those batches with a handful of vectorised ops (ratios,
-   flags and batch ranges for all batches at once).
+Layout: the channel axis splits a batch into a view ``(outer, channels,
+inner)``, and every reduction runs over dims 0 and 2 of that view, so
+channel-last (``[..., features]``), channel-major and ``[N, C, H, W]`` data are
+all read where they lie, with one torch op per statistic. The reference
+quantile is selected from a bounded sample of each channel
+(:mod:`qlint.stats.selection`).
 
-``summarize_batch`` is both steps for one batch and ``update_stats`` merges
-its result, so "one batch at a time" and "summaries folded in chunks" are the
-same arithmetic (float64 sums up to re-association).
-
-Layouts: the channel axis splits a batch into ``(outer, channels, inner)``.
-Channel-major data (``outer == 1``) is read in place as rows; channel-last data
-(``inner == 1``: the ``[..., features]`` input of a Linear) is read in place as
-columns; anything else (``[N, C, H, W]`` conv inputs) is copied channel-major
-into a reusable buffer. Finite CPU batches take a fast path that sums in
-float32 per batch (float64 across batches); other batches, and every batch
-off-CPU, take a path with no device-to-host reads.
+Finite CPU batches of moderate magnitude take a fast path that sums in
+float32 per batch (float64 across batches) after one host read; other
+batches, and every batch off-CPU, take a general path that masks NaN/Inf,
+sums in float64 and never reads a device value back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Optional, Union
 
 import torch
 
-from qlint.stats import kernel, selection
 from qlint.stats.accumulator import HISTOGRAM_SHAPE, ScratchBuffers, TensorStats
+from qlint.stats.selection import (
+    PERCENTILE_SAMPLE,
+    SamplePlan,
+    host_reference_rank,
+    is_exact,
+    reference_rank,
+    sample_plan,
+    sample_rank,
+)
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
-# Channel runs shorter than this are copied channel-major before the compiled kernel reads them.
+# A channel's float32 sum of squares below this is zero or lost precision to underflow.
+_SMALLEST_TRUSTED_SQUARES = 1e-30
+# Channel runs shorter than this are copied channel-major before reducing (see _reduction).
 _SHORT_RUN = 256
-# Channel max-abs range where float32 sums of squares neither under- nor overflow.
-_MODERATE_MAGNITUDE = (1e-15, 1e15)
+# Temporaries of at least this many values go to reused buffers (smaller ones come from
+# the allocator's free lists without page faults).
+_SCRATCH_FROM = 1 << 16
 
 PerChannel = Union[torch.Tensor, int]  # an int stands for the same count in every channel
+Dims = Union[int, tuple[int, int]]  # the dims a per-channel reduction runs over
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchSummary:
-    """Per-channel reductions of one batch: all :func:`stats_of_summaries` needs.
+    """Per-channel reductions of one batch: all :class:`SummaryChunk` needs.
 
-    Tensors are 1-D of length ``channels`` on the batch's device and never alias
-    a scratch buffer, so summaries can be kept until they are folded."""
+    Tensors are 1-D of length ``channels`` on the batch's device."""
 
     channels: int
     channel_min: torch.Tensor
@@ -62,10 +65,6 @@ class BatchSummary:
     inf_count: PerChannel
     reference: Optional[torch.Tensor]  # None: the percentile was not requested
     histogram: Optional[torch.Tensor]  # None: not requested
-    # The float rows (min, max, sum, sum of squares, reference, and the kernel's
-    # selection hint) already stacked as float64 [6, channels], when the producer had them so:
-    # a chunk then stores the batch with one copy.
-    packed: Optional[torch.Tensor] = None
 
     @property
     def device(self) -> torch.device:
@@ -76,191 +75,37 @@ class BatchSummary:
 def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference_percentile: float, *,
                      scratch: Optional[ScratchBuffers] = None, sync_free: Optional[bool] = None,
                      percentile: bool = True, histogram: bool = True,
-                     use_kernel: bool = True) -> Optional[BatchSummary]:
-    """Reduce one floating batch to its :class:`BatchSummary` (None for an empty batch).
-
-    ``use_kernel=False`` skips the compiled fast path (for a batch it already refused)."""
+                     percentile_sample: Optional[int] = PERCENTILE_SAMPLE) -> Optional[BatchSummary]:
+    """Reduce one floating batch to its :class:`BatchSummary` (None for an empty batch)."""
     if not batch.is_floating_point():
         raise TypeError(f"summarize_batch needs a floating tensor, got {batch.dtype}")
     if not 0.0 < reference_percentile < 1.0:
         raise ValueError(f"reference_percentile must be in (0, 1), got {reference_percentile}")
+    if percentile_sample is not None and percentile_sample < 1:
+        raise ValueError(f"percentile_sample must be a positive number of values or None, got {percentile_sample}")
     if batch.numel() == 0:
         return None
-    scratch = scratch if scratch is not None else ScratchBuffers()
     if sync_free is None:
         sync_free = batch.device.type != "cpu"
-    if batch.requires_grad:
-        batch = batch.detach()
-    with torch.no_grad():
-        if use_kernel and not sync_free and batch.dtype == torch.float32 and kernel.available():
-            summary = _summarize_finite_with_kernel(batch, channel_axis, reference_percentile, percentile,
-                                                    histogram, scratch)
-            if summary is not None:
-                return summary
-        values, by_column = _channel_layout(batch.detach(), channel_axis, scratch)
-        hist = _exponent_histogram(values, scratch) if histogram else None
-        summary = None
-        if not sync_free:
-            summarize_finite = _summarize_finite_columns if by_column else _summarize_finite_rows
-            summary = summarize_finite(values, reference_percentile, scratch, percentile, hist)
-        if summary is None:
-            summary = _summarize_any_rows(values.t() if by_column else values, reference_percentile, percentile,
-                                          hist)
-        return summary
-
-
-class SummaryChunk:
-    """Room for up to ``capacity`` :class:`BatchSummary` of one width on one device.
-
-    Summaries are copied into tensors allocated once, so a stream keeps no
-    per-batch allocation alive between folds (small long-lived allocations
-    among large per-batch temporaries fragment the heap). :meth:`stats` folds
-    the stored batches with a handful of vectorised ops."""
-
-    # The last row only mirrors BatchSummary.packed's layout (one copy per batch); it is never folded.
-    _FLOAT_ROWS = ("channel_min", "channel_max", "sum", "sum_of_squares", "reference", "unused_hint")
-    _COUNT_ROWS = ("count", "nan_count", "inf_count")
-
-    def __init__(self, capacity: int, channels: int, device: torch.device) -> None:
-        self.capacity, self.channels, self.device = capacity, channels, device
-        self._floats = torch.zeros(capacity, len(self._FLOAT_ROWS), channels, dtype=torch.float64, device=device)
-        self._float_rows = self._floats.unbind(0)  # per-batch views, made once
-        self._counts = torch.zeros(capacity, len(self._COUNT_ROWS), channels, dtype=torch.int64, device=device)
-        # Finite batches have one count for every channel and no NaN/Inf: kept as plain
-        # ints (None: that row's counts are in _counts) and written at fold time.
-        self._uniform_counts: list[Optional[int]] = [None] * capacity
-        self._histograms: Optional[torch.Tensor] = None  # allocated with the first histogram
-        self._size = 0
-        self._with_reference: Optional[bool] = None
-
-    def __len__(self) -> int:
-        return self._size
-
-    def accepts(self, summary: BatchSummary) -> bool:
-        return summary.channels == self.channels and summary.device == self.device and self._size < self.capacity
-
-    def add(self, summary: BatchSummary) -> None:
-        if not self.accepts(summary):
-            raise ValueError(f"summary of {summary.channels} channels on {summary.device} does not fit a chunk of "
-                             f"{self.channels} channels on {self.device} with {self.capacity - self._size} free")
-        with_reference = summary.reference is not None
-        if self._with_reference is None:
-            self._with_reference = with_reference
-        elif with_reference != self._with_reference:
-            raise ValueError("summaries with and without the percentile cannot share a chunk")
-        row = self._size
-        if summary.packed is not None:  # the reference row is unused without the percentile
-            self._float_rows[row].copy_(summary.packed)
-        else:
-            floats = [summary.channel_min, summary.channel_max, summary.sum, summary.sum_of_squares,
-                      summary.reference if with_reference else summary.channel_max]
-            torch.stack(floats, out=self._floats[row, :5])
-        counts = (summary.count, summary.nan_count, summary.inf_count)
-        if all(isinstance(value, int) for value in counts) and counts[1] == counts[2] == 0:
-            self._uniform_counts[row] = counts[0]
-        else:
-            self._uniform_counts[row] = None
-            torch.stack([_per_channel(value, self.channels, dtype=torch.int64, device=self.device)
-                         for value in counts], out=self._counts[row])
-        if summary.histogram is not None:
-            if self._histograms is None:
-                self._histograms = torch.zeros((self.capacity,) + HISTOGRAM_SHAPE, dtype=torch.int64,
-                                               device=self.device)
-            self._histograms[row].copy_(summary.histogram)
-        elif self._histograms is not None:
-            self._histograms[row].zero_()
-        self._size += 1
-
-    def clear(self) -> None:
-        self._size = 0
-        self._with_reference = None
-
-    def stats(self, channel_axis: Optional[int], q: float) -> TensorStats:
-        """The ``TensorStats`` of the stored batches."""
-        if not self._size:
-            return TensorStats.empty(channel_axis, q, self.channels, self.device)
-        for row, count in enumerate(self._uniform_counts[: self._size]):
-            if count is not None:  # plain slices: an index_put here cost ~1 ms per fold
-                self._counts[row, 1:].zero_()
-                self._counts[row, 0].fill_(count)
-        floats, counts = self._floats[: self._size], self._counts[: self._size]  # (batches, field, C)
-        channel_min, channel_max, reference = floats[:, 0], floats[:, 1], floats[:, 4]
-        has_values = counts[:, 0] > 0
-        if self._with_reference:
-            counted = has_values & (reference != 0)
-            zero_denominator = has_values & (reference == 0) & (channel_max != 0)
-            ratio = torch.where(counted, channel_max / torch.where(counted, reference, 1.0), 0.0)
-        else:  # percentile not requested: no batch counts towards it
-            counted = zero_denominator = torch.zeros_like(has_values)
-            ratio = torch.zeros_like(channel_max)
-        any_values = has_values.any(1)
-        batch_range = torch.where(any_values, channel_max.amax(1) - channel_min.amin(1), 0.0)
-        constant = has_values & (channel_max == channel_min)
-        flags = torch.stack([counted, zero_denominator, constant]).sum(1)
-        return TensorStats._packed(
-            channel_axis,
-            q,
-            extrema=torch.stack([channel_min.amin(0), channel_max.amax(0)]),
-            channel_sums=torch.cat([floats[:, 2:4].sum(0), ratio.sum(0, keepdim=True)]),
-            channel_counts=torch.cat([counts.sum(0), flags]),
-            histogram=(self._histograms[: self._size].sum(0) if self._histograms is not None
-                       else torch.zeros(HISTOGRAM_SHAPE, dtype=torch.int64, device=self.device)),
-            batch_counts=torch.stack([torch.tensor(self._size, device=self.device), any_values.sum()]),
-            batch_range_sum=batch_range.sum(),
-        )
-
-
-def stats_of_summaries(channel_axis: Optional[int], q: float, summaries: list[BatchSummary]) -> TensorStats:
-    """The ``TensorStats`` of the batches behind ``summaries`` (same width and device)."""
-    if not summaries:
-        return TensorStats.empty(channel_axis, q)
-    first = summaries[0]
-    if any(s.channels != first.channels for s in summaries):
-        raise ValueError(f"channel count changed within a stream: {sorted({s.channels for s in summaries})}")
-    chunk = SummaryChunk(len(summaries), first.channels, first.device)
-    for summary in summaries:
-        chunk.add(summary)
-    return chunk.stats(channel_axis, q)
-
-
-def summarize_batch(batch: torch.Tensor, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, *,
-                    scratch: Optional[ScratchBuffers] = None, sync_free: Optional[bool] = None,
-                    percentile: bool = True, histogram: bool = True) -> TensorStats:
-    """Stats of one batch, on the batch's device.
-
-    ``channel_axis`` may be negative; a tensor with too few dimensions for it
-    is read as unbatched (leading singleton dims are assumed), so a 1-D input
-    to a Linear with ``channel_axis=1`` has one channel per feature.
-    ``sync_free`` picks the path: False uses host reads to take a cheaper
-    route when all values are finite (free on CPU), True never reads device
-    values back (default: True off-CPU). Results are identical, except that
-    the host-read path sums a finite batch in float32 (~1e-7 relative).
-    ``percentile=False`` skips the percentile ratio and ``histogram=False`` the
-    histogram (they stay zero): they are the two costly statistics, and a point
-    whose rules read neither should not pay for them.
-    """
-    summary = summarize_values(batch, channel_axis, reference_percentile, scratch=scratch, sync_free=sync_free,
-                               percentile=percentile, histogram=histogram)
+    scratch = scratch if scratch is not None else ScratchBuffers()
+    # Detached tensors record no autograd history, so no no_grad() context is needed.
+    values = batch.detach() if batch.requires_grad else batch
+    if values.dtype != torch.float32 and values.dtype != torch.float64:
+        values = values.float()
+    outer, channels, inner = _outer_channels_inner(tuple(values.shape), channel_axis)
+    data, dims = _reduction(values, outer, channels, inner, scratch)
+    hist = _exponent_histogram(data, scratch) if histogram else None
+    sample = percentile_sample if percentile else 0
+    width = outer * inner
+    summary = None
+    if not sync_free:
+        summary = _summarize_finite(data, dims, width, channels, reference_percentile, sample, hist, scratch)
     if summary is None:
-        return TensorStats.empty(channel_axis, reference_percentile, device=batch.device)
-    return stats_of_summaries(channel_axis, reference_percentile, [summary])
-
-
-def update_stats(stats: TensorStats, batch: torch.Tensor, scratch: Optional[ScratchBuffers] = None, *,
-                 percentile: bool = True, histogram: bool = True) -> TensorStats:
-    """Pure update: ``stats`` followed by one batch (``stats`` is not mutated)."""
-    batch_stats = summarize_batch(batch, stats.channel_axis, stats.reference_percentile, scratch=scratch,
-                                  percentile=percentile, histogram=histogram)
-    return stats.merge(batch_stats)
+        summary = _summarize_any(data, dims, width, channels, reference_percentile, sample, hist, scratch)
+    return summary
 
 
 # -------------------------------------------------------------------- layout
-def _per_channel(value: PerChannel, channels: int, **kind) -> torch.Tensor:
-    if isinstance(value, int):
-        return torch.full((channels,), value, **kind)
-    return value
-
-
 def channel_count(shape: tuple[int, ...], channel_axis: Optional[int]) -> int:
     """Channels of a tensor of this shape (see ``summarize_batch`` for short shapes)."""
     return _outer_channels_inner(tuple(shape), channel_axis)[1]
@@ -279,179 +124,155 @@ def _outer_channels_inner(shape: tuple[int, ...], channel_axis: Optional[int]) -
     return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
 
 
-def _channel_layout(batch: torch.Tensor, channel_axis: Optional[int],
-                    scratch: ScratchBuffers) -> tuple[torch.Tensor, bool]:
-    """The batch as a contiguous matrix in the compute dtype, and whether channels are its columns.
+def _reduction(values: torch.Tensor, outer: int, channels: int, inner: int,
+               scratch: ScratchBuffers) -> tuple[torch.Tensor, Dims]:
+    """The batch and the dims to reduce for per-channel results: ``(values, channels)`` over
+    dim 0, ``(channels, values)`` over dim 1, or ``(outer, channels, inner)`` over dims (0, 2);
+    views where the batch's strides allow (as ``reshape`` decides).
 
-    Rows ``(channels, values)`` or columns ``(values, channels)``; both are read
-    in place when the batch already has that layout, otherwise rows are copied."""
-    compute_dtype = torch.float64 if batch.dtype == torch.float64 else torch.float32
-    outer, channels, inner = _outer_channels_inner(tuple(batch.shape), channel_axis)
-    as_3d = batch.reshape(outer, channels, inner)
-    if batch.dtype == compute_dtype and as_3d.is_contiguous():
-        if outer == 1:
-            return as_3d[0], False  # already channel-major
-        if inner == 1 and channels > 1:
-            return as_3d[:, :, 0], True  # channel-last: the columns are the channels
-    rows = scratch.get("rows", (channels, outer * inner), compute_dtype, batch.device)
-    rows.view(channels, outer, inner).copy_(as_3d.transpose(0, 1))
-    return rows, False
-
-
-def _reference_rank(value_counts: torch.Tensor, q: float) -> torch.Tensor:
-    """0-based ascending index of the q-quantile, ``floor(q * (n - 1))`` in float32 as torch.quantile."""
-    q32 = torch.tensor(q, dtype=torch.float32, device=value_counts.device)
-    return torch.floor(q32 * (value_counts - 1).to(torch.float32)).to(torch.int64)
+    Singleton outer or inner dims are dropped (one-dim reductions are torch's fastest). Short
+    channel runs (``[N, C, 7, 7]``) are copied channel-major once, into a reused buffer: torch
+    reduces (0, 2) with a short inner dim several times slower than the copy costs."""
+    if inner == 1:
+        return values.reshape(outer, channels), 0
+    if outer == 1:
+        return values.reshape(channels, inner), 1
+    if inner < _SHORT_RUN:
+        rows = scratch.get("rows", (channels, outer * inner), values.dtype, values.device)
+        rows.view(channels, outer, inner).copy_(values.reshape(outer, channels, inner).transpose(0, 1))
+        return rows, 1
+    return values.reshape(outer, channels, inner), (0, 2)
 
 
-@functools.lru_cache(maxsize=256)
-def _host_reference_rank(width: int, q: float) -> int:
-    return int(_reference_rank(torch.tensor(width), q))
+def _channel_rows(data: torch.Tensor, dims: Dims) -> torch.Tensor:
+    """Every value as ``(channels, n)`` rows (a copy unless ``data`` already is rows)."""
+    if dims == 1:
+        return data
+    if dims == 0:
+        return data.t().contiguous()
+    return data.transpose(0, 1).reshape(data.shape[1], -1)
 
 
-def _moderate_and_finite(channel_min: torch.Tensor, channel_max: torch.Tensor, channel_sum: torch.Tensor,
-                         sum_of_squares: torch.Tensor) -> bool:
-    """Whether a float32 fast-path summary can be trusted (a few host reads; CPU only).
+def _group_maxima(data: torch.Tensor, dims: Dims, plan: SamplePlan, *, finite_only: bool = False) -> torch.Tensor:
+    """``(channels, groups)``: per channel the maxima of the plan's groups of sampled values.
 
-    NaN/Inf make min/max/sums non-finite (and NaN fails every comparison). The
-    float32 sum of squares could under- or overflow for channel magnitudes
-    outside [1e-15, 1e15]: those batches (rare, and the hostile ones) take the
-    general path, exact in float64."""
-    max_abs = torch.maximum(channel_max, channel_min.neg())
-    largest = float(max_abs.max())
-    smallest_nonzero = float(torch.where(max_abs == 0, 1.0, max_abs).min())
-    low, high = _MODERATE_MAGNITUDE
-    if not (largest < high and (smallest_nonzero > low or largest == 0)):
+    Rows are gathered where they are contiguous (a strided gather costs ~50x more per value).
+    ``finite_only``: NaN/Inf are left out of the maxima (a group of only those gives -inf)."""
+    if dims == 1:  # (C, n): each row gathers its sample
+        picked = data.index_select(1, plan.positions).view(data.shape[0], plan.groups, plan.group_size)
+        reduce_dim = 2
+    else:  # (n, C) or (outer, C, inner): whole rows of channels are gathered
+        if dims == 0:
+            picked = data.index_select(0, plan.positions)
+        else:
+            inner = data.shape[2]
+            picked = data[torch.div(plan.positions, inner, rounding_mode="floor"), :, plan.positions % inner]
+        picked = picked.view(plan.groups, plan.group_size, -1)
+        reduce_dim = 1
+    if finite_only:
+        picked = picked.masked_fill(~torch.isfinite(picked), -math.inf)
+    maxima = picked.amax(reduce_dim) if plan.group_size > 1 else picked.squeeze(reduce_dim)
+    return maxima if reduce_dim == 2 else maxima.t().contiguous()
+
+
+# ---------------------------------------------------------- finite fast path
+def _summarize_finite(data: torch.Tensor, dims: Dims, width: int, channels: int, q: float,
+                      sample_size: Optional[int], histogram: Optional[torch.Tensor],
+                      scratch: ScratchBuffers) -> Optional[BatchSummary]:
+    """Fast path for finite batches of moderate magnitude; None (after a host read) otherwise.
+
+    ``sample_size`` 0: no percentile; None: the exact reference."""
+    channel_min, channel_max = data.amin(dims), data.amax(dims)
+    channel_sum = data.sum(dims)
+    sum_of_squares = _sum_of_squares(data, dims, scratch)
+    if not _trusted_squares(sum_of_squares, channel_min, channel_max):
+        return None
+    reference = None
+    if sample_size != 0:
+        if is_exact(width, channels, sample_size):
+            reference = _channel_rows(data, dims).kthvalue(host_reference_rank(width, q) + 1, dim=1).values
+        else:
+            plan = sample_plan(width, q, sample_size, data.device)
+            reference = _group_maxima(data, dims, plan).kthvalue(plan.kth, dim=1).values
+    return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
+                        reference, histogram)
+
+
+def _sum_of_squares(data: torch.Tensor, dims: Dims, scratch: ScratchBuffers) -> torch.Tensor:
+    """Per-channel sums of squares. The squares of a large batch go to a reused buffer: a
+    fresh activation-sized temporary costs a page fault per 4 KiB, more than the arithmetic."""
+    if data.numel() < _SCRATCH_FROM:
+        return torch.mul(data, data).sum(dims)
+    squares = scratch.get("squares", tuple(data.shape), data.dtype, data.device)
+    return torch.mul(data, data, out=squares).sum(dims)
+
+
+def _trusted_squares(sum_of_squares: torch.Tensor, channel_min: torch.Tensor, channel_max: torch.Tensor) -> bool:
+    """Whether a batch's float32 sums can be kept: every value finite, and no square over- or
+    underflowed (host reads; CPU only).
+
+    NaN and +-Inf make the sum of squares NaN or Inf, and so does a square beyond float32
+    range. A channel whose sum of squares is below 1e-30 either is all zeros (fine: ReLU
+    leaves many) or holds magnitudes below ~1e-15, whose squares lose precision in float32:
+    the general path sums those in float64."""
+    smallest, largest = torch.aminmax(sum_of_squares)
+    if not largest.item() < _FLOAT32_MAX:
         return False
-    return math.isfinite(float(channel_sum.sum()) + float(sum_of_squares.sum()))
-
-
-# ---------------------------------------------------------- finite fast paths
-def in_place_layout(batch: torch.Tensor, channel_axis: Optional[int]) -> Optional[tuple[int, int, int]]:
-    """``(outer, channels, inner)`` when the compiled kernel can read ``batch`` where it lies (as
-    :func:`kernel_view` would, without making the view), else None (it needs a copy)."""
-    outer, channels, inner = _outer_channels_inner(tuple(batch.shape), channel_axis)
-    if (1 < inner < _SHORT_RUN and outer > 1) or not batch.is_contiguous():
-        return None
-    return outer, channels, inner
-
-
-def kernel_view(batch: torch.Tensor, channel_axis: Optional[int], scratch: ScratchBuffers) -> torch.Tensor:
-    """A float32 CPU batch as the contiguous ``(outer, channels, inner)`` array the compiled kernel reads.
-
-    In place where the layout allows; short runs ([N, C, 7, 7]) would be read a few values at a
-    time, so they (and non-contiguous batches) are copied channel-major into a reused buffer:
-    fresh megabyte-sized blocks per batch fragment glibc's heap (RSS grows)."""
-    outer, channels, inner = _outer_channels_inner(tuple(batch.shape), channel_axis)
-    values = batch.reshape(outer, channels, inner)
-    short_runs = 1 < inner < _SHORT_RUN and outer > 1
-    if short_runs or not values.is_contiguous():
-        rows = scratch.get("rows", (channels, outer * inner), torch.float32, batch.device)
-        rows.view(channels, outer, inner).copy_(values.transpose(0, 1))
-        values = rows.view(1, channels, outer * inner)
-    return values
-
-
-def wanted_rank(width: int, q: float) -> int:
-    """The reference quantile of ``width`` values is their wanted_rank-th largest."""
-    return width - _host_reference_rank(width, q)
-
-
-def _summarize_finite_with_kernel(batch: torch.Tensor, channel_axis: Optional[int], q: float, percentile: bool,
-                                  histogram: bool, scratch: ScratchBuffers) -> Optional[BatchSummary]:
-    """Compiled fast path (float32 CPU): every statistic in one read, in place in any layout.
-
-    None when the batch is not finite or of moderate magnitude: the general path takes it."""
-    if batch.device.type != "cpu":
-        return None
-    values = kernel_view(batch, channel_axis, scratch)
-    outer, channels, inner = values.shape
-    width = outer * inner
-    wanted = wanted_rank(width, q) if percentile else None
-    result = kernel.summarize_channels(values, wanted, histogram=histogram)
-    if not result.trusted:
-        return None
-    packed = result.packed
-    channel_min, channel_max, channel_sum, sum_of_squares, reference, _ = packed.unbind(0)
-    key_counts = result.key_counts
-    return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
-                        reference if percentile else None,
-                        histogram_of_key_counts(key_counts) if key_counts is not None else None,
-                        packed=packed)
-
-
-def _summarize_finite_rows(rows: torch.Tensor, q: float, scratch: ScratchBuffers, percentile: bool,
-                           histogram: Optional[torch.Tensor]) -> Optional[BatchSummary]:
-    """Fast path for finite rows of moderate magnitude; None (after one host read) otherwise."""
-    channels, width = rows.shape
-    wanted = width - _host_reference_rank(width, q)  # reference = wanted-th largest
-    block_max = selection.block_maxima_of_rows(rows, wanted) if percentile else None
-    channel_max = (rows if block_max is None else block_max).amax(1)
-    channel_min = rows.amin(1)
-    channel_sum = rows.sum(1)
-    if channels == 1:  # a per-tensor point: BLAS dot is the cheapest sum of squares
-        sum_of_squares = torch.dot(rows[0], rows[0]).reshape(1)
-    else:
-        sum_of_squares = torch.linalg.vector_norm(rows, dim=1).double().square()
-    if not _moderate_and_finite(channel_min, channel_max, channel_sum, sum_of_squares):
-        return None
-    reference = None
-    if percentile:
-        above = scratch.get("above", tuple(rows.shape), torch.bool, rows.device)
-        reference = selection.kth_largest_of_rows(rows, block_max, wanted, above)
-    return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
-                        reference, histogram)
-
-
-def _summarize_finite_columns(columns: torch.Tensor, q: float, scratch: ScratchBuffers, percentile: bool,
-                              histogram: Optional[torch.Tensor]) -> Optional[BatchSummary]:
-    """Fast path for finite channel-last data: every reduction runs down the columns,
-    contiguous across channels, so nothing is transposed."""
-    width, channels = columns.shape
-    channel_min = columns.amin(0)
-    channel_sum = columns.sum(0)
-    squares = scratch.get("squares", tuple(columns.shape), columns.dtype, columns.device)
-    sum_of_squares = torch.mul(columns, columns, out=squares).sum(0)
-    reference = None
-    if percentile:  # the selection's tournament yields the maxima too
-        channel_max, reference = selection.max_and_kth_largest_of_columns(
-            columns, width - _host_reference_rank(width, q))
-    else:
-        channel_max = columns.amax(0)
-    if not _moderate_and_finite(channel_min, channel_max, channel_sum, sum_of_squares):
-        return None
-    return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
-                        reference, histogram)
+    if smallest.item() >= _SMALLEST_TRUSTED_SQUARES:
+        return True
+    tiny = sum_of_squares < _SMALLEST_TRUSTED_SQUARES
+    return not bool((tiny & ((channel_max != 0) | (channel_min != 0))).any())
 
 
 # --------------------------------------------------------------- general path
-def _summarize_any_rows(rows: torch.Tensor, q: float, percentile: bool,
-                        histogram: Optional[torch.Tensor]) -> BatchSummary:
-    """General path: tolerates NaN/Inf and never reads a device value back.
-
-    ``rows`` may be a transposed (non-contiguous) view: everything here is a
-    reduction along dim 1."""
-    channels, width = rows.shape
-    finite = torch.isfinite(rows)
-    nan_count = torch.isnan(rows).sum(1)
-    count = finite.sum(1)
+def _summarize_any(data: torch.Tensor, dims: Dims, width: int, channels: int, q: float,
+                   sample_size: Optional[int], histogram: Optional[torch.Tensor],
+                   scratch: ScratchBuffers) -> BatchSummary:
+    """General path: tolerates NaN/Inf, sums in float64 and never reads a device value back."""
+    finite = torch.isfinite(data)
+    nan_count = torch.isnan(data).sum(dims)
+    count = finite.sum(dims)
     inf_count = width - count - nan_count
-    for_max = rows.masked_fill(~finite, -math.inf)
-    finite_or_zero = rows.masked_fill(~finite, 0).to(torch.float64)
-    # With NaN/Inf excluded each channel has its own number of values, so its
-    # own quantile rank; one topk deep enough for the largest rank serves all.
+    finite_or_zero = data.masked_fill(~finite, 0).to(torch.float64)
+    channel_max = data.masked_fill(~finite, -math.inf).amax(dims)
     reference = None
-    if percentile:
-        rank = _reference_rank(count, q)
-        wanted = count - rank  # the wanted value is the wanted-th largest
-        deepest = min(width, width - _host_reference_rank(width, q) + 2)
-        top = for_max.topk(deepest, dim=1).values
-        reference = top.gather(1, (wanted - 1).clamp(0, deepest - 1).unsqueeze(1)).squeeze(1)
-    return BatchSummary(channels, rows.masked_fill(~finite, math.inf).amin(1), for_max.amax(1),
-                        finite_or_zero.sum(1), finite_or_zero.square().sum(1), count, nan_count, inf_count,
+    if sample_size != 0:
+        # With NaN/Inf excluded each channel has its own number of values, so its own rank.
+        rank = reference_rank(count, q)
+        if is_exact(width, channels, sample_size):
+            rows = _channel_rows(data, dims)
+            # Non-finite values sort last as +inf, after every finite one.
+            ordered = rows.masked_fill(~torch.isfinite(rows), math.inf).sort(dim=1).values
+            index = rank.clamp(min=0)
+        else:
+            plan = sample_plan(width, q, sample_size, data.device)
+            maxima = _group_maxima(data, dims, plan, finite_only=True)
+            kept = _sampled_finite_count(data, dims, plan)
+            from_top = (kept - sample_rank(rank, count, kept)).clamp(max=plan.groups)
+            ordered = maxima.sort(dim=1, descending=True).values
+            index = (from_top - 1).clamp(min=0)
+        reference = ordered.gather(1, index.unsqueeze(1)).squeeze(1)
+        # A channel whose few finite values all escaped the sample has no estimate: its
+        # maximum stands in (ratio 1, never an outlier).
+        reference = torch.where(torch.isfinite(reference), reference, channel_max)
+    return BatchSummary(channels, data.masked_fill(~finite, math.inf).amin(dims), channel_max,
+                        finite_or_zero.sum(dims), finite_or_zero.square().sum(dims), count, nan_count, inf_count,
                         reference, histogram)
 
 
+def _sampled_finite_count(data: torch.Tensor, dims: Dims, plan: SamplePlan) -> torch.Tensor:
+    """Per channel, how many of the plan's sampled values are finite."""
+    if dims == 1:
+        return torch.isfinite(data.index_select(1, plan.positions)).sum(1)
+    if dims == 0:
+        picked = data.index_select(0, plan.positions)
+    else:
+        inner = data.shape[2]
+        picked = data[torch.div(plan.positions, inner, rounding_mode="floor"), :, plan.positions % inner]
+    return torch.isfinite(picked).sum(0)
+
+
+# ----------------------------------------------------------------- histogram
 def _exponent_histogram(values: torch.Tensor, scratch: ScratchBuffers) -> torch.Tensor:
     """(sign, float32 exponent) counts of the finite values; see the accumulator docstring."""
     if values.dtype == torch.float64:
@@ -460,12 +281,12 @@ def _exponent_histogram(values: torch.Tensor, scratch: ScratchBuffers) -> torch.
         infinities = torch.stack([(values == math.inf).sum(), (values == -math.inf).sum()])
     else:
         as_float32, infinities = values, None
-    keys = scratch.get("keys", tuple(as_float32.shape), torch.int32, values.device)
     # An arithmetic shift leaves the sign-extended (sign, exponent) pair:
     # exponent for positives, exponent - 256 for negatives.
+    keys = scratch.get("keys", tuple(as_float32.shape), torch.int32, values.device)
     torch.bitwise_right_shift(as_float32.view(torch.int32), 23, out=keys)
     keys += 256
-    histogram = histogram_of_key_counts(_count_keys(keys.view(-1), 512))
+    histogram = histogram_of_key_counts(_count_keys(keys.reshape(-1), 512))
     if infinities is not None:
         histogram[:, 254] -= infinities
     return histogram

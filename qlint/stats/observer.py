@@ -13,19 +13,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from qlint.stats import kernel
 from qlint.stats.accumulator import ScratchBuffers, TensorStats
-from qlint.stats.batch import SummaryChunk, channel_count, summarize_values
-from qlint.stats.stream import KernelStream
+from qlint.stats.batch import channel_count, summarize_values
+from qlint.stats.fold import RunningStats
+from qlint.stats.selection import PERCENTILE_SAMPLE
 
 _thread_local = threading.local()
-# Batches off the compiled path (other devices or dtypes, NaN/Inf): their
-# summaries are folded into the running stats this many at a time, so the
-# fold's bookkeeping (ratios, flags, merge) costs once per chunk, and
-# a chunk holds only a few per-channel vectors per batch, never activations.
-# 8 already amortizes the fold; more would only grow the chunk buffers
-# (8 rows x 8 bytes per channel and batch slot, for every observer).
-FOLD_EVERY = 8
 
 
 def thread_scratch_buffers() -> ScratchBuffers:
@@ -49,42 +42,45 @@ class StatsObserver(nn.Module):
         percentile, histogram: compute these two costly statistics (when off
             they stay zero; every other statistic is always computed).
         expected_channels: the channel count the first batch will likely have
-            (from shape propagation); lets the observer allocate its buffers
-            before calibration rather than during its first forward pass.
+            (from shape propagation); the fold buffers are then allocated now,
+            before calibration, rather than in the middle of its first forward
+            pass, where a long-lived block among the activations makes the heap
+            grow around it.
+        percentile_sample: the most values per channel and batch the reference
+            quantile is selected from (None: all of them, exact); see
+            :mod:`qlint.stats.selection`.
 
     Non-tensors, non-floating tensors and empty tensors pass through ignored.
     Statistics live on the device of the tensors observed; the forward reads
-    device values back only on CPU, where that costs nothing.
-    Work buffers are shared by all observers of a thread (see
-    :func:`thread_scratch_buffers`).
+    device values back only on CPU, where that costs nothing. Work buffers are
+    shared by all observers of a thread (see :func:`thread_scratch_buffers`).
     """
 
     def __init__(self, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, *,
-                 percentile: bool = True, histogram: bool = True, expected_channels: Optional[int] = None):
+                 percentile: bool = True, histogram: bool = True, expected_channels: Optional[int] = None,
+                 percentile_sample: Optional[int] = PERCENTILE_SAMPLE):
         super().__init__()
         self.channel_axis = channel_axis
         self.reference_percentile = reference_percentile
         self.percentile = percentile
         self.histogram = histogram
-        self._folded = TensorStats.empty(channel_axis, reference_percentile)
-        # float32 CPU batches: folded as they arrive (see qlint.stats.stream)
-        self._stream: Optional[KernelStream] = None
-        if expected_channels and kernel.available():  # buffers made now, not mid-forward
-            self._stream = self._new_stream(expected_channels)
-        # every other batch: summaries kept in a chunk, folded FOLD_EVERY at a time
-        self._chunk: Optional[SummaryChunk] = None
+        self.percentile_sample = percentile_sample
+        # Stats given through the setter (a saved state), then the batches observed since.
+        self._base = TensorStats.empty(channel_axis, reference_percentile)
+        self._running: Optional[RunningStats] = (
+            RunningStats(expected_channels, "cpu") if expected_channels else None)
 
     @property
     def stats(self) -> TensorStats:
         """Statistics of every batch observed so far."""
-        self._fold()
-        return self._folded
+        if self._running is None or not len(self._running):
+            return self._base
+        return self._base.merge(self._running.stats(self.channel_axis, self.reference_percentile))
 
     @stats.setter
     def stats(self, stats: TensorStats) -> None:
-        self._stream = None
-        self._chunk = None
-        self._folded = stats
+        self._running = None
+        self._base = stats
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
@@ -92,43 +88,19 @@ class StatsObserver(nn.Module):
         return value
 
     def _observe(self, value: torch.Tensor) -> None:
-        scratch = thread_scratch_buffers()
-        if self._stream is not None and self._stream.add(value, scratch):
-            return  # the common case, first: a stream refuses a batch of another width
-        width, channels = self._width(), channel_count(value.shape, self.channel_axis)
+        running = self._running
+        width = running.channels if running is not None and len(running) else self._base.num_channels
+        channels = channel_count(value.shape, self.channel_axis)
         if width and channels != width:
             raise ValueError(f"channel count changed from {width} to {channels}")
-        if self._stream is None and value.dtype == torch.float32 and value.device.type == "cpu" and kernel.available():
-            self._stream = self._new_stream(None)
-            if self._stream.add(value, scratch):
-                return
-        # The compiled path refused this batch (or does not apply): the tensor-op paths take it.
-        summary = summarize_values(value, self.channel_axis, self.reference_percentile, scratch=scratch,
-                                   percentile=self.percentile, histogram=self.histogram, use_kernel=False)
-        if self._chunk is not None and not self._chunk.accepts(summary):
-            self._fold()  # full, or the data moved to another device
-        if self._chunk is None or self._chunk.device != summary.device:
-            self._chunk = SummaryChunk(FOLD_EVERY, summary.channels, summary.device)
-        self._chunk.add(summary)
-
-    def _new_stream(self, expected_channels: Optional[int]) -> KernelStream:
-        return KernelStream(self.channel_axis, self.reference_percentile, percentile=self.percentile,
-                            histogram=self.histogram, expected_channels=expected_channels)
-
-    def _width(self) -> int:
-        """Channels seen so far (0 before the first batch)."""
-        if self._stream is not None and self._stream.observed_channels:
-            return self._stream.observed_channels
-        if self._chunk is not None:
-            return self._chunk.channels
-        return self._folded.num_channels
-
-    def _fold(self) -> None:
-        if self._stream is not None and len(self._stream):
-            self._folded = self._folded.merge(self._stream.take())
-        if self._chunk is not None and len(self._chunk):
-            self._folded = self._folded.merge(self._chunk.stats(self.channel_axis, self.reference_percentile))
-            self._chunk.clear()
+        summary = summarize_values(value, self.channel_axis, self.reference_percentile,
+                                   scratch=thread_scratch_buffers(), percentile=self.percentile,
+                                   histogram=self.histogram, percentile_sample=self.percentile_sample)
+        if running is None or not running.accepts(summary):
+            # First batch, another device, or another width than expected: start a stream there.
+            self.stats = self.stats
+            running = self._running = RunningStats(summary.channels, summary.device)
+        running.add(summary)
 
     def reset(self) -> None:
         """Forget everything observed so far."""

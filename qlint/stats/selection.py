@@ -1,186 +1,132 @@
-"""Exact per-channel selection: the m-th largest value of every channel of one batch.
+"""How the reference quantile of every channel of one batch is selected: exactly, or from a bounded sample.
 
-This is the costly part of the percentile-ratio statistic (the reference
-quantile of each channel), so it has two layouts, and each avoids a full sort:
+torch's OutlierDetector compares each channel's maximum with its
+``torch.quantile(..., q, interpolation="lower")``: the ascending element at
+index ``r = floor(float32(q) * float32(n - 1))`` of the channel's ``n`` values.
+Selecting that element costs a partial sort of every value: ``torch.kthvalue``
+spends 3-10 ns per value, 30-100x a reduction such as ``amax``, and on a
+transformer layer (few tokens, many channels) that alone exceeds the 30 % of a
+forward pass calibration may add. So:
 
-* **rows** ``(channels, values)``, channel-major (conv inputs after the
-  channel-major copy): a block-maximum prefilter leaves ~3 % of each row as
-  candidates, then one partition (see :func:`kth_largest_of_rows`).
-* **columns** ``(values, channels)``, channel-last (the ``[..., features]``
-  input of a Linear, read in place): a tournament of block maxima, see
-  :func:`kth_largest_of_columns`. It reads every value once (one max-reduction
-  that is contiguous across channels) and then touches only ``fan * m`` values
-  per channel per level, so no transposed copy of the batch is ever made.
+* a batch with at most :data:`EXACT_VALUES` values at a point (every channel
+  together) gets the exact element torch picks;
+* a larger one gets the estimate of a :class:`SamplePlan`: the values at
+  ``s <= percentile_sample`` fixed random positions (all positions, in random
+  order, when a channel has fewer), taken in groups of ``g`` and reduced to the
+  group maxima (one cheap ``amax``); the reference is the ``m``-th largest group
+  maximum, ``m`` the sample's rank from the top whose expected batch rank is
+  torch's. Selecting among ``s / g`` maxima instead of ``n`` values is what
+  makes it cheap; the groups are small enough (at least
+  :data:`_MAXIMA_PER_RANK` ``* m`` of them) that the top values rarely share one.
 
-Both are exact: they return the very element ``torch.kthvalue`` would. Both
-need finite values (the general path in :mod:`qlint.stats.accumulator`
-handles NaN/Inf). On CPU, numpy's partition (SIMD introselect) is used when
-numpy is installed; it is several times faster than ``torch.kthvalue``, which
-also tracks indices. Without numpy (or off-CPU) torch does the same work.
+The positions come from a local ``torch.Generator`` of fixed seed (never the
+global RNG) and depend only on ``n``: every channel and every batch of the same
+shape use the same ones, so results are reproducible and independent of batch
+order, and merging stays exact.
+
+Error bound: sampled positions are uniform, so the batch ranks of the sampled
+values are uniform whatever the data, and the batch level of the estimate
+(the fraction of the channel's values below it) has a distribution that
+depends on ``n``, ``q`` and the plan only. ``bench/percentile_bound.py``
+computes it; for q = 0.975 and the default 512 values it lies in
+[0.955, 0.985] with probability 99 % (docs/architecture.md, "Statistics").
+The group maxima make the estimate never exceed the sample's exact order
+statistic (it errs towards larger ratios, never hiding an outlier the exact
+statistic would show).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Optional
+import dataclasses
+import functools
 
 import torch
 
-try:  # optional: numpy's SIMD partition makes the CPU percentile search much cheaper
-    import numpy as _numpy
-except ImportError:  # pragma: no cover - exercised only where numpy is absent
-    _numpy = None
-
-# Largest block of the row prefilter; bigger blocks make the threshold search
-# cheaper but the threshold looser (more candidates).
-_MAX_PREFILTER_BLOCK = 32
-# Rows shorter than this go straight to a full selection: prefiltering does not pay.
-_MIN_PREFILTER_ROW = 1024
-# Tournament of the column layout: values per block at each level, and the
-# size below which the top level is selected directly.
-_TOURNAMENT_FAN = 8
-_TOURNAMENT_TOP = 64
+# Values per channel and batch the reference quantile is estimated from.
+PERCENTILE_SAMPLE = 512
+# A batch with at most this many values at a point gets the exact reference (a
+# kthvalue over all of them costs ~0.1-0.3 ms).
+EXACT_VALUES = 32768
+# Largest group whose maximum stands for its values.
+_LARGEST_GROUP = 8
+# At least this many group maxima per rank from the top: the top values then rarely share a group.
+_MAXIMA_PER_RANK = 5
+# Fixed seed of the sample positions: results are reproducible run to run.
+_SAMPLE_SEED = 0x51A7
 
 
-def _uses_numpy(values: torch.Tensor) -> bool:
-    return _numpy is not None and values.device.type == "cpu"
+def reference_rank(value_counts: torch.Tensor, q: float) -> torch.Tensor:
+    """0-based ascending index of the q-quantile, ``floor(q * (n - 1))`` in float32 as torch.quantile."""
+    q32 = torch.tensor(q, dtype=torch.float32, device=value_counts.device)
+    return torch.floor(q32 * (value_counts - 1).to(torch.float32)).to(torch.int64)
 
 
-# ------------------------------------------------------------------- rows
-def block_maxima_of_rows(rows: torch.Tensor, m: int) -> Optional[torch.Tensor]:
-    """Maxima of disjoint blocks of each row (at least 2m blocks), or None for short rows.
-
-    Blocks are strided, {j, j + g, j + 2g, ...}, so this is one vectorised
-    reduction over a middle axis; leftover values are singleton blocks. Its
-    row maxima are the row maxima, so callers reuse it for ``amax``."""
-    channels, width = rows.shape
-    if width < _MIN_PREFILTER_ROW or 8 * m > width:
-        return None
-    block = min(_MAX_PREFILTER_BLOCK, width // (2 * m))
-    groups = width // block
-    block_max = rows[:, : block * groups].view(channels, block, groups).amax(1)
-    if block * groups < width:
-        block_max = torch.cat([block_max, rows[:, block * groups :]], dim=1)
-    return block_max
+@functools.lru_cache(maxsize=256)
+def host_reference_rank(width: int, q: float) -> int:
+    """:func:`reference_rank` of ``width`` values, as a Python int."""
+    return int(reference_rank(torch.tensor(width), q))
 
 
-def kth_largest_of_rows(rows: torch.Tensor, block_max: Optional[torch.Tensor], m: int,
-                        scratch_above: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per row, the m-th largest value (1-based) of finite rows, exactly.
-
-    Long rows are prefiltered with their :func:`block_maxima_of_rows`: t = the
-    m-th largest block maximum. Those m blocks hold m distinct values >= t, so
-    the answer is >= t; if fewer than m values exceed t the answer is t
-    itself, otherwise it is the m-th largest of the few values > t (~3 % of a
-    row for q = 0.975). ``scratch_above`` is an optional bool work buffer of
-    ``rows``' shape for the torch path.
-    """
-    channels, width = rows.shape
-    if block_max is None:
-        if _uses_numpy(rows):
-            return torch.from_numpy(_numpy.partition(rows.numpy(), width - m, axis=1)[:, width - m].copy())
-        return rows.kthvalue(width - m + 1, dim=1).values
-    if _uses_numpy(rows):
-        return torch.from_numpy(_numpy.ascontiguousarray(
-            _select_above_block_threshold_numpy(rows.numpy(), block_max.numpy(), m)))
-    threshold = block_max.kthvalue(block_max.shape[1] - m + 1, dim=1).values
-    above = scratch_above if scratch_above is not None else torch.empty_like(rows, dtype=torch.bool)
-    torch.gt(rows, threshold.unsqueeze(1), out=above)
-    flat_index = above.view(-1).nonzero().squeeze(1)
-    row_of = torch.div(flat_index, width, rounding_mode="floor")
-    counts = torch.bincount(row_of, minlength=channels)
-    tail_width = int(counts.max()) if row_of.numel() else 0
-    if tail_width < m:
-        return threshold
-    # Pack each row's values above t left-aligned into a -inf padded matrix;
-    # padding sorts first, so one kthvalue with a shared k finds the answer.
-    padded = rows.new_full((channels, tail_width), -math.inf)
-    slot = torch.arange(row_of.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[row_of]
-    padded.view(-1).index_copy_(0, row_of * tail_width + slot, rows.view(-1).index_select(0, flat_index))
-    in_tail = padded.kthvalue(tail_width - m + 1, dim=1).values
-    return torch.where(counts >= m, in_tail, threshold)
+def sample_rank(rank: torch.Tensor, width: torch.Tensor, sample_size: torch.Tensor) -> torch.Tensor:
+    """0-based ascending index, in a sorted sample of ``sample_size`` of ``width`` values, whose
+    expected batch index is ``rank``: the j-th smallest (1-based) of s values drawn from n has
+    expected rank ``j (n + 1) / (s + 1)``. Exact (``rank`` itself) when ``s == n``."""
+    one_based = torch.div((rank + 1) * (sample_size + 1) * 2 + width + 1, (width + 1) * 2, rounding_mode="floor")
+    return torch.minimum((one_based - 1).clamp(min=0), (sample_size - 1).clamp(min=0))
 
 
-def _select_above_block_threshold_numpy(values, block_max, m: int):
-    """numpy twin of the prefiltered branch of :func:`kth_largest_of_rows`."""
-    np = _numpy
-    channels = values.shape[0]
-    threshold = np.partition(block_max, block_max.shape[1] - m, axis=1)[:, block_max.shape[1] - m]
-    above = values > threshold[:, None]
-    counts = np.array([np.count_nonzero(row) for row in above])  # 1-D popcount beats axis=1
-    tail_width = int(counts.max())
-    if tail_width < m:
-        return threshold
-    tail = values[above]  # row-major, so grouped by row
-    row_of = np.repeat(np.arange(channels), counts)
-    slot = np.arange(tail.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    padded = np.full((channels, tail_width), -np.inf, dtype=values.dtype)
-    padded[row_of, slot] = tail
-    in_tail = np.partition(padded, tail_width - m, axis=1)[:, tail_width - m]
-    return np.where(counts >= m, in_tail, threshold)
+@dataclasses.dataclass(frozen=True)
+class SamplePlan:
+    """Where the reference of a channel of ``width`` values is estimated from.
+
+    ``positions``: ``groups * group_size`` positions in [0, width), in random order
+    (consecutive entries form a group); ``from_top``: the reference is the
+    ``from_top``-th largest of the ``groups`` group maxima."""
+
+    positions: torch.Tensor
+    groups: int
+    group_size: int
+    from_top: int
+
+    @property
+    def kth(self) -> int:
+        """``torch.kthvalue``'s (1-based, ascending) k among the group maxima."""
+        return self.groups - self.from_top + 1
 
 
-# ---------------------------------------------------------------- columns
-def kth_largest_of_columns(columns: torch.Tensor, m: int) -> torch.Tensor:
-    """Per column of a contiguous finite ``(values, channels)`` matrix, the m-th largest value, exactly."""
-    return max_and_kth_largest_of_columns(columns, m)[1]
+def is_exact(width: int, channels: int, sample_size: int | None) -> bool:
+    """Whether the reference of a batch of ``channels`` x ``width`` values is selected exactly."""
+    return sample_size is None or width * channels <= EXACT_VALUES
 
 
-def max_and_kth_largest_of_columns(columns: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per column of a contiguous finite ``(values, channels)`` matrix: (maximum, m-th largest value), exactly.
-
-    The maximum comes free with the tournament below (it is the top level's
-    maximum), so callers need no separate pass over the data for it.
-
-    A tournament: level 0 is the matrix; level L+1 holds the maxima of blocks
-    of ``fan`` level-L rows (strided blocks, so each level is one reduction
-    that is contiguous across channels). At the top (at most ~64 rows) the m
-    largest entries per channel are selected directly. Going down, the m
-    largest entries of level L are among the children of the m largest of
-    level L+1 (plus the few rows a level leaves out of its blocks): an entry
-    outside them is beaten by m parents, each of which is, or holds, a larger
-    child. Repeating this to level 0 leaves ``fan * m`` candidates per channel,
-    whose m-th largest is the answer (by value; ties can swap which equal
-    element is picked, never the value).
-    """
-    width, channels = columns.shape
-    if not 1 <= m <= width:
-        raise ValueError(f"m must be in [1, {width}], got {m}")
-    if not _uses_numpy(columns):
-        return columns.amax(0), kth_largest_of_rows(columns.t().contiguous(), None, m)
-    np = _numpy
-    # levels[i]: (level i as a flat array, number of whole blocks of fan rows in it)
-    levels: list[tuple[object, int]] = []
-    current = columns
-    while current.shape[0] // _TOURNAMENT_FAN >= max(_TOURNAMENT_TOP, 2 * m):
-        groups = current.shape[0] // _TOURNAMENT_FAN
-        levels.append((current.numpy().reshape(-1), groups))
-        current = current[: groups * _TOURNAMENT_FAN].view(_TOURNAMENT_FAN, groups, channels).amax(0)
-    top = np.ascontiguousarray(current.numpy().T)  # (channels, rows): small
-    column_max = torch.from_numpy(top.max(axis=1))
-    if not levels:
-        return column_max, torch.from_numpy(_mth_largest_per_row(top, m))
-    channel = np.arange(channels)[:, None]
-    flat = _top_m_per_row(top, m) * channels + channel  # flat indices into the top level
-    for level in range(len(levels) - 1, -1, -1):
-        values, groups = levels[level]
-        child_offsets = np.arange(_TOURNAMENT_FAN) * (groups * channels)
-        candidates = (flat[:, :, None] + child_offsets).reshape(channels, -1)
-        leftover = np.arange(groups * _TOURNAMENT_FAN, values.size // channels)
-        if leftover.size:  # rows outside whole blocks have no parent: always candidates
-            candidates = np.concatenate([candidates, leftover[None, :] * channels + channel], axis=1)
-        gathered = values[candidates]
-        if level > 0:
-            flat = np.take_along_axis(candidates, _top_m_per_row(gathered, m), axis=1)
-    return column_max, torch.from_numpy(_mth_largest_per_row(gathered, m))
+def sample_plan(width: int, q: float, sample_size: int, device: torch.device) -> SamplePlan:
+    """The (cached) :class:`SamplePlan` for channels of ``width`` values."""
+    return _device_plan(width, q, sample_size, torch.device(device))
 
 
-def _top_m_per_row(values, m: int):
-    """Column indices of the m largest entries of each row (in no particular order)."""
-    width = values.shape[1]
-    return _numpy.argpartition(values, width - m, axis=1)[:, width - m :]
+@functools.lru_cache(maxsize=128)
+def _device_plan(width: int, q: float, sample_size: int, device: torch.device) -> SamplePlan:
+    plan = _plan(width, q, sample_size)
+    return dataclasses.replace(plan, positions=plan.positions.to(device))
 
 
-def _mth_largest_per_row(values, m: int):
-    width = values.shape[1]
-    return _numpy.partition(values, width - m, axis=1)[:, width - m].copy()
+@functools.lru_cache(maxsize=128)
+def _plan(width: int, q: float, sample_size: int) -> SamplePlan:
+    if sample_size < 1:
+        raise ValueError(f"percentile_sample must be a positive number of values, got {sample_size}")
+    taken = min(width, sample_size)
+    rank = host_reference_rank(width, q)
+    from_top = taken - int(sample_rank(torch.tensor(rank), torch.tensor(width), torch.tensor(taken)))
+    group_size = max(1, min(_LARGEST_GROUP, taken // (_MAXIMA_PER_RANK * from_top)))
+    groups = taken // group_size
+    generator = torch.Generator().manual_seed(_SAMPLE_SEED)
+    if width <= sample_size:
+        # Every value, in random order; up to group_size - 1 of them left out so groups are whole.
+        positions = torch.randperm(width, generator=generator)[: groups * group_size]
+    else:
+        # Independent uniform draws: no stride can line up with periodic structure (image rows,
+        # token positions), and the sampled ranks are exactly uniform.
+        positions = torch.randint(width, (groups * group_size,), generator=generator)
+    kept = groups * group_size  # the rank among the values kept (exact when all are)
+    from_top = kept - int(sample_rank(torch.tensor(rank), torch.tensor(width), torch.tensor(kept)))
+    return SamplePlan(positions, groups, group_size, min(from_top, groups))

@@ -14,7 +14,7 @@ from qlint.linter.calibration.run import batch_total, limited_batches, run_calib
 from qlint.linter.calibration.statistics import CalibrationStatistics
 from qlint.linter.findings import Notice
 from qlint.linter.rule import Need, Rule
-from qlint.stats import kernel, thread_scratch_buffers
+from qlint.stats import thread_scratch_buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,6 @@ def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
                 handle.remove()
     stats = {point: observers[point].stats for point in observers}
     thread_scratch_buffers().clear()  # work buffers sized for the largest activation: not kept after lint
-    kernel.release_workspaces()
     if ranks.distributed:
         stats, count = all_reduce(stats, count, ranks)
     if count == 0:

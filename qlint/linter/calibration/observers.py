@@ -13,7 +13,6 @@ from qlint.core.nested import first_tensor
 from qlint.linter.calibration.points import ObservationPoint
 from qlint.stats import StatsObserver
 from qlint.stats.batch import channel_count
-from qlint.stats.memory import return_free_heap_to_os
 
 DEFAULT_REFERENCE_PERCENTILE = 0.975
 _OBSERVER_PREFIX = "qlint_stats_observer_"
@@ -80,7 +79,6 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
         observers[point] = observer
     observed.graph.lint()
     observed.recompile()
-    return_free_heap_to_os()
     return observed, observers, skipped
 
 

@@ -10,8 +10,6 @@ import torch.nn as nn
 
 from qlint.core.batches import as_call, batch_count, batches_of, model_device
 from qlint.errors import CalibrationError, EmptyCalibrationError, QlintError
-from qlint.stats import kernel
-from qlint.stats.memory import FreeHeapReturner
 
 
 def limited_batches(calibration: Any, num_batches: Optional[int]) -> Iterator[Any]:
@@ -38,9 +36,6 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
     device = model_device(model)
     model.eval()
     progress = None if quiet or not sys.stderr.isatty() else _progress(total)
-    return_free_heap = FreeHeapReturner()
-    if device.type == "cpu":
-        kernel.prepare_parallel()
     count = 0
     try:
         with torch.no_grad():
@@ -57,7 +52,6 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
                         f"{type(error).__name__}: {message}"[:400]) from error
                 count = count_before + 1
                 del args, kwargs, batch
-                return_free_heap()
                 if progress is not None:
                     progress[0].update(progress[1], advance=1)
     finally:

@@ -1,0 +1,193 @@
+"""Folding batch summaries into running statistics, and the one-batch helpers built on it.
+
+:class:`RunningStats` holds a stream's totals (float64 sums, min/max, counts) and
+room for a few pending :class:`~qlint.stats.batch.BatchSummary` rows. A summary
+is copied into its row with one op; every ``capacity`` batches the pending rows
+are folded into the totals in place, with ~20 vectorised ops whatever their
+number (ratios, flags and batch ranges for all of them at once). Nothing of an
+activation is kept: a row is a few per-channel values.
+
+``summarize_batch`` is the same fold for one batch and ``update_stats`` merges
+its result, so "one batch at a time", "merged" and "streamed" are the same
+arithmetic (float64 sums up to re-association).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from qlint.stats.accumulator import HISTOGRAM_SHAPE, ScratchBuffers, TensorStats
+from qlint.stats.batch import BatchSummary, PerChannel, summarize_values
+from qlint.stats.selection import PERCENTILE_SAMPLE
+
+# Pending batches per fold: the fold's ~20 ops are paid once per this many batches; each
+# pending row costs 5 float64 values per channel.
+FOLD_EVERY = 16
+
+
+class RunningStats:
+    """Statistics of a stream of batch summaries of one width on one device.
+
+    ``add`` a :class:`BatchSummary` per batch; ``stats()`` gives the ``TensorStats`` of
+    every batch added so far (a snapshot: later batches do not change it)."""
+
+    _FLOAT_ROWS = ("channel_min", "channel_max", "sum", "sum_of_squares", "reference")
+    _COUNT_ROWS = ("count", "nan_count", "inf_count")
+
+    def __init__(self, channels: int, device: torch.device | str, capacity: Optional[int] = None) -> None:
+        capacity = capacity if capacity is not None else FOLD_EVERY
+        self.channels, self.device, self.capacity = channels, torch.device(device), capacity
+        f64 = dict(dtype=torch.float64, device=self.device)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self._pending = torch.zeros(capacity, len(self._FLOAT_ROWS), channels, **f64)
+        self._pending_rows = self._pending.unbind(0)  # per-batch views, made once
+        # Finite batches have one count for every channel and no NaN/Inf: kept as plain
+        # ints (None: that batch's counts are in _pending_counts, made with the first such batch).
+        self._uniform_counts: list[Optional[int]] = [None] * capacity
+        self._pending_counts: Optional[torch.Tensor] = None
+        self._size = 0
+        self._with_reference: Optional[bool] = None
+        # Totals, laid out as TensorStats packs them.
+        self._extrema = torch.tensor([[float("inf")], [float("-inf")]], **f64).expand(2, channels).clone()
+        self._channel_sums = torch.zeros(3, channels, **f64)  # sum, sum of squares, ratio sum
+        self._channel_counts = torch.zeros(6, channels, **i64)  # count, nan, inf, ratio, zero quantile, constant
+        self._histogram = torch.zeros(HISTOGRAM_SHAPE, **i64)
+        self._batch_counts = torch.zeros(2, **i64)  # batches, batches with a finite value
+        self._batch_range_sum = torch.zeros((), **f64)
+        self._batches = 0
+
+    def __len__(self) -> int:
+        """Batches added so far."""
+        return self._batches
+
+    def accepts(self, summary: BatchSummary) -> bool:
+        return summary.channels == self.channels and summary.device == self.device
+
+    def add(self, summary: BatchSummary) -> None:
+        if not self.accepts(summary):
+            raise ValueError(f"summary of {summary.channels} channels on {summary.device} does not fit running "
+                             f"stats of {self.channels} channels on {self.device}")
+        with_reference = summary.reference is not None
+        if self._with_reference is None:
+            self._with_reference = with_reference
+        elif with_reference != self._with_reference:
+            raise ValueError("summaries with and without the percentile cannot share a stream")
+        row = self._size
+        floats = [summary.channel_min, summary.channel_max, summary.sum, summary.sum_of_squares,
+                  summary.reference if with_reference else summary.channel_max]  # the last row is unused then
+        torch.stack(floats, out=self._pending_rows[row])
+        counts = (summary.count, summary.nan_count, summary.inf_count)
+        if all(isinstance(value, int) for value in counts) and counts[1] == counts[2] == 0:
+            self._uniform_counts[row] = counts[0]
+        else:
+            self._uniform_counts[row] = None
+            if self._pending_counts is None:
+                self._pending_counts = torch.zeros(self.capacity, len(self._COUNT_ROWS), self.channels,
+                                                   dtype=torch.int64, device=self.device)
+            torch.stack([_per_channel(value, self.channels, self.device) for value in counts],
+                        out=self._pending_counts[row])
+        if summary.histogram is not None:
+            self._histogram += summary.histogram
+        self._size += 1
+        self._batches += 1
+        if self._size == self.capacity:
+            self._fold()
+
+    def stats(self, channel_axis: Optional[int], q: float) -> TensorStats:
+        """The ``TensorStats`` of every batch added so far."""
+        self._fold()
+        return TensorStats._packed(
+            channel_axis, q, extrema=self._extrema.clone(), channel_sums=self._channel_sums.clone(),
+            channel_counts=self._channel_counts.clone(), histogram=self._histogram.clone(),
+            batch_counts=self._batch_counts.clone(), batch_range_sum=self._batch_range_sum.clone())
+
+    def _fold(self) -> None:
+        """Add the pending rows to the totals (in place) and empty them."""
+        size = self._size
+        if not size:
+            return
+        pending = self._pending[:size]  # (batches, field, C)
+        channel_min, channel_max, reference = pending[:, 0], pending[:, 1], pending[:, 4]
+        uniform = self._uniform_counts[:size]
+        if self._pending_counts is None:  # every batch finite (the common case): no count tensors
+            has_values = None
+            self._channel_counts[0] += sum(uniform)
+            range_batches = size
+        else:
+            counts = self._pending_counts[:size]
+            for row, count in enumerate(uniform):
+                if count is not None:  # plain slices: an index_put here costs ~1 ms per fold
+                    counts[row, 1:].zero_()
+                    counts[row, 0].fill_(count)
+            has_values = counts[:, 0] > 0
+            self._channel_counts[:3] += counts.sum(0)
+            range_batches = has_values.any(1)
+        torch.minimum(self._extrema[0], channel_min.amin(0), out=self._extrema[0])
+        torch.maximum(self._extrema[1], channel_max.amax(0), out=self._extrema[1])
+        self._channel_sums[:2] += pending[:, 2:4].sum(0)
+        constant = channel_max == channel_min
+        if self._with_reference:
+            counted = reference != 0
+            zero_denominator = (reference == 0) & (channel_max != 0)
+            if has_values is not None:
+                counted, zero_denominator = counted & has_values, zero_denominator & has_values
+            self._channel_sums[2] += torch.where(counted, channel_max / reference, 0.0).sum(0)
+            self._channel_counts[3:] += torch.stack([counted, zero_denominator, constant if has_values is None
+                                                     else constant & has_values]).sum(1)
+        else:  # percentile not requested: no batch counts towards it
+            self._channel_counts[5] += (constant if has_values is None else constant & has_values).sum(0)
+        batch_range = channel_max.amax(1) - channel_min.amin(1)
+        if isinstance(range_batches, int):
+            self._batch_range_sum += batch_range.sum()
+            self._batch_counts += torch.tensor([size, range_batches], device=self.device)
+        else:  # batches without a finite value have no range
+            self._batch_range_sum += torch.where(range_batches, batch_range, 0.0).sum()
+            self._batch_counts[0] += size
+            self._batch_counts[1] += range_batches.sum()
+        self._size = 0
+        self._pending_counts = None
+
+
+def _per_channel(value: PerChannel, channels: int, device: torch.device) -> torch.Tensor:
+    if isinstance(value, int):
+        return torch.full((channels,), value, dtype=torch.int64, device=device)
+    return value
+
+
+def summarize_batch(batch: torch.Tensor, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, *,
+                    scratch: Optional[ScratchBuffers] = None, sync_free: Optional[bool] = None,
+                    percentile: bool = True, histogram: bool = True,
+                    percentile_sample: Optional[int] = PERCENTILE_SAMPLE) -> TensorStats:
+    """Stats of one batch, on the batch's device.
+
+    ``channel_axis`` may be negative; a tensor with too few dimensions for it
+    is read as unbatched (leading singleton dims are assumed), so a 1-D input
+    to a Linear with ``channel_axis=1`` has one channel per feature.
+    ``sync_free`` picks the path: False uses a host read to take a cheaper
+    route when all values are finite (free on CPU), True never reads device
+    values back (default: True off-CPU). Results are identical, except that
+    the host-read path sums a finite batch in float32 (~1e-7 relative).
+    ``percentile=False`` skips the percentile ratio and ``histogram=False`` the
+    histogram (they stay zero): they are the two costly statistics, and a point
+    whose rules read neither should not pay for them. ``percentile_sample``:
+    the most values per channel the reference quantile is estimated from
+    (None: always exact); see :mod:`qlint.stats.selection`.
+    """
+    summary = summarize_values(batch, channel_axis, reference_percentile, scratch=scratch, sync_free=sync_free,
+                               percentile=percentile, histogram=histogram, percentile_sample=percentile_sample)
+    if summary is None:
+        return TensorStats.empty(channel_axis, reference_percentile, device=batch.device)
+    running = RunningStats(summary.channels, summary.device, capacity=1)
+    running.add(summary)
+    return running.stats(channel_axis, reference_percentile)
+
+
+def update_stats(stats: TensorStats, batch: torch.Tensor, scratch: Optional[ScratchBuffers] = None, *,
+                 percentile: bool = True, histogram: bool = True,
+                 percentile_sample: Optional[int] = PERCENTILE_SAMPLE) -> TensorStats:
+    """Pure update: ``stats`` followed by one batch (``stats`` is not mutated)."""
+    batch_stats = summarize_batch(batch, stats.channel_axis, stats.reference_percentile, scratch=scratch,
+                                  percentile=percentile, histogram=histogram, percentile_sample=percentile_sample)
+    return stats.merge(batch_stats)
