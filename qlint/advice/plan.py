@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qlint.errors import ConfigError
 from qlint.linter.findings import Finding, _check_json_able
+from qlint.render.literal import printable
 
 if TYPE_CHECKING:
     from torch.ao.quantization import QConfigMapping
@@ -253,6 +254,8 @@ class QuantPlan(_Frozen):
             raw = json.loads(text)
         except json.JSONDecodeError as error:
             raise PlanFormatError(f"plan is not valid JSON: {error}") from error
+        except RecursionError as error:  # json's decoder recurses once per nesting level
+            raise PlanFormatError("plan is nested too deeply to be a qlint plan") from error
         if not isinstance(raw, dict):
             raise PlanFormatError("plan must be a JSON object")
         cls._check_format(raw)  # type/version first, with their own message
@@ -330,7 +333,7 @@ class QuantPlan(_Frozen):
         if self.notes:
             lines.append("  notes:")
             lines += [f"    {n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
+        return "\n".join(printable(line) for line in lines) + "\n"  # names from the file, shown literally
 
 
 # --- defaults --------------------------------------------------------------------------

@@ -4,39 +4,25 @@
     qlint plan qconfig PLAN.json [-o FILE.py]        write the Python file that builds the mapping
     qlint plan check PLAN.json                       validate; exit 0 when the plan is readable
 
-The lead's CLI dispatches ``COMMANDS[argv[0]](argv[1:])``.
-
-Wiring ``--emit-plan`` / ``--emit-qconfig`` into qlint/cli/lint.py (two flags on
-build_lint_parser: ``--emit-plan FILE`` and ``--emit-qconfig FILE``), in run_lint right
-after the baseline is applied and before ``_emit``::
-
-    if args.emit_plan or args.emit_qconfig:
-        from qlint.cli.plan import emit_plan_outputs
-        emit_plan_outputs(report, args.emit_plan, args.emit_qconfig)
-
 emit_plan_outputs raises QlintError (exit 2) when a file cannot be written.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-from qlint.errors import ConfigError, QlintError
-from qlint.linter.findings import Report
 from qlint.advice.plan import QuantPlan, plan_from_report
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see '{self.prog} --help')")
+from qlint.cli.common import Parser, refuse_overwriting_inputs, write_stdout
+from qlint.errors import QlintError
+from qlint.linter.findings import Report
+from qlint.render.literal import printable
 
 
 def _write(path: str, text: str) -> None:
     try:
-        Path(path).write_text(text)
+        Path(path).write_text(text, encoding="utf-8")
     except OSError as error:
         raise QlintError(f"cannot write {path}: {error.strerror}") from error
 
@@ -52,8 +38,8 @@ def emit_plan_outputs(report: Report, plan_path: Optional[str], qconfig_path: Op
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="qlint plan", description="Inspect and export qlint quantization plans.")
-    sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    parser = Parser(prog="qlint plan", description="Inspect and export qlint quantization plans.")
+    sub = parser.add_subparsers(dest="action", required=True, parser_class=Parser)
     show = sub.add_parser("show", help="pretty-print a plan")
     show.add_argument("plan")
     show.add_argument("--format", choices=("text", "json"), default="text")
@@ -69,22 +55,16 @@ def plan_command(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     plan = QuantPlan.load(args.plan)
     if args.action == "show":
-        sys.stdout.write(plan.model_dump_json(indent=2) + "\n" if args.format == "json" else plan.pretty())
+        write_stdout(plan.model_dump_json(indent=2) + "\n" if args.format == "json" else plan.pretty())
     elif args.action == "qconfig":
         text = plan.to_python()
         if args.output:
+            refuse_overwriting_inputs([("--output", args.output)], [args.plan])
             _write(args.output, text)
         else:
-            sys.stdout.write(text)
+            write_stdout(text)
     else:
         plan.to_qconfig_mapping()  # also checks backend support (e.g. int16)
-        print(f"{args.plan}: valid qlint plan (schema {plan.schema_version}, backend {plan.backend}, "
-              f"{len(plan.modules)} module decisions)")
+        write_stdout(f"{printable(args.plan)}: valid qlint plan (schema {plan.schema_version}, "
+                     f"backend {plan.backend}, {len(plan.modules)} module decisions)\n")
     return 0
-
-
-COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "plan": plan_command,
-    "verify": lambda argv: __import__("qlint.cli.verify", fromlist=["verify_command"]).verify_command(argv),
-    "fix": lambda argv: __import__("qlint.cli.verify", fromlist=["fix_command"]).fix_command(argv),
-}

@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import pickle
 import sys
@@ -223,7 +224,12 @@ def load_weights_into(module: nn.Module, weights: str) -> None:
     state = _unwrap_state_dict(obj)
     if not _looks_like_state_dict(state):
         raise LoadError(f"{path} does not hold a state_dict")
-    result = module.load_state_dict(state, strict=False)
+    try:
+        result = module.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # a tensor whose shape does not match the model's
+        lines = [line.strip() for line in str(error).splitlines()]
+        detail = next((line for line in lines if line.startswith("size mismatch")), _short(error))
+        raise LoadError(f"{path} does not fit the model: {detail}"[:400]) from error
     if result.missing_keys or result.unexpected_keys:
         raise LoadError(
             f"{path} does not fit the model: missing {_preview(result.missing_keys)}, "
@@ -237,6 +243,10 @@ def _preview(keys: Sequence[str]) -> str:
     shown = ", ".join(keys[:3])
     return f"{shown} (+{len(keys) - 3} more)" if len(keys) > 3 else shown
 
+
+# An example input qlint makes up itself: 2**28 elements is 1 GiB of float32, far beyond
+# any one example; a typo such as 1,3,2240,2240000 must not allocate until the machine dies.
+MAX_INPUT_ELEMENTS = 2 ** 28
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -256,6 +266,10 @@ def parse_input_shape(text: str) -> torch.Tensor:
         raise LoadError(f"bad --input-shape {text!r}: expected comma-separated integers like 1,3,224,224")
     if not shape or any(d <= 0 for d in shape):
         raise LoadError(f"bad --input-shape {text!r}: dimensions must be positive integers")
+    elements = math.prod(shape)
+    if elements > MAX_INPUT_ELEMENTS:
+        raise LoadError(f"--input-shape {text!r} has {elements:.3g} elements, more than qlint generates "
+                        f"({MAX_INPUT_ELEMENTS:.3g}); pass a real input with --example-inputs FILE")
     dtype = _DTYPES.get(dtype_text.strip().lower() or "float32")
     if dtype is None:
         raise LoadError(f"bad dtype in --input-shape {text!r}; use one of {', '.join(sorted(_DTYPES))}")

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import math
 import sys
+import time
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
@@ -352,7 +353,7 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
     """Run every batch through ``model`` (eval, no_grad, model's device); the batch count."""
     device = model_device(model)
     model.eval()
-    progress = None if quiet or not sys.stderr.isatty() else _progress(total)
+    progress = None if quiet else _progress(total)
     return_free_heap = FreeHeapReturner()
     if device.type == "cpu":
         kernel.prepare_parallel()
@@ -374,21 +375,57 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
                 del args, kwargs, batch
                 return_free_heap()
                 if progress is not None:
-                    progress[0].update(progress[1], advance=1)
+                    progress.advance()
     finally:
         if progress is not None:
-            progress[0].stop()
+            progress.stop()
     return count
 
 
-def _progress(total: Optional[int]):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+# In a log (CI, no terminal) a line this often, so that a long calibration never looks hung.
+PROGRESS_LINE_SECONDS = 5.0
 
-    bar = Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=Console(file=sys.stderr), transient=True)
-    bar.start()
-    return bar, bar.add_task("calibrating", total=total)
+
+def _progress(total: Optional[int]):
+    """A live bar on a terminal; in a log, a short line every PROGRESS_LINE_SECONDS."""
+    return _ProgressBar(total) if sys.stderr is not None and sys.stderr.isatty() else _ProgressLines(total)
+
+
+class _ProgressBar:
+    def __init__(self, total: Optional[int]) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             console=Console(file=sys.stderr), transient=True)
+        self._bar.start()
+        self._task = self._bar.add_task("calibrating", total=total)
+
+    def advance(self) -> None:
+        self._bar.update(self._task, advance=1)
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
+class _ProgressLines:
+    def __init__(self, total: Optional[int]) -> None:
+        self._total = total
+        self._done = 0
+        self._start = time.monotonic()
+        self._next = self._start + PROGRESS_LINE_SECONDS
+
+    def advance(self) -> None:
+        self._done += 1
+        now = time.monotonic()
+        if now >= self._next and sys.stderr is not None:
+            of = f"/{self._total}" if self._total else ""
+            print(f"qlint: calibrating: {self._done}{of} batches, {now - self._start:.0f} s", file=sys.stderr,
+                  flush=True)
+            self._next = now + PROGRESS_LINE_SECONDS
+
+    def stop(self) -> None:
+        pass
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -515,15 +552,36 @@ def _is_batch(value: Any) -> bool:
     return False
 
 
-def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> list[tuple[Any, ...]]:
-    """``n`` random batches shaped like ``example_inputs`` (standard normal floats; ints kept in range)."""
+def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> "RandomBatches":
+    """``n`` random batches shaped like ``example_inputs`` (standard normal floats; ints kept in range),
+    made one at a time as they are used."""
     if n <= 0:
         raise QlintError(f"--random-calibration needs a positive number of batches, got {n}")
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(n):
+    return RandomBatches(tuple(example_inputs), n, seed)
+
+
+class RandomBatches(Sequence):
+    """A sequence of random batches that holds none of them: batch ``i`` is made from its own
+    seed when asked for, so the same index always gives the same batch."""
+
+    def __init__(self, example_inputs: tuple[Any, ...], n: int, seed: int) -> None:
+        self._example = example_inputs
+        self._n = n
+        self._seed = seed
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._n))]
+        if index < 0:
+            index += self._n
+        if not 0 <= index < self._n:
+            raise IndexError(index)
+        generator = torch.Generator().manual_seed(self._seed * 1_000_003 + index)
         batch = []
-        for value in example_inputs:
+        for value in self._example:
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 batch.append(torch.randn(value.shape, generator=generator, dtype=value.dtype))
             elif isinstance(value, torch.Tensor) and value.dtype != torch.bool and value.numel():
@@ -532,8 +590,7 @@ def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> 
                                            dtype=value.dtype))
             else:
                 batch.append(value)
-        batches.append(tuple(batch))
-    return batches
+        return tuple(batch)
 
 
 # ------------------------------------------------------------------- helpers for rules
