@@ -100,8 +100,7 @@ def print_text(report: Report, console: Console) -> None:
 
 
 def _usage_error(message: object) -> int:
-    lines = str(message).strip().splitlines()
-    print(f"qlint compare: {printable(lines[0] if lines else 'error')}", file=sys.stderr)
+    print(f"qlint compare: {printable(str(message).strip()) or 'error'}", file=sys.stderr)
     return EXIT_USAGE
 
 

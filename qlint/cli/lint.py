@@ -31,9 +31,7 @@ def run_lint(args: argparse.Namespace) -> int:
         except QlintError as error:
             if len(models) == 1:
                 raise
-            lines = str(error).strip().splitlines()
-            print(f"qlint: error: {printable(spec)}: {printable(lines[0] if lines else 'error')}",
-                  file=sys.stderr)
+            print(f"qlint: error: {printable(spec)}: {printable(str(error).strip()) or 'error'}", file=sys.stderr)
             status = EXIT_ERROR
         worst = max(worst, status)
     return worst

@@ -105,14 +105,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(f"the model's code or a plugin called sys.exit({exit_request.code!r}); "
                      "the analysis did not finish", debug)
     except Exception as error:  # anything else is still reported in one line, not a traceback
-        return _fail(f"internal error: {type(error).__name__}: {error} (run with --debug for details)", debug)
+        lines = str(error).strip().splitlines()
+        return _fail(f"internal error: {type(error).__name__}: {lines[0] if lines else ''} "
+                     "(run with --debug for details)", debug)
 
 
 def _fail(message: str, debug: bool) -> int:
+    """One line on stderr. qlint's own messages are one line; a newline in one comes from a
+    name (a file called "a\nb.pt2") and is shown escaped rather than cutting the message."""
     if debug:
         traceback.print_exc()
-    first = message.strip().splitlines()[0] if message.strip() else "error"
-    print(f"qlint: error: {printable(first)}", file=sys.stderr)
+    print(f"qlint: error: {printable(message.strip()) or 'error'}", file=sys.stderr)
     return EXIT_ERROR
 
 

@@ -74,9 +74,10 @@ def check_rule_options(config: Config, registry: Registry) -> None:
     """Options for a rule that does not exist are an error (a typo would silently do nothing)."""
     known = {cls.code for cls in registry.all()} | {cls.name for cls in registry.all()}
     for key in config.settings.rules:
-        if key not in known and key.upper() not in known:
-            raise ConfigError(f"{config.source}: [tool.qlint.rules.{key}]: unknown rule {key!r}; "
-                              "run 'qlint rules' to list them")
+        if key not in known:
+            # The engine looks options up by the exact code or name, so "ql101" would be ignored.
+            hint = f"; did you mean {key.upper()}?" if key.upper() in known else "; run 'qlint rules' to list them"
+            raise ConfigError(f"{config.source}: [tool.qlint.rules.{key}]: unknown rule {key!r}{hint}")
 
 
 def resolve_options(args: argparse.Namespace, spec: str, config: Config) -> ModelOptions:

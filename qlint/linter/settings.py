@@ -175,8 +175,3 @@ class ConfigFinder:
             self._loaded[source] = load_config(source)
         return self._loaded[source]
 
-
-def load_settings(config_path: Optional[str] = None, start: Optional[Path] = None) -> tuple[Settings, Optional[Path]]:
-    """The settings of ``config_path``, or of the nearest pyproject.toml with [tool.qlint] from ``start``."""
-    config = load_config(Path(config_path) if config_path else find_config(start or Path.cwd()))
-    return config.settings, config.source
