@@ -1,7 +1,7 @@
 """A float model and an int8 version with one badly quantized layer, for ``qlint compare``.
 
     qlint compare examples.compare_demo:float_model examples.compare_demo:quantized_model \
-        --calibration examples.compare_demo:batches --sensitivity --html report.html
+        --calibration examples.compare_demo:batches --sensitivity --html out/compare.html
 """
 
 from __future__ import annotations

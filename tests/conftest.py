@@ -33,6 +33,27 @@ def run_cli(tmp_path):
     return run
 
 
+@pytest.fixture
+def run_main(capsys, monkeypatch, tmp_path):
+    """The CLI's ``main()`` in this process, from ``cwd`` (default: a temp dir); returns a
+    CompletedProcess like run_cli. Saves the interpreter start-up (torch import) of a
+    subprocess; use run_cli where the process itself matters (stdout closed, plugins)."""
+    import subprocess
+
+    from qlint.cli.main import main
+
+    def run(*args, cwd=None, env=None):
+        monkeypatch.chdir(cwd or tmp_path)
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        capsys.readouterr()
+        status = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), status, captured.out, captured.err)
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def one_intra_op_thread():
     """Small tensors on shared cores: one intra-op thread avoids oversubscription stalls (10x here)."""

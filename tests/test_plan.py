@@ -15,7 +15,7 @@ import qlint
 from qlint.errors import ConfigError
 from qlint.advice.plan import (ActivationSpec, EqualizationPair, ModuleDecision, PlanFormatError, Provenance, QuantPlan,
                         Rewrite, WeightSpec, default_plan, plan_from_report)
-from qlint.cli.plan import COMMANDS, emit_plan_outputs
+from qlint.cli.plan import emit_plan_outputs, plan_command
 from qlint.advice.export import PercentileObserver
 
 
@@ -356,17 +356,17 @@ def test_cli_show_qconfig_check_and_emit(tmp_path, capsys):
 
     rich = tmp_path / "rich.json"
     rich.write_text(_rich_plan().model_dump_json())
-    assert COMMANDS["plan"](["show", str(rich)]) == 0
+    assert plan_command(["show", str(rich)]) == 0
     shown = capsys.readouterr().out
     assert "fc1" in shown and "keep float" in shown and "QL104 on fc1" in shown
-    assert COMMANDS["plan"](["show", str(rich), "--format", "json"]) == 0
+    assert plan_command(["show", str(rich), "--format", "json"]) == 0
     assert QuantPlan.from_json(capsys.readouterr().out) == _rich_plan()
-    assert COMMANDS["plan"](["qconfig", str(rich), "-o", str(tmp_path / "m.py")]) == 0
+    assert plan_command(["qconfig", str(rich), "-o", str(tmp_path / "m.py")]) == 0
     assert (tmp_path / "m.py").read_text() == _rich_plan().to_python()
-    assert COMMANDS["plan"](["check", str(rich)]) == 0
+    assert plan_command(["check", str(rich)]) == 0
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**json.loads(_rich_plan().model_dump_json()), "schema_version": 7}))
     with pytest.raises(PlanFormatError):
-        COMMANDS["plan"](["show", str(bad)])
+        plan_command(["show", str(bad)])
     with pytest.raises(ConfigError):
-        COMMANDS["plan"](["frobnicate"])
+        plan_command(["frobnicate"])

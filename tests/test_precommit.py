@@ -102,6 +102,7 @@ def test_fails_on_model_with_findings_passes_on_clean(model_repo):
     bad = _run(repo, env, BASE, "qlint-system", "--files", "models/bad.pt2")
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "QL101" in bad.stdout and "Failed" in bad.stdout
+    assert "models/bad.pt2: warning QL101 unfused-pattern" in bad.stdout and "┃" not in bad.stdout  # --quiet
     clean = _run(repo, env, BASE, "qlint-system", "--files", "models/clean.pt2")
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "Passed" in clean.stdout
@@ -125,3 +126,44 @@ def test_hook_reads_tool_qlint_and_per_file_settings(model_repo):
     result = _run(repo, env, per_file, "qlint-system", "--files", "models/clean.pt2")
     assert result.returncode == 1, result.stdout + result.stderr  # exit 2 from qlint fails the hook
     assert "no-such-backend" in result.stdout
+
+
+def test_hook_finds_the_config_of_a_nested_project(model_repo):
+    """pre-commit runs in the repository root; proj/pyproject.toml still governs proj/models/."""
+    repo, env = model_repo
+    nested = repo / "proj"
+    (nested / "models").mkdir(parents=True, exist_ok=True)
+    (nested / "models" / "bad.pt2").write_bytes((repo / "models" / "bad.pt2").read_bytes())
+    (nested / "pyproject.toml").write_text(BASE + 'ignore = ["QL101"]\n')
+    try:
+        # BASE at the root does not ignore QL101 (test_fails_on_model_with_findings...): proj's does.
+        nested_run = _run(repo, env, BASE, "qlint-system", "--files", "proj/models/bad.pt2")
+        assert nested_run.returncode == 0, nested_run.stdout + nested_run.stderr
+    finally:
+        shutil.rmtree(nested)
+
+
+def test_hook_refuses_repository_code_unless_args_trust_it(model_repo):
+    repo, env = model_repo
+    (repo / "repo_mapping.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('PWNED').write_text('ran')\n"
+        "from torch.ao.quantization import get_default_qconfig_mapping\n"
+        "def mapping():\n    return get_default_qconfig_mapping('x86')\n")
+    marker = repo / "PWNED"
+    hostile = BASE + 'qconfig-mapping = "repo_mapping:mapping"\n'
+    config = repo / ".pre-commit-config.yaml"
+    original = config.read_text()
+    try:
+        refused = _run(repo, env, hostile, "qlint-system", "--files", "models/clean.pt2")
+        assert refused.returncode == 1, refused.stdout + refused.stderr  # qlint exited 2
+        assert "--trust-config" in refused.stdout and not marker.exists()
+        trusting = yaml.safe_load(original)
+        trusting["repos"][0]["hooks"][0]["args"] = ["--trust-config"]
+        config.write_text(yaml.safe_dump(trusting, sort_keys=False))
+        allowed = _run(repo, env, hostile, "qlint-system", "--files", "models/clean.pt2")
+        assert marker.exists(), allowed.stdout + allowed.stderr
+        assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    finally:
+        config.write_text(original)
+        for path in (repo / "repo_mapping.py", marker):
+            path.unlink(missing_ok=True)

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from tests.conftest import ROOT
 from qlint.errors import ConfigError
 from qlint.linter.registry import Registry
 from qlint.linter.rule import validate_rule_class
@@ -92,12 +93,19 @@ class TooManyLinears(Rule):
 
 
 def _run(tmp_path, code):
+    """Python in ``tmp_path`` with ``tmp_path/site`` on PYTHONPATH, where the test plugins are installed."""
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=300)
+                          env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"}, timeout=300)
+
+
+def _site(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    return site
 
 
 def test_third_party_rule_loads_and_runs(tmp_path):
-    _make_plugin(tmp_path, "qlint_demo_plugin", PLUGIN)
+    _make_plugin(_site(tmp_path), "qlint_demo_plugin", PLUGIN)
     result = _run(tmp_path, "import torch, qlint\n"
                   "r = qlint.lint(torch.nn.Sequential(torch.nn.Linear(2, 2)), (torch.randn(1, 2),), select=['XQ001'])\n"
                   "print([f.rule for f in r.findings])")
@@ -106,10 +114,28 @@ def test_third_party_rule_loads_and_runs(tmp_path):
 
 
 def test_broken_plugin_names_its_package(tmp_path):
-    _make_plugin(tmp_path, "qlint_broken_plugin", "raise ImportError('missing dependency foo')\n")
+    _make_plugin(_site(tmp_path), "qlint_broken_plugin", "raise ImportError('missing dependency foo')\n")
     result = _run(tmp_path, "from qlint.linter.registry import Registry\n"
                   "from qlint.errors import RuleLoadError\n"
                   "try:\n    Registry.default()\nexcept RuleLoadError as e:\n    print('ERR', e)\n")
     assert result.returncode == 0, result.stderr
     assert "ERR" in result.stdout and "qlint_broken_plugin" in result.stdout
     assert "missing dependency foo" in result.stdout
+
+
+def test_plugin_declared_in_the_working_directory_is_not_loaded(tmp_path, run_cli):
+    """A cloned repository ships a fake evil-0.1.dist-info: `python -m qlint` puts the working
+    directory on sys.path, so importlib.metadata sees it; qlint must not import its plugin."""
+    marker = tmp_path / "PWNED"
+    _make_plugin(tmp_path, "qlint_evil_plugin", f"open({str(marker)!r}, 'w').write('ran')\n")
+    rules = run_cli("rules", "--format", "json", cwd=tmp_path)
+    assert rules.returncode == 0, rules.stderr
+    assert not marker.exists()
+    lint = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--select", "QL102",
+                   cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
+    assert lint.returncode in (0, 1), lint.stderr
+    assert not marker.exists()
+    # The same plugin installed where the user points PYTHONPATH is loaded (the test can fail).
+    _make_plugin(_site(tmp_path), "qlint_site_plugin", f"open({str(marker)!r}, 'w').write('ran')\n")
+    run_cli("rules", cwd=tmp_path, env={"PYTHONPATH": f"{ROOT}:{tmp_path / 'site'}"})
+    assert marker.exists()

@@ -35,6 +35,7 @@ from qlint.linter.findings import Report
 from qlint.linter.mapping import qconfig_mapping
 from qlint.linter.suggestions import (ActivationSpec, EqualizationPair, ModuleDecision, Provenance, Rewrite,
                                       Suggestions, WeightSpec, backend_defaults)
+from qlint.render.literal import printable
 
 PLAN_TYPE = "qlint.QuantPlan"
 SCHEMA_VERSION = 1
@@ -74,6 +75,8 @@ class QuantPlan(Suggestions):
             raw = json.loads(text)
         except json.JSONDecodeError as error:
             raise PlanFormatError(f"plan is not valid JSON: {error}") from error
+        except RecursionError as error:  # json's decoder recurses once per nesting level
+            raise PlanFormatError("plan is nested too deeply to be a qlint plan") from error
         if not isinstance(raw, dict):
             raise PlanFormatError("plan must be a JSON object")
         cls._check_format(raw)  # type/version first, with their own message
@@ -130,7 +133,7 @@ class QuantPlan(Suggestions):
         if self.notes:
             lines.append("  notes:")
             lines += [f"    {n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
+        return "\n".join(printable(line) for line in lines) + "\n"  # names from the file, shown literally
 
 
 # --- building plans ----------------------------------------------------------------------

@@ -1,25 +1,32 @@
 """`qlint compare FLOAT QUANT --calibration DATA`: the numeric suite on the command line.
 
-Models and data are loaded by ``load_model_arg``/``load_data_arg``, through qlint.core.load.
+Models and data are loaded by ``load_model_arg``/``load_data_arg`` alone, so that the project's
+model loader can replace it in one place.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
+from pathlib import Path
 from typing import Any, Optional, TextIO
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from qlint.errors import QlintError
+from qlint.cli.common import (positive_int, refuse_overwriting_inputs, terminal_width, user_output_to_stderr,
+                              write_stdout)
+from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
 from qlint.numeric.compare import MODES, activation_histograms, compare, worst_layers
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB, DEFAULT_WEIGHT_SQNR_THRESHOLD_DB
 from qlint.numeric.html import write_html
 from qlint.numeric.sensitivity import sensitivity_rows
+from qlint.render.literal import printable
+from qlint.render.text import literal, make_console
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -59,14 +66,14 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--sensitivity", action="store_true",
                         help="rank layers by sensitivity (re-quantizes FLOAT with FX PTQ for --backend)")
     parser.add_argument("--backend", default="x86", help="quantization backend for --sensitivity")
-    parser.add_argument("--max-batches", type=int, default=None, help="use at most this many batches")
+    parser.add_argument("--max-batches", type=positive_int, default=None, help="use at most this many batches")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow unpickling whole modules from .pt files (runs code from the files)")
     return parser
 
 
 def layer_table(report: Report) -> Table:
-    table = Table(title=f"{report.model}: {report.frontend} vs float")
+    table = Table(title=literal(f"{report.model}: {report.frontend} vs float"))
     for column in ("layer", "kind", "weight dB", "propagated dB", "shadow dB", "cosine", "RMSE/scale"):
         table.add_column(column, justify="left" if column in ("layer", "kind") else "right")
 
@@ -75,38 +82,74 @@ def layer_table(report: Report) -> Table:
 
     for row in report.compare_rows():
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
-        table.add_row(row.name, row.kind or "", number(row.weight_sqnr), number(row.sqnr_propagated),
-                      number(row.sqnr_shadow), number(row.cosine, 5), number(summary.get("rmse_over_scale"), 2))
+        table.add_row(literal(row.name), literal(row.kind or ""), number(row.weight_sqnr),
+                      number(row.sqnr_propagated), number(row.sqnr_shadow), number(row.cosine, 5),
+                      number(summary.get("rmse_over_scale"), 2))
     return table
 
 
 def print_text(report: Report, console: Console) -> None:
     console.print(layer_table(report))
     for notice in report.notices:
-        console.print(f"[dim]{notice.level.value}: {notice.message}[/dim]", markup=True, highlight=False)
+        console.print(literal(f"{notice.level.value}: {notice.message}", "dim"))
     for finding in report.findings:
         style = {Severity.ERROR: "bold red", Severity.WARNING: "yellow"}.get(finding.severity, "")
-        console.print(f"[{style}]{finding.rule} {finding.name}[/{style}] {finding.target}: {finding.message}"
-                      if style else f"{finding.rule} {finding.name} {finding.target}: {finding.message}",
-                      highlight=False)
+        line = literal(f"{finding.rule} {finding.name}", style)
+        line.append(printable(f" {finding.target}: {finding.message}"))
+        console.print(line)
+
+
+def _usage_error(message: object) -> int:
+    print(f"qlint compare: {printable(str(message).strip()) or 'error'}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    if args.html and Path(args.html).is_dir():
+        raise ConfigError(f"--html {args.html} is a directory; name the HTML file to write")
+    outputs = [("--html", args.html), ("--badcases-path", args.badcases_path if args.badcases else None)]
+    refuse_overwriting_inputs(outputs, [args.float_model, args.quantized_model, args.calibration])
 
 
 def run_compare(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> int:
     """Run the comparison; 0 clean, 1 findings, 2 unusable arguments."""
-    stream = stdout or sys.stdout
-    console = Console(file=stream, width=140, soft_wrap=False)
-    errors = Console(file=sys.stderr)
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     try:
-        float_model = load_model_arg(args.float_model, args.trust_pickle)
-        quantized_model = load_model_arg(args.quantized_model, args.trust_pickle)
-        data = load_data_arg(args.calibration)
+        _check_outputs(args)
+        with user_output_to_stderr():
+            result = _compare(args, modes)
     except QlintError as error:
-        errors.print(f"qlint compare: {error}", highlight=False)
-        return EXIT_USAGE
+        return _usage_error(error)
+    report, ranking, badcase_report = result
+    if args.format == "json":
+        text = report.model_dump_json(indent=2) + "\n"
+    else:
+        buffer = io.StringIO()
+        width = terminal_width(to_stdout=stdout is None)
+        to_terminal = stdout is None and sys.stdout is not None and sys.stdout.isatty()
+        console = make_console(buffer, color=None if to_terminal else False, width=width or 140)
+        print_text(report, console)
+        if ranking:
+            console.print(literal("sensitivity (most sensitive first): " + ", ".join(
+                f"{row.name} {row.score:.2e}" for row in ranking[:10])))
+        if badcase_report is not None:
+            console.print(literal("On the worst inputs only:", "bold"))
+            print_text(badcase_report, console)
+        text = buffer.getvalue()
+    if stdout is not None:
+        stdout.write(text)
+    else:
+        write_stdout(text)
+    return EXIT_FINDINGS if report.findings else EXIT_CLEAN
+
+
+def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
+    """(report, sensitivity ranking or None, bad-case report or None); runs the user's models."""
+    float_model = load_model_arg(args.float_model, args.trust_pickle)
+    quantized_model = load_model_arg(args.quantized_model, args.trust_pickle)
+    data = load_data_arg(args.calibration)
     if not isinstance(float_model, torch.nn.Module) or not isinstance(quantized_model, torch.nn.Module):
-        errors.print("qlint compare: FLOAT and QUANT must produce torch.nn.Module objects", highlight=False)
-        return EXIT_USAGE
+        raise ConfigError("FLOAT and QUANT must produce torch.nn.Module objects")
     if iter(data) is data:
         data = list(data)  # several passes follow (compare, histograms, badcases)
     try:
@@ -114,11 +157,10 @@ def run_compare(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> in
                          weight_sqnr_threshold=args.weight_sqnr_threshold, max_batches=args.max_batches,
                          model_name=args.float_model, backend=args.backend)
     except ValueError as error:
-        errors.print(f"qlint compare: {error}", highlight=False)
-        return EXIT_USAGE
+        raise ConfigError(str(error)) from error
     ranking = None
     if args.sensitivity:
-        # Rank the layers of the quantized model the user gave: its isolated errors are the real ones.
+        # Rank the layers of the quantized model the user gave: its shadow errors are the real ones.
         ranking = sensitivity_rows(float_model, data, args.backend, max_batches=args.max_batches,
                                    quantized_model=quantized_model)
     badcase_report = None
@@ -137,16 +179,11 @@ def run_compare(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> in
     if args.html:
         histograms = activation_histograms(float_model, quantized_model, data, report, worst_layers(report, 4),
                                            max_batches=args.max_batches)
-        write_html(report, args.html, sensitivity=ranking, histograms=histograms,
-                   sqnr_threshold=args.sqnr_threshold)
-    if args.format == "json":
-        stream.write(report.model_dump_json(indent=2) + "\n")
-    else:
-        print_text(report, console)
-        if ranking:
-            console.print("sensitivity (most sensitive first): " + ", ".join(
-                f"{row.name} {row.score:.2e}" for row in ranking[:10]), highlight=False)
-        if badcase_report is not None:
-            console.print("[bold]On the worst inputs only:[/bold]")
-            print_text(badcase_report, console)
-    return EXIT_FINDINGS if report.findings else EXIT_CLEAN
+        html = Path(args.html)
+        try:
+            html.parent.mkdir(parents=True, exist_ok=True)
+            write_html(report, html, sensitivity=ranking, histograms=histograms,
+                       sqnr_threshold=args.sqnr_threshold)
+        except OSError as error:
+            raise QlintError(f"cannot write --html {args.html}: {error.strerror or error}") from error
+    return report, ranking, badcase_report

@@ -7,100 +7,94 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from qlint.cli.common import (EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS, refuse_overwriting_inputs,
+                              terminal_width, user_output_to_stderr, write_stdout)
+from qlint.cli.options import ModelOptions, check_rule_options, resolve_options
+from qlint.core.load import (random_calibration, load_batches, load_example_inputs, load_model, parse_input_shape,
+                             resolve_object)
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
-from qlint.core.load import (load_batches, load_example_inputs, load_model, parse_input_shape, random_calibration,
-                           resolve_object)
-from qlint.linter.settings import FileSettings, Settings, load_settings
-
-EXIT_CLEAN, EXIT_FINDINGS = 0, 1
-
-
-def _pick(cli_value: Any, file_value: Any, config_value: Any) -> Any:
-    for value in (cli_value, file_value, config_value):
-        if value is not None:
-            return value
-    return None
+from qlint.linter.settings import ConfigFinder
+from qlint.render.literal import printable
 
 
 def run_lint(args: argparse.Namespace) -> int:
     """Lint each model; the exit status is the worst of them (2 > 1 > 0)."""
-    settings, _ = load_settings(args.config, start=Path.cwd() if args.config is None else None)
     models = list(args.model)
     if len(models) > 1 and args.output:
         raise ConfigError("--output takes one model; lint several models without it")
+    finder = ConfigFinder(args.config)
     worst = EXIT_CLEAN
     for spec in models:
-        if len(models) == 1:
-            return _lint_one(args, spec, settings)
         try:
-            worst = max(worst, _lint_one(args, spec, settings))
+            status = _lint_one(args, resolve_options(args, spec, finder.for_model(spec)))
         except QlintError as error:
-            print(f"qlint: error: {spec}: {str(error).splitlines()[0]}", file=sys.stderr)
-            worst = 2
+            if len(models) == 1:
+                raise
+            print(f"qlint: error: {printable(spec)}: {printable(str(error).strip()) or 'error'}", file=sys.stderr)
+            status = EXIT_ERROR
+        worst = max(worst, status)
     return worst
 
 
-def _lint_one(args: argparse.Namespace, model_spec: str, settings: Settings) -> int:
-    per_file: Optional[FileSettings] = settings.for_file(model_spec)
-    backend = _pick(args.backend, per_file.backend if per_file else None, settings.backend)
-    output_format = args.format or settings.format
-    if output_format not in ("text", "json", "sarif", "github"):
-        raise ConfigError(f"unknown format {output_format!r}")
-    fail_on = Severity(_pick(args.fail_on, None, settings.fail_on))
-
-    loaded = load_model(model_spec, weights=_pick(args.weights, per_file.weights if per_file else None, None),
-                        trust_pickle=args.trust_pickle)
-    example = _example_inputs(args, per_file, settings, loaded.example_inputs)
-    mapping_spec = _pick(args.qconfig_mapping, per_file.qconfig_mapping if per_file else None,
-                         settings.qconfig_mapping)
-    mapping = resolve_object(mapping_spec) if mapping_spec else None
-    select = _split(args.select) or settings.select
-    ignore = (_split(args.ignore) or []) + list(settings.ignore)
-    calibration, calibration_notices = _calibration(args, per_file, settings, example)
-
+def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
+    if options.output_format not in ("text", "json", "sarif", "github"):
+        raise ConfigError(f"unknown format {options.output_format!r}")
+    refuse_overwriting_inputs([("--output", args.output), ("--emit-plan", args.emit_plan),
+                               ("--emit-qconfig", args.emit_qconfig)], options.input_files() + [options.baseline])
+    refuse_overwriting_inputs([("--write-baseline", options.baseline if args.write_baseline else None)],
+                              options.input_files())
+    if args.write_baseline and not options.baseline:
+        raise ConfigError("--write-baseline needs --baseline FILE")
     from qlint.linter.engine import lint
+    from qlint.linter.registry import Registry
 
-    report = lint(loaded.module, example, calibration=calibration, backend=backend,
-                  qconfig_mapping=mapping, select=select, ignore=ignore, options=settings.rules,
-                  model_name=loaded.name, exported_program=loaded.exported_program,
-                  calibration_options={"quiet": args.quiet, "num_batches": _pick(
-                      args.num_batches, per_file.num_batches if per_file else None, settings.num_batches)})
+    with user_output_to_stderr():
+        registry = Registry.default()
+        check_rule_options(options.config, registry)
+        loaded = load_model(options.spec, weights=options.weights, trust_pickle=args.trust_pickle)
+        example = _example_inputs(options, loaded.example_inputs)
+        mapping = resolve_object(options.qconfig_mapping) if options.qconfig_mapping else None
+        calibration, calibration_notices = _calibration(args, options, example)
+        report = lint(loaded.module, example, calibration=calibration, backend=options.backend,
+                      qconfig_mapping=mapping, select=options.select, ignore=options.ignore,
+                      options=options.rule_options, model_name=options.spec, registry=registry,
+                      exported_program=loaded.exported_program,
+                      calibration_options={"quiet": args.quiet, "num_batches": options.num_batches})
     if calibration_notices:
         report = report.model_copy(update={"notices": list(calibration_notices) + list(report.notices)})
-    report = _apply_baseline(report, args.baseline or settings.baseline, args.write_baseline)
+    report = _apply_baseline(report, options.baseline, args.write_baseline)
     if args.emit_plan or args.emit_qconfig:
         from qlint.cli.plan import emit_plan_outputs
 
         emit_plan_outputs(report, args.emit_plan, args.emit_qconfig)
-    _emit(report, output_format, args)
-    return EXIT_FINDINGS if report.has_findings_at_least(fail_on) else EXIT_CLEAN
+    _emit(report, options.output_format, args)
+    crashed = [s for s in report.skipped if s.crashed]
+    if crashed:
+        # The other rules' findings are out; the run still failed: the analysis is incomplete.
+        first = crashed[0]
+        more = f" (and {len(crashed) - 1} more)" if len(crashed) > 1 else ""
+        print(f"qlint: error: {printable(options.spec)}: analysis incomplete: {first.rule} {first.name} "
+              f"{printable(first.reason)}{more}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.write_baseline:
+        return EXIT_CLEAN  # the findings were just accepted
+    return EXIT_FINDINGS if report.has_findings_at_least(options.fail_on) else EXIT_CLEAN
 
 
-def _split(values: Optional[list[str]]) -> Optional[list[str]]:
-    """``--select A,B --select C`` → ["A", "B", "C"]; None when the flag was not given."""
-    if not values:
-        return None
-    return [part.strip() for value in values for part in value.split(",") if part.strip()]
-
-
-def _example_inputs(args, per_file, settings: Settings, from_file):
-    if args.example_inputs:
-        return load_example_inputs(args.example_inputs)
-    shapes = args.input_shape or (per_file.input_shape if per_file else None) or settings.input_shape
-    if shapes:
-        return tuple(parse_input_shape(s) for s in shapes)
-    if per_file is not None and per_file.example_inputs:
-        return load_example_inputs(per_file.example_inputs)
+def _example_inputs(options: ModelOptions, from_file: Any) -> Any:
+    if options.example_inputs_file:
+        return load_example_inputs(options.example_inputs_file)
+    if options.input_shapes:
+        return tuple(parse_input_shape(s) for s in options.input_shapes)
     return from_file
 
 
-def _calibration(args, per_file, settings: Settings, example):
-    source = _pick(args.calibration, per_file.calibration if per_file else None, settings.calibration)
-    if source is None and not args.random_calibration:
+def _calibration(args: argparse.Namespace, options: ModelOptions, example: Any):
+    if options.calibration is not None:
+        return load_batches(options.calibration), []
+    if not args.random_calibration:
         return None, []
-    if source is not None:
-        return load_batches(source), []
     if not example:
         raise ConfigError("--random-calibration needs example inputs (--input-shape or --example-inputs)")
     notice = Notice(level=Severity.WARNING,
@@ -111,30 +105,32 @@ def _calibration(args, per_file, settings: Settings, example):
 
 def _apply_baseline(report: Report, baseline: Optional[str], write: bool) -> Report:
     if not baseline:
-        if write:
-            raise ConfigError("--write-baseline needs --baseline FILE")
         return report
     from qlint.linter.baseline import filter_new, write_baseline
 
     if write:
         write_baseline(report, baseline)
+        count = len(report.findings)
+        print(f"qlint: recorded {count} finding{'s' if count != 1 else ''} in baseline {printable(baseline)}",
+              file=sys.stderr)
         return report
     return filter_new(report, baseline)
 
 
-def _emit(report: Report, output_format: str, args) -> None:
+def _emit(report: Report, output_format: str, args: argparse.Namespace) -> None:
     from qlint.render import FORMATS
     from qlint.render.extra import EXTRA_FORMATS
 
     renderer = FORMATS.get(output_format) or EXTRA_FORMATS[output_format]
     if output_format == "text":
-        color = None if args.output is None and sys.stdout.isatty() else False
-        text = renderer(report, color=color, show_qconfig=args.show_qconfig)
+        to_terminal = args.output is None and sys.stdout is not None and sys.stdout.isatty()
+        text = renderer(report, color=None if to_terminal else False, show_qconfig=args.show_qconfig,
+                        quiet=args.quiet, width=terminal_width(to_stdout=args.output is None))
     else:
         text = renderer(report)
     if args.output:
         try:
-            Path(args.output).write_text(text)
+            Path(args.output).write_text(text, encoding="utf-8")
         except OSError as error:
             raise QlintError(f"cannot write {args.output}: {error.strerror}") from error
         if output_format == "text" or not args.quiet:
@@ -142,4 +138,4 @@ def _emit(report: Report, output_format: str, args) -> None:
 
             print(summary_line(report), file=sys.stderr)
     else:
-        sys.stdout.write(text)
+        write_stdout(text)

@@ -4,6 +4,9 @@
     qlint rule CODE              print one rule's documentation
     qlint rules [--format json]  list every rule
     qlint compare FLOAT QUANT    per-layer float vs quantized comparison
+    qlint verify MODEL ...       default mapping vs a plan, measured
+    qlint fix MODEL ...          apply a plan's float-preserving rewrites
+    qlint plan show|qconfig|check PLAN.json
 """
 
 from __future__ import annotations
@@ -14,22 +17,29 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from qlint.cli.common import (EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS, Parser, ParserExit, positive_int,
+                              terminal_width, write_stdout)
 from qlint.core.backends import BACKENDS
-from qlint.errors import ConfigError, QlintError
+from qlint.errors import QlintError
+from qlint.render.literal import printable
 
-EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+__all__ = ["EXIT_CLEAN", "EXIT_ERROR", "EXIT_FINDINGS", "build_lint_parser", "main"]
 
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr and exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see '{self.prog} --help')")
+# Every command, for dispatch and for `qlint --help` (a test checks they match).
+COMMAND_SUMMARIES = {
+    "rule": "qlint rule CODE: print one rule's documentation",
+    "rules": "qlint rules [--format json]: list every rule",
+    "compare": "qlint compare FLOAT QUANT --calibration DATA: per-layer float vs quantized comparison",
+    "verify": "qlint verify MODEL --plan PLAN --calibration DATA --eval-data DATA: default vs plan, in dB",
+    "fix": "qlint fix MODEL --plan PLAN --output OUT.pt2: apply the plan's float-preserving rewrites",
+    "plan": "qlint plan show|qconfig|check PLAN.json: inspect and export a plan",
+}
 
 
 def build_lint_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="qlint", description="Lint a PyTorch model for quantization problems.",
-                     epilog="Other commands: 'qlint rule CODE', 'qlint rules', 'qlint compare FLOAT QUANT'.")
+    epilog = "other commands (each has --help):\n" + "\n".join(f"  {line}" for line in COMMAND_SUMMARIES.values())
+    parser = Parser(prog="qlint", description="Lint a PyTorch model for quantization problems.",
+                    epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="+",
                         help="one or more .pt2 / .pt / .pth files, or package.module:factory")
     parser.add_argument("--input-shape", action="append", metavar="SHAPE[:DTYPE]",
@@ -38,6 +48,9 @@ def build_lint_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights", metavar="FILE", help="state_dict for a module:factory model")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow unpickling a full nn.Module (runs code from the file)")
+    parser.add_argument("--trust-config", action="store_true",
+                        help="allow [tool.qlint] settings that import and run code from the repository "
+                             "(qconfig-mapping, module:function calibration)")
     parser.add_argument("--backend", choices=BACKENDS)
     parser.add_argument("--qconfig-mapping", metavar="MODULE:ATTR",
                         help="your QConfigMapping (or a function returning one)")
@@ -48,15 +61,19 @@ def build_lint_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fail-on", choices=("error", "warning", "info"))
     parser.add_argument("--show-qconfig", action="store_true", help="print the resolved qconfig per node")
     parser.add_argument("--calibration", metavar="FILE_OR_DIR", help="calibration batches (weights_only)")
-    parser.add_argument("--num-batches", type=int, metavar="N", help="use at most N calibration batches")
-    parser.add_argument("--random-calibration", type=int, metavar="N",
+    parser.add_argument("--num-batches", type=positive_int, metavar="N", help="use at most N calibration batches")
+    parser.add_argument("--random-calibration", type=positive_int, metavar="N",
                         help="calibrate on N random batches shaped like the example inputs (a warning)")
     parser.add_argument("--baseline", metavar="FILE", help="report only findings not recorded in FILE")
-    parser.add_argument("--write-baseline", action="store_true", help="record current findings in --baseline")
+    parser.add_argument("--write-baseline", action="store_true",
+                        help="record current findings in --baseline and exit 0")
     parser.add_argument("--emit-plan", metavar="FILE", help="write the quantization plan (JSON)")
     parser.add_argument("--emit-qconfig", metavar="FILE", help="write a Python file building the QConfigMapping")
-    parser.add_argument("--config", metavar="PYPROJECT", help="settings file (default: nearest pyproject.toml)")
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    parser.add_argument("--config", metavar="PYPROJECT",
+                        help="settings file (default: the nearest pyproject.toml with [tool.qlint], "
+                             "searched from each model's folder)")
+    parser.add_argument("--quiet", "-q", action="store_true",
+                        help="findings and the summary only: no tables, no progress")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
@@ -71,6 +88,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warnings.filterwarnings("ignore")
     try:
         return _dispatch(args_list)
+    except ParserExit as done:  # --help
+        return done.status
     except QlintError as error:
         return _fail(str(error), debug)
     except BrokenPipeError:
@@ -81,30 +100,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_CLEAN
     except KeyboardInterrupt:
         return _fail("interrupted", debug)
+    except SystemExit as exit_request:
+        # qlint itself never raises SystemExit (argparse's exits are ParserExit): the model's
+        # code or a rule plugin called sys.exit(), and the analysis did not finish.
+        return _fail(f"the model's code or a plugin called sys.exit({exit_request.code!r}); "
+                     "the analysis did not finish", debug)
     except Exception as error:  # anything else is still reported in one line, not a traceback
-        return _fail(f"internal error: {type(error).__name__}: {error} (run with --debug for details)", debug)
+        lines = str(error).strip().splitlines()
+        return _fail(f"internal error: {type(error).__name__}: {lines[0] if lines else ''} "
+                     "(run with --debug for details)", debug)
 
 
 def _fail(message: str, debug: bool) -> int:
+    """One line on stderr. qlint's own messages are one line; a newline in one comes from a
+    name (a file called "a\nb.pt2") and is shown escaped rather than cutting the message."""
     if debug:
         traceback.print_exc()
-    first = message.strip().splitlines()[0] if message.strip() else "error"
-    print(f"qlint: error: {first}", file=sys.stderr)
+    print(f"qlint: error: {printable(message.strip()) or 'error'}", file=sys.stderr)
     return EXIT_ERROR
 
 
-def _dispatch(argv: list[str]) -> int:
-    from qlint.cli.plan import COMMANDS
+def _commands() -> dict[str, Callable[[list[str]], int]]:
+    from qlint.cli.plan import plan_command
+    from qlint.cli.verify import fix_command, verify_command
 
-    commands: dict[str, Callable[[list[str]], int]] = {
-        "rule": _cmd_rule, "rules": _cmd_rules, "compare": _cmd_compare, **COMMANDS,
-    }
-    if argv and argv[0] in commands and not Path(argv[0]).is_file():
-        return commands[argv[0]](argv[1:])
+    return {"rule": _cmd_rule, "rules": _cmd_rules, "compare": _cmd_compare,
+            "verify": verify_command, "fix": fix_command, "plan": plan_command}
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0] in COMMAND_SUMMARIES and not Path(argv[0]).is_file():
+        return _commands()[argv[0]](argv[1:])
     if argv and argv[0] in ("--version", "-V"):
         from qlint.version import __version__
 
-        print(f"qlint {__version__}")
+        write_stdout(f"qlint {__version__}\n")
         return EXIT_CLEAN
     return _cmd_lint(argv)
 
@@ -120,20 +150,21 @@ def _cmd_rule(argv: list[str]) -> int:
     from qlint.linter.docs import rule_markdown
     from qlint.linter.registry import Registry
 
-    parser = _Parser(prog="qlint rule", description="Print a rule's documentation.")
+    parser = Parser(prog="qlint rule", description="Print a rule's documentation.")
     parser.add_argument("code", help="rule code or name, such as QL101 or unfused-pattern")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
-    print(rule_markdown(Registry.default().get(args.code)))
+    write_stdout(rule_markdown(Registry.default().get(args.code)) + "\n")
     return EXIT_CLEAN
 
 
 def _cmd_rules(argv: list[str]) -> int:
+    import io
     import json
 
     from qlint.linter.registry import Registry
 
-    parser = _Parser(prog="qlint rules", description="List every rule.")
+    parser = Parser(prog="qlint rules", description="List every rule.")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
@@ -142,28 +173,30 @@ def _cmd_rules(argv: list[str]) -> int:
         payload = [{"code": r.code, "name": r.name, "summary": r.summary, "severity": r.severity.value,
                     "requires": sorted(n.value for n in r.requires),
                     "options": r.Options.model_json_schema().get("properties", {})} for r in rules]
-        print(json.dumps(payload, indent=2))
+        write_stdout(json.dumps(payload, indent=2) + "\n")
         return EXIT_CLEAN
     from rich.table import Table
 
-    from qlint.render.text import make_console
+    from qlint.render.text import literal, make_console
 
     table = Table(title="qlint rules")
     for column in ("Code", "Name", "Severity", "Needs", "Summary"):
         table.add_column(column)
     for rule in rules:
-        table.add_row(rule.code, rule.name, rule.severity.value,
-                      ", ".join(sorted(n.value for n in rule.requires)), rule.summary)
-    make_console(width=140).print(table)
+        table.add_row(*(literal(cell) for cell in (rule.code, rule.name, rule.severity.value,
+                                                   ", ".join(sorted(n.value for n in rule.requires)),
+                                                   rule.summary)))
+    buffer = io.StringIO()
+    to_terminal = sys.stdout is not None and sys.stdout.isatty()
+    make_console(buffer, color=None if to_terminal else False, width=terminal_width() or 140).print(table)
+    write_stdout(buffer.getvalue())
     return EXIT_CLEAN
 
 
 def _cmd_compare(argv: list[str]) -> int:
     from qlint.cli.compare import add_compare_arguments, run_compare
 
-    parser = _Parser(prog="qlint compare", description="Compare a float model with its quantized version.")
+    parser = Parser(prog="qlint compare", description="Compare a float model with its quantized version.")
     add_compare_arguments(parser)
-    if not any(a.dest == "debug" for a in parser._actions):
-        parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--debug", action="store_true")
     return run_compare(parser.parse_args(argv))
-

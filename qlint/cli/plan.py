@@ -4,36 +4,31 @@
     qlint plan qconfig PLAN.json [-o FILE.py]        write the Python file that builds the mapping
     qlint plan check PLAN.json                       validate; exit 0 when the plan is readable
 
-``qlint MODEL --emit-plan FILE --emit-qconfig FILE.py`` writes the plan of a lint
-report through :func:`emit_plan_outputs`; a file that cannot be written is exit 2.
+emit_plan_outputs raises QlintError (exit 2) when a file cannot be written.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-from qlint.errors import ConfigError, QlintError
-from qlint.linter.findings import Report
 from qlint.advice.plan import QuantPlan, plan_from_report
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see '{self.prog} --help')")
+from qlint.cli.common import Parser, refuse_overwriting_inputs, write_stdout
+from qlint.errors import QlintError
+from qlint.linter.findings import Report
+from qlint.render.literal import printable
 
 
 def _write(path: str, text: str) -> None:
     try:
-        Path(path).write_text(text)
+        Path(path).write_text(text, encoding="utf-8")
     except OSError as error:
         raise QlintError(f"cannot write {path}: {error.strerror}") from error
 
 
 def emit_plan_outputs(report: Report, plan_path: Optional[str], qconfig_path: Optional[str]) -> QuantPlan:
-    """Write the report's plan as JSON to plan_path and/or its Python mapping to qconfig_path."""
+    """Write ``report.plan()`` as JSON to plan_path and/or its Python mapping to qconfig_path."""
     plan = plan_from_report(report)
     if plan_path:
         _write(plan_path, plan.model_dump_json(indent=2) + "\n")
@@ -43,8 +38,8 @@ def emit_plan_outputs(report: Report, plan_path: Optional[str], qconfig_path: Op
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="qlint plan", description="Inspect and export qlint quantization plans.")
-    sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    parser = Parser(prog="qlint plan", description="Inspect and export qlint quantization plans.")
+    sub = parser.add_subparsers(dest="action", required=True, parser_class=Parser)
     show = sub.add_parser("show", help="pretty-print a plan")
     show.add_argument("plan")
     show.add_argument("--format", choices=("text", "json"), default="text")
@@ -60,34 +55,16 @@ def plan_command(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     plan = QuantPlan.load(args.plan)
     if args.action == "show":
-        sys.stdout.write(plan.model_dump_json(indent=2) + "\n" if args.format == "json" else plan.pretty())
+        write_stdout(plan.model_dump_json(indent=2) + "\n" if args.format == "json" else plan.pretty())
     elif args.action == "qconfig":
         text = plan.to_python()
         if args.output:
+            refuse_overwriting_inputs([("--output", args.output)], [args.plan])
             _write(args.output, text)
         else:
-            sys.stdout.write(text)
+            write_stdout(text)
     else:
         plan.to_qconfig_mapping()  # also checks backend support (e.g. int16)
-        print(f"{args.plan}: valid qlint plan (schema {plan.schema_version}, backend {plan.backend}, "
-              f"{len(plan.modules)} module decisions)")
+        write_stdout(f"{printable(args.plan)}: valid qlint plan (schema {plan.schema_version}, "
+                     f"backend {plan.backend}, {len(plan.modules)} module decisions)\n")
     return 0
-
-
-def _verify_command(argv: list[str]) -> int:
-    from qlint.cli.verify import verify_command
-
-    return verify_command(argv)
-
-
-def _fix_command(argv: list[str]) -> int:
-    from qlint.cli.verify import fix_command
-
-    return fix_command(argv)
-
-
-COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "plan": plan_command,
-    "verify": _verify_command,
-    "fix": _fix_command,
-}

@@ -19,13 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from qlint.cli.common import (Parser, refuse_overwriting_inputs, terminal_width,
+                              user_output_to_stderr, write_stdout)
 from qlint.core.backends import BACKENDS
 from qlint.errors import ConfigError, QlintError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (see '{self.prog} --help')")
+from qlint.render.literal import printable
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,14 +54,14 @@ def _load(args: argparse.Namespace):
 
 def _write_text(path: str, text: str) -> None:
     try:
-        Path(path).write_text(text)
+        Path(path).write_text(text, encoding="utf-8")
     except OSError as error:
         raise QlintError(f"cannot write {path}: {error.strerror}") from error
 
 
 # ------------------------------------------------------------------------------ verify
 def _verify_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="qlint verify", description="Quantize with the backend default and with a plan; "
+    parser = Parser(prog="qlint verify", description="Quantize with the backend default and with a plan; "
                                                       "compare SQNR, int8 coverage and size side by side.")
     _model_arguments(parser)
     parser.add_argument("--calibration", required=True, metavar="DATA",
@@ -87,15 +85,15 @@ def _fmt(value: Optional[float], suffix: str = " dB") -> str:
     return "-" if value is None else f"{value:.2f}{suffix}"
 
 
-def render_verify(report: Any, width: int = 120) -> str:
+def render_verify(report: Any, width: Optional[int] = 120) -> str:
     from rich.table import Table
 
-    from qlint.render.text import make_console
+    from qlint.render.text import literal, make_console
 
     buffer = io.StringIO()
-    console = make_console(buffer, color=False, width=width)
-    table = Table(title=f"qlint verify: {report.model} on {report.backend} "
-                        f"({report.eval_batches} eval batches)")
+    console = make_console(buffer, color=False, width=width or 120)
+    table = Table(title=literal(f"qlint verify: {report.model} on {report.backend} "
+                                f"({report.eval_batches} eval batches)"))
     for column in ("", "default mapping", "plan as given", "verified plan"):
         table.add_column(column, justify="right" if column else "left")
     rows = [("output SQNR", lambda r: _fmt(r.sqnr_db)),
@@ -109,7 +107,7 @@ def render_verify(report: Any, width: int = 120) -> str:
     for column in ("layer", "kind", "default", "plan", "plan int8"):
         layers.add_column(column)
     for row in report.layers:
-        layers.add_row(row.fqn, row.kind, _fmt(row.default_sqnr_db), _fmt(row.plan_sqnr_db),
+        layers.add_row(literal(row.fqn), literal(row.kind), _fmt(row.default_sqnr_db), _fmt(row.plan_sqnr_db),
                        "yes" if row.plan_int8 else "FLOAT")
     console.print(table)
     if report.layers:
@@ -121,12 +119,12 @@ def render_verify(report: Any, width: int = 120) -> str:
         lines.append(f"target {report.target_sqnr_db:g} dB: {'met' if report.target_met else 'NOT met'}")
     for d in report.decisions:
         if d.kind == "scheme":  # a trial: "with" is the SQNR after the flip, "without" before it
-            lines.append(f"  {'kept    ' if d.kept else 'rejected'} scheme {d.target} ({d.detail}): "
+            lines.append(f"  {'kept    ' if d.kept else 'rejected'} scheme {printable(d.target)} ({d.detail}): "
                          f"{_fmt(d.sqnr_with_db)} after, {_fmt(d.sqnr_without_db)} before")
             continue
-        lines.append(f"  {'kept   ' if d.kept else 'dropped'} {d.kind} {d.target}: "
+        lines.append(f"  {'kept   ' if d.kept else 'dropped'} {d.kind} {printable(d.target)}: "
                      f"{_fmt(d.sqnr_with_db)} with, {_fmt(d.sqnr_without_db)} without")
-    lines += [f"note: {n}" for n in report.notes]
+    lines += [f"note: {printable(n)}" for n in report.notes]
     return "\n".join(lines) + "\n"
 
 
@@ -134,31 +132,36 @@ def verify_command(argv: list[str]) -> int:
     args = _verify_parser().parse_args(argv)
     if args.max_scheme_trials < 0:
         raise ConfigError(f"--max-scheme-trials must be >= 0, got {args.max_scheme_trials}")
-    from qlint.core.load import load_batches
+    refuse_overwriting_inputs([("--output", args.output), ("--emit-plan", args.emit_plan)],
+                              [args.model, args.weights, args.plan, args.example_inputs, args.calibration,
+                               args.eval_data])
     from qlint.advice.verify import verify
+    from qlint.core.load import load_batches
 
-    loaded, plan, _ = _load(args)
-    calibration = load_batches(args.calibration)
-    eval_data = load_batches(args.eval_data)
-    if args.backend:
-        plan = plan.model_copy(update={"backend": args.backend})
-    report = verify(loaded.module, plan, calibration, eval_data, target_sqnr=args.target_sqnr,
-                    prune=not args.no_prune, max_float_fraction=args.max_float_fraction,
-                    search_schemes=not args.no_scheme_search, max_scheme_trials=args.max_scheme_trials,
-                    model_name=loaded.name)
-    text = report.model_dump_json(indent=2) + "\n" if args.format == "json" else render_verify(report)
+    with user_output_to_stderr():
+        loaded, plan, _ = _load(args)
+        calibration = load_batches(args.calibration)
+        eval_data = load_batches(args.eval_data)
+        if args.backend:
+            plan = plan.model_copy(update={"backend": args.backend})
+        report = verify(loaded.module, plan, calibration, eval_data, target_sqnr=args.target_sqnr,
+                        prune=not args.no_prune, max_float_fraction=args.max_float_fraction,
+                        search_schemes=not args.no_scheme_search, max_scheme_trials=args.max_scheme_trials,
+                        model_name=loaded.name)
+    text = (report.model_dump_json(indent=2) + "\n" if args.format == "json"
+            else render_verify(report, width=terminal_width(to_stdout=args.output is None)))
     if args.emit_plan:
         _write_text(args.emit_plan, report.verified_plan.model_dump_json(indent=2) + "\n")
     if args.output:
         _write_text(args.output, text)
     else:
-        sys.stdout.write(text)
+        write_stdout(text)
     return 0
 
 
 # --------------------------------------------------------------------------------- fix
 def _fix_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="qlint fix", description="Apply a plan's float-preserving rewrites and save the model.")
+    parser = Parser(prog="qlint fix", description="Apply a plan's float-preserving rewrites and save the model.")
     _model_arguments(parser)
     parser.add_argument("--output", "-o", required=True, metavar="OUT.pt2|OUT.pt")
     parser.add_argument("--emit-qconfig", metavar="FILE.py", help="write the Python file building the mapping")
@@ -167,19 +170,32 @@ def _fix_parser() -> argparse.ArgumentParser:
 
 def fix_command(argv: list[str]) -> int:
     args = _fix_parser().parse_args(argv)
-    import torch
-
     from qlint.advice.rewrite import apply_rewrites
 
     out = Path(args.output)
     if out.suffix not in (".pt2", ".pt"):
         raise ConfigError(f"--output must end in .pt2 (torch.export) or .pt (GraphModule state), got {out.name}")
-    loaded, plan, example = _load(args)
-    if not example:
-        raise ConfigError("qlint fix needs example inputs: pass --input-shape or --example-inputs")
-    model = loaded.module
-    gm, applied = apply_rewrites(model, plan, example)
+    refuse_overwriting_inputs([("--output", args.output), ("--emit-qconfig", args.emit_qconfig)],
+                              [args.model, args.weights, args.plan, args.example_inputs])
+    with user_output_to_stderr():
+        loaded, plan, example = _load(args)
+        if not example:
+            raise ConfigError("qlint fix needs example inputs: pass --input-shape or --example-inputs")
+        gm, applied = apply_rewrites(loaded.module, plan, example)
+        _save_fixed(gm, plan, example, out)
     done = [r for r in applied if r.applied]
+    if args.emit_qconfig:
+        _write_text(args.emit_qconfig, plan.to_python())
+    for r in applied:
+        state = "applied" if r.applied else f"refused ({r.reason})"
+        print(printable(f"{r.kind} {'+'.join(r.modules)}: {state}"), file=sys.stderr)
+    write_stdout(f"wrote {printable(out)} ({len(done)} rewrite(s) applied)\n")
+    return 0
+
+
+def _save_fixed(gm: Any, plan: Any, example: Any, out: Path) -> None:
+    import torch
+
     if out.suffix == ".pt2":
         try:
             program = torch.export.export(gm, tuple(example))
@@ -187,19 +203,12 @@ def fix_command(argv: list[str]) -> int:
         except Exception as error:  # export failures come in many types
             raise QlintError(f"cannot export the rewritten model: {type(error).__name__}: "
                              f"{str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}") from error
-    else:
-        payload = {"state_dict": gm.state_dict(), "code": gm.code, "plan": plan.model_dump_json()}
-        try:
-            torch.save(payload, str(out))
-        except OSError as error:
-            raise QlintError(f"cannot write {out}: {error.strerror}") from error
-    if args.emit_qconfig:
-        _write_text(args.emit_qconfig, plan.to_python())
-    for r in applied:
-        state = "applied" if r.applied else f"refused ({r.reason})"
-        print(f"{r.kind} {'+'.join(r.modules)}: {state}", file=sys.stderr)
-    print(f"wrote {out} ({len(done)} rewrite(s) applied)")
-    return 0
+        return
+    payload = {"state_dict": gm.state_dict(), "code": gm.code, "plan": plan.model_dump_json()}
+    try:
+        torch.save(payload, str(out))
+    except OSError as error:
+        raise QlintError(f"cannot write {out}: {error.strerror}") from error
 
 
 __all__ = ["verify_command", "fix_command", "render_verify"]

@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import pickle
 import sys
@@ -103,15 +104,36 @@ def _is_batch(value: Any) -> bool:
     return isinstance(value, Mapping)
 
 
-def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> list[tuple[Any, ...]]:
-    """``n`` random batches shaped like ``example_inputs`` (standard normal floats; ints kept in range)."""
+def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> "RandomBatches":
+    """``n`` random batches shaped like ``example_inputs`` (standard normal floats; ints kept in range),
+    made one at a time as they are used."""
     if n <= 0:
         raise QlintError(f"--random-calibration needs a positive number of batches, got {n}")
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(n):
-        batch = []
-        for value in example_inputs:
+    return RandomBatches(tuple(example_inputs), n, seed)
+
+
+class RandomBatches(Sequence[tuple[Any, ...]]):
+    """A sequence of random batches that holds none of them: batch ``i`` is made from its own
+    seed when asked for, so the same index always gives the same batch."""
+
+    def __init__(self, example_inputs: tuple[Any, ...], n: int, seed: int) -> None:
+        self._example = example_inputs
+        self._n = n
+        self._seed = seed
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._n))]
+        if index < 0:
+            index += self._n
+        if not 0 <= index < self._n:
+            raise IndexError(index)
+        generator = torch.Generator().manual_seed(self._seed * 1_000_003 + index)
+        batch: list[Any] = []
+        for value in self._example:
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 batch.append(torch.randn(value.shape, generator=generator, dtype=value.dtype))
             elif isinstance(value, torch.Tensor) and value.dtype != torch.bool and value.numel():
@@ -120,8 +142,7 @@ def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> 
                                            dtype=value.dtype))
             else:
                 batch.append(value)
-        batches.append(tuple(batch))
-    return batches
+        return tuple(batch)
 
 
 def load_model(spec: str, *, weights: Optional[str] = None, trust_pickle: bool = False) -> LoadedModel:
@@ -286,7 +307,12 @@ def load_weights_into(module: nn.Module, weights: str) -> None:
     state = _unwrap_state_dict(obj)
     if not _looks_like_state_dict(state):
         raise LoadError(f"{path} does not hold a state_dict")
-    result = module.load_state_dict(state, strict=False)
+    try:
+        result = module.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # a tensor whose shape does not match the model's
+        lines = [line.strip() for line in str(error).splitlines()]
+        detail = next((line for line in lines if line.startswith("size mismatch")), _short(error))
+        raise LoadError(f"{path} does not fit the model: {detail}"[:400]) from error
     if result.missing_keys or result.unexpected_keys:
         raise LoadError(
             f"{path} does not fit the model: missing {_preview(result.missing_keys)}, "
@@ -300,6 +326,10 @@ def _preview(keys: Sequence[str]) -> str:
     shown = ", ".join(keys[:3])
     return f"{shown} (+{len(keys) - 3} more)" if len(keys) > 3 else shown
 
+
+# An example input qlint makes up itself: 2**28 elements is 1 GiB of float32, far beyond
+# any one example; a typo such as 1,3,2240,2240000 must not allocate until the machine dies.
+MAX_INPUT_ELEMENTS = 2 ** 28
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -319,6 +349,10 @@ def parse_input_shape(text: str) -> torch.Tensor:
         raise LoadError(f"bad --input-shape {text!r}: expected comma-separated integers like 1,3,224,224")
     if not shape or any(d <= 0 for d in shape):
         raise LoadError(f"bad --input-shape {text!r}: dimensions must be positive integers")
+    elements = math.prod(shape)
+    if elements > MAX_INPUT_ELEMENTS:
+        raise LoadError(f"--input-shape {text!r} has {elements:.3g} elements, more than qlint generates "
+                        f"({MAX_INPUT_ELEMENTS:.3g}); pass a real input with --example-inputs FILE")
     dtype = _DTYPES.get(dtype_text.strip().lower() or "float32")
     if dtype is None:
         raise LoadError(f"bad dtype in --input-shape {text!r}; use one of {', '.join(sorted(_DTYPES))}")

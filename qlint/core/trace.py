@@ -70,13 +70,15 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
     try:
         with _silenced():
             program = torch.export.export(model, tuple(example_inputs), strict=False)
+            # module() generates Python from the graph, which fails on module names no code can spell
+            exported_module = program.module()
     except Exception as export_error:  # both front ends failed: report both reasons
         raise TraceError(
             f"cannot trace the model: symbolic_trace failed ({first}); "
             f"torch.export failed ({_one_line(export_error)})"
         ) from export_error
     note = f"symbolic_trace failed ({first}); used torch.export(strict=False)"
-    return Traced(program.module(), FRONTEND_EXPORT, exported=True, notes=(note,))
+    return Traced(exported_module, FRONTEND_EXPORT, exported=True, notes=(note,))
 
 
 def symbolic_graph(model: nn.Module) -> fx.GraphModule:

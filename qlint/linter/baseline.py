@@ -66,6 +66,9 @@ def read_baseline(path: Union[str, Path]) -> set[str]:
     except json.JSONDecodeError as error:
         raise ConfigError(f"baseline {path} is not valid JSON (line {error.lineno}): {error.msg}; "
                           "rewrite it with --write-baseline") from error
+    except RecursionError as error:  # json's decoder recurses once per nesting level
+        raise ConfigError(f"baseline {path} is nested too deeply to be a qlint baseline; "
+                          "rewrite it with --write-baseline") from error
     if not isinstance(data, dict):
         raise ConfigError(f"baseline {path} is not a qlint baseline (expected a JSON object)")
     if data.get("version") != BASELINE_VERSION:

@@ -178,7 +178,7 @@ def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
             raise
         except Exception as error:  # one broken rule must not hide every other finding
             reason = f"rule crashed: {type(error).__name__}: {error}"
-            skipped.append(SkippedRule(rule=rule.code, name=rule.name, reason=reason[:300]))
+            skipped.append(SkippedRule(rule=rule.code, name=rule.name, reason=reason[:300], crashed=True))
             notices.append(Notice(level=Severity.ERROR, message=f"{rule.code} {reason}"[:400]))
             continue
         findings.extend(r for r in results if isinstance(r, Finding))

@@ -75,6 +75,7 @@ class SkippedRule(_Frozen):
     rule: str
     name: str
     reason: str
+    crashed: bool = Field(default=False, description="The rule raised an error: the analysis is incomplete.")
 
 
 class Timing(_Frozen):

@@ -3,14 +3,24 @@
 Third-party packages register rule classes (or modules holding them) under the
 entry-point group ``qlint.rules``; they load in sorted order of entry-point name,
 after the built-ins, and an import failure names the package that failed.
+
+Only installed distributions count: importlib.metadata finds ``*.dist-info`` folders on
+every ``sys.path`` entry, the working directory included, so a cloned repository could
+otherwise ship a fake ``evil.dist-info`` whose plugin runs when qlint starts. An entry
+point is used only when its distribution lives in a site-packages folder or in a folder
+the user put on ``PYTHONPATH``, and never in the working directory.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
-from importlib.metadata import entry_points
+import site
+import sysconfig
+from importlib.metadata import Distribution, EntryPoint, entry_points
+from pathlib import Path
 from typing import Iterable, Optional
 
 from qlint.errors import ConfigError, RuleLoadError
@@ -43,9 +53,38 @@ def builtin_rule_classes() -> list[type[Rule]]:
     return classes
 
 
+def _installation_folders() -> set[str]:
+    """Folders that hold installed distributions: site-packages (system, venv, user) and
+    the folders the user named in PYTHONPATH; never the working directory."""
+    folders = {sysconfig.get_path(key) for key in ("purelib", "platlib")}
+    folders.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    folders.add(site.getusersitepackages())
+    folders.update(entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry)
+    resolved = {os.path.realpath(folder) for folder in folders if folder}
+    resolved.discard(os.path.realpath(os.getcwd()))
+    return resolved
+
+
+def _installed(dist: Optional[Distribution], folders: set[str]) -> bool:
+    if dist is None:
+        return False
+    location = Path(str(dist.locate_file(""))).resolve()
+    return str(location) in folders
+
+
+def installed_entry_points() -> list[EntryPoint]:
+    """The ``qlint.rules`` entry points of installed distributions, sorted by name."""
+    folders = _installation_folders()
+    chosen: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if _installed(ep.dist, folders):
+            chosen.setdefault(ep.name, ep)  # the first on sys.path wins, as for imports
+    return [chosen[name] for name in sorted(chosen)]
+
+
 def plugin_rule_classes() -> list[type[Rule]]:
     classes: list[type[Rule]] = []
-    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    for ep in installed_entry_points():
         package = ep.dist.name if ep.dist is not None else ep.value.split(":")[0]
         try:
             loaded = ep.load()

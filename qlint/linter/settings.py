@@ -14,17 +14,25 @@
     path = "models/detector.pt"
     input-shape = ["1,3,320,320"]
     calibration = "data/calib"
+
+Like ruff, the settings for a model file come from the nearest pyproject.toml that has a
+``[tool.qlint]`` table, searched from the model's own folder upwards (from the working
+directory for ``module:factory`` models). Paths in it (``files.path`` patterns,
+calibration, weights, example inputs, baseline) are relative to that file's folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
+from qlint.core.load import is_factory_spec
 from qlint.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -43,7 +51,7 @@ class FileSettings(_Strict):
     example_inputs: Optional[str] = Field(None, alias="example-inputs")
     weights: Optional[str] = None
     calibration: Optional[str] = None
-    num_batches: Optional[int] = Field(None, alias="num-batches")
+    num_batches: Optional[PositiveInt] = Field(None, alias="num-batches")
     backend: Optional[str] = None
     qconfig_mapping: Optional[str] = Field(None, alias="qconfig-mapping")
 
@@ -52,49 +60,118 @@ class Settings(_Strict):
     backend: str = "x86"
     select: Optional[list[str]] = None
     ignore: list[str] = Field(default_factory=list)
-    fail_on: str = Field("warning", alias="fail-on")
-    format: str = "text"
+    fail_on: Literal["error", "warning", "info"] = Field("warning", alias="fail-on")
+    format: Literal["text", "json", "sarif", "github"] = "text"
     input_shape: Optional[list[str]] = Field(None, alias="input-shape")
     qconfig_mapping: Optional[str] = Field(None, alias="qconfig-mapping")
     calibration: Optional[str] = None
-    num_batches: Optional[int] = Field(None, alias="num-batches")
+    num_batches: Optional[PositiveInt] = Field(None, alias="num-batches")
     baseline: Optional[str] = None
     rules: dict[str, dict[str, Any]] = Field(default_factory=dict)
     files: list[FileSettings] = Field(default_factory=list)
 
-    def for_file(self, model_path: str) -> Optional[FileSettings]:
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings and the pyproject.toml they came from (``source`` None: the defaults)."""
+
+    settings: Settings
+    source: Optional[Path] = None
+
+    @property
+    def root(self) -> Path:
+        """The folder that relative paths in the settings are relative to."""
+        return self.source.parent if self.source is not None else Path.cwd()
+
+    def path(self, value: str) -> str:
+        """A file or folder named in the settings, relative to :attr:`root`."""
+        return str(self.root / value) if self.source is not None and not os.path.isabs(value) else value
+
+    def data_spec(self, value: str) -> str:
+        """A data setting: a path, ``file.py:function`` (the file is relative to :attr:`root`),
+        or ``package.module:function`` (resolved as on the command line)."""
+        if self.source is None:
+            return value
+        if is_factory_spec(value):
+            module_part, _, attr = value.rpartition(":")
+            return f"{self.path(module_part)}:{attr}" if module_part.endswith(".py") else value
+        return self.path(value)
+
+    def for_file(self, model_spec: str) -> Optional[FileSettings]:
         """The last [[tool.qlint.files]] entry whose path (or glob) matches the model."""
-        candidate = Path(model_path).as_posix()
+        candidates = [Path(model_spec).as_posix()]
+        if self.source is not None and not is_factory_spec(model_spec):
+            try:
+                relative = Path(os.path.abspath(model_spec)).relative_to(os.path.abspath(self.root))
+                candidates.insert(0, relative.as_posix())
+            except ValueError:
+                pass  # --config names a file outside the model's tree: match the path as given
         match = None
-        for entry in self.files:
+        for entry in self.settings.files:
             pattern = Path(entry.path).as_posix()
-            if candidate == pattern or fnmatch.fnmatch(candidate, pattern) or candidate.endswith("/" + pattern):
+            if any(candidate == pattern or fnmatch.fnmatch(candidate, pattern)
+                   or candidate.endswith("/" + pattern) for candidate in candidates):
                 match = entry
         return match
 
 
-def find_pyproject(start: Path) -> Optional[Path]:
-    for directory in (start, *start.parents):
-        candidate = directory / "pyproject.toml"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def load_settings(config_path: Optional[str] = None, start: Optional[Path] = None) -> tuple[Settings, Optional[Path]]:
-    path = Path(config_path) if config_path else find_pyproject((start or Path.cwd()).resolve())
-    if path is None:
-        return Settings(), None
+def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"cannot read {path}: {error}") from error
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path} is not valid TOML: {error}") from error
-    section = data.get("tool", {}).get("qlint", {})
+    except RecursionError as error:  # tomllib recurses once per nesting level
+        raise ConfigError(f"{path} is nested too deeply to read") from error
+
+
+def _qlint_table(data: dict[str, Any]) -> Optional[Any]:
+    tool = data.get("tool")
+    return tool.get("qlint") if isinstance(tool, dict) else None
+
+
+def find_config(start: Path) -> Optional[Path]:
+    """The nearest pyproject.toml with a ``[tool.qlint]`` table, from ``start`` upwards."""
+    start = Path(os.path.abspath(start))
+    for directory in (start, *start.parents):
+        candidate = directory / "pyproject.toml"
+        if candidate.is_file() and _qlint_table(_read_toml(candidate)) is not None:
+            return candidate
+    return None
+
+
+def load_config(path: Optional[Path]) -> Config:
+    if path is None:
+        return Config(Settings())
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    section = _qlint_table(_read_toml(path))
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: [tool.qlint] must be a table")
     try:
-        return Settings.model_validate(section), path
+        return Config(Settings.model_validate(section), path)
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"{path} [tool.qlint] {where}: {first['msg']}") from error
+
+
+class ConfigFinder:
+    """The Config for each model: ``--config FILE`` for all, else discovered per model folder."""
+
+    def __init__(self, explicit: Optional[str] = None) -> None:
+        self._explicit = load_config(Path(explicit)) if explicit else None
+        self._loaded: dict[Optional[Path], Config] = {}
+
+    def for_model(self, model_spec: str) -> Config:
+        if self._explicit is not None:
+            return self._explicit
+        start = Path.cwd() if is_factory_spec(model_spec) else Path(os.path.abspath(model_spec)).parent
+        source = find_config(start)
+        if source not in self._loaded:
+            self._loaded[source] = load_config(source)
+        return self._loaded[source]
+

@@ -3,18 +3,21 @@
     ::warning file=models/net.pt2,title=QL101 unfused-pattern::stem: conv2d → ...
 
 Escaping follows the runner's rules (actions/toolkit command.ts): in the message
-``%``, ``\\r`` and ``\\n``; in property values additionally ``:`` and ``,``.
+``%``, ``\\r`` and ``\\n``; in property values additionally ``:`` and ``,``. Every other
+control character is made visible (``printable``), so a file or module name holding an
+ESC sequence cannot recolour or rewrite the log, and none can end the command's line.
 """
 
 from __future__ import annotations
 
 from qlint.linter.findings import Report, Severity
+from qlint.render.literal import printable
 
 _COMMAND = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "notice"}
 
 
 def escape_data(value: str) -> str:
-    return value.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    return printable(value.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A"))
 
 
 def escape_property(value: str) -> str:

@@ -1,4 +1,9 @@
-"""Human output: a rich table of findings grouped by severity, then a summary line."""
+"""Human output: a rich table of findings grouped by severity, then a summary line.
+
+Every name and message goes in as a ``Text`` (never as markup) and through
+:func:`printable`, so a module called ``[/]`` or one holding an ESC sequence is shown
+as it is spelled instead of crashing rich or recolouring the terminal.
+"""
 
 from __future__ import annotations
 
@@ -6,44 +11,97 @@ import io
 from typing import Optional
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
 from qlint.linter.findings import Report, Severity
+from qlint.render.literal import printable
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+# Findings wrap their long messages; this is their width when no terminal says otherwise.
+READABLE_WIDTH = 120
+# Wide tables (per-layer, --show-qconfig) printed to a file or pipe keep their natural width
+# up to this many columns rather than being cut to the readable width.
+MAX_NATURAL_WIDTH = 400
 
 
 def make_console(file=None, color: Optional[bool] = None, width: Optional[int] = None) -> Console:
     return Console(file=file, force_terminal=color, no_color=color is False,
-                   width=width, soft_wrap=False, highlight=False)
+                   width=width, soft_wrap=False, highlight=False, markup=False, emoji=False)
 
 
-def render_text(report: Report, *, color: Optional[bool] = False, width: int = 120,
-                show_qconfig: bool = False) -> str:
+def literal(text: object, style: str = "") -> Text:
+    """A cell or line that shows ``text`` exactly (no markup, no emoji codes, no control characters)."""
+    return Text(printable(text), style=style)
+
+
+def render_text(report: Report, *, color: Optional[bool] = False, width: Optional[int] = READABLE_WIDTH,
+                show_qconfig: bool = False, quiet: bool = False) -> str:
+    """The report as text. ``width=None``: no terminal width is known (a pipe or a file), so
+    findings wrap at READABLE_WIDTH and wide tables keep their natural width.
+    ``quiet``: one line per finding and the summary, nothing else (pre-commit, CI)."""
     buffer = io.StringIO()
-    console = make_console(buffer, color=color, width=width)
-    print_report(console, report, show_qconfig=show_qconfig)
+    console = make_console(buffer, color=color, width=width or MAX_NATURAL_WIDTH)
+    if quiet:
+        print_quiet(console, report, show_qconfig=show_qconfig, width=width)
+    else:
+        print_report(console, report, show_qconfig=show_qconfig, width=width)
     return buffer.getvalue()
 
 
-def print_report(console: Console, report: Report, *, show_qconfig: bool = False) -> None:
-    console.print(f"[bold]qlint[/bold] {report.model} · backend {report.backend} · "
-                  f"front end {report.frontend}")
+def print_report(console: Console, report: Report, *, show_qconfig: bool = False,
+                 width: Optional[int] = None) -> None:
+    findings_width = width or READABLE_WIDTH
+    console.print(_header(report), width=findings_width)
     for notice in report.notices:
-        console.print(Text(f"note: {notice.message}", style=_STYLE.get(notice.level, "")))
+        console.print(literal(f"note: {notice.message}", _STYLE.get(notice.level, "")), width=findings_width)
     if report.findings:
-        console.print(_findings_table(report))
+        console.print(_findings_table(report), width=findings_width)
     if report.lint_rows():
-        console.print(_layers_table(report))
+        _print_wide(console, _layers_table(report), width)
     if show_qconfig and report.qconfig_table:
-        console.print(_qconfig_table(report))
+        _print_wide(console, _qconfig_table(report), width)
     by_reason: dict[str, list[str]] = {}
     for skipped in report.skipped:
         by_reason.setdefault(skipped.reason, []).append(f"{skipped.rule} {skipped.name}")
     for reason, rules in by_reason.items():
-        console.print(Text(f"skipped {', '.join(rules)}: {reason}", style="dim"))
-    console.print(summary_line(report))
+        console.print(literal(f"skipped {', '.join(rules)}: {reason}", "dim"), width=findings_width)
+    console.print(summary_line(report), width=findings_width)
+
+
+def print_quiet(console: Console, report: Report, *, show_qconfig: bool = False,
+                width: Optional[int] = None) -> None:
+    """``-q``: ``MODEL: severity RULE name TARGET: message`` per finding, warnings about the
+    run itself, and the summary; no tables unless --show-qconfig asks for one."""
+    model = printable(report.model)
+    for severity in (Severity.ERROR, Severity.WARNING, Severity.INFO):
+        for finding in (f for f in report.findings if f.severity == severity):
+            line = Text(f"{model}: ")
+            line.append(severity.value, style=_STYLE[severity])
+            line.append(printable(f" {finding.rule} {finding.name} {finding.target}: {finding.message}"))
+            console.print(line, soft_wrap=True)
+    for notice in report.notices:
+        if notice.level.at_least(Severity.WARNING):
+            console.print(literal(f"{model}: {notice.level.value}: {notice.message}",
+                                  _STYLE.get(notice.level, "")), soft_wrap=True)
+    if show_qconfig and report.qconfig_table:
+        _print_wide(console, _qconfig_table(report), width)
+    console.print(literal(f"{model}: {summary_line(report)}"), soft_wrap=True)
+
+
+def _header(report: Report) -> Text:
+    line = Text("qlint", style="bold")
+    line.append(printable(f" {report.model} · backend {report.backend} · front end {report.frontend}"))
+    return line
+
+
+def _print_wide(console: Console, table: Table, width: Optional[int]) -> None:
+    """At the terminal's width when there is one; otherwise at the table's natural width."""
+    if width is None:
+        natural = Measurement.get(console, console.options.update_width(MAX_NATURAL_WIDTH), table).maximum
+        width = max(READABLE_WIDTH, min(natural, MAX_NATURAL_WIDTH))
+    console.print(table, width=width)
 
 
 def _findings_table(report: Report) -> Table:
@@ -54,8 +112,8 @@ def _findings_table(report: Report) -> Table:
     table.add_column("Message", ratio=1)
     for severity in (Severity.ERROR, Severity.WARNING, Severity.INFO):
         for finding in (f for f in report.findings if f.severity == severity):
-            table.add_row(Text(severity.value, style=_STYLE[severity]),
-                          f"{finding.rule}\n{finding.name}", finding.target, finding.message)
+            table.add_row(literal(severity.value, _STYLE[severity]), Text("\n").join([literal(finding.rule), literal(finding.name)]),
+                          literal(finding.target), literal(finding.message))
     return table
 
 
@@ -65,7 +123,8 @@ def _layers_table(report: Report) -> Table:
         table.add_column(column)
     for row in report.lint_rows():
         value = "" if row.value is None else f"{row.value:.4g}"
-        table.add_row(row.name, row.rule or "", row.statistic or "", value, row.verdict or "")
+        table.add_row(*(literal(cell) for cell in (row.name, row.rule or "", row.statistic or "", value,
+                                                   row.verdict or "")))
     return table
 
 
@@ -75,9 +134,10 @@ def _qconfig_table(report: Report) -> Table:
                    "Weight observer", "ch_axis"):
         table.add_column(column)
     for row in report.qconfig_table:
-        table.add_row(row.node, row.target, row.kind, _short(row.input_dtype), _short(row.output_dtype),
-                      row.activation_observer or "-", row.weight_observer or "-",
-                      "" if row.ch_axis is None else str(row.ch_axis))
+        cells = (row.node, row.target, row.kind, _short(row.input_dtype), _short(row.output_dtype),
+                 row.activation_observer or "-", row.weight_observer or "-",
+                 "" if row.ch_axis is None else str(row.ch_axis))
+        table.add_row(*(literal(cell) for cell in cells))
     return table
 
 

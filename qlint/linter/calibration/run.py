@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -35,7 +36,7 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
     """Run every batch through ``model`` (eval, no_grad, model's device); the batch count."""
     device = model_device(model)
     model.eval()
-    progress = None if quiet or not sys.stderr.isatty() else _progress(total)
+    progress = None if quiet else _progress(total)
     count = 0
     try:
         with torch.no_grad():
@@ -53,18 +54,54 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
                 count = count_before + 1
                 del args, kwargs, batch
                 if progress is not None:
-                    progress[0].update(progress[1], advance=1)
+                    progress.advance()
     finally:
         if progress is not None:
-            progress[0].stop()
+            progress.stop()
     return count
 
 
-def _progress(total: Optional[int]):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+# In a log (CI, no terminal) a line this often, so that a long calibration never looks hung.
+PROGRESS_LINE_SECONDS = 5.0
 
-    bar = Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=Console(file=sys.stderr), transient=True)
-    bar.start()
-    return bar, bar.add_task("calibrating", total=total)
+
+def _progress(total: Optional[int]) -> "_ProgressBar | _ProgressLines":
+    """A live bar on a terminal; in a log, a short line every PROGRESS_LINE_SECONDS."""
+    return _ProgressBar(total) if sys.stderr is not None and sys.stderr.isatty() else _ProgressLines(total)
+
+
+class _ProgressBar:
+    def __init__(self, total: Optional[int]) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             console=Console(file=sys.stderr), transient=True)
+        self._bar.start()
+        self._task = self._bar.add_task("calibrating", total=total)
+
+    def advance(self) -> None:
+        self._bar.update(self._task, advance=1)
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
+class _ProgressLines:
+    def __init__(self, total: Optional[int]) -> None:
+        self._total = total
+        self._done = 0
+        self._start = time.monotonic()
+        self._next = self._start + PROGRESS_LINE_SECONDS
+
+    def advance(self) -> None:
+        self._done += 1
+        now = time.monotonic()
+        if now >= self._next and sys.stderr is not None:
+            of = f"/{self._total}" if self._total else ""
+            print(f"qlint: calibrating: {self._done}{of} batches, {now - self._start:.0f} s", file=sys.stderr,
+                  flush=True)
+            self._next = now + PROGRESS_LINE_SECONDS
+
+    def stop(self) -> None:
+        pass

@@ -1,0 +1,129 @@
+"""What every qlint command shares: its argument parser, exit codes, the stream for the
+report, and the rule that outputs never overwrite inputs."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence
+
+from qlint.errors import ConfigError, QlintError
+
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+
+
+class ParserExit(Exception):
+    """argparse finished on its own (``--help``): exit with ``status``.
+
+    Not a SystemExit, so that a SystemExit can only mean user code or a plugin called
+    sys.exit(), which the CLI reports as an error."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see '{self.prog} --help')")
+
+    def exit(self, status: int = 0, message: Optional[str] = None) -> None:  # type: ignore[override]
+        if message:
+            sys.stderr.write(message)
+        raise ParserExit(status)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def split_list(values: Optional[Sequence[str]]) -> Optional[list[str]]:
+    """Repeated and comma-separated flag values as one list (None when none were given)."""
+    if not values:
+        return None
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+@contextlib.contextmanager
+def user_output_to_stderr() -> Iterator[None]:
+    """Run the user's code (model loading, forward, factories) with ``print`` going to stderr.
+
+    stdout carries the report (JSON, SARIF, GitHub commands); a print() in a model's
+    forward must not end up inside it."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def write_stdout(text: str) -> None:
+    """Write the report to stdout; a closed or full stdout is a one-line error, not a crash."""
+    stream = sys.stdout
+    if stream is None:
+        raise QlintError("stdout is closed: nowhere to write the report (pass -o FILE)")
+    try:
+        stream.write(text)
+        stream.flush()
+    except BrokenPipeError:
+        raise  # the reader went away (`| head`): main() ends quietly
+    except (OSError, ValueError) as error:  # ENOSPC (/dev/full), EBADF, or a closed file object
+        _silence_stdout()
+        detail = getattr(error, "strerror", None) or str(error)
+        raise QlintError(f"cannot write the report to stdout: {detail} (pass -o FILE)") from error
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null so that the interpreter's final flush cannot fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    except OSError:
+        pass  # fd 1 may not exist at all; there is then nothing left to flush either
+
+
+def terminal_width(to_stdout: bool = True) -> Optional[int]:
+    """The width tables should fit: ``COLUMNS`` when set, else the terminal's when stdout is
+    one; None for a pipe or a file (tables then keep their natural width)."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    stream = sys.stdout
+    if to_stdout and stream is not None and stream.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        return False
+    return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
+
+
+def refuse_overwriting_inputs(outputs: Iterable[tuple[str, Optional[str]]],
+                              inputs: Iterable[Optional[str]]) -> None:
+    """ConfigError when an output flag names a file this run reads (the model, its weights...)."""
+    from qlint.core.load import is_factory_spec
+
+    input_paths = [Path(spec) for spec in inputs if spec and not is_factory_spec(spec)]
+    for flag, output in outputs:
+        if not output:
+            continue
+        for source in input_paths:
+            if _same_file(Path(output), source):
+                raise ConfigError(f"{flag} {output} is an input of this run ({source}); "
+                                  "refusing to overwrite it: choose another path")

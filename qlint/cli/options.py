@@ -1,0 +1,130 @@
+"""What one ``qlint MODEL`` run uses: command-line flags over per-file settings over
+``[tool.qlint]``, with paths made relative to the pyproject.toml they came from.
+
+Flags are the user's own intent. Settings come from a file that arrived with a cloned
+repository, so a setting that would import and run code (``qconfig-mapping``, a
+``module:function`` or ``file.py:function`` calibration) is refused unless the user
+passes ``--trust-config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Optional
+
+from qlint.cli.common import split_list
+from qlint.core.load import is_factory_spec
+from qlint.errors import ConfigError
+from qlint.linter.findings import Severity
+from qlint.linter.registry import Registry
+from qlint.linter.settings import Config, FileSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """Everything ``qlint MODEL`` needs for one model, after merging flags and settings."""
+
+    spec: str
+    config: Config
+    backend: str
+    output_format: str
+    fail_on: Severity
+    weights: Optional[str]
+    example_inputs_file: Optional[str]
+    input_shapes: Optional[list[str]]
+    qconfig_mapping: Optional[str]
+    select: Optional[list[str]]
+    ignore: list[str]
+    rule_options: dict[str, dict[str, Any]]
+    calibration: Optional[str]
+    num_batches: Optional[int]
+    baseline: Optional[str]
+
+    def input_files(self) -> list[str]:
+        """Every file this run reads, but the baseline (outputs must not overwrite them)."""
+        candidates = [self.spec, self.weights, self.example_inputs_file, self.calibration,
+                      str(self.config.source) if self.config.source else None]
+        return [c for c in candidates if c]
+
+
+def _first(*values: Any) -> Any:
+    return next((value for value in values if value is not None), None)
+
+
+def _refuse_code(config: Config, key: str, value: str, entry: Optional[FileSettings]) -> None:
+    where = f"[[tool.qlint.files]] path = {entry.path!r}:" if entry is not None else "[tool.qlint]"
+    raise ConfigError(
+        f"{config.source}: {where} {key} = {value!r} would import and run code from this repository; "
+        f"if you trust it, pass --trust-config (in pre-commit: args: [--trust-config]), "
+        f"or give --{key} on the command line")
+
+
+def _code_setting(config: Config, key: str, value: Optional[str], entry: Optional[FileSettings],
+                  trusted: bool, always_code: bool) -> Optional[str]:
+    """A setting that may name code: refused unless trusted; a file.py path made relative."""
+    if value is None:
+        return None
+    if (always_code or is_factory_spec(value)) and not trusted:
+        _refuse_code(config, key, value, entry)
+    return config.data_spec(value)
+
+
+def check_rule_options(config: Config, registry: Registry) -> None:
+    """Options for a rule that does not exist are an error (a typo would silently do nothing)."""
+    known = {cls.code for cls in registry.all()} | {cls.name for cls in registry.all()}
+    for key in config.settings.rules:
+        if key not in known:
+            # The engine looks options up by the exact code or name, so "ql101" would be ignored.
+            hint = f"; did you mean {key.upper()}?" if key.upper() in known else "; run 'qlint rules' to list them"
+            raise ConfigError(f"{config.source}: [tool.qlint.rules.{key}]: unknown rule {key!r}{hint}")
+
+
+def resolve_options(args: argparse.Namespace, spec: str, config: Config) -> ModelOptions:
+    settings = config.settings
+    entry = config.for_file(spec)
+    trusted = bool(args.trust_config)
+
+    def per_file(name: str) -> Any:
+        return getattr(entry, name) if entry is not None else None
+
+    if args.qconfig_mapping is not None:
+        mapping = args.qconfig_mapping
+    else:
+        key_entry = entry if per_file("qconfig_mapping") is not None else None
+        mapping = _code_setting(config, "qconfig-mapping", _first(per_file("qconfig_mapping"),
+                                                                  settings.qconfig_mapping),
+                                key_entry, trusted, always_code=True)
+    if args.calibration is not None:
+        calibration = args.calibration
+    else:
+        key_entry = entry if per_file("calibration") is not None else None
+        calibration = _code_setting(config, "calibration", _first(per_file("calibration"), settings.calibration),
+                                    key_entry, trusted, always_code=False)
+
+    file_weights = per_file("weights")
+    file_examples = per_file("example_inputs")
+    example_file = args.example_inputs
+    shapes = args.input_shape
+    if example_file is None and shapes is None:
+        shapes = per_file("input_shape")
+        if shapes is None and file_examples is not None:
+            example_file = config.path(file_examples)
+        elif shapes is None:
+            shapes = settings.input_shape
+    baseline = args.baseline or (config.path(settings.baseline) if settings.baseline else None)
+    return ModelOptions(
+        spec=spec, config=config,
+        backend=_first(args.backend, per_file("backend"), settings.backend),
+        output_format=args.format or settings.format,
+        fail_on=Severity(args.fail_on or settings.fail_on),
+        weights=_first(args.weights, config.path(file_weights) if file_weights else None),
+        example_inputs_file=example_file, input_shapes=shapes,
+        qconfig_mapping=mapping,
+        select=split_list(args.select) or settings.select,
+        ignore=(split_list(args.ignore) or []) + list(settings.ignore),
+        rule_options=dict(settings.rules),
+        calibration=calibration,
+        num_batches=_first(args.num_batches, per_file("num_batches"), settings.num_batches),
+        baseline=baseline,
+    )

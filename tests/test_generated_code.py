@@ -1,0 +1,159 @@
+"""The Python that --emit-qconfig and `qlint plan qconfig` write is data-safe.
+
+Module names, the plan's model field and provenance text come from the model and from
+plan files anyone can hand over. Each attack below puts code in one of them; the
+generated file must parse to exactly the expected statements, hold every name as a
+string literal, and, run in a fresh interpreter, build the mapping without running it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+import torch
+import torch.nn as nn
+
+from tests.conftest import ROOT
+
+ATTACK = "from os import system; system('touch PWNED')"
+HOSTILE_NAMES = [
+    f"x\n{ATTACK}",
+    f"y\r{ATTACK}",
+    f"z'''\"\"\"\\\n{ATTACK}\n#",
+    "w\u2028\x00\x1b[31m",
+]
+
+
+def _hostile_plan() -> dict:
+    provenance = [{"source": "user", "detail": f"reason\n{ATTACK}"},
+                  {"source": "finding", "rule": "QL104", "target": f"t\n{ATTACK}"}]
+    return {
+        "type": "qlint.QuantPlan", "schema_version": 1, "backend": "x86",
+        "model": f'm"""\n{ATTACK}\n"""',
+        "modules": [{"fqn": name, "quantize": i % 2 == 0, "provenance": provenance}
+                    for i, name in enumerate(HOSTILE_NAMES)],
+        "equalization": [{"module": HOSTILE_NAMES[0], "previous": HOSTILE_NAMES[1], "provenance": provenance}],
+        "rewrites": [{"kind": "fuse", "modules": HOSTILE_NAMES[:2], "provenance": provenance}],
+        "notes": [f"note\n{ATTACK}"],
+    }
+
+
+EXPECTED_TOP_LEVEL = {"Expr", "Import", "ImportFrom", "FunctionDef", "Assign"}
+
+
+def _check_structure(source: str) -> list[str]:
+    """The statements a generated file may hold; returns the module names it configures."""
+    tree = ast.parse(source)
+    kinds = [type(node).__name__ for node in tree.body]
+    assert set(kinds) <= EXPECTED_TOP_LEVEL, kinds
+    assert isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant)  # docstring
+    assert kinds.count("Expr") == 1 and kinds.count("Assign") == 1, kinds
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    modules = {alias.name for node in imports if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module for node in imports if isinstance(node, ast.ImportFrom)}
+    assert modules <= {"torch", "torch.ao.quantization", "torch.ao.quantization.observer", "qlint.advice.export"}
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+    assert {f.name for f in functions} <= {"build_qconfig_mapping", "build_equalization_mapping"}
+    configured = []
+    for function in functions:
+        for statement in function.body:
+            if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+                continue  # the function's docstring
+            assert isinstance(statement, (ast.Assign, ast.Expr, ast.Return, ast.ImportFrom)), ast.dump(statement)
+            if isinstance(statement, ast.ImportFrom):
+                assert statement.module == "torch.ao.quantization"
+            if isinstance(statement, ast.Expr):
+                call = statement.value
+                assert isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute), ast.dump(statement)
+                assert call.func.attr in ("set_global", "set_module_name"), call.func.attr
+                if call.func.attr == "set_module_name":
+                    assert isinstance(call.args[0], ast.Constant)
+                    configured.append(call.args[0].value)
+    return configured
+
+
+def _run_generated(path, cwd) -> subprocess.CompletedProcess:
+    code = (f"import runpy; ns = runpy.run_path({str(path)!r}); "
+            "print(sorted(ns['qconfig_mapping'].module_name_qconfigs))")
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_plan_qconfig_from_a_hostile_plan(run_main, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(_hostile_plan()))
+    result = run_main("plan", "qconfig", plan, "-o", tmp_path / "mapping.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    source = (tmp_path / "mapping.py").read_text(encoding="utf-8")
+    assert sorted(_check_structure(source)) == sorted(HOSTILE_NAMES + [HOSTILE_NAMES[0]])  # + equalization
+    ran = _run_generated(tmp_path / "mapping.py", tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert not (tmp_path / "PWNED").exists()
+    assert ran.stdout.strip() == repr(sorted(HOSTILE_NAMES))  # every name arrived intact, as data
+    # `qlint plan show` prints the names literally: no line of it is the attack.
+    shown = run_main("plan", "show", plan, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert ATTACK not in shown.stdout.splitlines() and "\x1b" not in shown.stdout
+    assert "x\\nfrom os import system" in shown.stdout
+
+
+HOSTILE_MODEL = '''
+import torch.nn as nn
+
+ATTACK = "from os import system; system('touch PWNED')"
+
+
+class Hostile(nn.Module):
+    """conv -> bn -> relu with a fan-out (QL101 finds it unfused); the names carry code."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("x\\n" + ATTACK, nn.Conv2d(3, 8, 3))
+        self.add_module("b\\r" + ATTACK, nn.BatchNorm2d(8))
+        self.add_module("r\\'\\'\\'", nn.ReLU())
+
+    def forward(self, x):
+        conv, bn, relu = self.children()
+        y = conv(x)
+        return relu(bn(y)) + y
+
+
+def build():
+    return Hostile().eval()
+'''
+
+
+def test_emit_qconfig_with_hostile_module_names(run_main, tmp_path):
+    (tmp_path / "hostile_model.py").write_text(HOSTILE_MODEL)
+    out = tmp_path / "qconfig.py"
+    result = run_main("hostile_model:build", "--input-shape", "1,3,8,8", "--select", "QL101",
+                      "--emit-qconfig", out, "--emit-plan", tmp_path / "plan.json", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr  # QL101 found the unfused pattern
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert set(plan["rewrites"][0]["modules"]) >= {f"x\n{ATTACK}", f"b\r{ATTACK}"}
+    source = out.read_text(encoding="utf-8")
+    _check_structure(source)
+    assert not any(line.strip().startswith(ATTACK) for line in source.splitlines())
+    ran = _run_generated(out, tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_emit_qconfig_with_a_hostile_model_file_name(run_main, tmp_path):
+    """The plan's model field is the model's path: a file name can hold quotes and newlines."""
+    name = f'm"""\n{ATTACK}\n""".pt2'
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    torch.export.save(torch.export.export(model, (torch.randn(1, 4),)), tmp_path / name)
+    out = tmp_path / "qconfig.py"
+    result = run_main(name, "--select", "QL102", "--emit-qconfig", out, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    source = out.read_text(encoding="utf-8")
+    _check_structure(source)
+    docstring = ast.get_docstring(ast.parse(source))
+    assert docstring is not None and ATTACK in docstring  # the name is in the docstring, as text
+    ran = _run_generated(out, tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert not (tmp_path / "PWNED").exists()
