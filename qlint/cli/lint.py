@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
+from qlint.core.exported_batch import fit_calibration
 from qlint.core.load import (load_batches, load_example_inputs, load_model, parse_input_shape,
                            resolve_object)
 from qlint.linter.settings import FileSettings, Settings, load_settings
@@ -58,6 +59,9 @@ def _lint_one(args: argparse.Namespace, model_spec: str, settings: Settings) -> 
     select = _split(args.select) or settings.select
     ignore = (_split(args.ignore) or []) + list(settings.ignore)
     calibration, calibration_notices = _calibration(args, per_file, settings, example)
+    calibration, fitted = fit_calibration(calibration, loaded.exported_program)  # static export batch
+    if fitted:
+        calibration_notices = [*calibration_notices, Notice(message=fitted)]
 
     from qlint.linter.engine import lint
 
