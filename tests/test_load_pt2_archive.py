@@ -129,7 +129,8 @@ def _run_launcher(tmp_path, *args, env=None):
     launcher.write_text("import sys\nfrom qlint.cli.main import main\ncode = main(sys.argv[1:])\n"
                         "print('IMPORTED' if 'torch.utils.benchmark' in sys.modules else 'NOT IMPORTED', "
                         "file=sys.stderr)\nsys.exit(code)\n")
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])), **(env or {}))
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # no empty entry: that is cwd
+    full_env = dict(os.environ, PYTHONPATH=path, **(env or {}))
     return subprocess.run([sys.executable, str(launcher), *map(str, args)], cwd=tmp_path, env=full_env,
                           capture_output=True, text=True, timeout=300)
 
@@ -180,6 +181,29 @@ def _printing_operator(program):
         "outputs": [{"as_none": True}], "metadata": {}})
 
 
+def _shape_expression(code):
+    def change(program):  # torch parses size expressions with sympy.sympify, an eval
+        program["graph_module"]["graph"]["tensor_values"]["x"]["sizes"][0] = {
+            "as_expr": {"expr_str": code, "hint": {"as_int": 2}}}
+    return change
+
+
+def _defaultdict_spec(module):
+    def change(program):  # torch rebuilds a defaultdict spec with importlib.import_module(module)
+        signature = program["graph_module"]["module_call_graph"][0]["signature"]
+        spec = json.loads(signature["in_spec"])
+        spec[1]["children_spec"][1] = {"type": "collections.defaultdict", "children_spec": [], "context": {
+            "default_factory_module": module, "default_factory_name": "factory", "dict_context": []}}
+        signature["in_spec"] = json.dumps(spec)
+    return change
+
+
+def _source_function(name):
+    def change(program):  # torch resolves it with hasattr/getattr from torch: a lazy submodule import
+        program["graph_module"]["graph"]["nodes"][0]["metadata"]["source_fn_stack"] = f"linear,{name}"
+    return change
+
+
 def _retyped(program):
     for node in program["graph_module"]["graph"]["nodes"]:
         stack = node["metadata"].get("nn_module_stack")
@@ -203,6 +227,8 @@ def attacks(base_archive, tmp_path_factory):
     """Every crafted archive, linted in ONE run of the CLI (one torch import for all of them)."""
     folder = tmp_path_factory.mktemp("attacks")
     marker = folder / "payload-ran.txt"
+    # importable next to the launcher, as a module in any folder on sys.path would be
+    (folder / "qlint_payload_module.py").write_text(f"open({str(marker)!r}, 'w').close()\nfactory = dict\n")
     archives = {
         "pickled_weight": _rewrite(base_archive, folder / "weight.pt2",
                                    _pickled_weight(pickle.dumps(_WritesMarker(marker)))),
@@ -213,6 +239,12 @@ def attacks(base_archive, tmp_path_factory):
                           _guard(f"__import__('os').system('touch {marker}') == 0")),
         "operator": _rewrite(base_archive, folder / "operator.pt2",
                              lambda m, r: _edit_program(m, r, _printing_operator)),
+        "expression": _rewrite(base_archive, folder / "expression.pt2", lambda m, r: _edit_program(
+            m, r, _shape_expression(f"__import__('os').system('touch {marker}')"))),
+        "treespec": _rewrite(base_archive, folder / "treespec.pt2", lambda m, r: _edit_program(
+            m, r, _defaultdict_spec("qlint_payload_module"))),
+        "source_fn": _rewrite(base_archive, folder / "source_fn.pt2", lambda m, r: _edit_program(
+            m, r, _source_function("torch.onnx.export"))),
         "bomb": _add_bomb(shutil.copy(base_archive, folder / "bomb.pt2")),
         "trust_needed": _rewrite(base_archive, folder / "trust_needed.pt2", _guard("len(L['x'].size()) == 2")),
         "retyped": _rewrite(base_archive, folder / "retyped.pt2", lambda m, r: _edit_program(m, r, _retyped)),
@@ -245,6 +277,9 @@ def test_no_payload_ran(attacks):
     ("aoti", "data/aotinductor/model/model.wrapper.so", "native code"),
     ("guard", "models/model.json", "guard code"),
     ("operator", "models/model.json", "'torch.ops.higher_order.print'"),
+    ("expression", "models/model.json", "shape expression"),
+    ("treespec", "models/model.json", "factory module 'qlint_payload_module'"),
+    ("source_fn", "models/model.json", "'torch.onnx.export'"),
     ("trust_needed", "models/model.json", "calls 'len'"),
 ])
 def test_refused_with_the_member_and_why(attacks, attack, member, reason):
@@ -288,7 +323,8 @@ def test_trusted_pickled_weight_loads(base_archive, tmp_path):
 
 def test_trusted_archive_lints_through_the_cli(run_cli, base_archive, tmp_path):
     """Example inputs and guard code that need trust: refused above, linted with --trust-pickle."""
-    inputs = _rewrite(base_archive, tmp_path / "inputs.pt2", _example_inputs(_saved(((_FullTensor((2, 4), 0.25),), {}))))
+    benign_inputs = _saved(((_FullTensor((2, 4), 0.25),), {}))
+    inputs = _rewrite(base_archive, tmp_path / "inputs.pt2", _example_inputs(benign_inputs))
     with pytest.raises(LoadError, match="example inputs"):
         load_model(str(inputs))
     guarded = _rewrite(inputs, tmp_path / "guarded.pt2", _guard("len(L['x'].size()) == 2"))

@@ -67,8 +67,12 @@ def load_batches(spec: str) -> Any:
                 raise LoadError(f"data function {spec} raised {type(error).__name__}: {error}") from error
     from qlint.linter.calibration import load_calibration
 
-    if os.path.exists(spec) and not os.path.isdir(spec):
-        _existing_file(spec, what="calibration file")  # a FIFO would block torch.load forever
+    if os.path.isdir(spec):
+        for file in sorted(Path(spec).iterdir()):
+            if file.is_file() and not file.name.startswith("."):
+                check_zip_file(file, str(file))
+    elif os.path.exists(spec):
+        check_zip_file(_existing_file(spec, what="calibration file"), spec)  # a FIFO would block forever
     return load_calibration(spec)
 
 
@@ -142,11 +146,16 @@ def _quiet_torch() -> Iterator[None]:
 
 def _load_pt2(path: Path, trust_pickle: bool) -> LoadedModel:
     # One open file for the inspection and for torch: what was inspected is what torch reads.
-    with open(path, "rb") as handle:
+    try:
+        handle = open(path, "rb")
+    except OSError as error:
+        raise LoadError(f"cannot read {path}: {error.strerror}") from error
+    with handle:
         inspect_pt2(handle, str(path), trust=trust_pickle)
         try:
             with _quiet_torch(), (user_import_path() if trust_pickle else contextlib.nullcontext()):
                 program = torch.export.load(handle)
+                module = program.module()  # builds (execs) the program's guard code
         except Exception as error:  # torch raises many types for corrupt archives
             raise LoadError(f"{path} could not be read as a .pt2 archive: {_short(error)}") from error
     example = None
@@ -155,8 +164,7 @@ def _load_pt2(path: Path, trust_pickle: bool) -> LoadedModel:
         if kwargs:
             raise LoadError(f"{path} has keyword example inputs, which qlint does not support yet")
         example = tuple(args)
-    return LoadedModel(module=program.module(), name=path.name, example_inputs=example,
-                       exported_program=program)
+    return LoadedModel(module=module, name=path.name, example_inputs=example, exported_program=program)
 
 
 def _load_pickled_module(path: Path, trust_pickle: bool) -> LoadedModel:

@@ -18,6 +18,8 @@ import sys
 import types
 from typing import Any, Iterator, Optional
 
+import torch
+
 # Operator namespaces whose ops are computations on tensors (resolved from torch's C++ registry).
 OP_NAMESPACES = frozenset({"aten", "prims", "quantized", "quantized_decomposed"})
 # Higher-order ops that only run the program's own subgraphs. Left out on purpose: those that
@@ -37,7 +39,6 @@ BUILTIN_TARGETS = frozenset(
     + [f"torch.{name}" for name in ("sym_float", "sym_int", "sym_ite", "sym_max", "sym_min", "sym_not",
                                     "sym_sqrt", "_sym_sqrt", "sym_sum")])
 _OP_PATTERN = re.compile(r"torch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?")
-_DOTTED_NAME = re.compile(r"[A-Za-z_][\w]*(?:\.(?:[A-Za-z_][\w]*|<locals>|<lambda>))*")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 _NUMBER_TEXT = re.compile(r"[-+]?[0-9]*\.?[0-9]*(?:[eE][-+]?[0-9]+)?")
 
@@ -147,35 +148,28 @@ def _source_function_problem(name: str) -> Optional[str]:
     """torch resolves these like operators (getattr from torch, operator or math); other names stay text."""
     if name.startswith("torch.ops."):
         return target_problem(name)
-    if name.startswith("torch"):
-        if not _DOTTED_NAME.fullmatch(name):
-            return f"records source function {_quote(name)}, which is not a dotted Python name"
-        if needs_import(name):
-            return (f"records source function {_quote(name)}, whose lookup would import a torch module "
-                    "(qlint does not import what an archive names)")
-        return None
+    if name.startswith("torch") and lookup_imports(name):
+        return (f"records source function {_quote(name)}, whose lookup would import a torch module "
+                "(qlint does not import what an archive names)")
     if name.startswith(("#", "_operator", "math")) and name not in BUILTIN_TARGETS:
         return f"records source function {_quote(name)}, which is not a plain torch op"
     return None
 
 
-def needs_import(qualified_name: str) -> bool:
-    """True when torch's ``hasattr``/``getattr`` walk over ``qualified_name`` would reach a module's
-    ``__getattr__`` (torch imports submodules lazily that way), or no loaded module starts it."""
-    obj: Any = None
-    parts = qualified_name.split(".")
-    for cut in range(len(parts), 0, -1):
-        module = sys.modules.get(".".join(parts[:cut]))
-        if module is not None:
-            obj, rest = module, parts[cut:]
-            break
+def lookup_imports(name: str) -> bool:
+    """Whether torch's ``hasattr``/``getattr`` walk for a ``torch...`` name would reach a module's
+    ``__getattr__`` (torch imports submodules lazily that way). The walk starts where torch's
+    deserializer starts it: ``torch.nn`` for names that begin so, else ``torch``."""
+    if name.startswith("torch.nn"):
+        obj: Any = torch.nn
+        attributes = name.split(".")[2:]
     else:
-        return True
-    for attr in rest:
+        obj, attributes = torch, name.split(".")[1:]
+    for attribute in attributes:
         try:
-            obj = inspect.getattr_static(obj, attr)
+            obj = inspect.getattr_static(obj, attribute)
         except AttributeError:
-            # hasattr on a plain module or a class imports nothing; a module __getattr__ may
+            # hasattr on a plain module or on a class imports nothing: torch keeps the text
             return isinstance(obj, types.ModuleType) and "__getattr__" in vars(obj)
     return False
 
