@@ -68,7 +68,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--backend", default="x86", help="quantization backend for --sensitivity")
     parser.add_argument("--max-batches", type=positive_int, default=None, help="use at most this many batches")
     parser.add_argument("--trust-pickle", action="store_true",
-                        help="allow unpickling whole modules from .pt files (runs code from the files)")
+                        help="trust the model files (.pt or .pt2): allows code from them to run")
     return parser
 
 

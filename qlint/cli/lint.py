@@ -14,6 +14,7 @@ from qlint.core.load import (random_calibration, load_batches, load_example_inpu
                              resolve_object)
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
+from qlint.core.exported_batch import fit_calibration
 from qlint.linter.settings import ConfigFinder
 from qlint.render.literal import printable
 
@@ -56,6 +57,9 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
         example = _example_inputs(options, loaded.example_inputs)
         mapping = resolve_object(options.qconfig_mapping) if options.qconfig_mapping else None
         calibration, calibration_notices = _calibration(args, options, example)
+        calibration, fitted = fit_calibration(calibration, loaded.exported_program)  # static export batch
+        if fitted:
+            calibration_notices = [*calibration_notices, Notice(message=fitted)]
         report = lint(loaded.module, example, calibration=calibration, backend=options.backend,
                       qconfig_mapping=mapping, select=options.select, ignore=options.ignore,
                       options=options.rule_options, model_name=options.spec, registry=registry,

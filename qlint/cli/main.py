@@ -47,7 +47,8 @@ def build_lint_parser() -> argparse.ArgumentParser:
     parser.add_argument("--example-inputs", metavar="FILE", help="a tensor or tuple of tensors (weights_only)")
     parser.add_argument("--weights", metavar="FILE", help="state_dict for a module:factory model")
     parser.add_argument("--trust-pickle", action="store_true",
-                        help="allow unpickling a full nn.Module (runs code from the file)")
+                        help="trust the model file: unpickle a whole .pt module, load a .pt2's pickled or "
+                             "compiled members (runs code from the file)")
     parser.add_argument("--trust-config", action="store_true",
                         help="allow [tool.qlint] settings that import and run code from the repository "
                              "(qconfig-mapping, module:function calibration)")

@@ -29,7 +29,8 @@ from qlint.render.literal import printable
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a .pt2 / .pt file, or package.module:factory")
     parser.add_argument("--weights", metavar="FILE", help="state_dict for a module:factory model")
-    parser.add_argument("--trust-pickle", action="store_true", help="allow unpickling a full nn.Module")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="trust the model file (.pt or .pt2): allows code from it to run")
     parser.add_argument("--plan", metavar="PLAN.json", help="a qlint plan (default: the backend defaults)")
     parser.add_argument("--input-shape", action="append", metavar="SHAPE[:DTYPE]")
     parser.add_argument("--example-inputs", metavar="FILE")

@@ -16,7 +16,6 @@ in prepare_fx.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from typing import Any, Callable, Iterable, Optional
 
@@ -191,14 +190,14 @@ class QConfigResolver:
 
 
 def import_type(qualified_name: str) -> Optional[type]:
-    """Resolve 'torch.nn.modules.conv.Conv2d' to the class; only torch's own classes."""
+    """Resolve 'torch.nn.modules.conv.Conv2d' to the class; only torch's own classes, and only
+    from modules already imported: the name may come from an untrusted archive."""
     if not qualified_name.startswith("torch."):
         return None
-    module_name, _, class_name = qualified_name.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError):
-        return None
+    from qlint.core.pt2_program import resolve_loaded_name
+
+    found = resolve_loaded_name(qualified_name)
+    return found if isinstance(found, type) else None
 
 
 def function_candidates(kind: str, raw_target: Any) -> tuple[Any, ...]:

@@ -1,8 +1,14 @@
 """Safe loading of models, weights and example inputs.
 
-Nothing here unpickles arbitrary objects unless the caller passes
-``trust_pickle=True``: every ``torch.load`` uses ``weights_only=True`` first,
-and a file that needs more is refused with a message that says why and what to do.
+Nothing here unpickles arbitrary objects or loads native code unless the caller passes
+``trust_pickle=True``: every ``torch.load`` uses ``weights_only=True`` first, a ``.pt2`` is
+inspected member by member before torch reads it (:mod:`qlint.core.archive`), and a file
+that needs more is refused with a message that says why and what to do. Zip files are
+bounded in size before anything is inflated.
+
+The user's own code (``module:factory`` specs, data functions, classes in a trusted pickle)
+is imported with the working directory on ``sys.path`` after the installed packages, and
+only while it is resolved (:func:`user_import_path`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import math
 import os
 import pickle
+import stat
 import sys
 import warnings
 import zipfile
@@ -24,6 +31,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from qlint.core.archive import check_zip_file, inspect_pt2
 from qlint.errors import EmptyCalibrationError, LoadError, QlintError
 
 MODEL_SUFFIXES = (".pt2", ".pt", ".pth", ".ckpt", ".bin")
@@ -50,13 +58,20 @@ def load_batches(spec: str) -> Any:
     or ``package.module:function`` / ``file.py:function`` of the user's code, called with no
     arguments (a non-callable attribute is used as is). Every command that takes data uses this."""
     if is_factory_spec(spec):
-        target = resolve_object(spec)
-        if not callable(target):
-            return target
-        try:
-            return target()
-        except Exception as error:  # the user's function may raise anything
-            raise LoadError(f"data function {spec} raised {type(error).__name__}: {error}") from error
+        with user_import_path():
+            target = resolve_object(spec)
+            if not callable(target):
+                return target
+            try:
+                return target()
+            except Exception as error:  # the user's function may raise anything
+                raise LoadError(f"data function {spec} raised {type(error).__name__}: {error}") from error
+    if os.path.isdir(spec):
+        for file in sorted(Path(spec).iterdir()):
+            if file.is_file() and not file.name.startswith("."):
+                check_zip_file(file, str(file))
+    elif os.path.exists(spec):
+        check_zip_file(_existing_file(spec, what="calibration file"), spec)  # a FIFO would block forever
     return load_calibration(spec)
 
 
@@ -155,19 +170,46 @@ def load_model(spec: str, *, weights: Optional[str] = None, trust_pickle: bool =
     if weights is not None:
         raise LoadError("--weights only applies to a 'module:factory' model")
     if path.suffix == ".pt2":
-        return _load_pt2(path)
+        return _load_pt2(path, trust_pickle)
     return _load_pickled_module(path, trust_pickle)
 
 
 def _existing_file(spec: str, what: str) -> Path:
     path = Path(spec)
-    if not path.exists():
-        raise LoadError(f"{what} not found: {spec}")
-    if path.is_dir():
+    try:
+        mode = path.stat().st_mode  # follows symlinks: a link to a regular file is fine
+    except FileNotFoundError:
+        raise LoadError(f"{what} not found: {spec}") from None
+    except OSError as error:
+        raise LoadError(f"cannot read {what} {spec}: {error.strerror}") from error
+    if stat.S_ISDIR(mode):
         raise LoadError(f"{spec} is a directory, expected a {what}")
+    if not stat.S_ISREG(mode):  # reading a FIFO or a device would wait or never end
+        raise LoadError(f"{spec} is not a regular file (a FIFO, socket or device), expected a {what}")
     if path.stat().st_size == 0:
         raise LoadError(f"{spec} is empty (0 bytes), expected a {what}")
     return path
+
+
+@contextlib.contextmanager
+def user_import_path(*folders: os.PathLike) -> Iterator[None]:
+    """Make the user's own modules importable while their code is resolved and run.
+
+    The working directory (and ``folders``) go at the END of ``sys.path``, so installed
+    packages win over look-alikes in the project (a local ``rich.py`` cannot shadow rich),
+    and come off again afterwards. Entries already on ``sys.path`` are left where they are.
+    """
+    added: list[str] = []
+    for folder in (os.getcwd(), *map(os.fspath, folders)):
+        if folder not in sys.path and folder not in added:
+            sys.path.append(folder)
+            added.append(folder)
+    try:
+        yield
+    finally:
+        for folder in added:
+            if folder in sys.path:
+                sys.path.remove(folder)
 
 
 @contextlib.contextmanager
@@ -186,25 +228,31 @@ def _quiet_torch() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _load_pt2(path: Path) -> LoadedModel:
-    if not zipfile.is_zipfile(path):
-        raise LoadError(f"{path} is not a valid .pt2 archive (truncated or not written by torch.export.save)")
+def _load_pt2(path: Path, trust_pickle: bool) -> LoadedModel:
+    # One open file for the inspection and for torch: what was inspected is what torch reads.
     try:
-        with _quiet_torch():
-            program = torch.export.load(str(path))
-    except Exception as error:  # torch raises many types for corrupt archives
-        raise LoadError(f"{path} could not be read as a .pt2 archive: {_short(error)}") from error
+        handle = open(path, "rb")
+    except OSError as error:
+        raise LoadError(f"cannot read {path}: {error.strerror}") from error
+    with handle:
+        inspect_pt2(handle, str(path), trust=trust_pickle)
+        try:
+            with _quiet_torch(), (user_import_path() if trust_pickle else contextlib.nullcontext()):
+                program = torch.export.load(handle)
+                module = program.module()  # builds (execs) the program's guard code
+        except Exception as error:  # torch raises many types for corrupt archives
+            raise LoadError(f"{path} could not be read as a .pt2 archive: {_short(error)}") from error
     example = None
     if getattr(program, "example_inputs", None) is not None:
         args, kwargs = program.example_inputs
         if kwargs:
             raise LoadError(f"{path} has keyword example inputs, which qlint does not support yet")
         example = tuple(args)
-    return LoadedModel(module=program.module(), name=path.name, example_inputs=example,
-                       exported_program=program)
+    return LoadedModel(module=module, name=path.name, example_inputs=example, exported_program=program)
 
 
 def _load_pickled_module(path: Path, trust_pickle: bool) -> LoadedModel:
+    check_zip_file(path, str(path))
     try:
         with _quiet_torch():
             obj = torch.load(str(path), weights_only=True, map_location="cpu")
@@ -230,8 +278,10 @@ def _load_pickled_module(path: Path, trust_pickle: bool) -> LoadedModel:
 
 
 def _load_trusted(path: Path) -> Any:
+    """Unpickle a file the user trusts; its classes resolve from the working directory too,
+    as ``module:factory`` specs do (the issue: 'No module named mymodels' from the project folder)."""
     try:
-        with _quiet_torch():
+        with _quiet_torch(), user_import_path():
             return torch.load(str(path), weights_only=False, map_location="cpu")
     except Exception as error:  # code from the file may raise anything
         raise LoadError(f"{path} could not be unpickled: {_short(error)}") from error
@@ -252,15 +302,16 @@ def _unwrap_state_dict(obj: Any) -> Any:
 
 
 def build_from_factory(spec: str) -> nn.Module:
-    factory = resolve_object(spec)
-    if isinstance(factory, nn.Module):
-        return factory
-    if not callable(factory):
-        raise LoadError(f"{spec} is not callable and not an nn.Module")
-    try:
-        module = factory()
-    except Exception as error:  # the user's factory may raise anything
-        raise LoadError(f"factory {spec} raised {_short(error)}") from error
+    with user_import_path():  # the factory may import the project's modules when called
+        factory = resolve_object(spec)
+        if isinstance(factory, nn.Module):
+            return factory
+        if not callable(factory):
+            raise LoadError(f"{spec} is not callable and not an nn.Module")
+        try:
+            module = factory()
+        except Exception as error:  # the user's factory may raise anything
+            raise LoadError(f"factory {spec} raised {_short(error)}") from error
     if not isinstance(module, nn.Module):
         raise LoadError(f"factory {spec} returned {type(module).__name__}, expected an nn.Module")
     return module
@@ -280,12 +331,11 @@ def resolve_object(spec: str) -> Any:
             if module_spec is None or module_spec.loader is None:
                 raise LoadError(f"cannot import {module_part}")
             module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            with user_import_path(file_path.resolve().parent):  # its sibling modules
+                module_spec.loader.exec_module(module)
         else:
-            cwd = os.getcwd()
-            if cwd not in sys.path:
-                sys.path.insert(0, cwd)  # 'examples.tiny:build' works from a project root
-            module = importlib.import_module(module_part)
+            with user_import_path():  # 'examples.tiny:build' works from a project root
+                module = importlib.import_module(module_part)
     except LoadError:
         raise
     except Exception as error:  # import errors, syntax errors, errors at import time
@@ -297,6 +347,7 @@ def resolve_object(spec: str) -> Any:
 
 def load_weights_into(module: nn.Module, weights: str) -> None:
     path = _existing_file(weights, what="weights file")
+    check_zip_file(path, str(path))
     try:
         with _quiet_torch():
             obj = torch.load(str(path), weights_only=True, map_location="cpu")
@@ -366,6 +417,7 @@ def parse_input_shape(text: str) -> torch.Tensor:
 
 def load_example_inputs(path_text: str) -> tuple[Any, ...]:
     path = _existing_file(path_text, what="example inputs file")
+    check_zip_file(path, str(path))
     try:
         with _quiet_torch():
             obj = torch.load(str(path), weights_only=True, map_location="cpu")
