@@ -105,14 +105,9 @@ class SharedModule(Rule):
             )
 
     def _unused(self, graph: ModelGraph) -> Iterable[Finding]:
-        used_prefixes = set()
-        for node in graph.ops():
-            for ref in (node.module, node.scope, node.weight, node.bias):
-                if ref:
-                    used_prefixes.add(ref)
-        modules = graph.modules
-        for fqn, info in modules.items():
-            if not _candidate(info) or _is_used(fqn, used_prefixes, modules):
+        used = _UsedModules(graph)
+        for fqn, info in graph.modules.items():
+            if not _candidate(info) or used.covers(fqn):
                 continue
             message = (
                 f"module '{fqn}' ({info.kind}) is never called in forward. "
@@ -135,18 +130,37 @@ def _candidate(info: ModuleInfo) -> bool:
     return info.is_leaf or info.has_parameters
 
 
-def _is_used(fqn: str, used: set[str], modules: dict[str, ModuleInfo]) -> bool:
-    for ref in used:
-        if ref == fqn or ref.startswith(fqn + "."):
+class _UsedModules:
+    """Which modules the traced forward uses, answered per module in time linear in its depth.
+
+    A module is used when an op names it, or anything inside it, as the called module,
+    the enclosing scope, the weight or the bias; or when it sits inside a module that is
+    itself called as a leaf (weight_fake_quant inside a QAT conv, the parts of a fused
+    ConvReLU2d run inside their parent). Every dotted prefix of every reference goes into
+    one set up front, so the check is a set lookup per ancestor, never a scan of all
+    references (which made this rule quadratic in the number of modules)."""
+
+    def __init__(self, graph: ModelGraph) -> None:
+        self._called: set[str] = set()  # modules called as leaves
+        self._covered: set[str] = set()  # every referenced name and each of its dotted prefixes
+        for node in graph.ops():
+            if node.module:
+                self._called.add(node.module)
+            for ref in (node.module, node.scope, node.weight, node.bias):
+                path = ref
+                while path and path not in self._covered:
+                    self._covered.add(path)
+                    path = path.rpartition(".")[0]
+
+    def covers(self, fqn: str) -> bool:
+        if fqn in self._covered:
             return True
-    # A submodule of a module that is itself called as a leaf (e.g. weight_fake_quant
-    # inside a QAT conv, or the parts of a fused ConvReLU2d) runs inside its parent.
-    parent = fqn.rpartition(".")[0]
-    while parent:
-        if parent in used and modules.get(parent) is not None and modules[parent].kind != "module:Module":
-            return True
-        parent = parent.rpartition(".")[0]
-    return False
+        parent = fqn.rpartition(".")[0]
+        while parent:
+            if parent in self._called:
+                return True
+            parent = parent.rpartition(".")[0]
+        return False
 
 
 # --- examples --------------------------------------------------------------------------

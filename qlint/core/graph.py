@@ -9,11 +9,15 @@ prepared model and its float original give the same graph.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import networkx as nx
 
 from qlint.core.intent import NodeQConfig
+
+
+_COMPUTING = ("module", "function", "method")  # OpNode.op values that compute something
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +88,14 @@ class ModelGraph:
             raise ValueError("the traced graph has a cycle")
         self._dag = nx.freeze(dag)
         self._order = [n.name for n in nodes]
-        self._modules = dict(modules)
+        # Read-only views, built once: rules query them per node, so every query stays O(1).
+        self._modules = types.MappingProxyType(dict(modules))
         self._parameters = dict(parameters)
+        self._call_sites: dict[str, list[OpNode]] = {}
+        for node in nodes:
+            if node.module is not None and node.op in _COMPUTING:
+                self._call_sites.setdefault(node.module, []).append(node)
+        self._eager_stubs = any(m.kind in ("quant_stub", "dequant_stub") for m in self._modules.values())
         self.frontend = frontend
 
     # --- structure ---------------------------------------------------------------
@@ -110,7 +120,7 @@ class ModelGraph:
 
     def ops(self) -> Iterator[OpNode]:
         """Computing nodes only: no inputs, outputs or constants."""
-        return (n for n in self.nodes() if n.op in ("module", "function", "method"))
+        return (n for n in self.nodes() if n.op in _COMPUTING)
 
     def by_kind(self, *kinds: str) -> list[OpNode]:
         wanted = set(kinds)
@@ -133,11 +143,12 @@ class ModelGraph:
     # --- modules and parameters --------------------------------------------------
     @property
     def modules(self) -> Mapping[str, ModuleInfo]:
-        return dict(self._modules)
+        """Every submodule by fqn (a read-only view, not a copy)."""
+        return self._modules
 
     def call_sites(self, fqn: str) -> list[OpNode]:
         """Every op that a call of module ``fqn`` produced, in execution order."""
-        return [n for n in self.ops() if n.module == fqn]
+        return list(self._call_sites.get(fqn, ()))
 
     def parameter(self, fqn: str) -> Optional[Any]:
         """A detached view of a weight or bias tensor; rules must not modify it."""
@@ -145,4 +156,4 @@ class ModelGraph:
         return None if tensor is None else tensor.detach()
 
     def uses_eager_stubs(self) -> bool:
-        return any(m.kind in ("quant_stub", "dequant_stub") for m in self._modules.values())
+        return self._eager_stubs

@@ -17,8 +17,8 @@ from qlint.linter.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, I
 from qlint.errors import ConfigError, QlintError, TraceError
 from qlint.linter.findings import Finding, LayerRow, Notice, Report, Severity, SkippedRule, Timing
 from qlint.core.graph import ModelGraph, OpNode
-from qlint.core.intent import (CallDescription, NodeQConfig, QConfigResolver, default_mapping,
-                          describe_observer, load_mapping_object, node_qconfig)
+from qlint.core.intent import (CallDescription, NodeQConfig, NodeQConfigCache, QConfigResolver,
+                               default_mapping, describe_observer, load_mapping_object)
 from qlint.core.ops import module_kind
 from qlint.core.preserve import preserved_state
 from qlint.linter.docs import rule_info
@@ -101,10 +101,11 @@ def _intent(model: nn.Module, traced: Traced, backend: str, user_mapping: Any):
 
 def _mapping_resolver(mapping: QConfigMapping):
     resolver = QConfigResolver(mapping)
+    described = NodeQConfigCache()
 
     def resolve(call: CallDescription, _node: fx.Node, _info: OpNode) -> Optional[NodeQConfig]:
         qconfig, source = resolver.resolve(call)
-        return node_qconfig(qconfig, source)
+        return described.get(qconfig, source)
 
     return resolve
 
@@ -153,22 +154,29 @@ def _eager_resolver(model: nn.Module):
                 return None
             path = path.rpartition(".")[0]
 
+    described = NodeQConfigCache()
+
     def resolve(call: CallDescription, _node: fx.Node, _info: OpNode) -> Optional[NodeQConfig]:
-        return node_qconfig(qconfig_of(call.module_path), "module .qconfig")
+        return described.get(qconfig_of(call.module_path), "module .qconfig")
 
     return resolve
 
 
+SLOW_RULE_SECONDS = 10.0  # a rule that takes longer gets a notice saying how long, and how to skip it
+
+
 def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
-    """Run every rule whose needs are met: (findings, per-layer rows, skipped rules, notices).
+    """Run every rule whose needs are met: (findings, per-layer rows, skipped rules, notices,
+    one timing per rule run).
 
     ``check`` yields findings and, for data rules, one ``LayerRow`` per layer measured."""
-    findings, rows, skipped, notices = [], [], [], []
+    findings, rows, skipped, notices, timings = [], [], [], [], []
     for rule in rules:
         missing = _missing_needs(rule, ctx, has_statistics)
         if missing:
             skipped.append(SkippedRule(rule=rule.code, name=rule.name, reason=missing))
             continue
+        began = time.perf_counter()
         try:
             results = list(rule.check(ctx))
             unexpected = [type(r).__name__ for r in results if not isinstance(r, (Finding, LayerRow))]
@@ -181,6 +189,13 @@ def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
             skipped.append(SkippedRule(rule=rule.code, name=rule.name, reason=reason[:300], crashed=True))
             notices.append(Notice(level=Severity.ERROR, message=f"{rule.code} {reason}"[:400]))
             continue
+        finally:
+            seconds = time.perf_counter() - began
+            timings.append(Timing(stage=f"rule {rule.code}", seconds=seconds))
+            if seconds >= SLOW_RULE_SECONDS:
+                notices.append(Notice(message=(
+                    f"{rule.code} ({rule.name}) took {seconds:.1f} s; to skip it, pass --ignore {rule.code} "
+                    f"or add it to `ignore` under [tool.qlint]")))
         findings.extend(r for r in results if isinstance(r, Finding))
         rows.extend(r for r in results if isinstance(r, LayerRow))
     findings.sort(key=lambda f: (-f.severity.rank, f.rule, ctx.graph.position(f.data["node"])
@@ -188,7 +203,7 @@ def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
                                  else 0, f.target))
     order = {node.display: i for i, node in reversed(list(enumerate(ctx.graph.nodes())))}
     rows.sort(key=lambda r: (order.get(r.name, len(order)), r.rule or ""))
-    return findings, rows, skipped, notices
+    return findings, rows, skipped, notices, timings
 
 
 def _copier(graph_module: fx.GraphModule):
@@ -260,9 +275,11 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
                       statistics=statistics, model_name=model_name or type(model).__name__,
                       model_factory=_copier(analysis.traced.graph_module) if analysis.traced else None)
     stage = time.perf_counter()
-    findings, layers, skipped, rule_notices = run_rules(ctx, rules, has_statistics=statistics is not None)
+    findings, layers, skipped, rule_notices, rule_timings = run_rules(
+        ctx, rules, has_statistics=statistics is not None)
     notices.extend(rule_notices)
     timings.append(Timing(stage="rules", seconds=time.perf_counter() - stage))
+    timings.extend(rule_timings)
     timings.append(Timing(stage="total", seconds=time.perf_counter() - start))
     return Report(
         qlint_version=__version__, torch_version=torch.__version__,
