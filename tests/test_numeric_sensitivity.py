@@ -1,6 +1,5 @@
 """sensitivity(): agreement with the exhaustive one-layer-at-a-time ranking."""
 
-import time
 import warnings
 
 import pytest
@@ -32,21 +31,17 @@ def model_and_data():
 @pytest.fixture(scope="module")
 def estimated_rows(model_and_data):
     model, data = model_and_data
-    started = time.perf_counter()
-    rows = sensitivity_rows(model, data)
-    return rows, time.perf_counter() - started
+    return sensitivity_rows(model, data), None
 
 
-def test_matches_exhaustive_ranking_and_is_faster(model_and_data, estimated_rows):
+def test_matches_exhaustive_ranking(model_and_data, estimated_rows):
     model, data = model_and_data
-    rows, fast = estimated_rows
+    rows, _ = estimated_rows
     estimate = [(row.name, row.score) for row in rows]
-    started = time.perf_counter()
     reference = exhaustive_sensitivity(model, data)
-    slow = time.perf_counter() - started
     assert len(reference) >= 10 and {name for name, _ in estimate} == {name for name, _ in reference}
     assert top_k_spearman(reference, estimate, 10) >= 0.9
-    assert fast < slow  # one calibration + one pass, against one calibration and pass per layer
+    # How much faster the estimate is than the exhaustive run: bench/sensitivity.py (tests assert no times).
     # the estimate is of the same quantity, not only the same order: within a factor of 3 per layer
     estimated = dict(estimate)
     for name, value in reference[:10]:
