@@ -84,3 +84,15 @@ def test_rules_json_lists_every_rule(repo_root):
     for entry, cls in zip(listed, registered):
         assert entry["name"] == cls.name and entry["summary"] == cls.summary
         assert set(entry["options"]) == set(cls.Options.model_fields)
+
+
+def test_every_rule_code_in_the_readme_has_documentation(repo_root, run_main):
+    """The README's rule table lists QL301/QL302 (compare diagnostics): `qlint rule CODE` documents each."""
+    import re
+
+    codes = sorted(set(re.findall(r"^\| (QL\d{3}) \|", (repo_root / "README.md").read_text(), re.M)))
+    assert {"QL101", "QL301", "QL302"} <= set(codes)
+    for code in codes:
+        result = run_main("rule", code)
+        assert result.returncode == 0, (code, result.stderr)
+        assert result.stdout.startswith(f"# {code} "), code

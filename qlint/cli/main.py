@@ -155,6 +155,12 @@ def _cmd_rule(argv: list[str]) -> int:
     parser.add_argument("code", help="rule code or name, such as QL101 or unfused-pattern")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
+    from qlint.numeric.diagnose import DIAGNOSTIC_DOCS
+
+    diagnostic = DIAGNOSTIC_DOCS.get(args.code.strip().upper())
+    if diagnostic is not None:
+        write_stdout(diagnostic)
+        return EXIT_CLEAN
     write_stdout(rule_markdown(Registry.default().get(args.code)) + "\n")
     return EXIT_CLEAN
 
