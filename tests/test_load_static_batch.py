@@ -82,6 +82,9 @@ def test_too_few_samples_for_one_batch():
     program = _export(_Net(), torch.randn(8, 4))
     with pytest.raises(LoadError, match="3 samples, fewer than the batch size"):
         fit_calibration([_rows(0, 3, 4)], program)
+    stream, _ = fit_calibration(iter([_rows(0, 2, 4), _rows(1, 3, 4)]), program)
+    with pytest.raises(LoadError, match="5 samples, fewer than the batch size"):
+        list(stream)
 
 
 @pytest.fixture(scope="module")

@@ -100,15 +100,17 @@ class _ArchiveReview:
         self.archive = archive
         self.label = label
         self.trust = trust
-        self.root = self._root()
-        self.names = {info.filename[len(self.root):]: info for info in archive.infolist()}
+        self.root = ""
+        self.names: dict[str, zipfile.ZipInfo] = {}
 
     def run(self) -> None:
-        for name, info in self.names.items():
+        for info in self.archive.infolist():
             if info.flag_bits & 0x1:
-                self._fail(name, "is encrypted", needs_trust=False)
+                raise LoadError(f"{self.label}: member {info.filename} is encrypted")
         if self.trust:
-            return
+            return  # torch reads it as it is, older layouts included
+        self.root = self._root()
+        self.names = {info.filename[len(self.root):]: info for info in self.archive.infolist() if not info.is_dir()}
         for name in self.names:
             if name.startswith(_AOTI_DIR):
                 self._fail(name, "is AOTInductor compiled code, which torch would load as native code")
@@ -137,9 +139,9 @@ class _ArchiveReview:
             if folded in seen:  # torch's zip reader may match names without regard to case
                 raise LoadError(f"{self.label}: refused: member {info.filename} appears twice")
             seen.add(folded)
-            if not info.filename.startswith(root) or len(info.filename) == len(root):
+            if not info.filename.startswith(root):  # e.g. the pre-2.8 layout, which torch unpickles
                 raise LoadError(f"{self.label}: refused: member {info.filename} lies outside the archive "
-                                f"folder {root} (not the layout torch.export.save writes)")
+                                f"folder {root} (not the layout torch.export.save writes)" + TRUST_HINT)
         return root
 
     def _fail(self, name: str, reason: str, needs_trust: bool = True) -> None:

@@ -61,19 +61,20 @@ def fit_calibration(calibration: Any, program: Any) -> tuple[Any, Optional[str]]
     if not isinstance(calibration, Iterable):
         return calibration, None
     iterator = iter(calibration)
-    first = next(iterator, None)
-    if first is None:
+    first = next(iterator, _NOTHING)
+    if first is _NOTHING:
         return [], None
     stream = itertools.chain([first], iterator)
     rows = _rows_if_rechunked(first, 0, inputs, batch_size)
     notice = None
     if rows is not None:
         notice = (f"calibration batches of {rows} samples are re-chunked into batches of {batch_size}: "
-                  f"{_fixed_text(inputs, batch_size)}; a last partial batch is left out. "
+                  f"{_fixed_text(inputs, batch_size)}; a last partial batch, if any, is left out. "
                   + _EXPORT_HINT.format(name=inputs[0].name))
     return _rechunk(stream, inputs, batch_size), notice  # one pass, like the stream it reads
 
 
+_NOTHING = object()
 _EXPORT_HINT = ("To calibrate on other batch sizes, export with dynamic_shapes, e.g. "
                 "torch.export.export(model, args, dynamic_shapes={{'{name}': {{0: torch.export.Dim('batch')}}}})")
 
@@ -91,8 +92,7 @@ def _fit_sequence(batches: Sequence[Any], inputs: tuple[ExportedInput, ...],
         return batches, None
     total = sum(counts)
     if total < batch_size:
-        raise LoadError(f"calibration holds {total} samples, fewer than the batch size the exported program "
-                        f"fixed ({_fixed_text(inputs, batch_size)}); " + _EXPORT_HINT.format(name=inputs[0].name))
+        raise _too_few(total, inputs, batch_size)
     left_out = total % batch_size
     sizes = ", ".join(str(size) for size in sorted(set(counts)))
     notice = (f"calibration batches of {sizes} samples were re-chunked into {total // batch_size} batches of "
@@ -122,15 +122,13 @@ class _Fitted:
 def _rechunk(source: Iterable[Any], inputs: tuple[ExportedInput, ...],
              batch_size: Optional[int]) -> Iterator[Any]:
     pending: list[tuple[torch.Tensor, ...]] = []
-    pending_rows = 0
+    pending_rows = emitted = 0
     for number, batch in enumerate(source):
         rows = _rows_if_rechunked(batch, number, inputs, batch_size)
-        if rows is None and not pending:
-            yield batch  # it fits as it is (or is not made of tensors: torch will say)
-            continue
         tensors = _as_tensors(batch, inputs)
-        if tensors is None or batch_size is None:
-            yield batch
+        if (rows is None and not pending) or tensors is None or batch_size is None:
+            emitted += 1
+            yield batch  # it fits as it is (or is not made of tensors: calibration and torch will say)
             continue
         pending.append(tensors)
         pending_rows += tensors[0].shape[0]
@@ -140,7 +138,15 @@ def _rechunk(source: Iterable[Any], inputs: tuple[ExportedInput, ...],
             rest = tuple(t[batch_size:] for t in joined)
             pending_rows -= batch_size
             pending = [rest] if pending_rows else []
+            emitted += 1
             yield chunk if len(chunk) > 1 else chunk[0]
+    if pending_rows and not emitted and batch_size is not None:
+        raise _too_few(pending_rows, inputs, batch_size)
+
+
+def _too_few(total: int, inputs: tuple[ExportedInput, ...], batch_size: int) -> LoadError:
+    return LoadError(f"calibration holds {total} samples, fewer than the batch size the exported program "
+                     f"fixed ({_fixed_text(inputs, batch_size)}); " + _EXPORT_HINT.format(name=inputs[0].name))
 
 
 def _rows_if_rechunked(batch: Any, number: int, inputs: tuple[ExportedInput, ...],
