@@ -93,9 +93,10 @@ def symbolic_graph(model: nn.Module) -> fx.GraphModule:
     try:
         tracer = LeafTracer()
         graph = tracer.trace(model)
+        # GraphModule generates Python from the graph, which fails on module names no code can spell
+        return fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # user code fails symbolic tracing in many ways
         raise TraceError(_one_line(error)) from error
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 @contextlib.contextmanager
