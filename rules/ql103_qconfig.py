@@ -121,6 +121,8 @@ class QConfigCheck(Rule):
         min_island_ops: int = Field(1, ge=1, description="Computing ops an island needs.")
         cat_inputs: bool = Field(True, description="Report cat inputs with different qparams.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding]:
         state = QConfigCheckState(ctx)
         if self.options.fixed_qparams and not state.eager:

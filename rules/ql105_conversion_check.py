@@ -101,6 +101,8 @@ class ConversionCheck(Rule):
         report_success_sqnr: bool = Field(True, description="Report the output SQNR when conversion works.")
         min_sqnr_db: Optional[float] = Field(None, description="Warn when the output SQNR is below this.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding]:
         if ctx.intent == INTENT_PREPARED or ctx.graph.frontend.startswith("torch.export"):
             return []  # an already-prepared model or an aten graph: prepare_fx does not apply

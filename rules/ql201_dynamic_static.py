@@ -78,6 +78,8 @@ class DynamicStatic(Rule):
         tolerance: float = Field(0.5, gt=0, le=1, description="S threshold for non-stationary data.")
         report_dynamic_to_static: bool = Field(True, description="Report dynamic layers with stationary data.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         tolerance = self.options.tolerance
         for node in ctx.graph.by_kind(*KINDS):
