@@ -254,7 +254,7 @@ class QConfigCheck(Rule):
                          info: dict[str, Any]) -> Finding:
         backend = state.ctx.backend.name
         where = describe_nodes(nodes)
-        sources = sorted({n.qconfig.source for n in nodes})
+        sources = sorted({n.qconfig.source for n in nodes if n.qconfig is not None})
         data: dict[str, Any] = {"kind": kind, "node": nodes[0].name, "nodes": [n.name for n in nodes],
                                 "targets": [n.display for n in nodes], "sources": sources,
                                 "backend": backend, **info, "qconfig_table": state.table(nodes)}

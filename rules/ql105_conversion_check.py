@@ -115,6 +115,8 @@ class ConversionCheck(Rule):
                 return list(self._trial(ctx))
 
     def _trial(self, ctx: LintContext) -> Iterable[Finding]:
+        if ctx.model_factory is None:
+            raise ValueError("QL105 needs the model (Need.MODEL) to try prepare_fx/convert_fx")
         inputs = tuple(ctx.example_inputs or ())
         backend = ctx.backend.name
         mapping = ctx.qconfig_mapping if ctx.qconfig_mapping is not None else get_default_qconfig_mapping(backend)

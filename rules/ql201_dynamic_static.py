@@ -120,7 +120,7 @@ class DynamicStatic(Rule):
         return self.finding(
             node.display, message,
             data={"kind": "dynamic-recommended" if measured.dynamic_recommended else "static-recommended",
-                  "node": node.name, "tolerance": tolerance, "intent_dynamic": bool(node.qconfig.is_dynamic),
+                  "node": node.name, "tolerance": tolerance, "intent_dynamic": bool(node.qconfig and node.qconfig.is_dynamic),
                   "dynamic_recommended": measured.dynamic_recommended,
                   "input_comp_stat": measured.input_comp_stat, "output_comp_stat": measured.output_comp_stat},
             suggestion=suggestion,
