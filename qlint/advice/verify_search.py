@@ -64,7 +64,7 @@ def _with_mode(plan: QuantPlan, fqn: str, mode: str, provenance: Provenance) -> 
     old = plan.decision(fqn)
     if old is None:
         return plan.model_copy(update={"modules": [*plan.modules, ModuleDecision(
-            fqn=fqn, mode=mode, provenance=[provenance])]})  # type: ignore[arg-type]
+            fqn=fqn, mode=mode, provenance=[provenance])]})
     new = old.model_copy(update={"mode": mode, "provenance": [*old.provenance, provenance]})
     return plan.model_copy(update={"modules": [new if d.fqn == fqn else d for d in plan.modules]})
 
