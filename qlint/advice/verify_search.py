@@ -189,7 +189,7 @@ def float_fallback(session: Session, plan: QuantPlan, best: float, skip: Sequenc
     kept_float: list[str] = []
     conv_linear = set(conv_linear_modules(session.traced)) | set(functional_owners(session.traced))
     candidates = [f for f in _fallback_candidates(session.traced)
-                  if (plan.decision(f) is None or plan.decision(f).quantize)]
+                  if (decision := plan.decision(f)) is None or decision.quantize]
     budget = int(math.floor(max_float_fraction * max(1, total_layers) + 1e-9))
     if best < target_sqnr and candidates:
         if len(candidates) > max_trials:
