@@ -193,7 +193,8 @@ def _duplicate_fanout(gm: fx.GraphModule, candidate: _Candidate) -> None:
         i += 1
         name = f"{base}{i}"
     duplicate = copy.deepcopy(gm.get_submodule(str(node.target)))
-    duplicate.qlint_fanout_of = str(node.target)  # type: ignore[assignment]  # verify gives the copy the original's qconfig
+    # verify gives the copy the original's qconfig (torch's stubs allow only Tensor | Module attributes)
+    duplicate.qlint_fanout_of = str(node.target)  # type: ignore[assignment]
     gm.add_submodule(name, duplicate)
     with gm.graph.inserting_after(node):
         copy_node = gm.graph.call_module(name, node.args, dict(node.kwargs))
