@@ -84,7 +84,7 @@ def _eager_fallback(working: nn.Module, example_inputs: Sequence[Any], backend: 
     return Analysis(graph, None, intent, mapping, tuple(notices), working)
 
 
-def _intent(model: nn.Module, traced: Optional[Traced], backend: str, user_mapping: Any):
+def _intent(model: nn.Module, traced: Traced | None, backend: str, user_mapping: Any):
     if user_mapping is not None:
         try:
             mapping = load_mapping_object(user_mapping, backend)

@@ -1,6 +1,6 @@
 """Reporters: they format a Report and never decide what is a problem."""
 
-from typing import Callable
+from collections.abc import Callable
 
 from qlint.render.text import render_text
 from qlint.render.json import render_json

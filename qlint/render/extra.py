@@ -1,6 +1,6 @@
 """Output formats beyond text and json, looked up by ``qlint.cli.lint``."""
 
-from typing import Callable
+from collections.abc import Callable
 
 from qlint.render.github import render_github
 from qlint.render.sarif import render_sarif
