@@ -49,6 +49,8 @@ class QConfigCheckState:
 
     def input_spec(self, node: OpNode) -> tuple[Optional[ObserverSpec], OpNode]:
         """The observer of ``node``'s first input (its own in eager mode, where stubs quantize)."""
+        if node.qconfig is None:
+            raise ValueError(f"{node.name} has no qconfig: only checked (quantized) ops have an input spec")
         if self.eager:
             return node.qconfig.activation, node
         producers = [p for p in self.graph.producers(node.name) if p.op in CALL_OPS or p.op == "input"]
@@ -262,8 +264,8 @@ def weight_qscheme_text(where: str, backend: str, info: dict[str, Any], targets:
     observer = "PerChannelMinMaxObserver" if want.startswith("torch.per_channel") else "MinMaxObserver"
     message = (f"{where} quantize weights with {qscheme} ({info['observer']}): {why}. Fix: use "
                f"{observer}.with_args(dtype=torch.qint8, qscheme={want}).")
-    suggestion = {"action": "set_weight_observer", "targets": targets, "scope": sources,
-                  "observer": observer, "qscheme": want, "dtype": "torch.qint8"}
+    suggestion: dict[str, Any] = {"action": "set_weight_observer", "targets": targets, "scope": sources,
+                                  "observer": observer, "qscheme": want, "dtype": "torch.qint8"}
     if want.startswith("torch.per_channel"):
         suggestion["ch_axis"] = 0
     return message, suggestion, severity

@@ -105,7 +105,8 @@ def fx_float_islands(graph: ModelGraph) -> list[Island]:
 
 def eager_float_islands(graph: ModelGraph) -> list[Island]:
     """Eager mode: ops between a DeQuantStub and a QuantStub, with quantized modules around."""
-    islands, covered = [], set()
+    islands: list[Island] = []
+    covered: set[str] = set()
     for stub in graph.ops():
         if stub.kind != "dequant_stub" or stub.name in covered:
             continue

@@ -95,6 +95,8 @@ class UnfusedPattern(Rule):
         include_add_relu: bool = Field(True, description="Report add-relu pairs.")
         report_training_bn: bool = Field(True, description="Report BN in training mode.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding]:
         graph = ctx.graph
         patterns = sorted((p for p in ctx.backend.fusable

@@ -70,6 +70,8 @@ class SharedModule(Rule):
         report_unused: bool = Field(True, description="Report modules that are never called.")
         report_stateless: bool = Field(True, description="Report reused stateless modules too.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding]:
         graph = ctx.graph
         yield from self._shared(ctx, graph)

@@ -121,6 +121,8 @@ class QConfigCheck(Rule):
         min_island_ops: int = Field(1, ge=1, description="Computing ops an island needs.")
         cat_inputs: bool = Field(True, description="Report cat inputs with different qparams.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding]:
         state = QConfigCheckState(ctx)
         if self.options.fixed_qparams and not state.eager:
@@ -252,7 +254,7 @@ class QConfigCheck(Rule):
                          info: dict[str, Any]) -> Finding:
         backend = state.ctx.backend.name
         where = describe_nodes(nodes)
-        sources = sorted({n.qconfig.source for n in nodes})
+        sources = sorted({n.qconfig.source for n in nodes if n.qconfig is not None})
         data: dict[str, Any] = {"kind": kind, "node": nodes[0].name, "nodes": [n.name for n in nodes],
                                 "targets": [n.display for n in nodes], "sources": sources,
                                 "backend": backend, **info, "qconfig_table": state.table(nodes)}

@@ -78,6 +78,8 @@ class PerChannel(Rule):
         include_dynamic: bool = Field(False, description="Also check dynamically quantized layers.")
         min_channels: int = Field(2, ge=1, description="Minimum number of output channels.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding]:
         for node in ctx.graph.ops():
             weight = self._per_tensor_weight(ctx, node)

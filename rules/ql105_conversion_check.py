@@ -101,6 +101,8 @@ class ConversionCheck(Rule):
         report_success_sqnr: bool = Field(True, description="Report the output SQNR when conversion works.")
         min_sqnr_db: Optional[float] = Field(None, description="Warn when the output SQNR is below this.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding]:
         if ctx.intent == INTENT_PREPARED or ctx.graph.frontend.startswith("torch.export"):
             return []  # an already-prepared model or an aten graph: prepare_fx does not apply
@@ -113,6 +115,8 @@ class ConversionCheck(Rule):
                 return list(self._trial(ctx))
 
     def _trial(self, ctx: LintContext) -> Iterable[Finding]:
+        if ctx.model_factory is None:
+            raise ValueError("QL105 needs the model (Need.MODEL) to try prepare_fx/convert_fx")
         inputs = tuple(ctx.example_inputs or ())
         backend = ctx.backend.name
         mapping = ctx.qconfig_mapping if ctx.qconfig_mapping is not None else get_default_qconfig_mapping(backend)

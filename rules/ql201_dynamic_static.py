@@ -78,6 +78,8 @@ class DynamicStatic(Rule):
         tolerance: float = Field(0.5, gt=0, le=1, description="S threshold for non-stationary data.")
         report_dynamic_to_static: bool = Field(True, description="Report dynamic layers with stationary data.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         tolerance = self.options.tolerance
         for node in ctx.graph.by_kind(*KINDS):
@@ -118,7 +120,7 @@ class DynamicStatic(Rule):
         return self.finding(
             node.display, message,
             data={"kind": "dynamic-recommended" if measured.dynamic_recommended else "static-recommended",
-                  "node": node.name, "tolerance": tolerance, "intent_dynamic": bool(node.qconfig.is_dynamic),
+                  "node": node.name, "tolerance": tolerance, "intent_dynamic": bool(node.qconfig and node.qconfig.is_dynamic),
                   "dynamic_recommended": measured.dynamic_recommended,
                   "input_comp_stat": measured.input_comp_stat, "output_comp_stat": measured.output_comp_stat},
             suggestion=suggestion,

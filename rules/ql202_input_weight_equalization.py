@@ -125,6 +125,8 @@ class InputWeightEqualization(Rule):
         ratio_threshold: float = Field(0.5, gt=0, lt=1, description="s_c band is [t, 1/t].")
         channel_fraction: float = Field(0.4, gt=0, le=1, description="Fraction of channels that must recommend.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         t = self.options.ratio_threshold
         for node in ctx.graph.by_kind(*KINDS):

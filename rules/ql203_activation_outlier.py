@@ -101,6 +101,8 @@ class ActivationOutlier(Rule):
                                                        description="Minimum fraction of usable batches.")
         report_constant_channels: bool = Field(True, description="Report channels constant over all data.")
 
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         for node in ctx.graph.by_kind(*KINDS):
             measured = measure(ctx.statistics, node, self.options.ratio_threshold,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Final, Literal, Optional
 
 from pydantic import ValidationError, model_validator
 from torch.ao.quantization import QConfigMapping
@@ -37,7 +37,7 @@ from qlint.linter.suggestions import (ActivationSpec, EqualizationPair, ModuleDe
                                       Suggestions, WeightSpec, backend_defaults)
 from qlint.render.literal import printable
 
-PLAN_TYPE = "qlint.QuantPlan"
+PLAN_TYPE: Final = "qlint.QuantPlan"
 SCHEMA_VERSION = 1
 
 
@@ -79,7 +79,7 @@ class QuantPlan(Suggestions):
             raise PlanFormatError("plan is nested too deeply to be a qlint plan") from error
         if not isinstance(raw, dict):
             raise PlanFormatError("plan must be a JSON object")
-        cls._check_format(raw)  # type/version first, with their own message
+        cls._check_format(raw)  # type: ignore[operator]  # type/version first, with their own message
         try:
             return cls.model_validate(raw)
         except ValidationError as error:
@@ -140,7 +140,7 @@ class QuantPlan(Suggestions):
 
 def default_plan(backend: str = "x86", model: Optional[str] = None) -> QuantPlan:
     activation, weight = backend_defaults(backend)
-    return QuantPlan(backend=backend, model=model, activation=activation, weight=weight)  # type: ignore[arg-type]
+    return QuantPlan(backend=backend, model=model, activation=activation, weight=weight)
 
 
 def plan_from_report(report: Report) -> QuantPlan:

@@ -31,7 +31,7 @@ otherwise it is refused and recorded with the reason.
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -126,7 +126,7 @@ def _fanout_candidate(gm: fx.GraphModule, modules: dict[str, nn.Module], node: f
         return None
     producer = modules.get(str(node.target))
     bn_type = next((b for p, b in _FANOUT_PRODUCERS.items() if type(producer) is p), None)
-    if bn_type is None or len(node.users) < 2:
+    if bn_type is None or producer is None or len(node.users) < 2:
         return None
     bns = [u for u in node.users if u.op == "call_module" and isinstance(modules.get(str(u.target)), bn_type)
            and u.args and u.args[0] is node and len(u.args) == 1 and not u.kwargs]
@@ -148,6 +148,8 @@ def _fold(gm: fx.GraphModule, candidate: _Candidate) -> None:
     conv = next(n for n in gm.graph.nodes if n.name == candidate.nodes[0])
     bn_node = next(n for n in gm.graph.nodes if n.name == candidate.nodes[1])
     bn = gm.get_submodule(str(bn_node.target))
+    if not isinstance(bn, _BN_TYPES) or bn.running_mean is None or bn.running_var is None:
+        raise QlintError(f"{bn_node.target} is not a batch norm with running statistics")
     weight_node = conv.args[1] if len(conv.args) > 1 else conv.kwargs["weight"]
     bias_node = _conv_bias_node(conv)
     for attr in [weight_node] + ([bias_node] if bias_node is not None else []):
@@ -191,7 +193,8 @@ def _duplicate_fanout(gm: fx.GraphModule, candidate: _Candidate) -> None:
         i += 1
         name = f"{base}{i}"
     duplicate = copy.deepcopy(gm.get_submodule(str(node.target)))
-    duplicate.qlint_fanout_of = str(node.target)  # verify gives the copy the original's qconfig
+    # verify gives the copy the original's qconfig (torch's stubs allow only Tensor | Module attributes)
+    duplicate.qlint_fanout_of = str(node.target)  # type: ignore[assignment]
     gm.add_submodule(name, duplicate)
     with gm.graph.inserting_after(node):
         copy_node = gm.graph.call_module(name, node.args, dict(node.kwargs))
@@ -266,8 +269,8 @@ def apply_rewrites(graph_module: nn.Module, plan: Any = None, example_inputs: Se
         raise QlintError("apply_rewrites needs example inputs to check that float outputs are unchanged")
     try:
         current = symbolic_graph(copy.deepcopy(graph_module))
-    except TraceError as error:
-        raise QlintError(f"cannot trace the model for rewriting: {error}") from error
+    except TraceError as failure:
+        raise QlintError(f"cannot trace the model for rewriting: {failure}") from failure
     current.eval()
     reference = _outputs(current, example_inputs)
     applied: list[AppliedRewrite] = []
@@ -355,16 +358,17 @@ def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequ
     prev = gm.get_submodule(str(previous.target))
     following = gm.get_submodule(str(nxt.target))
     x_range = _input_channel_absmax(gm, str(nxt.target), batches).clamp_min(1e-8)
-    weight = following.weight.detach()
+    # nn.Module's stubs type submodule attributes as Tensor | Module; these layers hold tensors.
+    weight = cast(torch.Tensor, following.weight).detach()
     w_range = weight.abs().transpose(0, 1).reshape(weight.shape[1], -1).amax(1).clamp_min(1e-8)
     scale = torch.sqrt(w_range / x_range)
     scale = scale / torch.exp(torch.log(scale).mean())  # geometric mean 1: overall ranges unchanged
     with torch.no_grad():
-        shape_w = (-1,) + (1,) * (prev.weight.dim() - 1)
-        prev.weight.mul_(scale.reshape(shape_w))
+        shape_w = (-1,) + (1,) * (cast(torch.Tensor, prev.weight).dim() - 1)
+        cast(torch.Tensor, prev.weight).mul_(scale.reshape(shape_w))
         if getattr(prev, "bias", None) is not None:
-            prev.bias.mul_(scale)
-        following.weight.div_(scale.reshape((1, -1) + (1,) * (weight.dim() - 2)))
+            cast(torch.Tensor, prev.bias).mul_(scale)
+        cast(torch.Tensor, following.weight).div_(scale.reshape((1, -1) + (1,) * (weight.dim() - 2)))
 
 
 def apply_equalization(graph_module: fx.GraphModule, modules: Sequence[str], batches: Sequence[Any], *,

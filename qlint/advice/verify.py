@@ -118,7 +118,7 @@ def _record_rewrites(plan: QuantPlan, applied: Sequence[AppliedRewrite]) -> Quan
     rewrites = list(plan.rewrites)
     for a in applied:
         if a.applied and not a.requested_by_plan:
-            rewrites.append(Rewrite(kind=a.kind, modules=list(a.modules), params={"nodes": list(a.nodes)},  # type: ignore[arg-type]
+            rewrites.append(Rewrite(kind=a.kind, modules=list(a.modules), params={"nodes": list(a.nodes)},
                                     provenance=[Provenance(source="measurement", metric="float relative error",
                                                            value=a.max_relative_error or 0.0,
                                                            detail="detected by qlint.advice.rewrite")]))

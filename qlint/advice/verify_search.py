@@ -64,7 +64,7 @@ def _with_mode(plan: QuantPlan, fqn: str, mode: str, provenance: Provenance) -> 
     old = plan.decision(fqn)
     if old is None:
         return plan.model_copy(update={"modules": [*plan.modules, ModuleDecision(
-            fqn=fqn, mode=mode, provenance=[provenance])]})  # type: ignore[arg-type]
+            fqn=fqn, mode=mode, provenance=[provenance])]})
     new = old.model_copy(update={"mode": mode, "provenance": [*old.provenance, provenance]})
     return plan.model_copy(update={"modules": [new if d.fqn == fqn else d for d in plan.modules]})
 
@@ -189,7 +189,7 @@ def float_fallback(session: Session, plan: QuantPlan, best: float, skip: Sequenc
     kept_float: list[str] = []
     conv_linear = set(conv_linear_modules(session.traced)) | set(functional_owners(session.traced))
     candidates = [f for f in _fallback_candidates(session.traced)
-                  if (plan.decision(f) is None or plan.decision(f).quantize)]
+                  if (decision := plan.decision(f)) is None or decision.quantize]
     budget = int(math.floor(max_float_fraction * max(1, total_layers) + 1e-9))
     if best < target_sqnr and candidates:
         if len(candidates) > max_trials:

@@ -145,13 +145,13 @@ class Session:
         mapping = plan.to_qconfig_mapping() if plan is not None else get_default_qconfig_mapping(self.backend)
         for name, module in gm.named_modules():  # a fan-out copy follows its original's decision
             origin = getattr(module, "qlint_fanout_of", None)
-            if origin in mapping.module_name_qconfigs:
+            if isinstance(origin, str) and origin in mapping.module_name_qconfigs:
                 mapping.set_module_name(name, mapping.module_name_qconfigs[origin])
         equalization = None
         if plan is not None and plan.equalization and self.equalization_qconfig is not None:
             equalization = plan.to_equalization_mapping(self.equalization_qconfig)
         try:
-            kwargs = {"_equalization_config": equalization} if equalization is not None else {}
+            kwargs: dict[str, Any] = {"_equalization_config": equalization} if equalization is not None else {}
             prepared = prepare_fx(copy.deepcopy(gm).eval(), mapping, self.example,
                                   backend_config=backend_config(self.backend), **kwargs)
             for batch in self.calibration:

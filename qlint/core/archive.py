@@ -24,7 +24,7 @@ import json
 import os
 import re
 import zipfile
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, NoReturn, Optional
 
 import torch
 
@@ -144,7 +144,7 @@ class _ArchiveReview:
                                 f"folder {root} (not the layout torch.export.save writes)" + TRUST_HINT)
         return root
 
-    def _fail(self, name: str, reason: str, needs_trust: bool = True) -> None:
+    def _fail(self, name: str, reason: str, needs_trust: bool = True) -> NoReturn:
         raise LoadError(f"{self.label}: refused member {self.root}{name}: {reason}"
                         + (TRUST_HINT if needs_trust else ""))
 
@@ -257,7 +257,7 @@ def _unpickling_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:160]}" if lines else type(error).__name__
 
 
-def _size(count: int) -> str:
+def _size(count: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if count < 1024 or unit == "GiB":
             return f"{count} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"

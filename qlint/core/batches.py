@@ -80,8 +80,8 @@ def model_device(model: nn.Module) -> torch.device:
     """Where the model's parameters (else buffers) live; CPU for a model with neither."""
     for tensor in model.parameters():
         return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
+    for buffer in model.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 

@@ -275,7 +275,7 @@ def eager_analysis(model: nn.Module, example_inputs: Optional[Sequence[Any]],
             continue
         nodes.append(_op_node(record, resolve))
     edges = [(s, d, i) for s, d, i in edges if s in keep and d in keep]
-    parameters = dict(model.named_parameters(remove_duplicate=False))
+    parameters: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     parameters.update({k: v for k, v in model.named_buffers() if k.endswith("running_var")})
     graph = ModelGraph(nodes, edges, _module_inventory(model), FRONTEND_EAGER, parameters)
     return graph, eager_notices(unlinked, len(records) - len(keep))
@@ -290,6 +290,8 @@ def _op_node(record: _Record, resolve) -> OpNode:
     inputs = tuple(_info(t) for t in record.inputs)
     output = _info(record.outputs[0]) if record.outputs else None
     if record.op == "module":
+        if record.module_obj is None:
+            raise ValueError(f"module record {record.name} lost its module")
         cls = type(record.module_obj)
         info = OpNode(name=record.name, kind=record.kind, op="module", module=record.module,
                       module_type=f"{cls.__module__}.{cls.__qualname__}", scope=record.scope,

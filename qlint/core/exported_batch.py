@@ -39,7 +39,7 @@ def exported_inputs(program: Any) -> Optional[tuple[ExportedInput, ...]]:
             continue
         node = placeholders.get(getattr(spec.arg, "name", None))
         value = node.meta.get("val") if node is not None else None
-        if not isinstance(value, torch.Tensor):
+        if node is None or not isinstance(value, torch.Tensor):
             return None
         found.append(ExportedInput(node.name, tuple(d if isinstance(d, int) else None for d in value.shape)))
     return tuple(found) or None

@@ -139,7 +139,7 @@ class RandomBatches(Sequence[tuple[Any, ...]]):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(self._n))]
         if index < 0:

@@ -214,7 +214,7 @@ class GraphBuilder:
                 if source is not None and source.name in kept:
                     edges.append((source.name, fx_node.name, index))
         modules = self._module_inventory()
-        parameters = dict(self.module_source.named_parameters(remove_duplicate=False))
+        parameters: dict[str, torch.Tensor] = dict(self.module_source.named_parameters(remove_duplicate=False))
         parameters.update(dict(self.gm.named_parameters(remove_duplicate=False)))
         parameters.update({k: v for k, v in self.gm.named_buffers() if k.endswith("running_var")})
         return ModelGraph(nodes, edges, modules, self.traced.frontend, parameters)
@@ -266,10 +266,13 @@ class GraphBuilder:
         return dataclasses.replace(info, qconfig=self.resolve(call, node, info))
 
     def _convert_function_call(self, node: fx.Node) -> OpNode:
+        raw: object
         if node.op == "call_method":
             kind = method_kind(str(node.target))
             op, raw = "method", str(node.target)
         else:
+            if isinstance(node.target, str):
+                raise ValueError(f"{node.name}: a {node.op} node names its target instead of calling it")
             kind = function_kind(node.target)
             op, raw = "function", node.target
         owners = _stack(node)

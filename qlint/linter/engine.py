@@ -84,7 +84,7 @@ def _eager_fallback(working: nn.Module, example_inputs: Sequence[Any], backend: 
     return Analysis(graph, None, intent, mapping, tuple(notices), working)
 
 
-def _intent(model: nn.Module, traced: Traced, backend: str, user_mapping: Any):
+def _intent(model: nn.Module, traced: Traced | None, backend: str, user_mapping: Any):
     if user_mapping is not None:
         try:
             mapping = load_mapping_object(user_mapping, backend)
@@ -170,7 +170,9 @@ def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
     one timing per rule run).
 
     ``check`` yields findings and, for data rules, one ``LayerRow`` per layer measured."""
-    findings, rows, skipped, notices, timings = [], [], [], [], []
+    findings: list[Finding] = []
+    rows: list[LayerRow] = []
+    skipped, notices, timings = [], [], []
     for rule in rules:
         missing = _missing_needs(rule, ctx, has_statistics)
         if missing:

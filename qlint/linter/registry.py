@@ -96,7 +96,7 @@ def plugin_rule_classes() -> list[type[Rule]]:
         candidates = [loaded] if inspect.isclass(loaded) else _rules_in_module(loaded)
         for cls in candidates:
             problems = validate_rule_class(cls)
-            if problems:
+            if problems or not issubclass(cls, Rule):
                 raise RuleLoadError(f"rule plugin {ep.name!r} from package {package!r}: {'; '.join(problems)}")
             classes.append(cls)
     return classes

@@ -95,7 +95,7 @@ class ActivationSpec(_Frozen):
         return ActivationSpec(**data)
 
     def describe(self) -> str:
-        parts = [self.observer, self.dtype]
+        parts: list[str] = [self.observer, self.dtype]
         if self.symmetric:
             parts.append("symmetric")
         if self.reduce_range:
@@ -147,7 +147,7 @@ class ModuleDecision(_Frozen):
     def describe(self) -> str:
         if not self.quantize:
             return "keep float"
-        parts = [self.mode]
+        parts: list[str] = [self.mode]
         if self.activation is not None and self.mode == "static":
             parts.append(f"activation {self.activation.describe()}")
         if self.weight is not None:
@@ -279,7 +279,7 @@ class _Builder:
                 fqn=fqn, quantize=entry.get("quantize", True), mode=entry.get("mode", "static"),
                 activation=activation, weight=weight, provenance=entry["provenance"]))
         pairs = [EqualizationPair(**e) for e in self.equalization.values()]
-        return Suggestions(backend=self.backend, model=self.model, activation=self.activation,  # type: ignore[arg-type]
+        return Suggestions(backend=self.backend, model=self.model, activation=self.activation,
                            weight=self.weight, modules=decisions, equalization=pairs,
                            rewrites=self.rewrites, notes=self.notes)
 
@@ -326,7 +326,9 @@ def _apply_set_weight(b: _Builder, source: Provenance, s: Mapping[str, Any]) -> 
         entry = b.module(fqn, source)
         w = entry["weight"]
         qscheme = s.get("qscheme")
-        observer = s.get("observer") if isinstance(s.get("observer"), str) else ""
+        observer = s.get("observer")
+        if not isinstance(observer, str):
+            observer = ""
         if isinstance(qscheme, str):
             w["per_channel"] = "per_channel" in qscheme
             w["symmetric"] = "symmetric" in qscheme
@@ -363,8 +365,8 @@ def _apply(b: _Builder, s: Mapping[str, Any], source: Provenance) -> None:
     if action == "fuse":
         blockers = s.get("blockers") or []
         pattern = s.get("pattern") or []
-        kind = ("fold_bn_into_functional_conv"
-                if "functional-op" in blockers and "batch_norm" in pattern else "fuse")
+        kind: Literal["fuse", "fold_bn_into_functional_conv"] = (
+            "fold_bn_into_functional_conv" if "functional-op" in blockers and "batch_norm" in pattern else "fuse")
         b.rewrites.append(Rewrite(kind=kind, modules=[str(m) for m in s.get("modules") or [target]],
                                   params={"pattern": list(pattern), "blockers": list(blockers)},
                                   provenance=[source]))

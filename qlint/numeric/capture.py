@@ -209,6 +209,8 @@ class PairedRunner:
                 overrides: Optional[dict] = None) -> Callable:
         if not callbacks and not overrides:
             return model
+        if graph is None:
+            raise ValueError("node callbacks and overrides need an FX graph")
         return _NodeTap(graph, callbacks, overrides)
 
     def _install_prepared_simulation(self) -> None:
@@ -223,7 +225,7 @@ class PairedRunner:
             name for layer in self.match.layers
             for name in (layer.quant_input_quantizer, layer.quant_output_quantizer) if name
         }
-        if in_graph:
+        if self.match.quant_graph is not None:
             quantizer_names |= {
                 str(node.target) for node in self.match.quant_graph.graph.nodes
                 if node.op == "call_module" and isinstance(self.quant_modules.get(str(node.target)), (ObserverBase, FakeQuantizeBase))
@@ -397,7 +399,7 @@ class PairedRunner:
         finally:
             self.replaying = False
         reference = self.float_value(layer, value)
-        if reference is not None and reference.shape == quantized.shape:
+        if reference is not None and reference.shape == quantized.shape and self.on_shadow is not None:
             self.on_shadow(layer, reference, quantized, scale)
 
     def _run_isolated(self) -> None:
@@ -406,6 +408,8 @@ class PairedRunner:
         This is the error the layer would add if it alone were quantized, input
         quantization included: what ``qlint.numeric.sensitivity`` propagates.
         """
+        if self.on_isolated is None:
+            return  # self.isolated is only set with a callback
         for layer in self.match.layers:
             if not layer.is_module or layer.name not in self.float_inputs:
                 continue
@@ -418,8 +422,9 @@ class PairedRunner:
                 self.replaying = True
                 try:
                     value = self._call_quant_module(layer.quant_site.name, isolated_args, kwargs)
-                    if layer.quant_output_quantizer in self.frozen:
-                        value = self.frozen[layer.quant_output_quantizer](first_float(value))
+                    output = first_float(value)
+                    if layer.quant_output_quantizer in self.frozen and output is not None:
+                        value = self.frozen[layer.quant_output_quantizer](output)
                 finally:
                     self.replaying = False
                 quantized = first_float(value)

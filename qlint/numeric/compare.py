@@ -225,8 +225,9 @@ def activation_histograms(
     histograms: dict[str, LayerHistogram] = {}
     for layer in match.layers:
         summary = rows[layer.name].extra.get("propagated") or {}
-        values = [summary.get(key) for key in ("float_min", "float_max", "quantized_min", "quantized_max")]
-        if any(value is None for value in values):
+        keys = ("float_min", "float_max", "quantized_min", "quantized_max")
+        values = [summary[key] for key in keys if summary.get(key) is not None]
+        if len(values) < len(keys):
             continue
         low, high = min(values), max(values)
         if high <= low:

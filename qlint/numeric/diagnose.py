@@ -144,11 +144,11 @@ def low_sqnr_findings(rows: list[CompareRow], sqnr_threshold: float, weight_sqnr
         inherited = inherited_sqnr(row, propagated)[0]
         local, source = local_sqnr(row, inherited)
         activation_low = local is not None and local < sqnr_threshold
-        if source == "estimated" and activation_low:
+        if source == "estimated" and activation_low and row.sqnr_propagated is not None:
             # Without a shadow run the unit-gain estimate is rough (a ReLU changes signal and
             # noise power differently); blame the layer only if SQNR visibly drops at it.
             activation_low = inherited - row.sqnr_propagated >= onset_jump_db
-        if source == "shadow" and activation_low and row.sqnr_propagated is not None:
+        if source == "shadow" and activation_low and local is not None and row.sqnr_propagated is not None:
             # The shadow run feeds the layer the input it really gets.  Where that input is already
             # far off (an upstream layer is broken), the layer's own error is measured on values it
             # was never calibrated for, and is a small part of the error it passes on: the upstream

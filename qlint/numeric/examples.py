@@ -9,7 +9,7 @@ quantization config that is deliberately bad for exactly one layer.
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Optional
+from typing import Iterable, Optional, cast
 
 import torch
 from torch import nn
@@ -85,7 +85,7 @@ class ResidualTower(nn.Module):
         signal_preserving_init(self)
         for block in self.blocks:  # keep the residual sum from growing with depth
             with torch.no_grad():
-                block.conv2.weight.mul_(0.3)
+                cast(ResidualBlock, block).conv2.weight.mul_(0.3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(self.stem(x))
@@ -153,6 +153,8 @@ def randomize_batch_norm(model: nn.Module, seed: int = 0) -> nn.Module:
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             channels = module.num_features
+            if module.running_mean is None or module.running_var is None:
+                continue  # track_running_stats=False: no statistics to randomize
             with torch.no_grad():
                 module.running_mean.copy_(torch.randn(channels, generator=generator) * 0.1)
                 module.running_var.copy_(torch.rand(channels, generator=generator) * 0.5 + 0.75)

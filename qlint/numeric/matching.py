@@ -100,7 +100,7 @@ def functional_kind(node: torch.fx.Node) -> tuple[Optional[str], bool]:
     """(kind, fuses_relu) for a call_function / call_method node worth comparing, else (None, False)."""
     if node.op == "call_method":
         op = FunctionOp(method_kind(str(node.target)))
-    elif node.op == "call_function":
+    elif node.op == "call_function" and not isinstance(node.target, str):
         op = function_op(node.target)
     else:
         return None, False
@@ -236,8 +236,11 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchRes
 
     def add_match(fqn: str, quant_fqn: str, matched_by: str) -> None:
         quant_module = quant_layers[quant_fqn]
+        kind = layer_kind(float_modules[fqn])
+        if kind is None:
+            raise ValueError(f"{fqn} is not a layer: only layer modules are matched")
         layer = LayerMatch(
-            name=fqn, kind=layer_kind(float_modules[fqn]), float_entry=Site(MODULE_SITE, fqn),
+            name=fqn, kind=kind, float_entry=Site(MODULE_SITE, fqn),
             float_exit=Site(MODULE_SITE, fqn), quant_site=Site(MODULE_SITE, quant_fqn),
             quant_class=type(quant_module).__name__, matched_by=matched_by,
         )
@@ -316,7 +319,7 @@ def _absorb_fused_followers(layer, quant_module, float_modules, quant_modules, n
 
 
 def _graph_followers(node: torch.fx.Node, float_modules) -> list:
-    chain = []
+    chain: list[tuple[str, str | torch.fx.Node]] = []
     while len(node.users) == 1:
         user = next(iter(node.users))
         if user.op == "call_module":

@@ -14,7 +14,7 @@ import csv
 import itertools
 import math
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -92,7 +92,7 @@ class _RunningStats:
     def row(self, layer: str, kind: str, role: str) -> ProfileRow:
         empty = self.count == 0
         mean = None if empty else self.total / self.count
-        var = None if empty else max(0.0, self.total_squares / self.count - mean * mean)
+        var = None if mean is None else max(0.0, self.total_squares / self.count - mean * mean)
         return ProfileRow(
             layer=layer, kind=kind, role=role, shape=self.shape, dtype=self.dtype or "unknown", count=self.count,
             min=None if empty else finite_or_none(self.low), max=None if empty else finite_or_none(self.high),
@@ -106,11 +106,11 @@ def _weights(module: nn.Module) -> list[torch.Tensor]:
     if callable(weight) and not isinstance(weight, torch.Tensor):
         return [weight()]  # packed quantized weights
     if hasattr(module, "get_weight"):
-        return list(module.get_weight().values())
+        return list(cast(Any, module).get_weight().values())
     if isinstance(weight, torch.Tensor):
         return [weight.detach()]
     if isinstance(module, nn.Sequential) and len(module) and isinstance(getattr(module[0], "weight", None), torch.Tensor):
-        return [module[0].weight.detach()]  # float fused modules (ConvReLU2d) keep the conv first
+        return [cast(torch.Tensor, module[0].weight).detach()]  # float fused modules (ConvReLU2d) keep the conv first
     return []
 
 

@@ -10,7 +10,7 @@ float tensor can be put on the same grid (the isolated run of ``PairedRunner``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -40,7 +40,9 @@ def frozen_quantizer(module: nn.Module) -> Optional[FrozenQuantizer]:
     if isinstance(module, FakeQuantizeBase):
         if not bool(module.fake_quant_enabled.reshape(-1)[0]):
             return None
-        scale, zero_point = module.scale.detach().clone(), module.zero_point.detach().clone()
+        # Plain attributes of fake-quant/observer modules: nn.Module's stubs type them Tensor | Module.
+        scale = cast(torch.Tensor, module.scale).detach().clone()
+        zero_point = cast(torch.Tensor, module.zero_point).detach().clone()
     elif isinstance(module, ObserverBase) and hasattr(module, "quant_min") and hasattr(module, "calculate_qparams"):
         if getattr(module, "dtype", None) not in (torch.quint8, torch.qint8, torch.qint32):
             return None
@@ -50,14 +52,14 @@ def frozen_quantizer(module: nn.Module) -> Optional[FrozenQuantizer]:
         scale, zero_point = module.calculate_qparams()
     else:
         return None
-    quant_min, quant_max = int(module.quant_min), int(module.quant_max)
+    quant_min, quant_max = int(cast(int, module.quant_min)), int(cast(int, module.quant_max))
     if getattr(module, "qscheme", torch.per_tensor_affine) in PER_TENSOR_SCHEMES or scale.numel() == 1:
         scale_value, zero_value = float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
         return FrozenQuantizer(
             lambda x: torch.fake_quantize_per_tensor_affine(x, scale_value, zero_value, quant_min, quant_max),
             scale_value,
         )
-    axis = int(module.ch_axis)
+    axis = int(cast(int, module.ch_axis))
     return FrozenQuantizer(
         lambda x: torch.fake_quantize_per_channel_affine(
             x, scale.float(), zero_point.to(torch.int32), axis, quant_min, quant_max),

@@ -9,7 +9,7 @@ functions here hide that so metrics see two dicts of float tensors.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -24,7 +24,9 @@ def _batch_norm_factor(batch_norm: nn.Module) -> Optional[torch.Tensor]:
     running_var = getattr(batch_norm, "running_var", None)
     if running_var is None:
         return None
-    gamma = batch_norm.weight if getattr(batch_norm, "weight", None) is not None else torch.ones_like(running_var)
+    gamma = getattr(batch_norm, "weight", None)
+    if gamma is None:
+        gamma = torch.ones_like(running_var)
     return gamma.detach() / torch.sqrt(running_var + batch_norm.eps)
 
 
@@ -67,13 +69,17 @@ def _inner_float_module(module: nn.Module) -> nn.Module:
 def fake_quantize_with_observer(weight: torch.Tensor, observer: nn.Module) -> torch.Tensor:
     """Quantize-dequantize ``weight`` with the qparams ``observer`` picks for it."""
     observer(weight.detach())
-    scale, zero_point = observer.calculate_qparams()
+    # Observers keep these as plain attributes, which nn.Module's stubs type as Tensor | Module.
+    attributes = cast(Any, observer)
+    scale, zero_point = attributes.calculate_qparams()
     if getattr(observer, "qscheme", torch.per_tensor_affine) in _PER_TENSOR:
         return torch.fake_quantize_per_tensor_affine(
-            weight, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), observer.quant_min, observer.quant_max
+            weight, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), attributes.quant_min,
+            attributes.quant_max
         )
     return torch.fake_quantize_per_channel_affine(
-        weight, scale.float(), zero_point.to(torch.int32), observer.ch_axis, observer.quant_min, observer.quant_max
+        weight, scale.float(), zero_point.to(torch.int32), attributes.ch_axis, attributes.quant_min,
+        attributes.quant_max
     )
 
 
@@ -91,7 +97,8 @@ def simulated_weight_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     if getattr(observer, "dtype", None) not in (torch.qint8, torch.quint8, torch.qint32) or not hasattr(observer, "quant_min"):
         return {}
     prefix = "0." if inner is not module else ""
-    return {f"{prefix}weight": fake_quantize_with_observer(inner.weight.detach(), observer).detach()}
+    weight = cast(torch.Tensor, inner.weight)  # nn.Module's stubs type attributes as Tensor | Module
+    return {f"{prefix}weight": fake_quantize_with_observer(weight.detach(), observer).detach()}
 
 
 def quantized_layer_weights(layer: LayerMatch, quant_module: nn.Module) -> dict[str, torch.Tensor]:
@@ -102,7 +109,7 @@ def quantized_layer_weights(layer: LayerMatch, quant_module: nn.Module) -> dict[
         return {"weight": weight_attribute().dequantize().detach()}
     if hasattr(quant_module, "get_weight"):
         # Dynamic RNNs: {"weight_ih_l0": qtensor, ...}, named like the float LSTM's parameters.
-        return {name: value.dequantize().detach() for name, value in quant_module.get_weight().items()}
+        return {name: value.dequantize().detach() for name, value in cast(Any, quant_module).get_weight().items()}
     inner = _inner_float_module(quant_module)
     weight = getattr(inner, "weight", None)
     if not isinstance(weight, torch.Tensor):

@@ -1,8 +1,10 @@
 """Reporters: they format a Report and never decide what is a problem."""
 
+from collections.abc import Callable
+
 from qlint.render.text import render_text
 from qlint.render.json import render_json
 
-FORMATS = {"text": render_text, "json": render_json}
+FORMATS: dict[str, Callable[..., str]] = {"text": render_text, "json": render_json}
 
 __all__ = ["FORMATS", "render_json", "render_text"]

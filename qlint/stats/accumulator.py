@@ -75,7 +75,7 @@ with magnitudes beyond float32 range put in the top finite bin.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -166,8 +166,8 @@ class TensorStats:
     def empty(cls, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, num_channels: int = 0,
               device: torch.device | str | None = None) -> "TensorStats":
         """Stats of no batches: the identity element of :meth:`merge`."""
-        f64 = dict(dtype=torch.float64, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         return cls._packed(
             channel_axis,
             reference_percentile,

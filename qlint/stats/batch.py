@@ -189,7 +189,7 @@ def _summarize_finite(data: torch.Tensor, dims: Dims, width: int, channels: int,
         return None
     reference = None
     if sample_size != 0:
-        if is_exact(width, channels, sample_size):
+        if sample_size is None or is_exact(width, channels, sample_size):
             reference = _channel_rows(data, dims).kthvalue(host_reference_rank(width, q) + 1, dim=1).values
         else:
             plan = sample_plan(width, q, sample_size, data.device)
@@ -239,7 +239,7 @@ def _summarize_any(data: torch.Tensor, dims: Dims, width: int, channels: int, q:
     if sample_size != 0:
         # With NaN/Inf excluded each channel has its own number of values, so its own rank.
         rank = reference_rank(count, q)
-        if is_exact(width, channels, sample_size):
+        if sample_size is None or is_exact(width, channels, sample_size):
             rows = _channel_rows(data, dims)
             # Non-finite values sort last as +inf, after every finite one.
             ordered = rows.masked_fill(~torch.isfinite(rows), math.inf).sort(dim=1).values

@@ -91,7 +91,7 @@ def _agreed_channel_count(stats: TensorStats, group: Optional[dist.ProcessGroup]
 
 
 def _all_reduce_fields(
-    stats: TensorStats, fields: tuple[str, ...], op: dist.ReduceOp, group: Optional[dist.ProcessGroup]
+    stats: TensorStats, fields: tuple[str, ...], op: dist.ReduceOp.RedOpType, group: Optional[dist.ProcessGroup]
 ) -> dict[str, torch.Tensor]:
     """All-reduce ``fields`` with ``op``, packing those of one dtype into one buffer."""
     result: dict[str, torch.Tensor] = {}

@@ -14,7 +14,7 @@ arithmetic (float64 sums up to re-association).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -39,8 +39,8 @@ class RunningStats:
     def __init__(self, channels: int, device: torch.device | str, capacity: Optional[int] = None) -> None:
         capacity = capacity if capacity is not None else FOLD_EVERY
         self.channels, self.device, self.capacity = channels, torch.device(device), capacity
-        f64 = dict(dtype=torch.float64, device=self.device)
-        i64 = dict(dtype=torch.int64, device=self.device)
+        f64: dict[str, Any] = dict(dtype=torch.float64, device=self.device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=self.device)
         self._pending = torch.zeros(capacity, len(self._FLOAT_ROWS), channels, **f64)
         self._pending_rows = self._pending.unbind(0)  # per-batch views, made once
         # Finite batches have one count for every channel and no NaN/Inf: kept as plain
@@ -76,11 +76,11 @@ class RunningStats:
             raise ValueError("summaries with and without the percentile cannot share a stream")
         row = self._size
         floats = [summary.channel_min, summary.channel_max, summary.sum, summary.sum_of_squares,
-                  summary.reference if with_reference else summary.channel_max]  # the last row is unused then
+                  summary.reference if summary.reference is not None else summary.channel_max]  # the last row is unused then
         torch.stack(floats, out=self._pending_rows[row])
         counts = (summary.count, summary.nan_count, summary.inf_count)
         if all(isinstance(value, int) for value in counts) and counts[1] == counts[2] == 0:
-            self._uniform_counts[row] = counts[0]
+            self._uniform_counts[row] = int(counts[0])
         else:
             self._uniform_counts[row] = None
             if self._pending_counts is None:
@@ -113,8 +113,8 @@ class RunningStats:
         uniform = self._uniform_counts[:size]
         if self._pending_counts is None:  # every batch finite (the common case): no count tensors
             has_values = None
-            self._channel_counts[0] += sum(uniform)
-            range_batches = size
+            self._channel_counts[0] += sum(count for count in uniform if count is not None)
+            range_batches: int | torch.Tensor = size
         else:
             counts = self._pending_counts[:size]
             for row, count in enumerate(uniform):

@@ -96,6 +96,8 @@ class StatsObserver(nn.Module):
         summary = summarize_values(value, self.channel_axis, self.reference_percentile,
                                    scratch=thread_scratch_buffers(), percentile=self.percentile,
                                    histogram=self.histogram, percentile_sample=self.percentile_sample)
+        if summary is None:
+            return  # an empty batch: forward() only passes non-empty ones
         if running is None or not running.accepts(summary):
             # First batch, another device, or another width than expected: start a stream there.
             self.stats = self.stats
