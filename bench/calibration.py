@@ -224,7 +224,7 @@ def run_interleaved(name, modes, count, size, real_models, rounds, loops):
     runners = {mode: make_runner(mode, model, data[0]) for mode in modes}
     seconds: dict[str, list] = {mode: [] for mode in modes}
     with torch.no_grad():
-        for mode, runner in runners.items():
+        for runner in runners.values():
             runner.eval()
             runner(*data[0])  # warm-up
         for number in range(rounds):

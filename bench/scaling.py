@@ -166,7 +166,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|")
     for layers in sizes:
         model = stack(layers, args.width)
-        rows = alternate(static_rounds[layers], lambda: torch_export(model, x), lambda: qlint_static(model, x))
+        rows = alternate(static_rounds[layers], lambda m=model: torch_export(m, x), lambda m=model: qlint_static(m, x))
         exports = [e for e, _ in rows]
         lints = [q[0] for _, q in rows]
         stages = rows[-1][1][1]
@@ -181,7 +181,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---|")
     for layers in trial_sizes:
         model = stack(layers, args.width)
-        rows = alternate(trial_rounds[layers], lambda: torch_trial(model, x), lambda: qlint_trial(model, x))
+        rows = alternate(trial_rounds[layers], lambda m=model: torch_trial(m, x), lambda m=model: qlint_trial(m, x))
         passes = [t for t, _ in rows]
         rules = [q[0] for _, q in rows]
         ratios = [q[0] / t for t, q in rows]

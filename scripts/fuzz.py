@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     failures: dict[str, tuple[dict, str]] = {}
     totals: collections.Counter = collections.Counter()
     start = time.time()
-    for run in range(args.runs):
+    for _run in range(args.runs):
         case = build_case(Draw(rng.randint))
         outcome, detail = run_case(case, registry)
         totals[outcome] += 1

@@ -3,7 +3,6 @@
 import torch
 import torch.nn as nn
 
-import pytest
 
 
 def _check_one_line_error(result, *needles):

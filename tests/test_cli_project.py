@@ -23,7 +23,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn as nn
 
 from qlint.cli.main import COMMAND_SUMMARIES, _commands, main
 from tests.conftest import ROOT

@@ -1,7 +1,6 @@
 """The same network written five ways gets the same findings."""
 
 import collections
-import json
 
 import pytest
 import torch

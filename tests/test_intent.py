@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.ao.quantization import QConfigMapping, get_default_qconfig, default_dynamic_qconfig
+from torch.ao.quantization import QConfigMapping, get_default_qconfig
 from torch.ao.quantization.quantize_fx import prepare_fx
 
 from qlint.linter.engine import analyse

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import qlint
 from qlint.numeric.metrics import sqnr_db
 
 pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")

@@ -1,6 +1,5 @@
 """Unpickling never runs a file's code unless the user passes --trust-pickle."""
 
-import pickle
 
 import torch.nn as nn
 import torch

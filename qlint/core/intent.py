@@ -105,7 +105,7 @@ def describe_observer(observer_or_factory: Any) -> Optional[ObserverSpec]:
         ch_axis=int(ch_axis) if isinstance(ch_axis, int) and qscheme is not None
         and "per_channel" in str(qscheme) else None,
         fixed_scale=float(scale.flatten()[0]) if fixed and torch.is_tensor(scale) else None,
-        fixed_zero_point=int(getattr(observer, "zero_point").flatten()[0]) if fixed else None,
+        fixed_zero_point=int(observer.zero_point.flatten()[0]) if fixed else None,
     )
 
 

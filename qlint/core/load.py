@@ -397,7 +397,7 @@ def parse_input_shape(text: str) -> torch.Tensor:
     try:
         shape = tuple(int(d) for d in shape_text.split(separator))
     except ValueError:
-        raise LoadError(f"bad --input-shape {text!r}: expected comma-separated integers like 1,3,224,224")
+        raise LoadError(f"bad --input-shape {text!r}: expected comma-separated integers like 1,3,224,224") from None
     if not shape or any(d <= 0 for d in shape):
         raise LoadError(f"bad --input-shape {text!r}: dimensions must be positive integers")
     elements = math.prod(shape)

@@ -25,7 +25,7 @@ from typing import Optional, Union
 
 import torch
 
-from qlint.stats.accumulator import HISTOGRAM_SHAPE, ScratchBuffers, TensorStats
+from qlint.stats.accumulator import ScratchBuffers
 from qlint.stats.selection import (
     PERCENTILE_SAMPLE,
     SamplePlan,
