@@ -18,6 +18,8 @@ _STATELESS_KINDS = frozenset({"relu", "relu6", "identity", "dropout", "flatten",
                               "avg_pool", "adaptive_avg_pool", "hardtanh", "leaky_relu"})
 # Modules that live inside others and are called by their parent, not by the graph.
 _INTERNAL_KINDS = frozenset({"observer"})
+# Call sites named in a message; a module reused thousands of times would make it unreadable.
+_LISTED_SITES = 10
 
 
 class SharedModule(Rule):
@@ -91,7 +93,9 @@ class SharedModule(Rule):
             if stateless and not self.options.report_stateless:
                 continue
             severity = Severity.INFO if stateless and not ctx.eager_flow else self.severity
-            where = [f"{s.name} (in {s.scope or 'the top-level forward'})" for s in sites]
+            where = [f"{s.name} (in {s.scope or 'the top-level forward'})" for s in sites[:_LISTED_SITES]]
+            if len(sites) > _LISTED_SITES:  # data["call_sites"] keeps them all; the message stays readable
+                where.append(f"and {len(sites) - _LISTED_SITES} more")
             impact = ("one observer serves every call" if ctx.eager_flow or not stateless
                       else "eager-mode flows would give every call one observer")
             message = (

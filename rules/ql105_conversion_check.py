@@ -52,6 +52,14 @@ class ConversionCheck(Rule):
     flow, or a dtype mismatch. When every step succeeds it reports, as info, the SQNR (dB)
     of the converted model's outputs against the float model's on the example inputs.
 
+    The trial costs what torch's own pass costs (`bench/scaling.py`: within a few percent
+    of `prepare_fx`, one calibration step, `convert_fx` and a forward pass), and that pass
+    grows faster than the model: `prepare_fx` rebuilds its table of modules for every
+    observed op, and the default HistogramObserver searches its qparams in a Python loop.
+    A 2,000-layer MLP takes minutes. Each rule's time is in the report's timings, and a
+    rule that takes more than 10 s gets a notice; `--ignore QL105` (or
+    `ignore = ["QL105"]` under `[tool.qlint]`) turns the trial off.
+
     ## Why is this bad?
     Static analysis cannot see every way conversion breaks: a `.view` that is fine in float
     fails after convert because quantized conv kernels return channels-last (NHWC)

@@ -115,6 +115,7 @@ def test_the_model_exercises_the_rules():
     shared = [f for f in report.by_rule("QL102") if f.data["kind"] == "multiple-calls"]
     assert sorted(f.target for f in unused) == [f"blocks.{i}.spare" for i in range(SMALL)]
     assert [(f.target, f.data["calls"]) for f in shared] == [("shared", SMALL)]
+    assert len(shared[0].data["call_sites"]) == SMALL
     assert len(report.qconfig_table) >= 3 * SMALL
 
 
@@ -158,6 +159,14 @@ def test_the_guard_catches_an_all_pairs_scan():
     small = _lines_per_function(lambda: namespace["scan"](names_small))
     large = _lines_per_function(lambda: namespace["scan"](names_large))
     assert _superlinear(small, large)
+
+
+def test_ql102_names_at_most_ten_call_sites_in_its_message():
+    report = qlint.lint(Stack(24).eval(), (torch.randn(4, 8),), select=["QL102"])
+    (shared,) = [f for f in report.by_rule("QL102") if f.data["kind"] == "multiple-calls"]
+    assert shared.data["calls"] == 24 and len(shared.data["call_sites"]) == 24
+    named = [site for site in shared.data["call_sites"] if f"{site} (in " in shared.message]
+    assert named == shared.data["call_sites"][:10] and "and 14 more" in shared.message
 
 
 @pytest.mark.parametrize("blocks", [SMALL, SMALL * GROWTH])
