@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--channels", type=int, default=20000)
     parser.add_argument("--q", default="0.975,0.9")
-    parser.add_argument("--sizes", default="128,256,512,1024,4096,25088")
+    parser.add_argument("--sizes", default="128,256,300,512,1024,3072,25088")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     print(f"percentile_sample={PERCENTILE_SAMPLE}; level of the estimate (fraction of the batch below it)")
@@ -46,7 +46,8 @@ def main() -> None:
           f"{'8-batch mean 1 %':>17} {'99 %':>7}")
     for q in (float(value) for value in args.q.split(",")):
         for n in (int(value) for value in args.sizes.split(",")):
-            channels = max(args.channels, 32768 // n + 1)  # above the exact size: the sampled path
+            # above the exact size (the sampled path), and at most ~2e7 values in memory at once
+            channels = max(min(args.channels, 20_000_000 // n), 32768 // n + 1)
             level = levels(n, q, channels, generator)
             plan = sample_plan(n, q, PERCENTILE_SAMPLE, torch.device("cpu"))
             mean8 = level[: channels // 8 * 8].view(-1, 8).mean(1)

@@ -12,10 +12,11 @@ from qlint.stats import PERCENTILE_SAMPLE, StatsObserver, summarize_batch
 from qlint.stats.batch import summarize_values
 from qlint.stats.selection import EXACT_VALUES, host_reference_rank, sample_plan
 
-# The batch level of the sampled reference lies in these bounds with probability 99 %
-# (bench/percentile_bound.py, docs/architecture.md "Statistics"); the tests below
-# allow the 1 % of channels outside them.
-LEVEL_BOUNDS = {0.975: (0.950, 0.988), 0.9: (0.858, 0.927)}
+# The batch level of the sampled reference (the fraction of the channel's values below it)
+# lies in [0.937, 0.993] for q = 0.975 and in [0.834, 0.936] for q = 0.9 with probability
+# 98 % (1 % each side; bench/percentile_bound.py, docs/architecture.md "Statistics"). The
+# tests take a slightly wider band and require 98 % of 512 channels inside it.
+LEVEL_BOUNDS = {0.975: (0.925, 0.995), 0.9: (0.82, 0.945)}
 
 
 def _quantile_ratio(per_channel: torch.Tensor, q: float) -> torch.Tensor:
@@ -57,7 +58,7 @@ def _reference_levels(batch: torch.Tensor, channel_axis: int, q: float) -> torch
     [
         (lambda g: torch.randn(64, 48, 512, generator=g), -1),  # channel-last, 3072 values per channel
         (lambda g: torch.randn(16, 512, 32, 32, generator=g).relu() + 1e-3, 1),  # NCHW, sampled
-        (lambda g: torch.randn(300, 512, generator=g).exp() ** 3, 1),  # 300 values: all of them, in groups
+        (lambda g: torch.randn(200, 512, generator=g).exp() ** 3, 1),  # 200 values: all of them, in groups
         (lambda g: torch.randn(4, 512, 8, 8, generator=g).pow(3), 1),  # short runs, copied channel-major
     ],
     ids=["channel-last", "nchw", "all-values", "short-runs"],
@@ -70,9 +71,10 @@ def test_sampled_reference_lies_within_the_documented_level_bounds(make, channel
     low, high = LEVEL_BOUNDS[q]
     inside = ((levels >= low) & (levels <= high)).double().mean()
     assert inside >= 0.98, (float(levels.min()), float(levels.max()), float(inside))
-    # nearly unbiased: the error mostly averages out over batches
+    # biased by less than one level point (group maxima, the sample rank's rounding): the
+    # error mostly averages out over batches
     width = batch.numel() // batch.shape[channel_axis]
-    assert abs(float(levels.mean()) - host_reference_rank(width, q) / width) < 0.006
+    assert abs(float(levels.mean()) - host_reference_rank(width, q) / width) < 0.01
 
 
 def test_sample_positions_are_fixed_and_leave_the_global_rng_alone():
@@ -85,8 +87,8 @@ def test_sample_positions_are_fixed_and_leave_the_global_rng_alone():
     assert int(plan.positions.min()) >= 0 and int(plan.positions.max()) < 100_000
     assert 1 <= plan.from_top <= plan.groups
     # all values, each once, when a channel has fewer than the sample
-    small = sample_plan(300, 0.975, PERCENTILE_SAMPLE, torch.device("cpu"))
-    assert small.positions.unique().numel() == small.positions.numel() > 300 - small.group_size
+    small = sample_plan(200, 0.975, PERCENTILE_SAMPLE, torch.device("cpu"))
+    assert small.positions.unique().numel() == small.positions.numel() > 200 - small.group_size
 
 
 def test_exact_ranks_follow_torch_quantile_arithmetic():

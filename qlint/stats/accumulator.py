@@ -334,18 +334,25 @@ class ScratchBuffers:
 
     Fresh multi-megabyte tensors cost a page fault per 4 KiB on first touch,
     which on small VMs rivals the arithmetic; reusing buffers avoids that.
+    The view last handed out for a name is kept, so asking again for the same
+    shape costs no tensor op.
     Not thread-safe: use one per thread (see ``thread_scratch_buffers``)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        view = self._views.get(name)
+        if view is not None and view.shape == shape and view.dtype == dtype and view.device == device:
+            return view
         numel = math.prod(shape)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
             buffer = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[name] = buffer
-        return buffer[:numel].view(shape)
+        view = self._views[name] = buffer[:numel].view(shape)
+        return view
 
     @property
     def nbytes(self) -> int:
@@ -354,3 +361,4 @@ class ScratchBuffers:
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._views.clear()

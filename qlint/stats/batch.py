@@ -41,9 +41,9 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 _SMALLEST_TRUSTED_SQUARES = 1e-30
 # Channel runs shorter than this are copied channel-major before reducing (see _reduction).
 _SHORT_RUN = 256
-# Temporaries of at least this many values go to reused buffers (smaller ones come from
-# the allocator's free lists without page faults).
-_SCRATCH_FROM = 1 << 16
+# Temporaries of at least this many values (64 KiB in float32) go to reused buffers; smaller
+# ones come from the allocator's free lists without page faults.
+_SCRATCH_FROM = 1 << 14
 
 PerChannel = Union[torch.Tensor, int]  # an int stands for the same count in every channel
 Dims = Union[int, tuple[int, int]]  # the dims a per-channel reduction runs over
@@ -51,9 +51,9 @@ Dims = Union[int, tuple[int, int]]  # the dims a per-channel reduction runs over
 
 @dataclasses.dataclass(frozen=True)
 class BatchSummary:
-    """Per-channel reductions of one batch: all :class:`SummaryChunk` needs.
+    """Per-channel reductions of one batch: all :class:`~qlint.stats.fold.RunningStats` needs.
 
-    Tensors are 1-D of length ``channels`` on the batch's device."""
+    Tensors are 1-D of length ``channels`` on the batch's device (0-d when ``channels`` is 1)."""
 
     channels: int
     channel_min: torch.Tensor
@@ -144,23 +144,24 @@ def _reduction(values: torch.Tensor, outer: int, channels: int, inner: int,
     return values.reshape(outer, channels, inner), (0, 2)
 
 
-def _channel_rows(data: torch.Tensor, dims: Dims) -> torch.Tensor:
-    """Every value as ``(channels, n)`` rows (a copy unless ``data`` already is rows)."""
-    if dims == 1:
-        return data
-    if dims == 0:
-        return data.t().contiguous()
-    return data.transpose(0, 1).reshape(data.shape[1], -1)
+def _all_values(data: torch.Tensor, dims: Dims) -> tuple[torch.Tensor, int]:
+    """Every value of each channel, and the dim they lie along: ``(n, C)`` along 0 as it is,
+    ``(C, n)`` rows along 1 (a copy for ``(outer, C, inner)``)."""
+    if dims == 0 or dims == 1:
+        return data, dims
+    return data.transpose(0, 1).reshape(data.shape[1], -1), 1
 
 
-def _group_maxima(data: torch.Tensor, dims: Dims, plan: SamplePlan, *, finite_only: bool = False) -> torch.Tensor:
-    """``(channels, groups)``: per channel the maxima of the plan's groups of sampled values.
+def _group_maxima(data: torch.Tensor, dims: Dims, plan: SamplePlan, *,
+                  finite_only: bool = False) -> tuple[torch.Tensor, int]:
+    """Per channel the maxima of the plan's groups of sampled values, and the dim they lie along:
+    ``(C, groups)`` along 1 or ``(groups, C)`` along 0.
 
-    Rows are gathered where they are contiguous (a strided gather costs ~50x more per value).
-    ``finite_only``: NaN/Inf are left out of the maxima (a group of only those gives -inf)."""
+    Values are gathered where they are contiguous (whole rows of channels, or within each
+    channel's row). ``finite_only``: NaN/Inf are left out (a group of only those gives -inf)."""
     if dims == 1:  # (C, n): each row gathers its sample
         picked = data.index_select(1, plan.positions).view(data.shape[0], plan.groups, plan.group_size)
-        reduce_dim = 2
+        group_dim = 2
     else:  # (n, C) or (outer, C, inner): whole rows of channels are gathered
         if dims == 0:
             picked = data.index_select(0, plan.positions)
@@ -168,11 +169,11 @@ def _group_maxima(data: torch.Tensor, dims: Dims, plan: SamplePlan, *, finite_on
             inner = data.shape[2]
             picked = data[torch.div(plan.positions, inner, rounding_mode="floor"), :, plan.positions % inner]
         picked = picked.view(plan.groups, plan.group_size, -1)
-        reduce_dim = 1
+        group_dim = 1
     if finite_only:
         picked = picked.masked_fill(~torch.isfinite(picked), -math.inf)
-    maxima = picked.amax(reduce_dim) if plan.group_size > 1 else picked.squeeze(reduce_dim)
-    return maxima if reduce_dim == 2 else maxima.t().contiguous()
+    maxima = picked.amax(group_dim) if plan.group_size > 1 else picked.squeeze(group_dim)
+    return maxima, group_dim - 1
 
 
 # ---------------------------------------------------------- finite fast path
@@ -182,29 +183,44 @@ def _summarize_finite(data: torch.Tensor, dims: Dims, width: int, channels: int,
     """Fast path for finite batches of moderate magnitude; None (after a host read) otherwise.
 
     ``sample_size`` 0: no percentile; None: the exact reference."""
-    channel_min, channel_max = data.amin(dims), data.amax(dims)
-    channel_sum = data.sum(dims)
-    sum_of_squares = _sum_of_squares(data, dims, scratch)
+    if channels == 1:  # a whole-tensor point: one-pass full reductions, 0-d results
+        flat = data.reshape(-1)
+        channel_min, channel_max = torch.aminmax(flat)
+        channel_sum, sum_of_squares = flat.sum(), torch.dot(flat, flat)
+    else:
+        channel_min, channel_max = data.amin(dims), data.amax(dims)
+        channel_sum = data.sum(dims)
+        sum_of_squares = _sum_of_squares(data, dims, scratch)
     if not _trusted_squares(sum_of_squares, channel_min, channel_max):
         return None
     reference = None
     if sample_size != 0:
         if sample_size is None or is_exact(width, channels, sample_size):
-            reference = _channel_rows(data, dims).kthvalue(host_reference_rank(width, q) + 1, dim=1).values
+            values, dim = _all_values(data, dims)
+            reference = values.kthvalue(host_reference_rank(width, q) + 1, dim=dim).values
         else:
             plan = sample_plan(width, q, sample_size, data.device)
-            reference = _group_maxima(data, dims, plan).kthvalue(plan.kth, dim=1).values
+            maxima, dim = _group_maxima(data, dims, plan)
+            reference = maxima.kthvalue(plan.kth, dim=dim).values
+        if channels == 1:
+            reference = reference.view(())  # shaped like the other whole-tensor results
     return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
                         reference, histogram)
 
 
 def _sum_of_squares(data: torch.Tensor, dims: Dims, scratch: ScratchBuffers) -> torch.Tensor:
-    """Per-channel sums of squares. The squares of a large batch go to a reused buffer: a
-    fresh activation-sized temporary costs a page fault per 4 KiB, more than the arithmetic."""
+    """Per-channel sums of squares, float32. Along a contiguous last dim a norm reads each value
+    once and writes nothing; across rows (``(n, C)`` over dim 0, where torch's norm is slow) the
+    squares of a large batch go to a reused buffer: a fresh activation-sized temporary costs a
+    page fault per 4 KiB, more than the arithmetic."""
+    if dims == 1:
+        return torch.linalg.vector_norm(data, dim=1).square()
+    if dims != 0:
+        return torch.linalg.vector_norm(data, dim=2).square().sum(0)
     if data.numel() < _SCRATCH_FROM:
-        return torch.mul(data, data).sum(dims)
+        return torch.mul(data, data).sum(0)
     squares = scratch.get("squares", tuple(data.shape), data.dtype, data.device)
-    return torch.mul(data, data, out=squares).sum(dims)
+    return torch.mul(data, data, out=squares).sum(0)
 
 
 def _trusted_squares(sum_of_squares: torch.Tensor, channel_min: torch.Tensor, channel_max: torch.Tensor) -> bool:
@@ -215,10 +231,14 @@ def _trusted_squares(sum_of_squares: torch.Tensor, channel_min: torch.Tensor, ch
     range. A channel whose sum of squares is below 1e-30 either is all zeros (fine: ReLU
     leaves many) or holds magnitudes below ~1e-15, whose squares lose precision in float32:
     the general path sums those in float64."""
-    smallest, largest = torch.aminmax(sum_of_squares)
-    if not largest.item() < _FLOAT32_MAX:
+    if sum_of_squares.dim() == 0:
+        smallest = largest = sum_of_squares.item()
+    else:
+        low, high = torch.aminmax(sum_of_squares)
+        smallest, largest = low.item(), high.item()
+    if not largest < _FLOAT32_MAX:
         return False
-    if smallest.item() >= _SMALLEST_TRUSTED_SQUARES:
+    if smallest >= _SMALLEST_TRUSTED_SQUARES:
         return True
     tiny = sum_of_squares < _SMALLEST_TRUSTED_SQUARES
     return not bool((tiny & ((channel_max != 0) | (channel_min != 0))).any())
@@ -240,18 +260,18 @@ def _summarize_any(data: torch.Tensor, dims: Dims, width: int, channels: int, q:
         # With NaN/Inf excluded each channel has its own number of values, so its own rank.
         rank = reference_rank(count, q)
         if sample_size is None or is_exact(width, channels, sample_size):
-            rows = _channel_rows(data, dims)
+            values, dim = _all_values(data, dims)
             # Non-finite values sort last as +inf, after every finite one.
-            ordered = rows.masked_fill(~torch.isfinite(rows), math.inf).sort(dim=1).values
+            ordered = values.masked_fill(~torch.isfinite(values), math.inf).sort(dim=dim).values
             index = rank.clamp(min=0)
         else:
             plan = sample_plan(width, q, sample_size, data.device)
-            maxima = _group_maxima(data, dims, plan, finite_only=True)
+            maxima, dim = _group_maxima(data, dims, plan, finite_only=True)
             kept = _sampled_finite_count(data, dims, plan)
             from_top = (kept - sample_rank(rank, count, kept)).clamp(max=plan.groups)
-            ordered = maxima.sort(dim=1, descending=True).values
+            ordered = maxima.sort(dim=dim, descending=True).values
             index = (from_top - 1).clamp(min=0)
-        reference = ordered.gather(1, index.unsqueeze(1)).squeeze(1)
+        reference = ordered.gather(dim, index.unsqueeze(dim)).squeeze(dim)
         # A channel whose few finite values all escaped the sample has no estimate: its
         # maximum stands in (ratio 1, never an outlier).
         reference = torch.where(torch.isfinite(reference), reference, channel_max)

@@ -77,7 +77,9 @@ class RunningStats:
         row = self._size
         floats = [summary.channel_min, summary.channel_max, summary.sum, summary.sum_of_squares,
                   summary.reference if summary.reference is not None else summary.channel_max]  # the last row is unused then
-        torch.stack(floats, out=self._pending_rows[row])
+        # Stacked in the summary's dtype, then copied: a stack straight into float64 is ~3x slower.
+        stacked = torch.stack(floats)
+        self._pending_rows[row].copy_(stacked if stacked.dim() == 2 else stacked.unsqueeze(1))
         counts = (summary.count, summary.nan_count, summary.inf_count)
         if all(isinstance(value, int) for value in counts) and counts[1] == counts[2] == 0:
             self._uniform_counts[row] = int(counts[0])
@@ -153,7 +155,7 @@ class RunningStats:
 def _per_channel(value: PerChannel, channels: int, device: torch.device) -> torch.Tensor:
     if isinstance(value, int):
         return torch.full((channels,), value, dtype=torch.int64, device=device)
-    return value
+    return value.view(channels)
 
 
 def summarize_batch(batch: torch.Tensor, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, *,

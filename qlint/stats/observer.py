@@ -8,17 +8,22 @@ never records autograd history.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from qlint.stats.accumulator import ScratchBuffers, TensorStats
-from qlint.stats.batch import channel_count, summarize_values
+from qlint.stats.batch import BatchSummary, channel_count, summarize_values
 from qlint.stats.fold import RunningStats
 from qlint.stats.selection import PERCENTILE_SAMPLE
 
 _thread_local = threading.local()
+# Summaries of the last tensors observed in this thread. Observers at several points that see
+# one tensor (the shared input of a transformer's q, k and v projections) summarize it once.
+_RECENT_SUMMARIES = 8
 
 
 def thread_scratch_buffers() -> ScratchBuffers:
@@ -29,6 +34,26 @@ def thread_scratch_buffers() -> ScratchBuffers:
     if buffers is None:
         buffers = _thread_local.buffers = ScratchBuffers()
     return buffers
+
+
+def _recent_summary(value: torch.Tensor, settings: tuple) -> Optional[BatchSummary]:
+    """The summary made for this very tensor (same object, unchanged since) with these settings, if recent."""
+    recent = getattr(_thread_local, "recent", None)
+    entry = recent.get((id(value), settings)) if recent is not None else None
+    # The weak reference tells a live tensor from a new one at a reused id; the version
+    # counter tells an in-place change.
+    if entry is not None and entry[0]() is value and entry[1] == value._version:
+        return entry[2]
+    return None
+
+
+def _remember_summary(value: torch.Tensor, settings: tuple, summary: BatchSummary) -> None:
+    recent = getattr(_thread_local, "recent", None)
+    if recent is None:
+        recent = _thread_local.recent = OrderedDict()
+    recent[(id(value), settings)] = (weakref.ref(value), value._version, summary)
+    while len(recent) > _RECENT_SUMMARIES:
+        recent.popitem(last=False)
 
 
 class StatsObserver(nn.Module):
@@ -93,11 +118,16 @@ class StatsObserver(nn.Module):
         channels = channel_count(value.shape, self.channel_axis)
         if width and channels != width:
             raise ValueError(f"channel count changed from {width} to {channels}")
-        summary = summarize_values(value, self.channel_axis, self.reference_percentile,
-                                   scratch=thread_scratch_buffers(), percentile=self.percentile,
-                                   histogram=self.histogram, percentile_sample=self.percentile_sample)
+        settings = (self.channel_axis, self.reference_percentile, self.percentile, self.histogram,
+                    self.percentile_sample)
+        summary = _recent_summary(value, settings)
         if summary is None:
-            return  # an empty batch: forward() only passes non-empty ones
+            summary = summarize_values(value, self.channel_axis, self.reference_percentile,
+                                       scratch=thread_scratch_buffers(), percentile=self.percentile,
+                                       histogram=self.histogram, percentile_sample=self.percentile_sample)
+            if summary is None:
+                return  # an empty batch: forward() only passes non-empty ones
+            _remember_summary(value, settings, summary)
         if running is None or not running.accepts(summary):
             # First batch, another device, or another width than expected: start a stream there.
             self.stats = self.stats
