@@ -1,9 +1,9 @@
 """qlint's layers, read from the source: every import of every module, lazy ones included.
 
-errors < core < stats < linter < render < numeric < advice < cli. A module imports
+errors < core < stats < measure < linter < render < numeric < advice < cli. A module imports
 only from its own layer or lower ones, the modules import each other without cycles,
 and the built-in rules (``rules/``, installed as ``qlint.rules``) import only errors,
-core, stats, linter and each other. ``import qlint`` loads the lint layers only.
+core, stats, measure, linter and each other. ``import qlint`` loads the lint layers only.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import qlint.rules
 
 PACKAGE = Path(qlint.__file__).resolve().parent
 RULES = Path(qlint.rules.__file__).resolve().parent
-LAYERS = ("errors", "core", "stats", "linter", "render", "numeric", "advice", "cli")
+LAYERS = ("errors", "core", "stats", "measure", "linter", "render", "numeric", "advice", "cli")
 BASE_MODULES = ("qlint.errors", "qlint.version")  # the bottom layer: no qlint imports at all
 FACADE = ("qlint", "qlint.__main__")  # the public entry points: they may import any layer
-RULE_LAYERS = ("errors", "core", "stats", "linter")
+RULE_LAYERS = ("errors", "core", "stats", "measure", "linter")
 # The registry imports every built-in rule module by name (importlib) when it loads rules.
 REGISTRY = "qlint.linter.registry"
 

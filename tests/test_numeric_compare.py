@@ -23,7 +23,7 @@ from qlint.numeric.examples import (
     quantize_fx_ptq,
     randomize_batch_norm,
 )
-from qlint.numeric.matching import match_layers
+from qlint.measure.matching import match_layers
 
 warnings.filterwarnings("ignore")
 

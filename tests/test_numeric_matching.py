@@ -21,7 +21,7 @@ from qlint.numeric.examples import (
     randomize_batch_norm,
     sequence_batches,
 )
-from qlint.numeric.matching import CounterpartKind, match_layers
+from qlint.measure.matching import CounterpartKind, match_layers
 
 warnings.filterwarnings("ignore")
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qlint.linter.findings import CompareRow
-from qlint.numeric.metrics import (
+from qlint.measure.metrics import (
     SQNR_CAP_DB,
     UNIFORM_ROUNDING_RMSE_OVER_SCALE,
     PairwiseErrorStats,

@@ -18,7 +18,7 @@ from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 from qlint.numeric.compare import compare
-from qlint.numeric.metrics import PairwiseErrorStats
+from qlint.measure.metrics import PairwiseErrorStats
 from tests.models import mobilenet_style
 
 warnings.filterwarnings("ignore")

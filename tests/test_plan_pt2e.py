@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qlint.numeric.metrics import sqnr_db
+from qlint.measure.metrics import sqnr_db
 
 pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
 

@@ -4,8 +4,8 @@
     from qlint.numeric.sensitivity import sensitivity
     from qlint.numeric.html import write_html
 
-Modules: ``metrics`` (streaming SQNR & co.), ``matching`` (float <-> quantized
-layers), ``capture`` (running both models side by side), ``compare`` (the
+The runtime it stands on (layer matching, paired capture, streaming SQNR) is
+``qlint.measure``, shared with lint's trial quantization. Modules: ``compare`` (the
 per-layer report; findings QL301/QL302 come from ``diagnose``),
 ``sensitivity``, ``badcases``, ``profile``, ``html`` and ``command`` (the
 ``qlint compare`` subcommand).  See docs/numeric-suite.md.

@@ -22,9 +22,9 @@ from torch import nn
 from qlint.linter.findings import Report
 from qlint.core.batches import batch_size
 from qlint.core.nested import first_float, map_tensors
-from qlint.numeric.capture import PairedRunner
+from qlint.measure.capture import PairedRunner
 from qlint.numeric.compare import compare
-from qlint.numeric.matching import match_layers
+from qlint.measure.matching import match_layers
 
 BADCASES_FORMAT = "qlint-badcases-v1"
 

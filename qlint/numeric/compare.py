@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from qlint.linter.findings import CompareRow, Notice, Report, Severity, Timing
-from qlint.numeric.capture import PairedRunner
+from qlint.measure.capture import PairedRunner
 from qlint.numeric.diagnose import (
     DEFAULT_ONSET_JUMP_DB,
     DEFAULT_SQNR_THRESHOLD_DB,
@@ -26,10 +26,10 @@ from qlint.numeric.diagnose import (
     inherited_sqnr,
     local_sqnr,
 )
-from qlint.numeric.matching import MODULE_SITE, LayerMatch, MatchResult, match_layers
+from qlint.measure.matching import MODULE_SITE, LayerMatch, MatchResult, match_layers
 from qlint.core.nested import first_float
-from qlint.numeric.metrics import PairwiseErrorStats
-from qlint.numeric.weights import float_layer_weights, quantized_layer_weights
+from qlint.measure.metrics import PairwiseErrorStats
+from qlint.measure.weights import float_layer_weights, quantized_layer_weights
 
 MODES = ("propagated", "shadow")
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 from qlint.linter.findings import CompareRow, Finding, Severity
 from qlint.core.sqnr import SQNR_CAP_DB, noise_power_ratio, sqnr_db_from_powers
-from qlint.numeric.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
+from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
 
 # Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
 # the signal's amplitude, which is where accuracy losses usually become visible.

@@ -23,10 +23,10 @@ from torch import nn
 
 from qlint.core.batches import call_model
 from qlint.core.nested import first_tensor
-from qlint.numeric.capture import ModelStateGuard
+from qlint.measure.capture import ModelStateGuard
 from qlint.core.ops import layer_kind
-from qlint.numeric.matching import float_layer_modules, quantized_layer_modules
-from qlint.numeric.metrics import finite_or_none
+from qlint.measure.matching import float_layer_modules, quantized_layer_modules
+from qlint.measure.metrics import finite_or_none
 
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 

@@ -34,8 +34,8 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 from qlint.core.batches import as_call, batch_size, call_model, reiterable
 from qlint.core.nested import first_float, map_tensors, tensors_in
 from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
-from qlint.numeric.capture import ModelStateGuard, PairedRunner
-from qlint.numeric.matching import MODULE_SITE, LayerMatch, match_layers
+from qlint.measure.capture import ModelStateGuard, PairedRunner
+from qlint.measure.matching import MODULE_SITE, LayerMatch, match_layers
 
 
 class SensitivityRow(BaseModel):

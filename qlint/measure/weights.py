@@ -14,7 +14,7 @@ from typing import Any, Optional, cast
 import torch
 from torch import nn
 
-from qlint.numeric.matching import LayerMatch
+from qlint.measure.matching import LayerMatch
 
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 

@@ -36,12 +36,12 @@ from torch import nn
 from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 from torch.func import functional_call
 
-from qlint.numeric.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
+from qlint.measure.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
 from qlint.core.batches import as_call
 from qlint.core.nested import first_float, first_tensor, map_tensors
-from qlint.numeric.metrics import quantization_scale
-from qlint.numeric.quantizers import FrozenQuantizer, apply_input_spec, frozen_quantizer, input_spec
-from qlint.numeric.weights import simulated_weight_parameters
+from qlint.measure.metrics import quantization_scale
+from qlint.measure.quantizers import FrozenQuantizer, apply_input_spec, frozen_quantizer, input_spec
+from qlint.measure.weights import simulated_weight_parameters
 
 
 # --- leaving models as they were ------------------------------------------------
