@@ -127,7 +127,7 @@ class ActivationOutlier(Rule):
                 )
             outliers = measured.outlier.nonzero().flatten().tolist()
             if outliers:
-                yield self._outlier_finding(node, measured, outliers)
+                yield self._outlier_finding(ctx, node, measured, outliers)
             constant = measured.constant.nonzero().flatten().tolist()
             if constant and self.options.report_constant_channels:
                 values = [json_float(stats.channel_max[c]) for c in constant[:32]]
@@ -141,47 +141,118 @@ class ActivationOutlier(Rule):
                     severity=Severity.INFO,
                 )
 
-    def _outlier_finding(self, node: OpNode, measured: "OutlierMeasurement", outliers: list[int]) -> Finding:
+    def _outlier_finding(self, ctx: LintContext, node: OpNode, measured: "OutlierMeasurement",
+                         outliers: list[int]) -> Finding:
         stats = measured.stats
         high, low = stats.channel_max.cpu(), stats.channel_min.cpu()
+        ratios_all = measured.metric
+        # A channel whose reference quantile is 0 (mostly zeros, e.g. after a ReLU) has an
+        # infinite ratio, but its bulk is exact zeros: rounding cannot hurt it.
+        sparse = [c for c in outliers if not math.isfinite(float(ratios_all[c]))]
+        dense = [c for c in outliers if c not in sparse]
         mask = torch.zeros(stats.num_channels, dtype=torch.bool)
         mask[outliers] = True
         finite = torch.isfinite(high) & torch.isfinite(low)
         full = float(high[finite].max() - low[finite].min()) if bool(finite.any()) else math.nan
         rest = ~mask & finite
         without = float(high[rest].max() - low[rest].min()) if bool(rest.any()) else math.nan
-        loss_bits = math.log2(full / without) if full > 0 and without > 0 else math.nan
+        bits = _activation_bits(node)
+        loss_bits = _physical_bits(math.log2(full / without) if full > 0 and without > 0 else math.nan, bits)
         maxima = [json_float(high[c]) for c in outliers]
-        ratios = [json_float(measured.metric[c]) for c in outliers]
-        finite_ratios = [r for r in ratios if isinstance(r, float) and r > 1]
+        ratios = [json_float(ratios_all[c]) for c in outliers]
+        dense_ratios = [float(ratios_all[c]) for c in dense]
         # Inside an outlier channel, calibrating to the spike leaves the bulk of its values
-        # (below the reference percentile) only 1/ratio of the range: log2(ratio) bits lost.
-        channel_bits = math.log2(max(finite_ratios)) if finite_ratios else math.nan
+        # (below the reference percentile) only 1/ratio of the range: log2(ratio) bits lost,
+        # never more than the dtype has.
+        channel_bits = _physical_bits(math.log2(max(dense_ratios)) if dense_ratios else math.nan, bits)
+        producer = _producer(ctx, node)
+        measured_db = ctx.trial.activation(producer.name) if ctx.trial is not None and producer else None
+        clip = _clip_value(stats, dense or outliers)
         message = (
             f"{len(outliers)} input channel(s) of {node.display} have outliers (channels {_short(outliers)}: "
             f"max / {self.options.reference_percentile:g}-quantile > {self.options.ratio_threshold:g}, max up to "
             f"{max((m for m in maxima if isinstance(m, float)), default=math.nan):.4g}). One per-tensor scale must "
             "cover them"
-            + (f": the bulk of an outlier channel keeps 1/{max(finite_ratios):.3g} of the int8 range "
-               f"(about {channel_bits:.1f} bits lost)" if math.isfinite(channel_bits) else "")
+            + (f": the bulk of an outlier channel keeps 1/{max(dense_ratios):.3g} of the int8 range "
+               f"(about {channel_bits:.1f} of {bits} bits lost)" if math.isfinite(channel_bits) and channel_bits > 0
+               else "")
             + (f", and the other channels lose about {loss_bits:.1f} bits" if
                math.isfinite(loss_bits) and loss_bits >= 0.1 else "")
-            + "; clipping them instead would saturate the spikes. Clip or normalise these channels, use a "
-            "histogram/percentile observer, or keep this layer in float."
+            + (f"; {len(sparse)} of them are mostly zeros (quantile 0), which int8 represents exactly"
+               if sparse else "")
+            + (f". Measured: this activation quantized with its observer's qparams has {measured_db:.1f} dB SQNR"
+               if measured_db is not None else "")
+            + "."
         )
+        target, suggestion, fix = _fix(ctx, node, producer, clip)
+        message += " " + fix
+        severity = None
+        if not dense and not (math.isfinite(loss_bits) and loss_bits >= 0.1):
+            severity = Severity.INFO  # only mostly-zero channels, and nothing lost by the others
         return self.finding(
-            node.display, message,
+            node.display, message, severity=severity,
             data={"kind": "outlier", "node": node.name, "outlier_channels": outliers,
-                  "channel_max": maxima, "ratios": ratios,
+                  "mostly_zero_channels": sparse, "channel_max": maxima, "ratios": ratios,
                   "resolution_loss_bits": json_float(loss_bits),
-                  "outlier_channel_bits_lost": json_float(channel_bits),
+                  "outlier_channel_bits_lost": json_float(channel_bits), "dtype_bits": bits,
                   "int8_step": json_float(full / 255), "int8_step_without_outliers": json_float(without / 255),
+                  "activation_sqnr_db": measured_db, "clip_value": json_float(clip), "fix_target": target,
                   "ratio_threshold": self.options.ratio_threshold,
                   "reference_percentile": self.options.reference_percentile},
-            suggestion={"action": "clip-or-observer", "module": node.display, "channels": outliers,
-                        "observer": "torch.ao.quantization.HistogramObserver"},
+            suggestion=suggestion,
         )
 
+
+CLIP_PERCENTILE = 99.99  # what the suggested clipping observer keeps: rare spikes above it saturate
+
+
+def _activation_bits(node: OpNode) -> int:
+    """Bits the layer's input is quantized to: log2 of its observer's level count (7 with reduce_range)."""
+    spec = node.qconfig.activation if node.qconfig is not None else None
+    if spec is not None and spec.quant_min is not None and spec.quant_max is not None:
+        return max(1, math.ceil(math.log2(spec.quant_max - spec.quant_min + 1)))
+    return 8
+
+
+def _physical_bits(value: float, bits: int) -> float:
+    """A bit count clamped to what the dtype has: [0, bits]."""
+    if not math.isfinite(value):
+        return float(bits) if value == math.inf else math.nan
+    return min(max(value, 0.0), float(bits))
+
+
+def _producer(ctx: LintContext, node: OpNode) -> Optional[OpNode]:
+    producers = ctx.graph.producers(node.name)
+    return producers[0] if producers else None
+
+
+def _clip_value(stats: TensorStats, channels: list[int]) -> float:
+    """The largest reference quantile over the flagged channels: above it only the spikes lie."""
+    maxima = stats.channel_max.cpu().to(torch.float64)
+    ratios = stats.average_percentile_ratio().cpu().to(torch.float64).abs()
+    values = [float(maxima[c] / ratios[c]) for c in channels if float(ratios[c]) > 0]
+    return max(values) if values else math.nan
+
+
+def _fix(ctx: LintContext, node: OpNode, producer: Optional[OpNode], clip: float) -> tuple[str, dict, str]:
+    """Where a clipping observer goes: the input's observer belongs to the module producing it
+    (prepare_fx reuses the producer's output observer), or to the layer for a graph input."""
+    clip_text = f" (the flagged channels' {CLIP_PERCENTILE:g}-percentile band ends near {clip:.4g})" \
+        if math.isfinite(clip) else ""
+    if producer is not None and producer.op == "module" and producer.module:
+        target = producer.module
+    elif producer is None or producer.op == "input":
+        target = node.display
+    else:
+        return (node.display, {"action": "keep_float", "module": node.display},
+                f"Fix: the input comes from {producer.display} ({producer.kind}), a functional op with no "
+                f"qconfig of its own to change: clip or normalise these channels before {node.display}, or "
+                "keep the layer float.")
+    return (target, {"action": "set_activation_observer", "targets": [target], "percentile": CLIP_PERCENTILE},
+            f"Fix: give {target} a clipping activation observer{clip_text}: "
+            f"PercentileObserver(percentile={CLIP_PERCENTILE:g}) instead of the default histogram search, so "
+            "the rare spikes saturate and the bulk keeps its resolution; or clip/normalise these channels "
+            "upstream, or keep the layer float.")
 
 
 @dataclasses.dataclass(frozen=True)

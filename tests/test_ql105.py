@@ -10,7 +10,8 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 import qlint
 from qlint.rules.ql105_conversion_check import (_ConvFlatten, _ConvView, _Decoder, _Mlp, _Upsample,
-                                                _global_per_channel_x86, _image, _rows, _seeded, output_sqnr)
+                                                _global_per_channel_x86, _image, _rows, _seeded)
+from qlint.core.sqnr import sqnr_db as output_sqnr
 
 
 def _ql105(model, inputs, backend="x86", mapping=None, options=None):
@@ -68,12 +69,47 @@ def test_success_reports_the_output_sqnr(build, inputs, backend):
     assert f"{expected:.1f} dB" in finding.message
 
 
-def test_min_sqnr_turns_a_low_sqnr_into_a_warning():
+def test_thresholds_turn_a_low_sqnr_into_a_warning_or_an_error():
     model, x = _seeded(_ConvFlatten)(), _image()
     (ok,) = _ql105(model, x)
-    (low,) = _ql105(model, x, options={"min_sqnr_db": ok.data["sqnr_db"] + 1.0})
-    assert low.severity.value == "warning" and "below min_sqnr_db" in low.message
+    sqnr = ok.data["sqnr_db"]
+    (low,) = _ql105(model, x, options={"warn_below_db": sqnr + 1.0})
+    assert low.severity.value == "warning" and f"below {sqnr + 1.0:g} dB" in low.message
+    assert low.data["kind"] == "low-output-sqnr" and low.data["onset"] in {"conv", "fc"}
+    assert low.suggestion == {"action": "keep_float", "module": low.data["onset"]}
+    (bad,) = _ql105(model, x, options={"warn_below_db": sqnr + 2.0, "error_below_db": sqnr + 1.0})
+    assert bad.severity.value == "error"
     assert _ql105(model, x, options={"report_success_sqnr": False}) == []
+
+
+class _Collapse(torch.nn.Module):
+    """One hidden channel is 10^4 times the others: a per-tensor scale leaves the rest no levels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+        with torch.no_grad():
+            self.fc1.weight[0] *= 1e4
+            self.fc2.weight[:, 0] = 0.0  # the huge channel does not reach the output
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_a_destroyed_model_is_an_error_naming_where_the_error_starts():
+    torch.manual_seed(0)
+    model = _Collapse().eval()
+    x = (torch.randn(64, 16, generator=torch.Generator().manual_seed(2)),)
+    (finding,) = _ql105(model, x)
+    assert finding.severity.value == "error", finding.message
+    assert finding.data["sqnr_db"] < 10.0
+    assert finding.target == "fc2" and finding.data["onset"] == "fc2"
+    assert "The error starts at 'fc2'" in finding.message
+    # fc2 adds little error itself, and neither fc2 nor its producer fc1 kept float alone helps
+    # (only both do): the finding stays an error and says that no single fix applies.
+    assert finding.impact is not None and finding.impact.kind == "diagnosis"
+    assert finding.impact.db < 0.5 and "No single layer kept float recovers it" in finding.message
 
 
 def test_output_sqnr_definition():

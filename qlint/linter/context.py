@@ -9,6 +9,7 @@ from torch.ao.quantization import QConfigMapping
 
 from qlint.core.backends import BackendInfo
 from qlint.core.graph import ModelGraph
+from qlint.measure.trial import TrialBench, TrialResult
 
 # How the user stated their quantization intent.
 INTENT_DEFAULT = "backend default mapping"
@@ -29,6 +30,11 @@ class LintContext:
     # Each call returns a fresh deep copy of the traced model, for rules that must run it
     # (e.g. a trial prepare/convert); the user's model is never handed out.
     model_factory: Optional[Callable[[], Any]] = None
+    # The trial quantization (qlint.measure.trial), when example inputs allowed one;
+    # trial_skipped says why not.
+    trial: Optional[TrialResult] = None
+    trial_bench: Optional[TrialBench] = None  # for rules that measure their own fix (QL106)
+    trial_skipped: str = "no trial quantization was run"
 
     @property
     def eager_flow(self) -> bool:

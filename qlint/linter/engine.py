@@ -22,6 +22,8 @@ from qlint.core.intent import (CallDescription, NodeQConfig, NodeQConfigCache, Q
 from qlint.core.ops import module_kind
 from qlint.core.preserve import preserved_state
 from qlint.linter.docs import rule_info
+from qlint.linter.impact import ImpactMeter, with_impacts
+from qlint.linter.trial_stage import TrialOptions, summary, trial_bench, trial_blocker
 from qlint.linter.qconfig_table import qconfig_rows
 from qlint.linter.registry import Registry
 from qlint.linter.rule import Need, Rule
@@ -219,6 +221,8 @@ def _missing_needs(rule: Rule, ctx: LintContext, has_statistics: bool) -> Option
         return "no example inputs (pass --input-shape or --example-inputs)"
     if Need.MODEL in rule.requires and ctx.model_factory is None:
         return "no runnable model"
+    if Need.TRIAL in rule.requires and ctx.trial is None:
+        return ctx.trial_skipped or "no trial quantization was run"
     if Need.STATISTICS in rule.requires and not has_statistics:
         return ("no calibration data: pass --calibration FILE_OR_DIR or module:function "
                 "(or --random-calibration N to run on random data)")
@@ -242,23 +246,30 @@ def lint(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None, calib
          backend: str = "x86", qconfig_mapping: Any = None, select: Optional[Iterable[str]] = None,
          ignore: Optional[Iterable[str]] = None, *, options: Optional[Mapping[str, Mapping[str, Any]]] = None,
          model_name: Optional[str] = None, exported_program: Any = None,
-         registry: Optional[Registry] = None, calibration_options: Any = None) -> Report:
-    """Lint ``model`` for quantization problems; the model itself is never modified."""
+         registry: Optional[Registry] = None, calibration_options: Any = None,
+         trial_options: Any = None) -> Report:
+    """Lint ``model`` for quantization problems; the model itself is never modified.
+
+    With example inputs, a trial quantization (prepare_fx, calibration, convert_fx on a
+    private copy) measures what torch builds, and each warning's impact in dB of output
+    SQNR; ``trial_options`` (a :class:`~qlint.linter.trial_stage.TrialOptions` or a dict
+    of its fields: ``enabled``, ``batches``, ``min_impact_db``, ``max_fix_trials``) tunes it."""
     start = time.perf_counter()
     if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     example = tuple(example_inputs) if example_inputs is not None else None
     registry = registry or Registry.default()
     rules = instantiate_rules(registry.select(select, ignore), options or {})
+    trial = TrialOptions.of(trial_options)
     if not isinstance(model, nn.Module):
         raise QlintError(f"expected an nn.Module, got {type(model).__name__}")
     with preserved_state(model):
         return _lint(model, example, calibration, backend, qconfig_mapping, rules, model_name,
-                     exported_program, calibration_options, start)
+                     exported_program, calibration_options, trial, start)
 
 
 def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rules, model_name,
-          exported_program, calibration_options, start) -> Report:
+          exported_program, calibration_options, trial_options: TrialOptions, start) -> Report:
     timings: list[Timing] = []
     analysis = analyse(model, example, backend, qconfig_mapping, exported_program)
     timings.append(Timing(stage="trace", seconds=time.perf_counter() - start))
@@ -272,21 +283,40 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
             analysis, rules, calibration, calibration_options)
         notices.extend(calibration_notices)
         timings.append(Timing(stage="calibrate", seconds=time.perf_counter() - stage))
+    bench, trial = None, None
+    blocker = trial_blocker(analysis, example, trial_options)
+    if blocker is None:
+        stage = time.perf_counter()
+        bench = trial_bench(analysis, example, calibration, backend, trial_options)
+        trial = bench.run(analysis.qconfig_mapping)
+        timings.append(Timing(stage="trial", seconds=time.perf_counter() - stage))
     ctx = LintContext(graph=analysis.graph, backend=backend_info(backend), intent=analysis.intent,
                       qconfig_mapping=analysis.qconfig_mapping, example_inputs=example,
                       statistics=statistics, model_name=model_name or type(model).__name__,
-                      model_factory=_copier(analysis.traced.graph_module) if analysis.traced else None)
+                      model_factory=_copier(analysis.traced.graph_module) if analysis.traced else None,
+                      trial=trial, trial_bench=bench, trial_skipped=blocker or "")
     stage = time.perf_counter()
     findings, layers, skipped, rule_notices, rule_timings = run_rules(
         ctx, rules, has_statistics=statistics is not None)
     notices.extend(rule_notices)
     timings.append(Timing(stage="rules", seconds=time.perf_counter() - stage))
     timings.extend(rule_timings)
+    trial_summary = None
+    if bench is not None and trial is not None:
+        fixed = None
+        meter = None
+        if trial.converted and analysis.traced is not None and analysis.qconfig_mapping is not None:
+            stage = time.perf_counter()
+            modules = frozenset(name for name, _ in analysis.traced.graph_module.named_modules() if name)
+            meter = ImpactMeter(bench, trial, analysis.qconfig_mapping, modules, trial_options)
+            findings, fixed = with_impacts(findings, meter)
+            timings.append(Timing(stage="impact", seconds=time.perf_counter() - stage))
+        trial_summary = summary(bench, trial, fixed_sqnr_db=fixed, fix_trials=meter.trials if meter else 0)
     timings.append(Timing(stage="total", seconds=time.perf_counter() - start))
     return Report(
         qlint_version=__version__, torch_version=torch.__version__,
         model=ctx.model_name, backend=backend, frontend=analysis.graph.frontend,
         findings=findings, skipped=skipped, notices=notices, timings=timings,
         layers=layers, qconfig_table=qconfig_rows(analysis.graph),
-        rules=[rule_info(type(rule)) for rule in rules],
+        rules=[rule_info(type(rule)) for rule in rules], trial=trial_summary,
     )

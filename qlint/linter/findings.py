@@ -39,6 +39,36 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+ImpactBasis = Literal["fix-trial", "keep-float-trial", "rule-trial", "local-error"]
+
+
+class Impact(_Frozen):
+    """What a finding costs, in output SQNR (dB) of the trial-quantized model.
+
+    ``fix-trial``: the model was quantized again with the finding's fix applied, and
+    ``db`` is the output SQNR it gained. ``keep-float-trial``: the finding's fix is not a
+    qconfig change (a rewrite of the float model), so the target was kept float instead:
+    ``db`` is what quantizing the target costs, the most any fix of it can recover.
+    ``rule-trial``: the rule measured it itself (e.g. QL106's dynamic quantization).
+    ``local-error``: no trial was left in the budget; ``db`` is estimated from the
+    layer's own (shadow) error and the output error (docs/architecture.md, "Impact").
+
+    ``kind`` is ``coverage`` for a fix that quantizes what stayed float (QL106): it buys
+    int8 speed and size, so ``db`` is the output SQNR it costs (usually negative) and the
+    impact threshold does not apply; ``int8_ops_gained`` says what it buys. ``diagnosis``
+    is a finding about the model as a whole (QL105's low output SQNR): ``db`` is what the
+    best single fix tried recovers, and the finding stands whatever it is.
+    """
+
+    db: float = Field(description="Output SQNR recovered by the fix (dB); negative when the fix hurts.")
+    basis: ImpactBasis
+    kind: Literal["sqnr-gain", "coverage", "diagnosis"] = "sqnr-gain"
+    int8_ops_gained: int = 0
+    base_sqnr_db: Optional[float] = Field(default=None, description="Output SQNR of the trial as intended.")
+    fixed_sqnr_db: Optional[float] = Field(default=None, description="Output SQNR with the fix applied.")
+    detail: str = ""
+
+
 class Finding(_Frozen):
     """One problem found by one rule, at one place in the model."""
 
@@ -51,6 +81,7 @@ class Finding(_Frozen):
     suggestion: Optional[dict[str, Any]] = Field(
         default=None, description="Machine-readable fix, consumed when building a plan."
     )
+    impact: Optional[Impact] = Field(default=None, description="The measured cost of the finding.")
 
     @field_validator("data", "suggestion")
     @classmethod
@@ -155,6 +186,24 @@ class QConfigRow(_Frozen):
     ch_axis: Optional[int] = None
 
 
+class TrialSummary(_Frozen):
+    """The trial quantization of a lint run: what torch builds from the intent, measured."""
+
+    backend: str
+    calibrated_on: str
+    evaluated_on: str
+    converted: bool
+    failed_stage: Optional[str] = None
+    output_sqnr_db: Optional[float] = None
+    int8_ops: int = 0
+    weighted_ops: int = 0
+    float_layers: list[str] = Field(default_factory=list)
+    fixed_sqnr_db: Optional[float] = Field(default=None, description="Output SQNR with every warning's fix.")
+    recoverable_db: Optional[float] = Field(default=None, description="fixed_sqnr_db - output_sqnr_db.")
+    fix_trials: int = 0
+    seconds: float = 0.0
+
+
 class Report(_Frozen):
     qlint_version: str
     torch_version: str
@@ -168,6 +217,7 @@ class Report(_Frozen):
     layers: list[Row] = Field(default_factory=list)
     qconfig_table: list[QConfigRow] = Field(default_factory=list)
     rules: list[RuleInfo] = Field(default_factory=list, description="The rules of this run, ran or skipped.")
+    trial: Optional[TrialSummary] = Field(default=None, description="The trial quantization, when one ran.")
 
     def lint_rows(self) -> list[LayerRow]:
         return [row for row in self.layers if isinstance(row, LayerRow)]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Op
 
 from pydantic import BaseModel, ConfigDict
 
-from qlint.linter.findings import Finding, LayerRow, Severity
+from qlint.linter.findings import Finding, Impact, LayerRow, Severity
 
 if TYPE_CHECKING:
     from qlint.linter.context import LintContext
@@ -34,6 +34,7 @@ class Need(str, enum.Enum):
     EXAMPLE_INPUTS = "example inputs"
     STATISTICS = "calibration statistics"
     MODEL = "a runnable copy of the model"
+    TRIAL = "a trial quantization"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +104,9 @@ class Rule:
 
     def finding(self, target: str, message: str, *, data: Optional[dict[str, Any]] = None,
                 suggestion: Optional[dict[str, Any]] = None,
-                severity: Optional[Severity] = None) -> Finding:
+                severity: Optional[Severity] = None, impact: Optional[Impact] = None) -> Finding:
         return Finding(rule=self.code, name=self.name, severity=severity or self.severity,
-                       target=target, message=message, data=data or {}, suggestion=suggestion)
+                       target=target, message=message, data=data or {}, suggestion=suggestion, impact=impact)
 
     @classmethod
     def examples(cls) -> tuple[Sequence[Example], Sequence[Example]]:

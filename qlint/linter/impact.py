@@ -1,0 +1,167 @@
+"""The measured cost of each warning and error: what fixing it gains in output SQNR.
+
+For every warning and error, in order of their layer's local error, while the budget
+of fix trials lasts:
+
+1. the finding's fix is a qconfig change (observer, dtype, scheme, keep float,
+   dynamic): the model is quantized again with the intended mapping plus that change,
+   and the impact is the output SQNR gained (``fix-trial``);
+2. the fix changes the float model (a fusion, a split, a reshape): the target is kept
+   float instead, and the impact is what quantizing it costs, the most any fix of it
+   can recover (``keep-float-trial``);
+3. beyond the budget, or for a target that is not a module, the impact is estimated
+   from the layer's own (shadow) error and the output error (``local-error``).
+
+A finding whose impact is below ``min_impact_db`` becomes info: it is real, but fixing
+it would not move the int8 model. Findings that a rule measured itself keep theirs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Optional, Sequence
+
+from torch.ao.quantization import QConfigMapping
+
+from qlint.core.sqnr import noise_power_ratio
+from qlint.linter.findings import Finding, Impact, Severity
+from qlint.linter.mapping import module_recipe
+from qlint.linter.suggestions import collect_suggestions
+from qlint.linter.trial_stage import TrialOptions
+from qlint.measure.trial import TrialBench, TrialResult
+
+# A layer whose removal would leave less than 1 % of the output noise is credited 20 dB at most:
+# past that, the other layers' error decides and the estimate means nothing.
+_MAX_ESTIMATE_DB = 20.0
+
+
+def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str) -> Optional[QConfigMapping]:
+    """``base`` with the findings' qconfig changes; None when a fix is not a qconfig change."""
+    suggested = [(f.suggestion, f.provenance()) for f in findings if f.suggestion]
+    if not suggested:
+        return None
+    suggestions = collect_suggestions(backend, None, suggested)
+    if suggestions.rewrites or suggestions.equalization or suggestions.notes or not suggestions.modules:
+        return None
+    mapping = copy.deepcopy(base)
+    for decision in suggestions.modules:
+        recipe = module_recipe(suggestions, decision)
+        mapping.set_module_name(decision.fqn, None if recipe is None else recipe.build())
+    return mapping
+
+
+def keep_float_mapping(base: QConfigMapping, target: str, modules: frozenset[str]) -> Optional[QConfigMapping]:
+    if target not in modules:
+        return None
+    mapping = copy.deepcopy(base)
+    mapping.set_module_name(target, None)
+    return mapping
+
+
+def local_error_estimate(result: TrialResult, target: str) -> Optional[Impact]:
+    """Output SQNR gained if ``target``'s own error vanished, assuming relative noise carries
+    through the rest of the model unchanged: 10*log10(N_out / (N_out - N_layer))."""
+    layer = result.layer(target)
+    if layer is None or layer.shadow_db is None or result.output_sqnr_db is None:
+        return None
+    at_output = noise_power_ratio(result.output_sqnr_db)
+    own = noise_power_ratio(layer.shadow_db)
+    remaining = max(at_output - own, at_output * 10 ** (-_MAX_ESTIMATE_DB / 10))
+    db = 10 * math.log10(at_output / remaining)
+    return Impact(db=round(db, 3), basis="local-error", base_sqnr_db=round(result.output_sqnr_db, 3),
+                  detail=f"the layer's own error is {layer.shadow_db:.1f} dB SQNR (shadow)")
+
+
+class ImpactMeter:
+    """Measures findings against one trial bench, spending at most ``max_fix_trials`` trials."""
+
+    def __init__(self, bench: TrialBench, result: TrialResult, base_mapping: QConfigMapping,
+                 modules: frozenset[str], options: TrialOptions) -> None:
+        self.bench, self.result, self.base, self.modules = bench, result, base_mapping, modules
+        self.options = options
+        self.trials = 0
+        self._measured: dict[str, Optional[float]] = {}
+
+    def _sqnr(self, key: str, mapping: QConfigMapping) -> Optional[float]:
+        if key not in self._measured:
+            self.trials += 1
+            self._measured[key] = self.bench.output_sqnr(mapping)
+        return self._measured[key]
+
+    def _budget_left(self, key: str) -> bool:
+        return key in self._measured or self.trials < self.options.max_fix_trials
+
+    def impact(self, finding: Finding) -> Optional[Impact]:
+        base = self.result.output_sqnr_db
+        if base is None:
+            return None
+        fixed = fix_mapping(self.base, [finding], self.bench.backend)
+        if fixed is not None:
+            key = "fix:" + json.dumps(finding.suggestion, sort_keys=True)
+            if self._budget_left(key):
+                value = self._sqnr(key, fixed)
+                if value is not None:
+                    return Impact(db=round(value - base, 3), basis="fix-trial", base_sqnr_db=round(base, 3),
+                                  fixed_sqnr_db=round(value, 3), detail="the finding's fix applied in a trial")
+        kept = keep_float_mapping(self.base, finding.target, self.modules)
+        key = f"float:{finding.target}"
+        if kept is not None and self._budget_left(key):
+            value = self._sqnr(key, kept)
+            if value is not None:
+                return Impact(db=round(value - base, 3), basis="keep-float-trial", base_sqnr_db=round(base, 3),
+                              fixed_sqnr_db=round(value, 3),
+                              detail=f"{finding.target} kept float in a trial: the most a fix of it recovers")
+        return local_error_estimate(self.result, finding.target)
+
+    def combined(self, findings: Sequence[Finding]) -> Optional[float]:
+        """Output SQNR with every given finding's qconfig fix applied at once (one trial)."""
+        mapping = fix_mapping(self.base, [f for f in findings if fix_mapping(self.base, [f], self.bench.backend)],
+                              self.bench.backend)
+        if mapping is None:
+            return None
+        key = "all:" + json.dumps([f.suggestion for f in findings], sort_keys=True)
+        return self._sqnr(key, mapping)
+
+
+def _order_key(result: TrialResult, finding: Finding) -> tuple[int, float]:
+    estimate = local_error_estimate(result, finding.target)
+    return (-finding.severity.rank, -(estimate.db if estimate else 0.0))
+
+
+def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[Finding], Optional[float]]:
+    """Findings with their impact measured, below-threshold ones made info, sorted by impact;
+    and the output SQNR with every kept warning's fix (None when none is a qconfig change)."""
+    threshold = meter.options.min_impact_db
+    measured: dict[int, Finding] = {}
+    for index, finding in sorted(enumerate(findings), key=lambda pair: _order_key(meter.result, pair[1])):
+        if finding.severity is Severity.INFO or finding.impact is not None:
+            measured[index] = finding
+            continue
+        impact = meter.impact(finding)
+        measured[index] = finding.model_copy(update={"impact": impact})
+    result = []
+    for index in range(len(findings)):
+        finding = measured[index]
+        impact = finding.impact
+        if (finding.severity is not Severity.INFO and impact is not None and impact.kind == "sqnr-gain"
+                and impact.db < threshold):
+            note = (f" Measured impact {impact.db:+.2f} dB ({impact.basis}) is below the "
+                    f"{threshold:g} dB threshold, so this is info.")
+            finding = finding.model_copy(update={"severity": Severity.INFO, "message": finding.message + note})
+        result.append(finding)
+    kept = [f for f in result if f.severity is not Severity.INFO and f.impact is not None
+            and f.impact.kind == "sqnr-gain" and f.impact.db > 0]
+    fixed = meter.combined(kept) if kept else None
+    result.sort(key=lambda f: (-f.severity.rank, _impact_rank(f)))
+    return result, fixed
+
+
+def _impact_rank(finding: Finding) -> float:
+    """Largest impact first; float fallbacks (coverage) lead their severity, unmeasured ones close it."""
+    if finding.impact is None:
+        return math.inf
+    if finding.impact.kind != "sqnr-gain":
+        return -math.inf
+    return -finding.impact.db

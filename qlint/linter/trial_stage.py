@@ -1,0 +1,118 @@
+"""Lint's trial quantization: whether it can run, on which data, and its summary.
+
+The trial (``qlint.measure.trial``) quantizes a private copy of the traced model with
+the intended QConfigMapping, the way the user will. It calibrates on the first
+``TrialOptions.batches`` calibration batches when calibration data is given and can
+be read twice (a list, a tensor, a DataLoader, a folder), otherwise on the example
+inputs, and evaluates on the example inputs. The report says which.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from pydantic import Field
+
+from qlint.errors import ConfigError
+from qlint.linter.context import INTENT_DEFAULT, INTENT_MAPPING
+from qlint.linter.findings import TrialSummary
+from qlint.linter.rule import RuleOptions
+from qlint.measure.trial import TrialBench, TrialResult
+
+
+class TrialOptions(RuleOptions):
+    """How lint's trial quantization and the impact of its findings are measured."""
+
+    enabled: bool = Field(True, description="Run the trial quantization (needs example inputs).")
+    batches: int = Field(16, gt=0, description="Calibration batches each trial calibrates on.")
+    min_impact_db: float = Field(0.5, ge=0, description=(
+        "A warning or error whose measured impact is below this (dB of output SQNR) becomes info."))
+    max_fix_trials: int = Field(12, ge=0, description=(
+        "Trials spent measuring findings' fixes; beyond these, impact is estimated from local error."))
+
+    @classmethod
+    def of(cls, options: Union[None, "TrialOptions", Mapping[str, Any]]) -> "TrialOptions":
+        if options is None:
+            return cls()
+        if isinstance(options, TrialOptions):
+            return options
+        try:
+            return cls(**dict(options))
+        except ValueError as error:  # pydantic's ValidationError: unknown or bad option
+            detail = str(error).splitlines()
+            raise ConfigError(f"bad trial options: {'; '.join(line.strip() for line in detail[1:3])}") from error
+
+
+def trial_blocker(analysis: Any, example: Optional[Sequence[Any]], options: TrialOptions) -> Optional[str]:
+    """Why no trial can run for this analysis; None when one can."""
+    if not options.enabled:
+        return "the trial quantization is turned off"
+    if not example:
+        return "no example inputs (pass --input-shape or --example-inputs)"
+    if analysis.traced is None:
+        return "the model could not be traced with torch.fx, so prepare_fx cannot quantize it"
+    if analysis.graph.frontend.startswith("torch.export"):
+        return ("the model is an exported (aten) graph; prepare_fx quantizes nn.Modules "
+                "(for .pt2 models use the pt2e flow, or lint the nn.Module)")
+    if analysis.intent not in (INTENT_DEFAULT, INTENT_MAPPING) or analysis.qconfig_mapping is None:
+        return f"the quantization intent is a {analysis.intent}, not a QConfigMapping prepare_fx can take"
+    return None
+
+
+def _calibration_batches(calibration: Any, count: int) -> Optional[list[Any]]:
+    """The first ``count`` batches, unless reading them would use up a one-shot iterator."""
+    if calibration is None:
+        return None
+    if not isinstance(calibration, Mapping):
+        try:
+            if iter(calibration) is calibration:
+                return None
+        except TypeError:
+            pass
+    from qlint.core.batches import batches_of
+
+    return list(itertools.islice(batches_of(calibration, "calibration data"), count)) or None
+
+
+def trial_bench(analysis: Any, example: Sequence[Any], calibration: Any, backend: str,
+                options: TrialOptions) -> TrialBench:
+    """Calibrate on calibration batches and evaluate on later ones it did not calibrate on;
+    with a single batch, or none, say that calibration and evaluation share data."""
+    graph_module = analysis.traced.graph_module
+    held_out = max(1, options.batches // 4)
+    batches = _calibration_batches(calibration, options.batches + held_out) or []
+    if len(batches) >= 2:
+        evaluation_count = min(held_out, len(batches) // 2)
+        calibration_batches, evaluation = batches[:-evaluation_count], batches[-evaluation_count:]
+        calibrated_on = f"{len(calibration_batches)} batches of the calibration data"
+        evaluated_on = f"{len(evaluation)} later calibration batches (held out from the trial's calibration)"
+    elif batches:
+        calibration_batches = evaluation = batches
+        calibrated_on = "the one calibration batch"
+        evaluated_on = "the same batch (the data it was calibrated on)"
+    else:
+        calibration_batches = evaluation = [tuple(example)]
+        why = "" if calibration is None else " (the calibration data is a one-shot iterator)"
+        calibrated_on = f"the example inputs{why}"
+        evaluated_on = "the example inputs (the data it was calibrated on)"
+    return TrialBench(lambda: copy.deepcopy(graph_module), backend, calibration_batches, evaluation,
+                      calibrated_on, evaluated_on)
+
+
+def summary(bench: TrialBench, result: TrialResult, *, fixed_sqnr_db: Optional[float], fix_trials: int
+            ) -> TrialSummary:
+    recoverable = None
+    if fixed_sqnr_db is not None and result.output_sqnr_db is not None:
+        recoverable = round(fixed_sqnr_db - result.output_sqnr_db, 3)
+    return TrialSummary(
+        backend=result.backend, calibrated_on=result.calibrated_on, evaluated_on=result.evaluated_on,
+        converted=result.converted, failed_stage=result.failure.stage if result.failure else None,
+        output_sqnr_db=None if result.output_sqnr_db is None else round(result.output_sqnr_db, 3),
+        int8_ops=result.int8_ops, weighted_ops=result.weighted_ops,
+        float_layers=[layer.target for layer in result.float_layers],
+        fixed_sqnr_db=None if fixed_sqnr_db is None else round(fixed_sqnr_db, 3),
+        recoverable_db=recoverable, fix_trials=fix_trials, seconds=round(bench.seconds, 3))
+
+

@@ -1,0 +1,339 @@
+"""The trial quantization: what torch will build from the user's intent, measured.
+
+One trial is what a user runs: ``prepare_fx`` on a private copy with the intended
+QConfigMapping and the backend's BackendConfig, calibration, ``convert_fx``, and the
+converted model run beside the float one. It records
+
+- the first step that failed, with the exception and the model at that step;
+- the output SQNR of the converted model against the float model;
+- per layer, the local (shadow, torch NS's definition) and propagated SQNR;
+- per observed activation, the SQNR of quantizing that tensor with the qparams its
+  own observer chose (the error the activation's rounding and clipping cost);
+- the conv/linear/recurrent/attention ops that stayed float, and why
+  (:mod:`qlint.measure.fallback`).
+
+:class:`TrialBench` holds the data (calibration and evaluation batches, the float
+outputs) so that further trials of changed mappings (a finding's fix) only pay for
+prepare/calibrate/convert and one evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import time
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.ao.quantization import QConfigMapping
+from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+from qlint.core.backends import backend_config
+from qlint.core.batches import as_call, call_model
+from qlint.core.nested import first_float
+from qlint.core.ops import module_kind, quantized_form
+from qlint.core.sqnr import SqnrSums
+from qlint.measure.capture import PairedRunner
+from qlint.measure.fallback import FloatLayer, float_layers, int8_coverage
+from qlint.measure.matching import match_layers
+from qlint.measure.metrics import PairwiseErrorStats
+
+STAGE_FLOAT, STAGE_PREPARE, STAGE_CALIBRATE, STAGE_CONVERT, STAGE_RUN = (
+    "float run", "prepare_fx", "calibration", "convert_fx", "quantized run")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialFailure:
+    """A step of the trial raised: which, the error, and the model it ran on (to locate the node)."""
+
+    stage: str
+    error: BaseException
+    model: Optional[nn.Module]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerError:
+    """The error one layer shows in the converted model, float vs quantized (dB)."""
+
+    name: str  # float module fqn, or node name for functional ops
+    kind: str
+    shadow_db: Optional[float]  # the error the layer adds on the input it really gets
+    propagated_db: Optional[float]  # the error at its output, everything upstream included
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialResult:
+    backend: str
+    calibrated_on: str  # "calibration data (12 batches)" or "the example inputs"
+    evaluated_on: str
+    failure: Optional[TrialFailure] = None
+    output_sqnr_db: Optional[float] = None
+    layers: tuple[LayerError, ...] = ()
+    activation_sqnr_db: tuple[tuple[str, float], ...] = ()  # (observed node, SQNR under its observer)
+    float_layers: tuple[FloatLayer, ...] = ()
+    int8_ops: int = 0  # conv/linear/recurrent/attention ops running in int8 ...
+    weighted_ops: int = 0  # ... out of all of them (a tracer leaf counts each layer inside)
+    seconds: float = 0.0
+    model: Optional[nn.Module] = None  # the converted model (the full trial only)
+
+    @property
+    def converted(self) -> bool:
+        return self.failure is None
+
+    def layer(self, name: str) -> Optional[LayerError]:
+        return next((layer for layer in self.layers if layer.name == name), None)
+
+    def activation(self, node: str) -> Optional[float]:
+        return next((value for name, value in self.activation_sqnr_db if name == node), None)
+
+
+@contextlib.contextmanager
+def quantized_engine(backend: str) -> Iterator[bool]:
+    """Run with ``torch.backends.quantized.engine`` set to ``backend``; yields False when
+    this torch build has no such engine. The caller's engine is restored."""
+    previous = torch.backends.quantized.engine
+    if backend not in torch.backends.quantized.supported_engines:
+        yield False
+        return
+    torch.backends.quantized.engine = backend
+    try:
+        yield True
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # prepare_fx warns per op, and GraphModule prints generated-code tracebacks to stderr
+    # when a run fails: the trial reports failures itself.
+    with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+class TrialStepError(Exception):
+    """A step of prepare → calibrate → convert → run failed."""
+
+    def __init__(self, stage: str, error: BaseException, model: Optional[nn.Module]) -> None:
+        super().__init__(f"{stage}: {error}")
+        self.failure = TrialFailure(stage, error, model)
+
+
+def quantize_fx(model: nn.Module, mapping: QConfigMapping, backend: str, calibration: Sequence[Any],
+                *, prepare_kwargs: Optional[dict[str, Any]] = None, keep_prepared: bool = False
+                ) -> tuple[fx.GraphModule, Optional[fx.GraphModule]]:
+    """prepare_fx → run ``calibration`` → convert_fx on ``model`` itself (pass a copy).
+
+    Returns (converted, prepared): prepared only with ``keep_prepared`` (a copy is kept,
+    because convert_fx consumes the model it converts). Raises :class:`TrialStepError`."""
+    config = backend_config(backend)
+    example = as_call(calibration[0], what="calibration batch 0")[0] if calibration else ()
+    try:
+        prepared = prepare_fx(model.eval(), mapping, example, backend_config=config, **(prepare_kwargs or {}))
+    except Exception as error:  # torch raises many kinds for unsupported graphs
+        raise TrialStepError(STAGE_PREPARE, error, model) from error
+    try:
+        for batch in calibration:
+            call_model(prepared, batch)
+    except Exception as error:
+        raise TrialStepError(STAGE_CALIBRATE, error, prepared) from error
+    kept = copy.deepcopy(prepared) if keep_prepared else None
+    try:
+        converted = convert_fx(prepared, backend_config=config)
+    except Exception as error:
+        raise TrialStepError(STAGE_CONVERT, error, prepared) from error
+    return converted, kept
+
+
+class TrialBench:
+    """The data of a lint run's trials: a model factory, calibration and evaluation batches.
+
+    ``model_factory`` returns a fresh private copy of the float model on every call."""
+
+    def __init__(self, model_factory: Callable[[], nn.Module], backend: str, calibration: Sequence[Any],
+                 evaluation: Sequence[Any], calibrated_on: str, evaluated_on: str) -> None:
+        self.model_factory, self.backend = model_factory, backend
+        self.calibration, self.evaluation = list(calibration), list(evaluation)
+        self.calibrated_on, self.evaluated_on = calibrated_on, evaluated_on
+        self._reference: Optional[list[Any]] = None
+        self.seconds = 0.0  # time spent in trials, all of them
+
+    def reference(self) -> list[Any]:
+        """The float model's outputs on the evaluation batches (computed once)."""
+        if self._reference is None:
+            model = self.model_factory().eval()
+            with _quiet():
+                self._reference = [call_model(model, batch) for batch in self.evaluation]
+        return self._reference
+
+    def run(self, mapping: QConfigMapping, *, measure_layers: bool = True) -> TrialResult:
+        """The full trial: convert, then measure output, layers, activations and fallbacks."""
+        began = time.perf_counter()
+        result = self._run(mapping, measure_layers)
+        seconds = time.perf_counter() - began
+        self.seconds += seconds
+        return dataclasses.replace(result, seconds=seconds)
+
+    def _run(self, mapping: QConfigMapping, measure_layers: bool) -> TrialResult:
+        base = TrialResult(self.backend, self.calibrated_on, self.evaluated_on)
+        with quantized_engine(self.backend) as available, _quiet():
+            if not available:
+                error = RuntimeError(f"this torch build has no {self.backend} quantized engine")
+                return dataclasses.replace(base, failure=TrialFailure(STAGE_PREPARE, error, None))
+            float_model = self.model_factory().eval()
+            try:
+                reference = self.reference()
+            except Exception as error:
+                return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, float_model))
+            try:
+                converted, prepared = quantize_fx(self.model_factory(), mapping, self.backend, self.calibration,
+                                                  keep_prepared=measure_layers)
+            except TrialStepError as step:
+                return dataclasses.replace(base, failure=step.failure)
+            try:
+                output = self._output_sqnr(converted, reference)
+            except Exception as error:
+                return dataclasses.replace(base, failure=TrialFailure(STAGE_RUN, error, converted))
+            fallbacks = float_layers(converted, mapping)
+            int8, total = int8_coverage(converted, fallbacks)
+            base = dataclasses.replace(base, output_sqnr_db=output, float_layers=tuple(fallbacks),
+                                       int8_ops=int8, weighted_ops=total)
+            if not measure_layers or prepared is None:
+                return base
+            layers = self._layer_errors(float_model, converted)
+            activations = activation_sqnr(prepared, converted, self.evaluation)
+        return dataclasses.replace(base, layers=layers, activation_sqnr_db=activations, model=converted)
+
+    def output_sqnr(self, mapping: QConfigMapping) -> Optional[float]:
+        """Output SQNR of the model converted under ``mapping``; None when the trial fails."""
+        result = self.run(mapping, measure_layers=False)
+        return result.output_sqnr_db
+
+    def sqnr_of(self, model: nn.Module) -> Optional[float]:
+        """Output SQNR of any model (a changed copy of the converted one) on the evaluation data."""
+        began = time.perf_counter()
+        try:
+            with quantized_engine(self.backend), _quiet():
+                return self._output_sqnr(model, self.reference())
+        finally:
+            self.seconds += time.perf_counter() - began
+
+    def _output_sqnr(self, converted: nn.Module, reference: list[Any]) -> Optional[float]:
+        sums = SqnrSums()
+        for batch, expected in zip(self.evaluation, reference):
+            sums.add(expected, call_model(converted, batch))
+        return sums.sqnr_db()
+
+    def _layer_errors(self, float_model: nn.Module, converted: nn.Module) -> tuple[LayerError, ...]:
+        match = match_layers(float_model, converted)
+        shadow = {layer.name: PairwiseErrorStats() for layer in match.layers}
+        propagated = {layer.name: PairwiseErrorStats() for layer in match.layers}
+        runner = PairedRunner(
+            float_model, converted, match,
+            on_propagated=lambda layer, ref, q, scale: propagated[layer.name].update(ref, q, scale),
+            on_shadow=lambda layer, ref, q, scale: shadow[layer.name].update(ref, q, scale))
+        with runner:
+            for _ in runner.run(self.evaluation):
+                pass
+        layers = []
+        for layer in match.layers:
+            local, at_output = shadow[layer.name].sqnr_db(), propagated[layer.name].sqnr_db()
+            if local is None and at_output is None:
+                continue  # integer-valued ops (shape arithmetic) carry no signal
+            layers.append(LayerError(layer.name, layer.kind, local, at_output))
+        return tuple(layers)
+
+
+def _attr_value(graph_module: fx.GraphModule, node: Any) -> Any:
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        return getattr(graph_module, str(node.target), None)
+    return node
+
+
+def converted_qparams(converted: fx.GraphModule) -> dict[str, tuple[float, int]]:
+    """(scale, zero point) of every tensor the converted model quantizes, keyed by the node
+    that produced the float value: input quantize ops, quantized modules' outputs, and
+    quantized functional ops' outputs. These are the qparams the int8 model runs with."""
+    found: dict[str, tuple[float, int]] = {}
+    for node in converted.graph.nodes:
+        scale = zero_point = None
+        name = node.name
+        if node.op == "call_module":
+            module = converted.get_submodule(str(node.target))
+            if quantized_form(module) == "static":
+                scale, zero_point = getattr(module, "scale", None), getattr(module, "zero_point", None)
+        elif node.op == "call_function" and node.target is torch.quantize_per_tensor and len(node.args) >= 3:
+            source = node.args[0]
+            name = source.name if isinstance(source, fx.Node) else name
+            scale, zero_point = _attr_value(converted, node.args[1]), _attr_value(converted, node.args[2])
+        elif node.op == "call_function" and str(getattr(node.target, "__module__", "")).startswith("torch._ops.quantized"):
+            attrs = [arg for arg in node.args if isinstance(arg, fx.Node) and arg.op == "get_attr"]
+            scales = [a for a in attrs if "scale" in str(a.target)]
+            points = [a for a in attrs if "zero_point" in str(a.target)]
+            if scales and points:
+                scale, zero_point = _attr_value(converted, scales[-1]), _attr_value(converted, points[-1])
+        try:
+            if scale is not None and zero_point is not None:
+                found.setdefault(name, (float(scale), int(zero_point)))
+        except (TypeError, ValueError, RuntimeError):  # a per-channel tensor: not an activation's qparams
+            continue
+    return found
+
+
+_DTYPE_RANGE = {torch.quint8: (0, 255), torch.qint8: (-128, 127)}
+
+
+def activation_sqnr(prepared: fx.GraphModule, converted: fx.GraphModule,
+                    batches: Sequence[Any]) -> tuple[tuple[str, float], ...]:
+    """Per observed activation, the SQNR of the float tensor rounded and clipped with the
+    qparams the converted model runs with: (name of the observed node, dB).
+
+    The float values come from ``prepared`` (a calibrated copy: its observers pass values
+    through); the qparams from ``converted``, so no observer searches its qparams twice."""
+    qparams = converted_qparams(converted)
+    observed: dict[str, tuple[str, float, int, int, int]] = {}
+    for node in prepared.graph.nodes:
+        if node.op != "call_module" or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        module = prepared.get_submodule(str(node.target))
+        source = node.args[0].name
+        dtype_range = _DTYPE_RANGE.get(getattr(module, "dtype", None))
+        if module_kind(module) != "observer" or dtype_range is None or getattr(module, "is_dynamic", False):
+            continue
+        if source in qparams:
+            scale, zero_point = qparams[source]
+        else:  # convert_fx renamed the node (functional ops): ask the observer itself
+            try:
+                scales, points = module.calculate_qparams()
+                scale, zero_point = float(scales), int(points)
+                dtype_range = (int(module.quant_min), int(module.quant_max))
+            except (AttributeError, TypeError, ValueError, RuntimeError):  # per-channel, or never ran
+                continue
+        observed[str(node.target)] = (source, scale, zero_point, *dtype_range)
+    sums = {target: SqnrSums() for target in observed}
+    handles = []
+    for target, (_, scale, zero_point, low, high) in observed.items():
+        def hook(_module, args, target=target, scale=scale, zero_point=zero_point, low=low, high=high):
+            value = first_float(args)
+            if value is not None and not value.is_quantized:
+                rounded = torch.fake_quantize_per_tensor_affine(value.float(), scale, zero_point, low, high)
+                sums[target].add(value, rounded)
+        handles.append(prepared.get_submodule(target).register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                call_model(prepared, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    result: dict[str, float] = {}
+    for target, (source, *_rest) in observed.items():
+        value = sums[target].sqnr_db()
+        if value is not None:
+            result.setdefault(source, round(value, 4))
+    return tuple(result.items())
