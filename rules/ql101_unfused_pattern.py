@@ -11,7 +11,7 @@ from pydantic import Field
 from torch.ao.quantization import QConfigMapping, QuantStub, DeQuantStub, get_default_qconfig_mapping
 
 from qlint.linter.context import LintContext
-from qlint.linter.findings import Finding, Severity
+from qlint.linter.findings import Finding, Impact, Severity
 from qlint.core.graph import ModelGraph, OpNode
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
@@ -20,6 +20,7 @@ REASON_FANOUT = "fan-out"
 REASON_QCONFIG = "qconfig-mismatch"
 REASON_TRAINING = "bn-training"
 REASON_FUNCTIONAL = "functional-op"
+REASON_CLAMP = "unfusable-activation"
 
 _WHY = {
     REASON_EAGER: "the model uses QuantStub/DeQuantStub (eager mode), where nothing is fused "
@@ -31,6 +32,8 @@ _WHY = {
                      "and needs eval mode (call model.eval())",
     REASON_FUNCTIONAL: "the {op} is a functional call (e.g. F.conv2d in a custom forward); FX fuses "
                        "only nn.Module conv/linear/BN calls",
+    REASON_CLAMP: "the backend has no fused kernel ending in {op} (it fuses ReLU), so the output is rounded "
+                  "to int8 over its full signed range before {op} clips it",
 }
 _FIX = {
     REASON_EAGER: "call torch.ao.quantization.fuse_modules(model, [{names}]) before prepare",
@@ -38,7 +41,11 @@ _FIX = {
     REASON_QCONFIG: "give every op of the pattern the same qconfig",
     REASON_TRAINING: "put the model in eval mode before prepare_fx (or use prepare_qat_fx for QAT)",
     REASON_FUNCTIONAL: "use the nn.Module (nn.Conv2d/nn.Linear) or fold the BN into the conv weights",
+    REASON_CLAMP: "use nn.ReLU where the values stay below the clip (the ReLU pattern fuses), or accept the "
+                  "extra rounding",
 }
+# Clipping activations that x86/qnnpack do not fuse, though the same chain ending in ReLU fuses.
+_CLAMP_KINDS = frozenset({"relu6", "hardtanh"})
 
 
 class UnfusedPattern(Rule):
@@ -103,6 +110,7 @@ class UnfusedPattern(Rule):
                            if self.options.include_add_relu or p != ("add", "relu")),
                           key=len, reverse=True)
         covered: set[str] = set()
+        clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]] = []
         for head in graph.ops():
             if head.name in covered:
                 continue
@@ -117,7 +125,12 @@ class UnfusedPattern(Rule):
                     break
                 # The longest pattern that matches fuses; shorter ones are part of it.
                 covered.update(n.name for n in chain)
+                clamp = _unfused_clamp(ctx, chain, pattern)
+                if clamp is not None:
+                    clamps.append((chain, pattern, clamp))
                 break
+        if clamps:
+            yield self._clamp_finding(ctx, clamps)
 
     def _reasons(self, ctx: LintContext, chain: list[OpNode]) -> list[tuple[str, str]]:
         graph = ctx.graph
@@ -167,6 +180,90 @@ class UnfusedPattern(Rule):
             suggestion={"action": "fuse", "modules": names, "pattern": list(pattern),
                         "blockers": [c for c, _ in reasons]},
         )
+
+
+    def _clamp_finding(self, ctx: LintContext, clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]]
+                       ) -> Finding:
+        """One finding for every chain that stops short of its clipping activation, measured together."""
+        lines, rounding = [], []
+        for chain, _pattern, clamp in clamps:
+            measured = ctx.trial.activation(chain[-1].name) if ctx.trial is not None else None
+            rounding.append(measured)
+            text = f"{' → '.join(n.display for n in chain)} → {clamp.display}"
+            lines.append(text + (f" (rounding before {clamp.kind}: {measured:.1f} dB)" if measured is not None
+                                 else ""))
+        first_chain, first_pattern, first_clamp = clamps[0]
+        kinds = sorted({clamp.kind for _, _, clamp in clamps})
+        why = _WHY[REASON_CLAMP].format(op="/".join(kinds))
+        message = (f"{len(clamps)} {' → '.join(first_pattern)} chain(s) end in {'/'.join(kinds)} and fuse without "
+                   f"it on {ctx.backend.name}: {why}. Chains: {'; '.join(lines[:8])}"
+                   + (f"; ... ({len(lines)} in all)" if len(lines) > 8 else "") + ".")
+        activations = [clamp.module or clamp.display for _, _, clamp in clamps]
+        impact, float_change = _relu_variant_impact(ctx, activations)
+        message += f" Fix: {_FIX[REASON_CLAMP]}."
+        if impact is not None and impact.fixed_sqnr_db is not None:
+            message += (f" With nn.ReLU in all {len(clamps)} places the int8 model measures "
+                        f"{impact.fixed_sqnr_db:.1f} dB against its own float outputs ({impact.db:+.1f} dB)")
+            message += ("; the float outputs do not change on the evaluation data." if float_change is None
+                        or float_change >= 150 else
+                        f"; the float outputs change ({float_change:.1f} dB SQNR against the original), so "
+                        "check accuracy before switching.")
+        return self.finding(
+            first_chain[0].display, message, impact=impact,
+            data={"kind": "unfusable-activation", "node": first_chain[0].name,
+                  "pattern": list(first_pattern) + [first_clamp.kind],
+                  "chains": [[n.display for n in chain] + [clamp.display] for chain, _, clamp in clamps],
+                  "activations": activations, "reasons": [REASON_CLAMP],
+                  "rounding_sqnr_db": rounding, "float_change_sqnr_db": float_change},
+            suggestion={"action": "replace_activation", "modules": activations, "with": "relu"},
+        )
+
+
+def _unfused_clamp(ctx: LintContext, chain: list[OpNode], pattern: tuple[str, ...]) -> Optional[OpNode]:
+    """The ReLU6 / Hardtanh(0, x) module right after a fused chain the backend would extend with ReLU."""
+    if pattern[-1] == "relu" or not ctx.backend.can_fuse(pattern + ("relu",)):
+        return None
+    if ctx.backend.can_fuse(pattern + (chain[-1].kind,)):
+        return None
+    consumers = ctx.graph.consumers(chain[-1].name)
+    if len(consumers) != 1:
+        return None
+    clamp = consumers[0]
+    if clamp.kind not in _CLAMP_KINDS or clamp.op != "module" or not clamp.module:
+        return None
+    module = ctx.graph.modules.get(clamp.module)
+    if ctx.backend.can_fuse(pattern + (clamp.kind,)) or module is None:
+        return None
+    if clamp.kind == "hardtanh" and ctx.model_factory is not None:
+        low = getattr(ctx.model_factory().get_submodule(clamp.module), "min_val", None)
+        if low != 0.0:
+            return None  # only a clamp at 0 can become a ReLU
+    return clamp
+
+
+def _relu_variant_impact(ctx: LintContext, fqns: list[str]) -> tuple[Optional[Impact], Optional[float]]:
+    """One trial of the model with every ``fqns`` module replaced by nn.ReLU, measured against its
+    own float outputs; and how much that change moves the float outputs (SQNR, dB)."""
+    bench, trial = ctx.trial_bench, ctx.trial
+    if bench is None or trial is None or trial.output_sqnr_db is None or ctx.qconfig_mapping is None:
+        return None, None
+
+    def with_relu() -> nn.Module:
+        model = bench.model_factory()
+        for fqn in fqns:
+            parent, _, child = fqn.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, nn.ReLU())
+        return model
+
+    fixed = bench.variant(with_relu).output_sqnr(ctx.qconfig_mapping)
+    float_change = bench.float_sqnr_of(with_relu())
+    if fixed is None:
+        return None, float_change
+    impact = Impact(db=round(fixed - trial.output_sqnr_db, 3), basis="rule-trial",
+                    base_sqnr_db=round(trial.output_sqnr_db, 3), fixed_sqnr_db=round(fixed, 3),
+                    detail="every listed activation replaced by nn.ReLU in one trial "
+                           "(each model against its own float outputs)")
+    return impact, None if float_change is None else round(float_change, 3)
 
 
 _MODULE_ONLY_KINDS = frozenset({"conv1d", "conv2d", "conv3d", "linear", "batch_norm"})

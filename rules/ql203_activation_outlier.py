@@ -221,9 +221,24 @@ def _physical_bits(value: float, bits: int) -> float:
     return min(max(value, 0.0), float(bits))
 
 
+# Ops whose int8 output reuses their input's qparams (prepare_fx shares the observer), and
+# BatchNorm, which fuses into the conv before it: the observer that sets a layer's input
+# range belongs to the first op upstream that is none of these.
+_SHARES_INPUT_QPARAMS = frozenset({"relu", "relu6", "hardtanh", "max_pool", "adaptive_avg_pool", "avg_pool",
+                                   "flatten", "view", "reshape", "permute", "transpose", "dropout", "identity",
+                                   "contiguous", "squeeze", "unsqueeze", "getitem", "batch_norm", "clamp"})
+
+
 def _producer(ctx: LintContext, node: OpNode) -> Optional[OpNode]:
+    """The op whose output observer quantizes ``node``'s input (through qparam-sharing ops)."""
     producers = ctx.graph.producers(node.name)
-    return producers[0] if producers else None
+    current = producers[0] if producers else None
+    while current is not None and current.kind in _SHARES_INPUT_QPARAMS:
+        upstream = ctx.graph.producers(current.name)
+        if not upstream:
+            break
+        current = upstream[0]
+    return current
 
 
 def _clip_value(stats: TensorStats, channels: list[int]) -> float:

@@ -163,6 +163,17 @@ class TrialBench:
         self._reference: Optional[list[Any]] = None
         self.seconds = 0.0  # time spent in trials, all of them
 
+    def variant(self, model_factory: Callable[[], nn.Module]) -> "TrialBench":
+        """The same data, another float model (a changed copy): its trials compare with its own outputs."""
+        return TrialBench(model_factory, self.backend, self.calibration, self.evaluation, self.calibrated_on,
+                          self.evaluated_on)
+
+    def float_sqnr_of(self, model: nn.Module) -> Optional[float]:
+        """SQNR of another float model's outputs against this bench's float model (how much a
+        float change changes the outputs; 200 dB when it changes nothing)."""
+        with _quiet():
+            return self._output_sqnr(model.eval(), self.reference())
+
     def reference(self) -> list[Any]:
         """The float model's outputs on the evaluation batches (computed once)."""
         if self._reference is None:

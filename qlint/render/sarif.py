@@ -128,6 +128,8 @@ def _result(finding: Finding, rule_index: dict[str, int], artifact: Optional[str
         result["ruleIndex"] = rule_index[finding.rule]
     if finding.suggestion is not None:
         result["properties"]["suggestion"] = finding.suggestion
+    if finding.impact is not None:
+        result["properties"]["impact"] = finding.impact.model_dump()
     return result
 
 

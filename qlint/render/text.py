@@ -15,7 +15,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from qlint.linter.findings import Report, Severity
+from qlint.linter.findings import Finding, Report, Severity
 from qlint.render.literal import printable
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
@@ -54,6 +54,9 @@ def print_report(console: Console, report: Report, *, show_qconfig: bool = False
                  width: Optional[int] = None) -> None:
     findings_width = width or READABLE_WIDTH
     console.print(_header(report), width=findings_width)
+    trial = trial_line(report)
+    if trial is not None:
+        console.print(literal(trial, "dim"), width=findings_width)
     for notice in report.notices:
         console.print(literal(f"note: {notice.message}", _STYLE.get(notice.level, "")), width=findings_width)
     if report.findings:
@@ -109,12 +112,44 @@ def _findings_table(report: Report) -> Table:
     table.add_column("Severity", no_wrap=True)
     table.add_column("Rule", no_wrap=True)
     table.add_column("Target", overflow="fold", max_width=28)
+    with_impact = any(f.impact is not None for f in report.findings)
+    if with_impact:
+        table.add_column("Impact", no_wrap=True)
     table.add_column("Message", ratio=1)
     for severity in (Severity.ERROR, Severity.WARNING, Severity.INFO):
         for finding in (f for f in report.findings if f.severity == severity):
-            table.add_row(literal(severity.value, _STYLE[severity]), Text("\n").join([literal(finding.rule), literal(finding.name)]),
-                          literal(finding.target), literal(finding.message))
+            cells = [literal(severity.value, _STYLE[severity]),
+                     Text("\n").join([literal(finding.rule), literal(finding.name)]), literal(finding.target)]
+            if with_impact:
+                cells.append(Text("\n").join(literal(line) for line in impact_text(finding)))
+            table.add_row(*cells, literal(finding.message))
     return table
+
+
+_BASIS = {"fix-trial": "fix trial", "keep-float-trial": "kept float", "rule-trial": "rule trial",
+          "local-error": "estimate"}
+
+
+def impact_text(finding: Finding) -> tuple[str, ...]:
+    """The finding's measured impact in two short lines: dB and how it was measured."""
+    impact = finding.impact
+    if impact is None:
+        return ("-",)
+    if impact.kind == "coverage":
+        return (f"+{impact.int8_ops_gained} int8 ops", f"{impact.db:+.1f} dB")
+    return (f"{impact.db:+.1f} dB", _BASIS[impact.basis])
+
+
+def trial_line(report: Report) -> Optional[str]:
+    trial = report.trial
+    if trial is None:
+        return None
+    if not trial.converted:
+        return f"trial quantization ({trial.backend}): failed at {trial.failed_stage}; see QL105."
+    sqnr = "n/a" if trial.output_sqnr_db is None else f"{trial.output_sqnr_db:.1f} dB"
+    return (f"trial quantization ({trial.backend}, {trial.seconds:.1f} s, {trial.fix_trials} fix trials): "
+            f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}; output SQNR {sqnr}; "
+            f"int8 {trial.int8_ops}/{trial.weighted_ops} conv/linear/recurrent/attention ops.")
 
 
 def _layers_table(report: Report) -> Table:
@@ -155,4 +190,20 @@ def summary_line(report: Report) -> str:
                 f"{counts[Severity.INFO]} info.")
     if report.skipped:
         head += f" {len(report.skipped)} rule{'s' if len(report.skipped) != 1 else ''} skipped."
-    return head
+    return head + _impact_summary(report)
+
+
+def _impact_summary(report: Report) -> str:
+    """The findings that matter most, by measured output-SQNR gain, and what fixing them recovers."""
+    gains = [f for f in report.findings if f.severity is not Severity.INFO and f.impact is not None
+             and f.impact.kind == "sqnr-gain" and f.impact.db > 0]
+    if not gains:
+        return ""
+    top = sorted(gains, key=lambda f: -f.impact.db if f.impact else 0.0)[:3]
+    text = " Top by impact: " + ", ".join(f"{f.rule} {printable(f.target)} {f.impact.db:+.1f} dB"
+                                          for f in top if f.impact) + "."
+    trial = report.trial
+    if trial is not None and trial.recoverable_db is not None and trial.fixed_sqnr_db is not None:
+        text += (f" Their qconfig fixes together: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
+                 f"({trial.recoverable_db:+.1f} dB, measured).")
+    return text
