@@ -16,6 +16,7 @@ from qlint.linter.findings import Finding, Severity
 from qlint.core.graph import OpNode
 from qlint.core.intent import ObserverSpec
 from qlint.core.ops import CONV_KINDS, CONV_OR_LINEAR_KINDS
+from qlint.core.sqnr import sqnr_db
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 
@@ -81,12 +82,15 @@ class PerChannel(Rule):
     options: Options  # this rule's own Options, so the type checker knows its fields
 
     def check(self, ctx: LintContext) -> Iterable[Finding]:
+        layers: list[tuple[OpNode, ObserverSpec, Optional[int], Optional[dict[str, Any]]]] = []
         for node in ctx.graph.ops():
             weight = self._per_tensor_weight(ctx, node)
             if weight is None:
                 continue
-            tensor = ctx.graph.parameter(node.weight) if node.weight else None
+            tensor, folded = quantized_weight(ctx, node)
             evidence = _evidence(tensor, weight) if tensor is not None else None
+            if evidence is not None:
+                evidence["folded_batch_norm"] = folded
             channels = evidence["channels"] if evidence else _channels_from_shape(node)
             if channels is not None and channels < self.options.min_channels:
                 continue
@@ -94,7 +98,9 @@ class PerChannel(Rule):
             if self.options.min_channel_spread > 1.0:
                 if spread is None or (spread != "inf" and spread < self.options.min_channel_spread):
                     continue
-            yield self._report(ctx, node, weight, channels, evidence)
+            layers.append((node, weight, channels, evidence))
+        if layers:
+            yield self._report(ctx, layers)
 
     def _per_tensor_weight(self, ctx: LintContext, node: OpNode) -> Optional[ObserverSpec]:
         if node.kind not in CONV_OR_LINEAR_KINDS or not _supports_per_channel(ctx, node.kind):
@@ -111,40 +117,32 @@ class PerChannel(Rule):
             return None  # float/fp16 weights, or a dtype QL103 reports
         return weight
 
-    def _report(self, ctx: LintContext, node: OpNode, weight: ObserverSpec, channels: Optional[int],
-                evidence: Optional[dict[str, Any]]) -> Finding:
+    def _report(self, ctx: LintContext,
+                layers: list[tuple[OpNode, ObserverSpec, Optional[int], Optional[dict[str, Any]]]]) -> Finding:
+        """One finding for the model: the layers worst first, each with its measured weight SQNR."""
+        def gain(entry) -> float:
+            evidence = entry[3] or {}
+            tensor_db, channel_db = evidence.get("per_tensor_sqnr_db"), evidence.get("per_channel_sqnr_db")
+            return channel_db - tensor_db if tensor_db is not None and channel_db is not None else -math.inf
+        layers = sorted(layers, key=gain, reverse=True)
+        node, weight, channels, evidence = layers[0]
         backend = ctx.backend.name
-        dynamic = bool(node.qconfig and node.qconfig.is_dynamic)
-        layer = f"{node.display} ({'dynamic ' if dynamic else ''}{node.kind}"
-        layer += f", {channels} output channels)" if channels is not None else ")"
-        if evidence and evidence.get("resolution_loss") is not None:
-            loss = evidence["resolution_loss"]
-            loss_text = "∞" if loss == "inf" else f"{loss:.1f}×"
-            bits = evidence.get("bits_lost")
-            bits_text = "" if bits in (None, "inf") else f" (about {bits:.1f} of its 8 bits lost)"
-            spread = evidence["channel_spread"]
-            spread_text = "∞ (some channels are all zero)" if spread == "inf" else f"{spread:.1f}×"
-            measured = (
-                f"Per-output-channel absmax ranges from {evidence['channel_absmax_min']:.3g} to "
-                f"{evidence['channel_absmax_max']:.3g} (spread {spread_text}), so the narrowest "
-                f"channel's quantization step is {loss_text} coarser than its own scale would give"
-                f"{bits_text}; half of the channels lose at least "
-                f"{evidence['resolution_loss_median']:.1f}×.")
-        else:
-            measured = ("The weight values are not available, so the loss cannot be measured; it "
-                        "grows with the ratio between the largest and smallest channel ranges.")
         default_note = ""
         if backend == "qnnpack":
             default_note = (" (qnnpack's default qconfig is per-tensor, but its conv and linear "
                             "kernels accept per-channel weights)")
+        lines = [_layer_line(n, c, e, bool(n.qconfig and n.qconfig.is_dynamic)) for n, _, c, e in layers[:8]]
+        more = f"; ... ({len(layers)} layers in all)" if len(layers) > 8 else ""
         message = (
-            f"{layer} quantizes its weight per-tensor ({weight.observer}, {weight.qscheme}) although "
-            f"{backend} supports per-channel weights for {node.kind}{default_note}. One scale must "
-            f"cover the widest channel, and every narrower channel uses only a fraction of the int8 "
-            f"codes. {measured} Fix: use PerChannelMinMaxObserver.with_args(dtype=torch.qint8, "
+            f"{len(layers)} conv/linear layer(s) quantize their weights per-tensor ({weight.observer}, "
+            f"{weight.qscheme}) although {backend} supports per-channel weights{default_note}. One scale "
+            "must cover the widest output channel, and every narrower channel uses only a fraction of the "
+            f"int8 codes. Measured on the weights that will be quantized (BN folded in where conv-bn fuses): "
+            f"{'; '.join(lines)}{more}. Fix: use PerChannelMinMaxObserver.with_args(dtype=torch.qint8, "
             "qscheme=torch.per_channel_symmetric, ch_axis=0) as the weight observer (what "
             "torch.ao.quantization.default_per_channel_weight_observer and the x86/fbgemm/onednn "
             "default qconfigs use).")
+        dynamic = bool(node.qconfig and node.qconfig.is_dynamic)
         data: dict[str, Any] = {
             "kind": "per-tensor-weight", "node": node.name, "op_kind": node.kind,
             "weight_observer": weight.observer, "weight_qscheme": weight.qscheme,
@@ -152,13 +150,65 @@ class PerChannel(Rule):
             "channels": channels, "dynamic": dynamic, "backend": backend,
             "qconfig_source": node.qconfig.source if node.qconfig else None,
             "weight_available": evidence is not None,
+            "layers": [_layer_data(n, c, e) for n, _, c, e in layers],
         }
         if evidence:
-            data.update({k: v for k, v in evidence.items() if k != "channels"})
-        suggestion = {"action": "set_weight_observer", "target": node.display, "node": node.name,
-                      "observer": "PerChannelMinMaxObserver", "qscheme": "torch.per_channel_symmetric",
-                      "ch_axis": 0, "dtype": "torch.qint8"}
+            data.update({k: v for k, v in evidence.items() if k not in ("channels", "channel_absmax")})
+            data["channel_absmax"] = evidence.get("channel_absmax")
+        targets = [n.display for n, _, _, _ in layers]
+        suggestion: dict[str, Any] = {"action": "set_weight_observer", "observer": "PerChannelMinMaxObserver",
+                                      "qscheme": "torch.per_channel_symmetric", "ch_axis": 0,
+                                      "dtype": "torch.qint8"}
+        if len(targets) == 1:
+            suggestion.update(target=node.display, node=node.name)
+        else:
+            suggestion["targets"] = targets
         return self.finding(node.display, message, data=data, suggestion=suggestion)
+
+
+def _layer_line(node: OpNode, channels: Optional[int], evidence: Optional[dict[str, Any]], dynamic: bool) -> str:
+    head = f"{node.display} ({'dynamic ' if dynamic else ''}{node.kind}"
+    head += f", {channels} channels" if channels is not None else ""
+    head += ", BN folded)" if evidence and evidence.get("folded_batch_norm") else ")"
+    if not evidence or evidence.get("per_tensor_sqnr_db") is None:
+        return head + ": weights not available"
+    spread = evidence["channel_spread"]
+    spread_text = "∞" if spread == "inf" else f"{spread:.1f}×"
+    return (f"{head}: channel absmax spread {spread_text}, weight SQNR {evidence['per_tensor_sqnr_db']:.1f} dB "
+            f"per-tensor vs {evidence['per_channel_sqnr_db']:.1f} dB per-channel")
+
+
+def _layer_data(node: OpNode, channels: Optional[int], evidence: Optional[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("channel_spread", "resolution_loss", "bits_lost", "per_tensor_sqnr_db", "per_channel_sqnr_db",
+            "folded_batch_norm")
+    return {"target": node.display, "node": node.name, "kind": node.kind, "channels": channels,
+            **{key: evidence.get(key) for key in keys if evidence is not None}}
+
+
+def quantized_weight(ctx: LintContext, node: OpNode) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    """The weight convert_fx quantizes: for a conv whose only consumer is a BatchNorm module
+    (conv-bn fuses), the BN-folded weight w * gamma / sqrt(running_var + eps); else the weight.
+    Returns (tensor, the folded BN's fqn or None)."""
+    tensor = ctx.graph.parameter(node.weight) if node.weight else None
+    if tensor is None or node.kind not in CONV_KINDS:
+        return tensor, None
+    consumers = ctx.graph.consumers(node.name)
+    if len(consumers) != 1 or consumers[0].kind != "batch_norm" or not consumers[0].module:
+        return tensor, None
+    bn = consumers[0].module
+    if not ctx.backend.can_fuse((node.kind, "batch_norm")):
+        return tensor, None
+    gamma, variance = ctx.graph.parameter(f"{bn}.weight"), ctx.graph.parameter(f"{bn}.running_var")
+    if variance is None or variance.numel() != tensor.shape[0]:
+        return tensor, None
+    scale = torch.rsqrt(variance.detach().double() + _BN_EPS)
+    if gamma is not None and gamma.numel() == scale.numel():
+        scale = scale * gamma.detach().double()
+    shape = (-1,) + (1,) * (tensor.dim() - 1)
+    return (tensor.detach().double() * scale.reshape(shape)).float(), bn
+
+
+_BN_EPS = 1e-5  # nn.BatchNorm's default; the module's own eps is not in the graph, and moves ratios by <1e-4
 
 
 def _supports_per_channel(ctx: LintContext, kind: str) -> bool:
@@ -211,11 +261,26 @@ def _evidence(tensor: torch.Tensor, weight: ObserverSpec) -> Optional[dict[str, 
         "channel_spread": spread if isinstance(spread, str) else round(spread, 4),
         "resolution_loss": round(worst, 4),
         "resolution_loss_median": round(float(loss.median()), 4),
-        "bits_lost": round(math.log2(worst), 3) if worst > 0 else 0.0,
+        # never more bits lost than the weight dtype has
+        "bits_lost": round(min(math.log2(worst), math.log2(levels + 1)), 3) if worst > 1 else 0.0,
         "tensor_step": tensor_step,
         "narrowest_channel": int(torch.nonzero(absmax == low)[0, 0]),
     })
+    result.update(_weight_sqnr(tensor.detach().float(), int(qmin), int(qmax)))
     return result
+
+
+def _weight_sqnr(weight: torch.Tensor, qmin: int, qmax: int) -> dict[str, float]:
+    """SQNR (dB) of the weight quantized symmetric per-tensor and per-output-channel."""
+    flat = weight.reshape(weight.shape[0], -1)
+    half = (qmax - qmin) / 2.0
+    tensor_scale = max(float(flat.abs().max()) / half, 1e-12)
+    per_tensor = torch.fake_quantize_per_tensor_affine(flat, tensor_scale, 0, qmin, qmax)
+    channel_scales = (flat.abs().amax(dim=1) / half).clamp_min(1e-12)
+    per_channel = torch.fake_quantize_per_channel_affine(
+        flat, channel_scales, torch.zeros_like(channel_scales, dtype=torch.int32), 0, qmin, qmax)
+    return {"per_tensor_sqnr_db": round(float(sqnr_db(flat, per_tensor) or 0.0), 3),
+            "per_channel_sqnr_db": round(float(sqnr_db(flat, per_channel) or 0.0), 3)}
 
 
 # --- examples --------------------------------------------------------------------------

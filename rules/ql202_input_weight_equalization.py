@@ -105,6 +105,13 @@ class InputWeightEqualization(Rule):
     prepared = prepare_fx(model, qconfig_mapping, example_inputs, _equalization_config=eq)
     ```
 
+    It never recommends equalization where torch's cannot apply: grouped and depthwise
+    convolutions (one weight per group, not per input channel) and Linear layers whose
+    input is not 2-D (`(B, T, D)` in transformers); prepare_fx crashes on both. Those
+    layers show "not applicable" in the per-layer table. A finding's impact is measured
+    by keeping the layer float in a trial (the most equalization can recover), so a
+    layer whose quantization costs less than the impact threshold is reported as info.
+
     ## Options
     - `ratio_threshold`: channels with `s_c` below it or above its inverse recommend equalization (0 < t < 1).
     - `channel_fraction`: the rule fires when at least this fraction of channels recommend it (torch: 0.4).
@@ -133,10 +140,13 @@ class InputWeightEqualization(Rule):
             measured = measure(ctx.statistics, ctx.graph, node, t, self.options.channel_fraction)
             if measured is None:
                 continue
+            blocker = equalization_blocker(ctx.graph, node)
+            verdict = "equalize" if measured.equalization_recommended else "balanced"
             yield LayerRow(name=node.display, kind=node.kind, rule=self.code, statistic="fraction s_c outside band",
                            value=measured.fraction_recommended,
-                           verdict="equalize" if measured.equalization_recommended else "balanced")
-            if node.qconfig is None or not node.is_quantized or not measured.equalization_recommended:
+                           verdict=f"{verdict} (not applicable: {blocker})" if blocker and
+                           measured.equalization_recommended else verdict)
+            if node.qconfig is None or not node.is_quantized or not measured.equalization_recommended or blocker:
                 continue
             worst = _most_unbalanced(measured.comp_metrics, measured.channels_recommended)
             message = (
@@ -159,6 +169,22 @@ class InputWeightEqualization(Rule):
                             "equalization_qconfig": "torch.ao.quantization.fx._equalize.default_equalization_qconfig",
                             "via": "prepare_fx(_equalization_config=QConfigMapping().set_module_name(module, ...))"},
             )
+
+
+def equalization_blocker(graph: ModelGraph, node: OpNode) -> Optional[str]:
+    """Why torch's input-weight equalization cannot apply to ``node``; None when it can.
+
+    Its equalization observers scale every input channel of one weight: a grouped or depthwise
+    conv has a weight per group, not per input channel, and prepare_fx crashes on it; and it
+    reads Linear inputs as (batch, features), so (B, T, D) inputs crash it too."""
+    weight = _weight_of(graph, node)
+    inputs = node.inputs[0] if node.inputs else None
+    if node.kind.startswith("conv") and weight is not None and inputs is not None and len(inputs.shape) > 1:
+        if weight.dim() > 1 and weight.shape[1] != inputs.shape[1]:
+            return "grouped or depthwise convolution"
+    if node.kind == "linear" and inputs is not None and len(inputs.shape) != 2:
+        return f"{len(inputs.shape)}-D input (torch equalizes 2-D Linear inputs only)"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,9 +265,23 @@ class _Conv(nn.Module):
         return self.conv(x)
 
 
+class _Depthwise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, groups=4)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
 def _linear():
     torch.manual_seed(0)
     return _Linear().eval()
+
+
+def _depthwise():
+    torch.manual_seed(0)
+    return _Depthwise().eval()
 
 
 def _conv():
@@ -265,6 +305,12 @@ VALID = (
             calibration=lambda: _scaled_channels((16, 8), [1.0] * 8)),
     Example("conv input channels of similar range", _conv, lambda: (torch.randn(2, 4, 8, 8),), _mapping,
             calibration=lambda: _scaled_channels((2, 4, 8, 8), [1.0, 1.2, 0.9, 1.1])),
+    # Unbalanced, but torch's equalization cannot apply: prepare_fx crashes on both.
+    Example("depthwise conv with unbalanced input channels", _depthwise, lambda: (torch.randn(2, 4, 8, 8),),
+            _mapping, calibration=lambda: _scaled_channels((2, 4, 8, 8), [100.0, 0.01, 1.0, 30.0])),
+    Example("linear on (B, T, D) inputs with unbalanced features", _linear, lambda: (torch.randn(2, 16, 8),),
+            _mapping, calibration=lambda: [b.transpose(1, 2) for b in
+                                           _scaled_channels((2, 8, 16), [50.0] * 4 + [1.0] * 4)]),
 )
 INVALID = (
     Example("half the linear input channels are 50x wider than the rest", _linear,

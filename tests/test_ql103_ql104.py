@@ -40,8 +40,10 @@ def _seeded(cls, *args):
 
 
 def _lint(model, inputs, code, backend="x86", mapping=None, **options):
+    # These tests check each rule's own verdicts; the trial that measures impact (and turns
+    # a finding below the threshold into info) is tested in test_impact.py.
     return qlint.lint(model, inputs, backend=backend, qconfig_mapping=mapping, select=[code],
-                      options={code: options} if options else None)
+                      options={code: options} if options else None, trial_options={"enabled": False})
 
 
 def _kinds(report, code="QL103"):
@@ -69,7 +71,9 @@ def test_examples(rule, example, is_valid):
         assert findings == [], [f.message for f in findings]
     else:
         assert findings
-        targets = {f.target for f in findings}
+        # a finding about several layers lists them in data["layers"] (QL104)
+        targets = {f.target for f in findings} | {layer["target"] for f in findings
+                                                   for layer in f.data.get("layers", [])}
         assert set(example.flagged) <= targets, (example.flagged, targets)
         for finding in findings:
             assert finding.name == rule.name
@@ -462,6 +466,35 @@ def test_cat_finding_survives_torch_export_and_json():
 
 # --- QL104 --------------------------------------------------------------------------------------
 
+def _flagged(report) -> set:
+    """The layers QL104 lists (it reports once per model)."""
+    return {layer["target"] for f in report.by_rule("QL104") for layer in f.data["layers"]}
+
+
+class _ConvBn(nn.Module):
+    """A conv whose raw weights are balanced, but whose BN scales its channels 1..512."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        with torch.no_grad():
+            self.bn.weight.copy_(2.0 ** torch.arange(8.0))
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_per_channel_reads_the_bn_folded_weights():
+    model = _seeded(_ConvBn)
+    [finding] = _lint(model, _image(), "QL104", mapping=_per_tensor()).by_rule("QL104")
+    raw = model.conv.weight.detach().abs().reshape(8, -1).amax(1)
+    folded = raw * model.bn.weight.detach() / torch.sqrt(model.bn.running_var + model.bn.eps)
+    assert finding.data["folded_batch_norm"] == "bn"
+    assert finding.data["channel_spread"] == pytest.approx(float(folded.max() / folded.min()), rel=1e-3)
+    assert finding.data["channel_spread"] > 20 * float(raw.max() / raw.min())
+    assert finding.data["bits_lost"] <= 8.0
+
 class _Spread(nn.Module):
     def __init__(self):
         super().__init__()
@@ -497,8 +530,16 @@ def test_per_channel_evidence_matches_the_weights():
                                   "observer": "PerChannelMinMaxObserver",
                                   "qscheme": "torch.per_channel_symmetric", "ch_axis": 0,
                                   "dtype": "torch.qint8"}
+    # measured weight SQNR, recomputed by hand with torch's fake-quant ops
+    flat = model.conv.weight.detach().reshape(6, -1)
+    per_tensor = torch.fake_quantize_per_tensor_affine(flat, float(flat.abs().max()) / 127.5, 0, -128, 127)
+    expected = 10 * math.log10(float(flat.pow(2).sum()) / float((flat - per_tensor).pow(2).sum()))
+    assert finding.data["per_tensor_sqnr_db"] == pytest.approx(expected, abs=1e-3)
+    assert finding.data["per_channel_sqnr_db"] > finding.data["per_tensor_sqnr_db"] + 5
     single = _lint(model, _image(), "QL104", mapping=_per_tensor(), min_channels=1)
-    assert {f.target for f in single.by_rule("QL104")} == {"conv", "head"}
+    [both] = single.by_rule("QL104")  # one finding for the model, listing its layers
+    assert {layer["target"] for layer in both.data["layers"]} == {"conv", "head"}
+    assert both.suggestion["targets"] == ["conv", "head"]  # worst (largest measured gain) first
 
 
 def test_affine_per_tensor_loss_uses_the_affine_step():
@@ -524,7 +565,7 @@ def test_min_channel_spread_filters_on_evidence():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_per_channel_defaults(backend):
     report = _lint(_seeded(_ConvStack), _image(), "QL104", backend, get_default_qconfig_mapping(backend))
-    flagged = {f.target for f in report.by_rule("QL104")}
+    flagged = _flagged(report)
     default_weight = get_default_qconfig(backend).weight()
     if "per_channel" in str(default_weight.qscheme):
         assert flagged == set()
@@ -554,9 +595,9 @@ def test_per_channel_on_qat_prepared_model():
         warnings.simplefilter("ignore")
         qnnpack = prepare_qat_fx(_seeded(_ConvStack).train(), get_default_qat_qconfig_mapping("qnnpack"), _image())
         x86 = prepare_qat_fx(_seeded(_ConvStack).train(), get_default_qat_qconfig_mapping("x86"), _image())
-    flagged = _lint(qnnpack, _image(), "QL104", "qnnpack").by_rule("QL104")
-    assert {f.target for f in flagged} == {"conv1", "conv2", "fc"}
-    assert all("FakeQuantize" in f.data["weight_observer"] for f in flagged)
+    [finding] = _lint(qnnpack, _image(), "QL104", "qnnpack").by_rule("QL104")
+    assert {layer["target"] for layer in finding.data["layers"]} == {"conv1", "conv2", "fc"}
+    assert "FakeQuantize" in finding.data["weight_observer"]
     assert _lint(x86, _image(), "QL104", "x86").by_rule("QL104") == []
 
 
