@@ -10,7 +10,7 @@ from qlint.linter.baseline import filter_new, read_baseline, write_baseline
 from qlint.errors import ConfigError
 from qlint.linter.findings import Finding, Report, Severity
 
-BADNET = ("examples.badnet:build", "--input-shape", "1,3,32,32")
+BADNET = ("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial")
 MAPPING = ("--qconfig-mapping", "examples.badnet:qconfig_mapping")
 
 

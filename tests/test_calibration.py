@@ -283,7 +283,7 @@ def badnet_calibration(count: int = 8, batch: int = 4) -> list[torch.Tensor]:
 def test_cli_readme_example_reports_all_data_rules(run_cli, tmp_path):
     path = tmp_path / "calibration.pt"
     torch.save(badnet_calibration(), path)
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--qconfig-mapping",
+    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--qconfig-mapping",
                      "examples.badnet:qconfig_mapping", "--calibration", path, "--format", "json", "--quiet")
     assert result.returncode == 1, result.stderr
     report = qlint.Report.model_validate_json(result.stdout)
@@ -293,7 +293,7 @@ def test_cli_readme_example_reports_all_data_rules(run_cli, tmp_path):
 
 
 def test_cli_calibration_from_a_factory(run_cli, repo_root):
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--calibration",
+    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--calibration",
                      "examples.badnet:calibration_batches", "--select", "QL2", "--format", "json",
                      "--quiet", cwd=repo_root)
     assert result.returncode == 1, result.stderr
@@ -313,7 +313,7 @@ def test_cli_empty_calibration_dir_exits_2(run_cli, tmp_path):
 def test_cli_empty_calibration_file_exits_2(run_cli, tmp_path):
     path = tmp_path / "empty.pt"
     torch.save([], path)
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--calibration", path)
+    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--calibration", path)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "empty" in lines[0], result.stderr

@@ -79,17 +79,17 @@ def test_debug_shows_traceback(run_cli, tmp_path):
 def test_weights_that_do_not_fit(run_cli, tmp_path, repo_root):
     path = tmp_path / "other.pt"
     torch.save(nn.Linear(4, 2).state_dict(), path)
-    _check_one_line_error(run_cli("examples.badnet:build", "--weights", path, "--input-shape", "1,3,32,32",
+    _check_one_line_error(run_cli("examples.badnet:build", "--weights", path, "--input-shape", "1,3,32,32", "--no-trial",
                             cwd=repo_root), "does not fit")
 
 
 def test_bad_pyproject_option(run_cli, tmp_path, repo_root):
     (tmp_path / "pyproject.toml").write_text("[tool.qlint]\nbackend = 'x86'\nnot_an_option = 1\n")
-    result = run_cli(f"{repo_root}/examples/badnet.py:build", "--input-shape", "1,3,32,32", cwd=tmp_path)
+    result = run_cli(f"{repo_root}/examples/badnet.py:build", "--input-shape", "1,3,32,32", "--no-trial", cwd=tmp_path)
     _check_one_line_error(result, "not_an_option")
 
 
 def test_unknown_rule_option(run_cli, tmp_path, repo_root):
     (tmp_path / "pyproject.toml").write_text("[tool.qlint.rules.QL101]\nno_such = true\n")
-    result = run_cli(f"{repo_root}/examples/badnet.py:build", "--input-shape", "1,3,32,32", cwd=tmp_path)
+    result = run_cli(f"{repo_root}/examples/badnet.py:build", "--input-shape", "1,3,32,32", "--no-trial", cwd=tmp_path)
     _check_one_line_error(result, "QL101", "no_such")

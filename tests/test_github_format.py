@@ -57,7 +57,7 @@ def test_empty_report_prints_nothing():
 
 
 def test_cli_github_format(run_cli, repo_root):
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--qconfig-mapping",
+    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--qconfig-mapping",
                      "examples.badnet:qconfig_mapping", "--format", "github", cwd=repo_root)
     assert result.returncode == 1, result.stderr
     lines = result.stdout.splitlines()

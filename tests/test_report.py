@@ -33,10 +33,16 @@ def test_example_command_json_has_all_static_rules(run_cli, repo_root):
     report = Report.model_validate_json(result.stdout)
     assert {"QL101", "QL102", "QL103", "QL104"} <= {f.rule for f in report.findings}
     assert report.backend == "x86" and report.frontend == "fx.symbolic_trace"
+    # the trial ran, and within each severity the findings are sorted by measured impact
+    assert report.trial is not None and report.trial.converted and report.trial.output_sqnr_db is not None
+    for severity in ("error", "warning", "info"):
+        gains = [f.impact.db for f in report.findings
+                 if f.severity.value == severity and f.impact is not None and f.impact.kind == "sqnr-gain"]
+        assert gains == sorted(gains, reverse=True), (severity, gains)
 
 
 def test_text_output_table_and_summary(run_cli, repo_root):
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--qconfig-mapping",
+    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--qconfig-mapping",
                      "examples.badnet:qconfig_mapping", "--show-qconfig", cwd=repo_root)
     assert result.returncode == 1
     assert "Findings" in result.stdout and "unfused-pattern" in result.stdout
@@ -45,7 +51,7 @@ def test_text_output_table_and_summary(run_cli, repo_root):
 
 
 def test_fail_on_and_select(run_cli, repo_root):
-    args = ["examples.badnet:build", "--input-shape", "1,3,32,32"]
+    args = ["examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial"]
     only_errors = run_cli(*args, "--select", "QL102", "--fail-on", "error", cwd=repo_root)
     assert only_errors.returncode == 0, only_errors.stdout
     warnings = run_cli(*args, "--select", "QL102", cwd=repo_root)

@@ -56,8 +56,8 @@ def test_full_module_loads_with_trust_flag(run_cli, tmp_path, repo_root):
 
     path = tmp_path / "full.pt"
     torch.save(build(), path)
-    refused = run_cli(path, "--input-shape", "1,3,32,32", cwd=repo_root)
+    refused = run_cli(path, "--input-shape", "1,3,32,32", "--no-trial", cwd=repo_root)
     assert refused.returncode == 2 and "--trust-pickle" in refused.stderr
-    accepted = run_cli(path, "--trust-pickle", "--input-shape", "1,3,32,32", "--format", "json", cwd=repo_root)
+    accepted = run_cli(path, "--trust-pickle", "--input-shape", "1,3,32,32", "--no-trial", "--format", "json", cwd=repo_root)
     assert accepted.returncode == 1, accepted.stderr
     assert '"QL102"' in accepted.stdout

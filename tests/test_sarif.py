@@ -15,7 +15,7 @@ from qlint.linter.docs import rule_info, rule_markdown
 from qlint.render.sarif import render_sarif, repository_url
 
 SCHEMA_PATH = Path(__file__).with_name("sarif-schema-2.1.0.json")
-BADNET = ("examples.badnet:build", "--input-shape", "1,3,32,32",
+BADNET = ("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial",
           "--qconfig-mapping", "examples.badnet:qconfig_mapping")
 
 

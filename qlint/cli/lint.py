@@ -64,7 +64,8 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
                       qconfig_mapping=mapping, select=options.select, ignore=options.ignore,
                       options=options.rule_options, model_name=options.spec, registry=registry,
                       exported_program=loaded.exported_program,
-                      calibration_options={"quiet": args.quiet, "num_batches": options.num_batches})
+                      calibration_options={"quiet": args.quiet, "num_batches": options.num_batches},
+                      trial_options=options.trial)
     if calibration_notices:
         report = report.model_copy(update={"notices": list(calibration_notices) + list(report.notices)})
     report = _apply_baseline(report, options.baseline, args.write_baseline)

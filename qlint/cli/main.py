@@ -65,6 +65,14 @@ def build_lint_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-batches", type=positive_int, metavar="N", help="use at most N calibration batches")
     parser.add_argument("--random-calibration", type=positive_int, metavar="N",
                         help="calibrate on N random batches shaped like the example inputs (a warning)")
+    parser.add_argument("--no-trial", action="store_true",
+                        help="skip the trial quantization (prepare/calibrate/convert on a copy) that "
+                             "measures each finding's impact; findings keep their rule's severity")
+    parser.add_argument("--min-impact", type=float, metavar="DB",
+                        help="a warning whose measured impact is below DB (output SQNR) becomes info "
+                             "(default 0.5)")
+    parser.add_argument("--fix-trials", type=int, metavar="N",
+                        help="trials spent measuring findings' fixes (default 12)")
     parser.add_argument("--baseline", metavar="FILE", help="report only findings not recorded in FILE")
     parser.add_argument("--write-baseline", action="store_true",
                         help="record current findings in --baseline and exit 0")

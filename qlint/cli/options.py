@@ -40,6 +40,7 @@ class ModelOptions:
     calibration: Optional[str]
     num_batches: Optional[int]
     baseline: Optional[str]
+    trial: dict[str, Any] = dataclasses.field(default_factory=dict)  # TrialOptions fields
 
     def input_files(self) -> list[str]:
         """Every file this run reads, but the baseline (outputs must not overwrite them)."""
@@ -127,4 +128,22 @@ def resolve_options(args: argparse.Namespace, spec: str, config: Config) -> Mode
         calibration=calibration,
         num_batches=_first(args.num_batches, per_file("num_batches"), settings.num_batches),
         baseline=baseline,
+        trial=_trial_options(args, config),
     )
+
+
+def _trial_options(args: argparse.Namespace, config: Config) -> dict[str, Any]:
+    """Flags over [tool.qlint]: --no-trial / trial = false, --min-impact, --fix-trials."""
+    settings = config.settings
+    options: dict[str, Any] = {"enabled": settings.trial and not getattr(args, "no_trial", False)}
+    min_impact = _first(getattr(args, "min_impact", None), settings.min_impact_db)
+    if min_impact is not None:
+        if min_impact < 0:
+            raise ConfigError(f"--min-impact must be 0 or more dB, got {min_impact:g}")
+        options["min_impact_db"] = min_impact
+    fix_trials = _first(getattr(args, "fix_trials", None), settings.max_fix_trials)
+    if fix_trials is not None:
+        if fix_trials < 0:
+            raise ConfigError(f"--fix-trials must be 0 or more, got {fix_trials}")
+        options["max_fix_trials"] = fix_trials
+    return options

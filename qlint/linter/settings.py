@@ -67,6 +67,9 @@ class Settings(_Strict):
     calibration: Optional[str] = None
     num_batches: Optional[PositiveInt] = Field(None, alias="num-batches")
     baseline: Optional[str] = None
+    trial: bool = True
+    min_impact_db: Optional[float] = Field(None, alias="min-impact-db", ge=0)
+    max_fix_trials: Optional[int] = Field(None, alias="max-fix-trials", ge=0)
     rules: dict[str, dict[str, Any]] = Field(default_factory=dict)
     files: list[FileSettings] = Field(default_factory=list)
 
