@@ -1,0 +1,191 @@
+"""The trial quantization and the measured impact of findings, checked against torch done by hand."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.ao.quantization import (QConfig, QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping)
+from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
+from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+import qlint
+from qlint.core.sqnr import sqnr_db
+from qlint.core.trace import symbolic_graph
+
+
+class _Spread(nn.Module):
+    """Conv weight channels scaled 1..2^5 (the head undoes it, so every channel counts equally at
+    the output): per-tensor weights leave the narrow channels few levels."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 12, 3, padding=1)
+        self.head = nn.Linear(12, 4)
+        gains = 2.0 ** (torch.arange(12.0) % 6)
+        with torch.no_grad():
+            self.conv.weight.mul_(gains.view(12, 1, 1, 1))
+            self.conv.bias.mul_(gains)
+            self.head.weight.div_(gains)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+def _per_tensor() -> QConfigMapping:
+    return QConfigMapping().set_global(QConfig(
+        activation=HistogramObserver.with_args(reduce_range=True),
+        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)))
+
+
+def _batches(count=6):
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(4, 3, 8, 8, generator=generator) for _ in range(count)]
+
+
+def _model():
+    torch.manual_seed(0)
+    return _Spread().eval()
+
+
+def _by_hand(model, mapping, calibration, evaluation, backend="x86"):
+    """Output SQNR of torch's prepare_fx/convert_fx, done the way a user would."""
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = backend
+    try:
+        prepared = prepare_fx(copy.deepcopy(symbolic_graph(copy.deepcopy(model))), mapping, (calibration[0],))
+        with torch.no_grad():
+            for batch in calibration:
+                prepared(batch)
+            converted = convert_fx(prepared)
+            return sqnr_db([model(b) for b in evaluation], [converted(b) for b in evaluation])
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+def test_trial_and_fix_impact_match_torch_by_hand():
+    model, data = _model(), _batches()
+    report = qlint.lint(model, (data[0],), calibration=data, qconfig_mapping=_per_tensor(), select=["QL104"],
+                        trial_options={"batches": 4, "min_impact_db": 0.0})
+    trial = report.trial
+    assert trial is not None and trial.converted
+    # batches=4 reads 4 + 1 batches: the trial calibrates on 4 and evaluates on the 5th, held out
+    calibration, evaluation = data[:4], data[4:5]
+    assert trial.calibrated_on == "4 batches of the calibration data"
+    assert trial.output_sqnr_db == pytest.approx(_by_hand(model, _per_tensor(), calibration, evaluation), abs=0.01)
+    [finding] = report.by_rule("QL104")
+    impact = finding.impact
+    assert impact is not None and impact.basis == "fix-trial" and impact.kind == "sqnr-gain"
+    fixed_mapping = _per_tensor()
+    per_channel = QConfig(activation=HistogramObserver.with_args(reduce_range=True),
+                          weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8,
+                                                                    qscheme=torch.per_channel_symmetric))
+    assert finding.suggestion["targets"] == ["conv", "head"]
+    for name in finding.suggestion["targets"]:
+        fixed_mapping.set_module_name(name, per_channel)
+    assert impact.fixed_sqnr_db == pytest.approx(_by_hand(model, fixed_mapping, calibration, evaluation), abs=0.01)
+    assert impact.db == pytest.approx(impact.fixed_sqnr_db - impact.base_sqnr_db, abs=1e-3)
+    assert impact.db > 0 and finding.severity.value == "warning"
+    # the summary measured every kept fix at once
+    assert trial.fixed_sqnr_db is not None and trial.recoverable_db == pytest.approx(
+        trial.fixed_sqnr_db - trial.output_sqnr_db, abs=1e-3)
+
+
+def test_threshold_turns_a_small_impact_into_info_and_says_so():
+    model, data = _model(), _batches()
+    strict = qlint.lint(model, (data[0],), calibration=data, qconfig_mapping=_per_tensor(), select=["QL104"],
+                        trial_options={"batches": 4, "min_impact_db": 1000.0})
+    [finding] = strict.by_rule("QL104")
+    assert finding.severity.value == "info"
+    assert "below the 1000 dB threshold" in finding.message
+    off = qlint.lint(model, (data[0],), calibration=data, qconfig_mapping=_per_tensor(), select=["QL104"],
+                     trial_options={"enabled": False})
+    [raw] = off.by_rule("QL104")
+    assert raw.severity.value == "warning" and raw.impact is None and off.trial is None
+
+
+def test_without_calibration_the_trial_says_it_evaluates_on_its_calibration_data():
+    model, data = _model(), _batches(1)
+    report = qlint.lint(model, (data[0],), qconfig_mapping=_per_tensor(), select=["QL104"])
+    assert report.trial.calibrated_on == "the example inputs"
+    assert "the data it was calibrated on" in report.trial.evaluated_on
+
+
+def test_no_trial_without_example_inputs_and_rules_that_need_it_say_why():
+    report = qlint.lint(_model(), select=["QL105", "QL106"])
+    assert report.trial is None
+    assert {s.rule for s in report.skipped} == {"QL105", "QL106"}
+    assert all("example inputs" in s.reason for s in report.skipped)
+
+
+class _Lstm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        y, _ = self.lstm(x)
+        return self.head(y[:, -1])
+
+
+def test_float_fallback_measures_its_dynamic_fix_like_torch():
+    torch.manual_seed(0)
+    model = _Lstm().eval()
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 12, 16, generator=generator) for _ in range(4)]
+    report = qlint.lint(model, (data[0],), calibration=data, select=["QL106"])
+    [finding] = report.by_rule("QL106")
+    assert finding.target == "lstm" and finding.severity.value == "warning"
+    assert report.trial.int8_ops == 1 and report.trial.weighted_ops == 2 and report.trial.float_layers == ["lstm"]
+    impact = finding.impact
+    assert impact.kind == "coverage" and impact.int8_ops_gained == 1
+    assert finding.suggestion == {"action": "set_qconfig", "targets": ["lstm"], "mode": "dynamic"}
+    # by hand: the default mapping plus a dynamic entry for the LSTM (qlint keeps the backend's
+    # per-channel weights; torch's default_dynamic_qconfig is per-tensor, so compare loosely)
+    mapping = get_default_qconfig_mapping("x86").set_module_name("lstm", default_dynamic_qconfig)
+    by_hand = _by_hand(model, mapping, data[:3], data[3:])
+    assert impact.fixed_sqnr_db == pytest.approx(by_hand, abs=3.0)
+    assert impact.fixed_sqnr_db < impact.base_sqnr_db + 0.5  # int8 is never more accurate than float
+
+
+# --- property: bits lost stay physical -----------------------------------------------------------
+
+class _Fc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scales=st.lists(st.floats(min_value=1e-6, max_value=1e6), min_size=8, max_size=8),
+       spike=st.floats(min_value=1.0, max_value=1e9), positive=st.booleans(),
+       weight_scales=st.lists(st.floats(min_value=1e-9, max_value=1e9), min_size=4, max_size=4))
+def test_no_finding_reports_more_bits_lost_than_the_dtype_has(scales, spike, positive, weight_scales):
+    torch.manual_seed(0)
+    model = _Fc().eval()
+    with torch.no_grad():
+        model.fc.weight.mul_(torch.tensor(weight_scales).view(4, 1))
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        batch = torch.randn(32, 8, generator=generator) * torch.tensor(scales)
+        batch = batch.abs() if positive else batch
+        batch[0, 0] = spike  # a rare spike in channel 0
+        batches.append(batch)
+    report = qlint.lint(model, (batches[0],), calibration=batches, qconfig_mapping=_per_tensor(),
+                        select=["QL104", "QL203"], trial_options={"enabled": False})
+    for finding in report.findings:
+        bits = finding.data.get("dtype_bits", 8)
+        for key, value in finding.data.items():
+            if "bits" in key and key != "dtype_bits" and isinstance(value, float) and math.isfinite(value):
+                assert 0.0 <= value <= bits, (finding.rule, key, value, bits)
+        for layer in finding.data.get("layers", []):
+            if isinstance(layer.get("bits_lost"), float):
+                assert 0.0 <= layer["bits_lost"] <= 8.0
