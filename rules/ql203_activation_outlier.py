@@ -44,7 +44,20 @@ class ActivationOutlier(Rule):
     max / `reference_percentile`-quantile of that channel. A channel is an outlier when
     this ratio exceeds `ratio_threshold` and the ratio could be computed in at least
     `fraction_batches_used_threshold` of the batches. It reports the outlier channels,
-    their maxima and how many bits of int8 resolution they cost the other channels.
+    their maxima and how many bits of int8 resolution they cost the other channels,
+    never more bits than the activation's dtype has (7 with `reduce_range`). The channel
+    axis is axis 1 for conv inputs and the last axis for Linear inputs (the features of a
+    `(B, D)` or `(B, T, D)` tensor). A channel whose reference quantile is 0 (mostly zeros,
+    as after a ReLU) is listed but not counted as losing resolution: int8 holds zero
+    exactly. With lint's trial it also gives the measured SQNR of that activation under
+    the qparams the converted model uses.
+
+    Its fix differs from the default qconfig: a clipping `PercentileObserver` (99.99th
+    percentile) on the module whose output observer quantizes this input (prepare_fx shares
+    observers through ReLU, pooling and reshapes, so that is the producer upstream), or,
+    when the producer is a functional op with no qconfig of its own, keeping the layer
+    float. The trial measures the fix; where it does not gain the impact threshold the
+    finding is info.
     It also reports channels that are constant over all calibration data (severity
     info) and NaN or Inf activations (severity error).
 
