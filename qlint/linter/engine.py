@@ -285,7 +285,7 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
         timings.append(Timing(stage="calibrate", seconds=time.perf_counter() - stage))
     bench, trial = None, None
     blocker = trial_blocker(analysis, example, trial_options)
-    if blocker is None:
+    if blocker is None and analysis.qconfig_mapping is not None and example is not None:
         stage = time.perf_counter()
         bench = trial_bench(analysis, example, calibration, backend, trial_options)
         trial = bench.run(analysis.qconfig_mapping)

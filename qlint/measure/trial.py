@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
+from torch.ao.quantization.observer import UniformQuantizationObserverBase
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 from qlint.core.backends import backend_config
@@ -313,17 +314,20 @@ def activation_sqnr(prepared: fx.GraphModule, converted: fx.GraphModule,
             continue
         module = prepared.get_submodule(str(node.target))
         source = node.args[0].name
-        dtype_range = _DTYPE_RANGE.get(getattr(module, "dtype", None))
+        dtype = getattr(module, "dtype", None)
+        dtype_range = _DTYPE_RANGE.get(dtype) if isinstance(dtype, torch.dtype) else None
         if module_kind(module) != "observer" or dtype_range is None or getattr(module, "is_dynamic", False):
             continue
         if source in qparams:
             scale, zero_point = qparams[source]
         else:  # convert_fx renamed the node (functional ops): ask the observer itself
+            if not isinstance(module, UniformQuantizationObserverBase):
+                continue
             try:
                 scales, points = module.calculate_qparams()
                 scale, zero_point = float(scales), int(points)
                 dtype_range = (int(module.quant_min), int(module.quant_max))
-            except (AttributeError, TypeError, ValueError, RuntimeError):  # per-channel, or never ran
+            except (TypeError, ValueError, RuntimeError):  # per-channel, or never ran
                 continue
         observed[str(node.target)] = (source, scale, zero_point, *dtype_range)
     sums = {target: SqnrSums() for target in observed}
