@@ -319,7 +319,10 @@ def test_plan_from_report_follows_findings_and_fixes_conversion():
     assert decision is not None and decision.weight is not None and not decision.weight.per_channel
     assert decision.provenance[0].rule == "QL105" and decision.provenance[0].target == "up"
     fixed = qlint.lint(build(), _image(), qconfig_mapping=plan.to_qconfig_mapping(), select=["QL105"])
-    assert [f.severity.value for f in fixed.by_rule("QL105")] == ["info"]
+    # it converts and runs now; x86's int8 ConvTranspose2d then measures a noisy output, which
+    # QL105 reports as a low output SQNR (not a conversion failure)
+    [after] = fixed.by_rule("QL105")
+    assert after.data["kind"] in ("conversion-ok", "low-output-sqnr") and "stage" not in after.data
 
 
 def test_plan_from_report_maps_weight_and_fixed_qparams_suggestions():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Mapping
 
 import torch
 import torch.fx
@@ -146,14 +146,18 @@ def detect_counterpart(model: nn.Module) -> CounterpartKind:
 def quantized_layer_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Top-most layer-like modules; the insides of fused/packed modules are not layers."""
     layers: dict[str, nn.Module] = {}
-    claimed: list[str] = []
     for fqn, module in model.named_modules():
-        if not fqn or any(fqn.startswith(prefix + ".") for prefix in claimed):
+        if not fqn or _inside(fqn, layers):
             continue
         if layer_kind(module) is not None:
             layers[fqn] = module
-            claimed.append(fqn)
     return layers
+
+
+def _inside(fqn: str, owners: Mapping[str, object]) -> bool:
+    """Whether an ancestor of ``fqn`` is one of ``owners``: one lookup per dotted prefix."""
+    parts = fqn.split(".")
+    return any(".".join(parts[:depth]) in owners for depth in range(1, len(parts)))
 
 
 def float_layer_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -453,12 +457,12 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
         if owner is not None:
             layer_of[node] = owner
             entry_nodes.setdefault(owner, node)
+    order = {other.name: index for index, other in enumerate(ordered)}
     for layer in ordered:
         node = entry_nodes.get(layer.name)
         if node is None:
             continue
         ancestors = _nearest_layer_ancestors(node, layer_of, through=layer.name)
-        order = {other.name: index for index, other in enumerate(ordered)}
         layer.predecessors = sorted(ancestors, key=lambda name: order.get(name, 0))
 
 
