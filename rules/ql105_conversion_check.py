@@ -17,6 +17,7 @@ from torch.ao.quantization import QConfigMapping, get_default_qconfig, get_defau
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 from qlint.core.backends import backend_config
+from qlint.core.preserve import cloned
 from qlint.core.sqnr import sqnr_db
 from qlint.linter.context import INTENT_PREPARED, LintContext
 from qlint.linter.findings import Finding, Severity
@@ -132,7 +133,7 @@ class ConversionCheck(Rule):
 
         reference = ctx.model_factory().eval()
         try:
-            float_out = reference(*inputs)
+            float_out = reference(*cloned(inputs))  # each run gets its own copy: forward may write it
         except Exception as error:
             yield self._failure(ctx, STAGE_FLOAT, error, *_locate_by_running(reference, inputs))
             return
@@ -145,7 +146,7 @@ class ConversionCheck(Rule):
             yield self._failure(ctx, STAGE_PREPARE, error, _locate_in_traceback(error, modules), None)
             return
         try:
-            prepared(*inputs)
+            prepared(*cloned(inputs))
         except Exception as error:
             yield self._failure(ctx, STAGE_CALIBRATE, error, *_locate_by_running(prepared, inputs))
             return
@@ -156,7 +157,7 @@ class ConversionCheck(Rule):
             yield self._failure(ctx, STAGE_CONVERT, error, _locate_in_traceback(error, modules), None)
             return
         try:
-            quant_out = converted(*inputs)
+            quant_out = converted(*cloned(inputs))
         except Exception as error:
             yield self._failure(ctx, STAGE_RUN, error, *_locate_by_running(converted, inputs))
             return
@@ -245,7 +246,7 @@ def _locate_by_running(gm: Any, inputs: tuple[Any, ...]) -> tuple[Optional[dict[
         return None, None
     locator = _Locator(gm)
     try:
-        locator.run(*inputs)
+        locator.run(*cloned(inputs))
     except Exception:
         pass
     if locator.failed is None:
