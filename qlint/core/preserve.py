@@ -322,11 +322,12 @@ class _CopyOnWrite(TorchFunctionMode):
 
     def remove(self, tensors: Iterable[_KeptTensor]) -> None:
         for kept in tensors:
-            watchers = self.by_storage.get(kept.key) if kept.key is not None else None
-            if watchers is not None:
+            key = kept.key
+            watchers = self.by_storage.get(key) if key is not None else None
+            if key is not None and watchers is not None:
                 watchers[:] = [other for other in watchers if other is not kept]
                 if not watchers:
-                    del self.by_storage[kept.key]
+                    del self.by_storage[key]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
