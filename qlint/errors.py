@@ -29,3 +29,8 @@ class EmptyCalibrationError(QlintError):
 
 class CalibrationError(QlintError):
     """A calibration batch could not be run through the model."""
+
+
+class StateError(QlintError):
+    """The model's forward keeps state in a way qlint cannot trace, or changed it in a way
+    qlint could not undo."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.ao.quantization import QConfigMapping, get_default_qconfig
 
+from qlint.core.preserve import cloned
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
@@ -254,7 +255,7 @@ def _locate_by_running(gm: Any, inputs: tuple[Any, ...]) -> tuple[Optional[dict[
         return None, None
     locator = _Locator(gm)
     try:
-        locator.run(*inputs)
+        locator.run(*cloned(inputs))
     except Exception:
         pass
     if locator.failed is None:

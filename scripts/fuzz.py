@@ -2,6 +2,7 @@
 """Fuzz qlint.lint with random small models, hostile inputs and random options.
 
     python scripts/fuzz.py --runs 2000 --seed 0        # writes a summary table to stdout
+    python scripts/fuzz.py --runs 2000 --max-seconds 600   # stops drawing cases after 10 minutes
 
 Contract checked on every case: ``qlint.lint`` returns a Report or raises a
 QlintError (the CLI turns that into exit 2) — never another exception — and the
@@ -314,6 +315,8 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show", type=int, default=20, help="distinct failures to print")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="draw no new case after this many seconds (the table counts the cases run)")
     args = parser.parse_args(argv)
     import warnings
     import logging
@@ -328,7 +331,11 @@ def main(argv=None) -> int:
     failures: dict[str, tuple[dict, str]] = {}
     totals: collections.Counter = collections.Counter()
     start = time.time()
+    runs = 0
     for _run in range(args.runs):
+        if args.max_seconds is not None and time.time() - start > args.max_seconds:
+            break
+        runs += 1
         case = build_case(Draw(rng.randint))
         outcome, detail = run_case(case, registry)
         totals[outcome] += 1
@@ -340,7 +347,7 @@ def main(argv=None) -> int:
             table["qlint-error messages"][detail.split(":")[0]] += 1
     elapsed = time.time() - start
     outcomes = ["report", "rule-crash-contained", "qlint-error", "crash", "modified"]
-    print(f"# qlint fuzz: {args.runs} cases, seed {args.seed}, {elapsed:.0f}s, torch {torch.__version__}\n")
+    print(f"# qlint fuzz: {runs} cases, seed {args.seed}, {elapsed:.0f}s, torch {torch.__version__}\n")
     print("| outcome | cases |\n| --- | --- |")
     for outcome in outcomes:
         print(f"| {outcome} | {totals[outcome]} |")

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict
 
 from qlint.core.batches import as_call
 from qlint.core.nested import tensors_in
+from qlint.core.preserve import cloned
 from qlint.core.trace import symbolic_graph
 from qlint.errors import QlintError, TraceError
 
@@ -219,7 +220,7 @@ def _checked(record: dict[str, Any], error: float, max_relative_error: float) ->
 
 def _outputs(gm: nn.Module, inputs: Sequence[Any]) -> list[torch.Tensor]:
     with torch.no_grad():
-        out = gm(*inputs)
+        out = gm(*cloned(tuple(inputs)))  # a model that writes its inputs gets its own copy
     return [t.detach().float() for t in tensors_in(out)]
 
 

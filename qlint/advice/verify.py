@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
+from qlint.core.preserve import preserved_state
 from qlint.advice.plan import Provenance, QuantPlan, Rewrite, default_plan
 from qlint.advice.rewrite import AppliedRewrite, rewrite_key
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, RunResult, VerifyReport
@@ -148,6 +149,19 @@ def verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_d
     """
     if not isinstance(model, nn.Module):
         raise VerifyError(f"expected an nn.Module, got {type(model).__name__}")
+    # verify runs forward only on copies of the model; the guard gives back RNG, logging and attributes.
+    with preserved_state(model, watch_parameters=False):
+        return _verify(model, plan, calibration, eval_data, backend=backend, target_sqnr=target_sqnr,
+                       eval_fn=eval_fn, equalization_qconfig=equalization_qconfig, prune=prune,
+                       max_float_fraction=max_float_fraction, max_sensitivity_trials=max_sensitivity_trials,
+                       search_schemes=search_schemes, max_scheme_trials=max_scheme_trials, model_name=model_name)
+
+
+def _verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_data: Any, *,
+            backend: Optional[str], target_sqnr: Optional[float],
+            eval_fn: Optional[Callable[[nn.Module, Any], float]], equalization_qconfig: Any, prune: bool,
+            max_float_fraction: float, max_sensitivity_trials: int, search_schemes: bool,
+            max_scheme_trials: int, model_name: Optional[str]) -> VerifyReport:
     plan = plan if plan is not None else default_plan(backend or "x86")
     backend = backend or plan.backend
     if backend != plan.backend:

@@ -22,8 +22,10 @@ class BatchError(QlintError):
 
 def as_call(batch: Any, device: Optional[torch.device] = None,
             what: str = "a batch") -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``batch`` as ``(args, kwargs)``, its tensors moved to ``device`` when one is given.
+    """``batch`` as ``(args, kwargs)`` holding copies of its tensors, on ``device`` when one is given.
 
+    The copies are the model's own: one that writes its input in place (``x.mul_(2)``,
+    ``relu_``) changes neither the caller's data nor what the next forward pass sees.
     ``what`` names the batch in the error, e.g. "calibration batch 3"."""
     if isinstance(batch, torch.Tensor):
         args: tuple[Any, ...] = (batch,)
@@ -35,9 +37,10 @@ def as_call(batch: Any, device: Optional[torch.device] = None,
     else:
         raise BatchError(f"{what} is a {type(batch).__name__}; expected a tensor, a tuple of tensors "
                          "(positional inputs) or a dict (keyword inputs)")
-    if device is not None:
-        args, kwargs = map_tensors(args, lambda t: t.to(device)), map_tensors(kwargs, lambda t: t.to(device))
-    return args, kwargs
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone() if device is None else tensor.to(device, copy=True)
+
+    return map_tensors(args, own), map_tensors(kwargs, own)
 
 
 def call_model(model: Callable[..., Any], batch: Any) -> Any:

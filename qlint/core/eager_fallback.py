@@ -14,8 +14,9 @@ Limits, which :func:`eager_notices` spells out in the report: only the path take
 for these inputs is seen; Python control flow itself, Python scalars and
 anything computed outside torch (``.item()``, numpy) are invisible, so a tensor
 that passes through such code has no recorded producer; ops inside leaf modules
-are folded into the module. Everything runs on a private copy of the model under
-``torch.no_grad()``, so the user's parameters, buffers, modes and hooks stay put.
+are folded into the module. The run is under ``torch.no_grad()`` on a copy of the example
+inputs; ``eager_graph`` works on a private copy of the model, and lint borrows the model
+under :func:`qlint.core.preserve.preserved_state` instead, which restores it afterwards.
 
 Use::
 
@@ -36,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from qlint.errors import TraceError
 from qlint.core.nested import tensors_in
+from qlint.core.preserve import cloned
 from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.core.intent import CallDescription, function_candidates
 from qlint.core.ops import FUNCTION_KINDS, WEIGHTED_KINDS, function_kind, method_kind, module_kind
@@ -190,6 +192,7 @@ def _input_names(model: nn.Module, count: int) -> list[str]:
 
 
 def _record_run(model: nn.Module, example_inputs: Sequence[Any]) -> _Recorder:
+    example_inputs = cloned(tuple(example_inputs))  # the model may write its inputs in place
     recorder = _Recorder(model)
     for name, value in zip(_input_names(model, len(example_inputs)), example_inputs):
         recorder.produce(_Record(recorder.unique(name), "input", "input", [], tensors_in(value)))

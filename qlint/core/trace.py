@@ -19,11 +19,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 
-from qlint.errors import TraceError
+from qlint.errors import StateError, TraceError
 from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.core.intent import CallDescription, NodeQConfig
 from qlint.core.ops import MODULE_KINDS, function_kind, method_kind, module_kind
+from qlint.core.preserve import cloned, preserved_state, stored_proxies
 
 FRONTEND_SYMBOLIC = "fx.symbolic_trace"
 FRONTEND_GRAPH_MODULE = "fx.GraphModule"
@@ -53,11 +55,11 @@ class Traced:
 
 def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
           exported_program: Any = None) -> Traced:
-    """Trace ``model`` (which callers pass as a private copy) to a GraphModule."""
+    """Trace ``model`` (borrowed: it is left as it was) to a GraphModule."""
     if exported_program is not None:
         return Traced(exported_program.module(), FRONTEND_PT2, exported=True)
     if isinstance(model, fx.GraphModule):
-        return Traced(model, FRONTEND_GRAPH_MODULE, exported=False)
+        return Traced(_own_graph(model), FRONTEND_GRAPH_MODULE, exported=False)
     try:
         return Traced(symbolic_graph(model), FRONTEND_SYMBOLIC, exported=False)
     except TraceError as symbolic_error:  # try the next front end
@@ -68,7 +70,8 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
             "pass --input-shape or --example-inputs"
         )
     try:
-        with _silenced():
+        # export runs forward on fake tensors: attributes it writes on the model are undone
+        with preserved_state(model), _silenced():
             program = torch.export.export(model, tuple(example_inputs), strict=False)
             # module() generates Python from the graph, which fails on module names no code can spell
             exported_module = program.module()
@@ -90,25 +93,47 @@ def symbolic_graph(model: nn.Module) -> fx.GraphModule:
     reason on one line when the model cannot be traced symbolically."""
     if isinstance(model, fx.GraphModule):
         return model
-    try:
-        tracer = LeafTracer()
-        graph = tracer.trace(model)
-        # GraphModule generates Python from the graph, which fails on module names no code can spell
-        return fx.GraphModule(tracer.root, graph, type(model).__name__)
-    except Exception as error:  # user code fails symbolic tracing in many ways
-        raise TraceError(_one_line(error)) from error
+    # Tracing runs forward: what it writes on the model (attributes, the tracer's own
+    # _tensor_constant attributes) is undone when the attempt ends, whatever its outcome.
+    with preserved_state(model):
+        try:
+            tracer = LeafTracer()
+            graph = tracer.trace(model)
+            # GraphModule generates Python from the graph, which fails on module names no code can spell
+            traced: Optional[fx.GraphModule] = fx.GraphModule(tracer.root, graph, type(model).__name__)
+            failure: Optional[Exception] = None
+        except Exception as error:  # user code fails symbolic tracing in many ways
+            traced, failure, reason = None, error, _one_line(error)
+        stored = stored_proxies(model)
+    if stored:
+        raise StateError(
+            f"the model's forward stores a traced value (a torch.fx Proxy) in {stored[0]!r}: state kept "
+            "across calls cannot be traced; qlint put the attribute back. Keep such state out of forward")
+    if traced is None:
+        raise TraceError(reason) from failure
+    return traced
+
+
+def _own_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule sharing the user's modules and weights with its own graph, so that the
+    metadata qlint writes on nodes (shapes) never lands on the user's graph."""
+    # Graph.__deepcopy__ copies nodes with shallow copies of their meta; tensors are not copied.
+    own = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), type(graph_module).__name__)
+    own.meta = dict(getattr(graph_module, "meta", {}))
+    return own
 
 
 @contextlib.contextmanager
 def _silenced():
     """torch.export logs graph dumps on failure; qlint reports one line instead."""
+    level = logging.root.manager.disable  # the user's own setting comes back, not NOTSET
     logging.disable(logging.CRITICAL)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
-        logging.disable(logging.NOTSET)
+        logging.disable(level)
 
 
 def _one_line(error: BaseException) -> str:
@@ -120,8 +145,6 @@ def propagate_shapes(traced: Traced, example_inputs: Optional[Sequence[Any]]) ->
     """Fill tensor metadata on every node; returns a notice when it could not."""
     if traced.exported or not example_inputs:
         return None if traced.exported else "no example inputs: shapes are unknown"
-    from qlint.core.preserve import preserved_state
-
     module = traced.graph_module
     # A forward pass updates BN running stats and observer/fake-quant buffers; calibration
     # and the rules must see them as the user left them.
@@ -129,7 +152,7 @@ def propagate_shapes(traced: Traced, example_inputs: Optional[Sequence[Any]]) ->
         try:
             # ShapeProp prints a traceback to stderr before re-raising; the user gets one line.
             with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-                _ShapeRecorder(module).run(*example_inputs)
+                _ShapeRecorder(module).run(*cloned(tuple(example_inputs)))
         except Exception as error:  # the inputs do not fit the model
             cause = error.__cause__ or error
             raise TraceError(f"the example inputs do not fit the model: {_one_line(cause)}") from error
@@ -406,6 +429,32 @@ def _kind_from_type_name(type_name: str) -> Optional[str]:
 
 def _is_torch_leaf(owner: _Owner) -> bool:
     return owner.type_name.startswith("torch.nn.") or owner.type_name.startswith("torch.ao.nn.")
+
+
+def is_lazy_model(model: nn.Module) -> bool:
+    """Whether ``model`` has lazy modules (nn.LazyLinear...) that no forward pass initialized yet."""
+    return any(is_lazy(tensor) for tensor in [*model.parameters(), *model.buffers()])
+
+
+def initialized_copy(model: nn.Module, example_inputs: Optional[Sequence[Any]]) -> nn.Module:
+    """A copy whose lazy modules took their shapes from one forward pass on the example inputs.
+
+    Initializing the user's model would change it; uninitialized parameters hold no memory,
+    so copying a lazy model costs little."""
+    if not example_inputs:
+        raise TraceError("the model has lazy modules (e.g. nn.LazyLinear) whose shapes come from a first "
+                         "forward pass: pass --input-shape or --example-inputs")
+    working = private_copy(model)
+    modes = [(module, module.training) for module in working.modules()]
+    working.eval()  # no BN statistics or observer updates: only the shapes are wanted
+    try:
+        with torch.no_grad():
+            working(*cloned(tuple(example_inputs)))
+    except Exception as error:  # the inputs do not fit the model
+        raise TraceError(f"the example inputs do not fit the model: {_one_line(error)}") from error
+    for module, training in modes:
+        module.training = training
+    return working
 
 
 def private_copy(model: nn.Module) -> nn.Module:

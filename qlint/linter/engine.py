@@ -27,19 +27,19 @@ from qlint.linter.trial_stage import TrialOptions, summary, trial_bench, trial_b
 from qlint.linter.qconfig_table import qconfig_rows
 from qlint.linter.registry import Registry
 from qlint.linter.rule import Need, Rule
-from qlint.core.trace import GraphBuilder, Traced, private_copy, propagate_shapes, trace
+from qlint.core.trace import GraphBuilder, Traced, initialized_copy, is_lazy_model, propagate_shapes, trace
 
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
-    """What every later stage shares: the traced copy, its graph and the intent."""
+    """What every later stage shares: the traced GraphModule, its graph and the intent."""
 
     graph: ModelGraph
     traced: Optional[Traced]  # None when only the eager-hooks fallback could see the model
     intent: str
     qconfig_mapping: Optional[QConfigMapping]
     notices: tuple[Notice, ...]
-    model: Optional[nn.Module] = None  # the private working copy
+    model: Optional[nn.Module] = None  # the user's model, borrowed (a lazy one: an initialized copy)
 
 
 def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: str,
@@ -48,17 +48,21 @@ def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: 
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(model, nn.Module):
         raise QlintError(f"expected an nn.Module, got {type(model).__name__}")
-    # The model is borrowed, not copied: tracing only reads it, and every forward pass that
-    # could change state runs under preserved_state (see lint()). Copying would double the
-    # memory of a large model. The eager fallback attaches hooks, so it works on a copy.
-    working = model
+    # The model is borrowed, not copied: copying would double the memory of a large model.
+    # Every step that runs forward (tracing, shape propagation, the eager fallback,
+    # calibration) runs under preserved_state, which gives the model back as it was.
+    working, notices = model, []
+    if is_lazy_model(model):  # initializing the user's lazy modules would change them
+        working = initialized_copy(model, example_inputs)
+        notices.append(Notice(message="the model has lazy modules: qlint analysed a copy initialized by one "
+                                      "forward pass on the example inputs; the model itself stays uninitialized"))
     try:
         traced = trace(working, example_inputs, exported_program)
     except TraceError as error:
         if not example_inputs or exported_program is not None:
             raise
-        return _eager_fallback(private_copy(working), example_inputs, backend, qconfig_mapping, error)
-    notices = [Notice(message=n) for n in traced.notes]
+        return _eager_fallback(working, example_inputs, backend, qconfig_mapping, error)
+    notices += [Notice(message=n) for n in traced.notes]
     shape_note = propagate_shapes(traced, example_inputs)
     if shape_note:
         notices.append(Notice(message=shape_note))
@@ -79,7 +83,8 @@ def _eager_fallback(working: nn.Module, example_inputs: Sequence[Any], backend: 
     else:
         mapping = default_mapping(backend)
         intent, resolve = INTENT_DEFAULT, _mapping_resolver(mapping)
-    graph, notes = eager_analysis(working, example_inputs, resolve, copy_model=False)
+    with preserved_state(working):  # its hooks, BN statistics and attributes come back before the rules run
+        graph, notes = eager_analysis(working, example_inputs, resolve, copy_model=False)
     notices = [Notice(level=Severity.WARNING, message=f"{error}; analysed with eager forward hooks "
                       "instead: only leaf modules and the branch taken on the example inputs are seen")]
     notices += [Notice(level=Severity.WARNING, message=note) for note in notes]
@@ -263,7 +268,9 @@ def lint(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None, calib
     trial = TrialOptions.of(trial_options)
     if not isinstance(model, nn.Module):
         raise QlintError(f"expected an nn.Module, got {type(model).__name__}")
-    with preserved_state(model):
+    # Each stage that runs forward (tracing, shapes, eager fallback, calibration) opens a
+    # guard that also watches parameters; this one gives back everything else at the end.
+    with preserved_state(model, watch_parameters=False):
         return _lint(model, example, calibration, backend, qconfig_mapping, rules, model_name,
                      exported_program, calibration_options, trial, start)
 

@@ -19,14 +19,14 @@ and for every batch:
    ``on_isolated``: the error of quantizing this layer alone.
 
 Values of one batch are dropped before the next batch starts, so memory does
-not grow with the number of batches.  ``ModelStateGuard`` makes sure neither
-model is changed: hooks are removed, buffers (observer statistics, BN stats)
-and train/eval flags are restored even when a batch raises.
+not grow with the number of batches.  ``qlint.core.preserve.preserved_state``
+makes sure neither model is changed: hooks are removed, buffers (observer
+statistics, BN stats), parameters, attributes and train/eval flags are restored
+even when a batch raises, and each model gets its own copy of every batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -38,52 +38,11 @@ from torch.func import functional_call
 
 from qlint.measure.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
 from qlint.core.batches import as_call
+from qlint.core.preserve import preserved_state
 from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.measure.metrics import quantization_scale
 from qlint.measure.quantizers import FrozenQuantizer, apply_input_spec, frozen_quantizer, input_spec
 from qlint.measure.weights import simulated_weight_parameters
-
-
-# --- leaving models as they were ------------------------------------------------
-class ModelStateGuard(contextlib.AbstractContextManager):
-    """Put models in eval mode for the run and restore flags, buffers and hooks afterwards.
-
-    Observers update their statistics on every call and fake-quant modules may
-    re-estimate their scales, so a comparison run would otherwise leave the
-    user's prepared model calibrated on our data.
-    """
-
-    def __init__(self, *models: nn.Module):
-        self.models = models
-        self.handles: list[Any] = []
-
-    def __enter__(self) -> "ModelStateGuard":
-        self.training = [(module, module.training) for model in self.models for module in model.modules()]
-        self.buffers = []
-        for model in self.models:
-            for module in model.modules():
-                for name, buffer in module.named_buffers(recurse=False):
-                    self.buffers.append((module, name, buffer, buffer.detach().clone()))
-        for model in self.models:
-            model.eval()
-        return self
-
-    def add_handle(self, handle: Any) -> None:
-        self.handles.append(handle)
-
-    def __exit__(self, *exc_info) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        with torch.no_grad():
-            for module, name, original, saved in self.buffers:
-                if original.shape != saved.shape:
-                    original.resize_(saved.shape)
-                original.copy_(saved)
-                if getattr(module, name, None) is not original:
-                    setattr(module, name, original)
-        for module, flag in self.training:
-            module.training = flag
 
 
 class _NodeTap(torch.fx.Interpreter):
@@ -158,7 +117,7 @@ class PairedRunner:
         self.on_propagated, self.on_shadow, self.on_isolated = on_propagated, on_shadow, on_isolated
         self.float_grad = float_grad
         self.capture = capture  # False: only run both models (prepared-model simulation still applies)
-        self.guard = ModelStateGuard(float_model, quantized_model)
+        self.guard = preserved_state(float_model, quantized_model)
         self.float_inputs: dict[str, list] = defaultdict(list)  # isolated run only
         self.float_outputs: dict[str, list] = defaultdict(list)
         self.quant_calls: dict[str, int] = defaultdict(int)
@@ -178,6 +137,10 @@ class PairedRunner:
     def __enter__(self) -> "PairedRunner":
         self.guard.__enter__()
         try:
+            # Observers update their statistics on every call and fake-quants may re-estimate
+            # their scales; eval mode and the guard keep the user's models as they were.
+            self.float_model.eval()
+            self.quantized_model.eval()
             self._install()
         except BaseException:
             self.guard.__exit__(None, None, None)
@@ -370,10 +333,13 @@ class PairedRunner:
         self.float_outputs.clear()
         self.quant_calls.clear()
         self.quant_inputs.clear()
+        # Each model gets its own copy of the batch (as_call copies): a float model that writes
+        # its input in place must not change what the quantized model sees, nor the caller's data.
         args, kwargs = as_call(batch)
         context = torch.enable_grad() if self.float_grad else torch.no_grad()
         with context:
             float_output = self.float_runner(*args, **kwargs)
+        args, kwargs = as_call(batch)
         with torch.no_grad():
             quant_output = self.quant_runner(*args, **kwargs)
             if self.isolated:

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from qlint.core.preserve import preserved_state
 from qlint.linter.findings import CompareRow, Notice, Report, Severity, Timing
 from qlint.measure.capture import PairedRunner
 from qlint.numeric.diagnose import (
@@ -94,6 +95,16 @@ def compare(
     (shadow when run, else propagated), ``weight_sqnr_threshold`` to weight SQNR.
     """
     propagated, shadow = _check_modes(modes)
+    # The paired runner watches parameters while the models run; this guard covers the rest
+    # of the call (layer matching traces the models) and the process state.
+    with preserved_state(float_model, quantized_model, watch_parameters=False):
+        return _compare(float_model, quantized_model, data, propagated, shadow, sqnr_threshold,
+                        weight_sqnr_threshold, onset_jump_db, max_batches, model_name, backend, match)
+
+
+def _compare(float_model: nn.Module, quantized_model: nn.Module, data: Iterable, propagated: bool, shadow: bool,
+             sqnr_threshold: float, weight_sqnr_threshold: float, onset_jump_db: float,
+             max_batches: Optional[int], model_name: str, backend: str, match: Optional[MatchResult]) -> Report:
     started = time.perf_counter()
     match = match or match_layers(float_model, quantized_model)
     stats = {layer.name: LayerStats() for layer in match.layers}
@@ -218,6 +229,13 @@ def activation_histograms(
     The bin range comes from the min/max that compare recorded, so the pass
     streams with fixed-size counters.
     """
+    with preserved_state(float_model, quantized_model, watch_parameters=False):
+        return _activation_histograms(float_model, quantized_model, data, report, layers, bins, max_batches)
+
+
+def _activation_histograms(float_model: nn.Module, quantized_model: nn.Module, data: Iterable, report: Report,
+                           layers: Optional[Sequence[str]], bins: int,
+                           max_batches: Optional[int]) -> dict[str, LayerHistogram]:
     names = list(layers) if layers is not None else worst_layers(report, 4)
     rows = {row.name: row for row in report.compare_rows()}
     match = match_layers(float_model, quantized_model)

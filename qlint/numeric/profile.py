@@ -23,7 +23,7 @@ from torch import nn
 
 from qlint.core.batches import call_model
 from qlint.core.nested import first_tensor
-from qlint.measure.capture import ModelStateGuard
+from qlint.core.preserve import preserved_state
 from qlint.core.ops import layer_kind
 from qlint.measure.matching import float_layer_modules, quantized_layer_modules
 from qlint.measure.metrics import finite_or_none
@@ -128,7 +128,8 @@ def profile_model(model: nn.Module, data: Iterable, *, max_batches: Optional[int
     def statistics(name: str, role: str) -> _RunningStats:
         return stats.setdefault((name, role), _RunningStats())
 
-    with ModelStateGuard(model) as guard, torch.no_grad():
+    with preserved_state(model) as guard, torch.no_grad():
+        model.eval()  # observers and BN statistics: the guard puts the user's values and modes back
         for name, module in layers.items():
             for weight in _weights(module):
                 statistics(name, "weight").update(weight)

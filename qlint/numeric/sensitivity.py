@@ -34,7 +34,8 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 from qlint.core.batches import as_call, batch_size, call_model, reiterable
 from qlint.core.nested import first_float, map_tensors, tensors_in
 from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
-from qlint.measure.capture import ModelStateGuard, PairedRunner
+from qlint.core.preserve import preserved_state
+from qlint.measure.capture import PairedRunner
 from qlint.measure.matching import MODULE_SITE, LayerMatch, match_layers
 
 
@@ -117,7 +118,8 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
                 counts[name][0] += float(out.numel()) / samples
         return hook
 
-    with ModelStateGuard(model) as guard, torch.no_grad():
+    with preserved_state(model) as guard, torch.no_grad():
+        model.eval()
         for name in counts:
             module = modules[name]
             counts[name][1] = sum(parameter.numel() for parameter in module.parameters())
@@ -161,6 +163,17 @@ def sensitivity_rows(
 ) -> list[SensitivityRow]:
     """Sensitivity of each quantized module layer, most sensitive first, with FLOPs/params shares."""
     data = reiterable(data, "sensitivity")
+    models = (model,) if quantized_model is None else (model, quantized_model)
+    # Each step that runs the user's model opens a watching guard of its own (the paired
+    # runner, the FLOP count); this one gives back RNG, logging and everything else.
+    with preserved_state(*models, watch_parameters=False):
+        return _sensitivity_rows(model, data, backend, qconfig_mapping, quantized_model, probes, exact_limit,
+                                 max_batches, seed)
+
+
+def _sensitivity_rows(model: nn.Module, data: Iterable, backend: str, qconfig_mapping: Optional[QConfigMapping],
+                      quantized_model: Optional[nn.Module], probes: int, exact_limit: int,
+                      max_batches: Optional[int], seed: int) -> list[SensitivityRow]:
     if quantized_model is None:
         quantized_model = quantize_with_fx(model, data, backend, qconfig_mapping, max_batches)
     match = match_layers(model, quantized_model)
@@ -253,6 +266,13 @@ def exhaustive_sensitivity(
 ) -> list[tuple[str, float]]:
     """The reference: quantize one layer at a time (others float) and measure output noise/signal."""
     data = reiterable(data, "exhaustive_sensitivity")
+    with preserved_state(model, watch_parameters=False):  # every forward pass runs on a copy
+        return _exhaustive_sensitivity(model, data, backend, qconfig_mapping, layers, max_batches)
+
+
+def _exhaustive_sensitivity(model: nn.Module, data: Iterable, backend: str,
+                            qconfig_mapping: Optional[QConfigMapping], layers: Optional[list[str]],
+                            max_batches: Optional[int]) -> list[tuple[str, float]]:
     mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
     resolved = prepare_fx(copy.deepcopy(model).eval(), mapping, _example_inputs(_first_batch(data)))
     if layers is None:
