@@ -9,7 +9,6 @@ import copy
 import warnings
 
 import pytest
-import torch
 from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import prepare_fx
 

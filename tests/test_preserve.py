@@ -177,17 +177,18 @@ def test_lint_keeps_logging_disable_level_through_the_export_front_end(quiet_log
     assert logging.root.manager.disable == logging.INFO
 
 
-def _torch_trial_sqnr(factory, example, calibration):
-    """QL105's trial done by hand with torch on fresh copies of the data: the reference."""
+def _torch_trial_sqnr(factory, calibration, evaluation):
+    """Lint's trial done by hand with torch on fresh copies of the data: the reference."""
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
     model = factory()
     with torch.no_grad():
-        reference = model(example.clone())
-        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (example.clone(),))
-        prepared(example.clone())
-        quantized = convert_fx(prepared)(example.clone())
+        reference = model(evaluation.clone())
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (calibration[0].clone(),))
+        for batch in calibration:
+            prepared(batch.clone())
+        quantized = convert_fx(prepared)(evaluation.clone())
     return float(10 * torch.log10(reference.pow(2).sum() / (reference - quantized).pow(2).sum()))
 
 
@@ -202,10 +203,12 @@ def test_lint_of_a_model_writing_its_input_leaves_the_data_and_measures_right(fa
 
     assert all(torch.equal(a, b) for a, b in zip([example] + calibration, before))
     sqnr = [f.data["sqnr_db"] for f in report.findings if f.rule == "QL105"]
-    # Every forward pass of QL105's trial saw the caller's input, so it reports what torch's
-    # own pipeline gives (about 30 dB when the in-place result is used; far less when
-    # convert_fx drops the unused in-place node, which is a real conversion problem).
-    assert sqnr and abs(sqnr[0] - _torch_trial_sqnr(factory, example, calibration)) < 0.01, sqnr
+    # Every forward pass of the trial saw the caller's data, so QL105 reports what torch's own
+    # pipeline gives (about 30 dB when the in-place result is used; far less when convert_fx
+    # drops the unused in-place node, which is a real conversion problem). The trial
+    # calibrates on the first two batches and evaluates on the third, held out.
+    assert report.trial is not None and report.trial.calibrated_on == "2 batches of the calibration data"
+    assert sqnr and abs(sqnr[0] - _torch_trial_sqnr(factory, calibration[:2], calibration[2])) < 0.01, sqnr
 
 
 def test_lint_writes_no_node_meta_on_the_users_graph_module():
