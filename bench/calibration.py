@@ -173,8 +173,8 @@ def make_runner(mode, model, example):
 
 
 def time_batches(runner, mode, data):
-    """Seconds for one pass over the batches, the way each mode runs them."""
-    start = time.perf_counter()
+    """(wall seconds, CPU seconds of this process) for one pass over the batches, the way each mode runs them."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     if mode == "qlint":  # qlint's own batch loop, as `qlint --calibration` and qlint.lint run it
         from qlint.linter.calibration import run_calibration
 
@@ -182,7 +182,7 @@ def time_batches(runner, mode, data):
     else:
         for batch in data:
             runner(*batch)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def run_one(name, mode, count, size, real_models, loops=1):
@@ -197,7 +197,7 @@ def run_one(name, mode, count, size, real_models, loops=1):
         peak_resettable = _reset_peak_rss()
         loop_seconds = []
         for _ in range(loops):  # the fastest loop: the one least disturbed by other tenants of the VM
-            loop_seconds.append(time_batches(runner, mode, data))
+            loop_seconds.append(time_batches(runner, mode, data)[0])
         seconds = min(loop_seconds)
     loop_peak_mib = _peak_rss_since_reset_mib() if peak_resettable else None
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -221,17 +221,29 @@ def run_interleaved(name, modes, count, size, real_models, rounds, loops):
     slower, every ``loops``-th round): the VM's slow and fast phases then hit all modes alike,
     which separate processes minutes apart do not guarantee."""
     model, data = load(name, count, size, real_models)
-    runners = {mode: make_runner(mode, model, data[0]) for mode in modes}
-    seconds: dict[str, list] = {mode: [] for mode in modes}
+    runners = {}
     with torch.no_grad():
-        for runner in runners.values():
-            runner.eval()
-            runner(*data[0])  # warm-up
+        for mode in modes:
+            try:
+                runner = make_runner(mode, model, data[0])
+                runner.eval()
+                runner(*data[0])  # warm-up
+            except Exception as error:  # ModelReport cannot prepare or run every model; the others still run
+                if mode == "plain":
+                    raise
+                print(f"{name}: {mode} skipped: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+                continue
+            runners[mode] = runner
+    seconds: dict[str, list] = {mode: [] for mode in runners}
+    cpu: dict[str, list] = {mode: [] for mode in runners}
+    with torch.no_grad():
         for number in range(rounds):
             for mode, runner in runners.items():
                 slow = mode == "modelreport" and number % loops
-                seconds[mode].append(None if slow else time_batches(runner, mode, data))
-    print(json.dumps(dict(model=name, seconds=seconds)))
+                wall, cpu_seconds = (None, None) if slow else time_batches(runner, mode, data)
+                seconds[mode].append(wall)
+                cpu[mode].append(cpu_seconds)
+    print(json.dumps(dict(model=name, seconds=seconds, cpu=cpu)))
 
 
 def main():
@@ -259,6 +271,7 @@ def main():
     modes = args.modes.split(",")
     results: dict[tuple[str, str], list[dict]] = {}
     side_by_side: dict[str, dict[str, list]] = {}
+    side_by_side_cpu: dict[str, dict[str, list]] = {}
     common = ["--batches", str(args.batches), "--batch-size", str(args.batch_size), "--real-models", args.real_models]
     for name in args.models.split(","):
         if name not in BUILT_IN + REAL:
@@ -269,26 +282,28 @@ def main():
         out = subprocess.run([sys.executable, __file__, "--interleaved", name, "--modes", ",".join(modes),
                               "--repeats", str(args.repeats), "--loops", str(args.loops)] + common,
                              capture_output=True, text=True, cwd=ROOT)
-        if out.returncode:
-            print(out.stderr[-2000:], file=sys.stderr)
-        else:
-            side_by_side[name] = json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+        if out.stderr.strip():  # a mode skipped, or the traceback of a failed run
+            print(out.stderr.strip()[-600:], file=sys.stderr)
+        if not out.returncode:
+            measured = json.loads(out.stdout.strip().splitlines()[-1])
+            side_by_side[name], side_by_side_cpu[name] = measured["seconds"], measured["cpu"]
         # Memory needs a process per mode; modes alternate within each repeat.
         for _ in range(args.repeats):
             for mode in modes:
                 loops = 1 if mode == "modelreport" else args.loops
                 out = subprocess.run([sys.executable, __file__, "--one", name, mode, "--loops", str(loops)] + common,
                                      capture_output=True, text=True, cwd=ROOT)
-                if out.returncode:
-                    print(out.stderr[-2000:], file=sys.stderr)
+                if out.returncode:  # e.g. ModelReport on a model its observers cannot run: the last line says why
+                    print(f"{name} {mode}: {(out.stderr.strip().splitlines() or ['failed'])[-1][:300]}", file=sys.stderr)
                     continue
                 results.setdefault((name, mode), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
     # "side by side": every mode in one process, one pass each in turn; the median and range of
-    # the per-round ratios. "separate": the medians of the per-mode processes (fastest of --loops
-    # passes each), which also measure memory. "loop peak": the kernel's peak-RSS mark reset just
-    # before the timed batches, i.e. peak RSS during calibration itself; "process peak" also
-    # covers imports, tracing and observer insertion.
-    print(f"{'model':18} {'mode':12} {'x plain side by side':>21} {'(range)':>13} {'separate s':>10} "
+    # the per-round ratios of wall time, and the median ratio of the process's CPU time (less
+    # sensitive to other tenants of a shared machine). "separate": the medians of the per-mode
+    # processes (fastest of --loops passes each), which also measure memory. "loop peak": Linux's
+    # peak-RSS mark reset just before the timed batches, i.e. peak RSS during calibration itself;
+    # "process peak" also covers imports, tracing and observer insertion.
+    print(f"{'model':18} {'mode':12} {'x plain side by side':>21} {'(range)':>13} {'CPU x':>6} {'separate s':>10} "
           f"{'x plain':>8} {'loop peak MiB':>14} {'x plain':>8} {'process peak MiB':>17} {'x plain':>8} "
           f"{'setup s':>8}")
     for (name, mode), runs in results.items():
@@ -299,6 +314,9 @@ def main():
         ratios = [t / p for t, p in zip(rounds.get(mode, []), rounds.get("plain", [])) if t is not None]
         together = f"{_median(ratios):21.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>13}" if ratios else \
             f"{'n/a':>21} {'':>13}"
+        cpu_rounds = side_by_side_cpu.get(name, {})
+        cpu_ratios = [t / p for t, p in zip(cpu_rounds.get(mode, []), cpu_rounds.get("plain", [])) if t is not None]
+        together += f" {_median(cpu_ratios):6.2f}" if cpu_ratios else f" {'n/a':>6}"
         seconds, plain_seconds = _median([r["seconds"] for r in runs]), _median([r["seconds"] for r in plain_runs])
         loop = _median([r["loop_peak_rss_mib"] for r in runs if r["loop_peak_rss_mib"]] or [0])
         plain_loop = _median([r["loop_peak_rss_mib"] for r in plain_runs if r["loop_peak_rss_mib"]] or [0])
