@@ -1,6 +1,7 @@
 """Findings benchmark: every warning and error of ``qlint.lint`` with its measured impact.
 
-    python bench/findings.py [--models a,b] [--real-models DIR] [--batches N] [--backend x86]
+    python bench/findings.py [--models a,b] [--real-models DIR] [--batches N] [--max-fix-trials K]
+                             [--backend x86]
 
 Models: the four real pretrained models of ``--real-models`` (efficientnet_lite0, minilm_l6,
 silero_vad, digit_cnn; skipped when the kit is absent) and the models of
@@ -184,6 +185,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="", help="comma-separated names (default: all)")
     parser.add_argument("--real-models", default=DEFAULT_REAL_MODELS)
     parser.add_argument("--batches", type=int, default=8, help="calibration batches (at most 16) the trial uses")
+    parser.add_argument("--max-fix-trials", type=int, default=None,
+                        help="trial_options.max_fix_trials (default: qlint's, 12)")
     parser.add_argument("--backend", default="x86")
     args = parser.parse_args(argv)
     real_available = (Path(args.real_models) / "models.py").is_file()
@@ -203,12 +206,15 @@ def main(argv=None) -> int:
 
     print(f"qlint {qlint.__version__}, torch {torch.__version__}, backend {args.backend}, "
           f"impact threshold {THRESHOLD_DB} dB, "
-          f"calibration batches {args.batches} + {EVALUATION_BATCHES} held-out")
+          f"calibration batches {args.batches} + {EVALUATION_BATCHES} held-out, max fix trials "
+          f"{'default' if args.max_fix_trials is None else args.max_fix_trials}")
     verdicts = {}
     for name in names:
         model, example, calibration, held_out = load_model(name, args.real_models)
         data = calibration[: args.batches] + held_out[:EVALUATION_BATCHES]
         options = {"batches": TRIAL_BATCHES, "min_impact_db": THRESHOLD_DB}
+        if args.max_fix_trials is not None:
+            options["max_fix_trials"] = args.max_fix_trials
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
