@@ -8,12 +8,14 @@ modules, so 2,000 layers are 1,000 Linear+ReLU pairs. Seeded weights and input. 
 comparisons, each measured side by side in this one process (the 2-core VM's speed drifts
 by tens of percent over minutes, so only ratios taken round by round mean anything):
 
-* static: ``qlint.lint(model, (x,), ignore=["QL105"])`` (trace, graph, every static rule;
-  the data rules are skipped: no calibration data) against ``torch.export.export(model, (x,))``.
+* static: ``qlint.lint(model, (x,), trial_options={"enabled": False})`` (trace, graph, every
+  static rule; no trial; the data rules are skipped: no calibration data) against
+  ``torch.export.export(model, (x,))``.
   Target: at most 10x at every size, and 20,000 layers within 5 minutes.
-* trial: qlint's trial quantization, i.e. rule QL105 as the engine runs it (its "rule QL105"
-  timing: two private copies of the traced model, a float forward, prepare_fx, one
-  calibration forward, convert_fx, a quantized forward, the SQNR), against torch's own pass
+* trial: qlint's trial quantization as the engine runs it (its "trial" timing: private
+  copies of the traced model, a float forward, prepare_fx, one calibration forward (the
+  example input), convert_fx, the quantized forward, the per-layer paired run and the
+  activation pass; ``--select QL105`` and no fix trials), against torch's own pass
   on a copy of the model: prepare_fx, one calibration forward, convert_fx and one forward,
   with the same qconfig mapping and BackendConfig (x86). Target: at most 1.5x.
 
@@ -74,7 +76,7 @@ def torch_export(model: nn.Module, x: torch.Tensor) -> float:
 
 
 def qlint_static(model: nn.Module, x: torch.Tensor) -> tuple[float, dict[str, float]]:
-    seconds, report = timed(lambda: qlint.lint(model, (x,), ignore=["QL105"]))
+    seconds, report = timed(lambda: qlint.lint(model, (x,), trial_options={"enabled": False}))
     return seconds, {t.stage: t.seconds for t in report.timings}
 
 
@@ -102,9 +104,9 @@ def torch_trial(model: nn.Module, x: torch.Tensor) -> float:
 
 
 def qlint_trial(model: nn.Module, x: torch.Tensor) -> tuple[float, float, str]:
-    """(QL105's own time, the whole `lint --select QL105`, QL105's finding)."""
-    seconds, report = timed(lambda: qlint.lint(model, (x,), select=["QL105"]))
-    rule = next(t.seconds for t in report.timings if t.stage == "rule QL105")
+    """(the trial's own time, the whole `lint --select QL105`, QL105's finding)."""
+    seconds, report = timed(lambda: qlint.lint(model, (x,), select=["QL105"], trial_options={"max_fix_trials": 0}))
+    rule = next(t.seconds for t in report.timings if t.stage == "trial")
     kinds = ", ".join(str(f.data.get("kind")) for f in report.findings if f.rule == "QL105") or "no finding"
     return rule, seconds, kinds
 
@@ -161,7 +163,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, qlint {qlint.__version__}, {args.threads} thread(s); "
           f"Sequential of Linear({args.width}, {args.width}) + ReLU, input {args.batch}x{args.width}\n")
 
-    print("static rules: qlint.lint(ignore=['QL105']) vs torch.export.export")
+    print("static rules: qlint.lint(trial off) vs torch.export.export")
     print("| layers | rounds | torch.export s | qlint s (trace / rules) | qlint ÷ export, median (range) |")
     print("|---:|---:|---:|---:|---:|")
     for layers in sizes:
@@ -175,8 +177,8 @@ def main() -> None:
               f"({stages['trace']:.2f} / {stages['rules']:.2f}) | {ratio_text(ratios)} |", flush=True)
         del model, rows
 
-    print("\ntrial quantization: QL105 as qlint runs it vs torch prepare_fx + calibrate + convert_fx + forward")
-    print("| layers | rounds | torch pass s | QL105 s | QL105 ÷ torch, median (range) | "
+    print("\ntrial quantization as lint runs it vs torch prepare_fx + calibrate + convert_fx + forward")
+    print("| layers | rounds | torch pass s | trial s | trial ÷ torch, median (range) | "
           "whole `lint --select QL105` s | QL105 result |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for layers in trial_sizes:
