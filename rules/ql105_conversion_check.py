@@ -176,8 +176,14 @@ class ConversionCheck(Rule):
                 best, impact = _best_keep_float(ctx, trial, _candidates(ctx, onset.name))
                 if best is not None and impact is not None:
                     data["fix_target"] = best
-                    suggestion = {"action": "keep_float", "module": best}
-                    message += (f" Keeping {best!r} float (mapping.set_module_name({best!r}, None)) measures "
+                    if best in ctx.graph.modules:
+                        suggestion = {"action": "keep_float", "module": best}
+                        how = f"mapping.set_module_name({best!r}, None)"
+                    else:
+                        function = ctx.graph.node(best).target
+                        suggestion = {"action": "keep_float_function", "node": best, "function": function}
+                        how = f"mapping.set_object_type({function}, None)"
+                    message += (f" Keeping {best!r} float ({how}) measures "
                                 f"{impact.fixed_sqnr_db:.1f} dB ({impact.db:+.1f} dB).")
                     if impact.db < 0.5:
                         message += (" No single layer kept float recovers it: the error is spread over "
@@ -370,9 +376,10 @@ def error_onset(trial: TrialResult, threshold_db: float) -> Optional[LayerError]
 
 
 def _candidates(ctx: LintContext, onset: str) -> list[str]:
-    """The onset layer, and the nearest weighted module upstream of it: its input's range is
-    set by that module's output observer, so the error may arrive from there."""
-    found = [onset] if onset in ctx.graph.modules else []
+    """The onset layer (a module, or a functional op), and the nearest weighted module upstream
+    of it: its input's range is set by that module's output observer, so the error may arrive
+    from there."""
+    found = [onset] if onset in ctx.graph.modules or onset in ctx.graph else []
     sites = ctx.graph.call_sites(onset) if onset in ctx.graph.modules else (
         [ctx.graph.node(onset)] if onset in ctx.graph else [])
     frontier = [p for site in sites for p in ctx.graph.producers(site.name)]
@@ -392,22 +399,40 @@ def _candidates(ctx: LintContext, onset: str) -> list[str]:
 
 def _best_keep_float(ctx: LintContext, trial: TrialResult, candidates: list[str]
                      ) -> tuple[Optional[str], Optional[Impact]]:
-    """Keep each candidate float in a trial; the one recovering the most output SQNR."""
+    """Keep each candidate float in a trial (a module by name; a functional op by its
+    function, with ``set_object_type``); the one recovering the most output SQNR."""
     if ctx.trial_bench is None or ctx.qconfig_mapping is None or trial.output_sqnr_db is None:
         return None, None
     best: tuple[Optional[str], Optional[Impact]] = (None, None)
     for name in candidates:
         mapping = copy.deepcopy(ctx.qconfig_mapping)
-        mapping.set_module_name(name, None)
+        if name in ctx.graph.modules:
+            mapping.set_module_name(name, None)
+            label = name
+        else:
+            function = _function_of(ctx, name)
+            if function is None:
+                continue
+            mapping.set_object_type(function, None)
+            label = f"{name} ({getattr(function, '__name__', function)})"
         fixed = ctx.trial_bench.output_sqnr(mapping)
         if fixed is None:
             continue
         impact = Impact(db=round(fixed - trial.output_sqnr_db, 3), basis="rule-trial", kind="diagnosis",
                         base_sqnr_db=round(trial.output_sqnr_db, 3), fixed_sqnr_db=round(fixed, 3),
-                        detail=f"{name} kept float in a trial")
+                        detail=f"{label} kept float in a trial")
         if best[1] is None or impact.db > best[1].db:
             best = (name, impact)
     return best
+
+
+def _function_of(ctx: LintContext, node_name: str) -> Any:
+    """The function a call_function node of the traced model calls (None for anything else)."""
+    if ctx.model_factory is None or node_name not in ctx.graph or ctx.graph.node(node_name).op != "function":
+        return None
+    graph_module = ctx.model_factory()
+    node = next((n for n in graph_module.graph.nodes if n.name == node_name), None)
+    return node.target if node is not None and node.op == "call_function" and callable(node.target) else None
 
 
 def _rounded(value: Optional[float]) -> Optional[float]:

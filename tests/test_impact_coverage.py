@@ -6,10 +6,9 @@ functional op with no weighted module upstream of it (a BERT-style additive atte
 mask: ``(1 - mask) * -10000``, as in the shared MiniLM model), no candidate is tried and
 the error has no impact at all. Found by bench/findings.py on minilm_l6. Past the fix-trial
 budget, findings on a conv module whose forward traces to F.conv2d get no local-error estimate
-(found on efficientnet_lite0). Both xfail until fixed.
+(found on efficientnet_lite0).
 """
 
-import pytest
 import torch
 import torch.nn as nn
 
@@ -37,7 +36,6 @@ def _model_and_data():
     return model, data
 
 
-@pytest.mark.xfail(strict=True, reason="QL105 error whose onset is a functional op has no impact")
 def test_low_output_sqnr_error_at_a_functional_op_carries_an_impact():
     model, data = _model_and_data()
     report = qlint.lint(model, data[0], calibration=data)
@@ -62,8 +60,6 @@ class FunctionalConvBN(nn.Module):
         return self.relu(self.bn(self.conv(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="past the fix-trial budget, a finding on a traced-through conv module "
-                                       "gets no local-error estimate (trial layers are named by node)")
 def test_warning_on_a_traced_through_conv_gets_an_impact_past_the_trial_budget():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -3,12 +3,11 @@
 QL203 clamps its bit counts to [0, dtype bits]; QL104's ``bits_lost`` is log2 of the
 resolution loss and is not clamped, so a per-tensor weight whose narrowest output channel
 is ~1000x narrower than the widest reports about 10 of 8 bits lost. Found by
-bench/findings.py's physical-bits check; xfail until QL104 is fixed.
+bench/findings.py's physical-bits check; QL104 now clamps it.
 """
 
 import re
 
-import pytest
 import torch
 import torch.nn as nn
 
@@ -24,7 +23,7 @@ def _narrow_channel_linear() -> nn.Module:
     return model
 
 
-@pytest.mark.xfail(strict=True, reason="QL104 bits_lost = log2(resolution loss) is not clamped to the dtype's 8 bits")
+
 def test_ql104_reports_no_more_bits_lost_than_int8_has():
     example = (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)),)
     # qnnpack's default weight observer is per-tensor, so QL104 judges this layer

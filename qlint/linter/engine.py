@@ -215,6 +215,20 @@ def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
     return findings, rows, skipped, notices, timings
 
 
+def _nodes_of_modules(graph: ModelGraph) -> dict[str, list[str]]:
+    """Module fqn -> the graph nodes it computes: called as a module, or, traced through
+    (a conv subclass calling F.conv2d), the nodes that read its weight."""
+    nodes: dict[str, list[str]] = {}
+    for node in graph.nodes():
+        owners = {node.module} if node.module else set()
+        if node.weight:
+            owners.add(node.weight.rpartition(".")[0])
+        for owner in owners:
+            if owner and owner != node.name:
+                nodes.setdefault(owner, []).append(node.name)
+    return nodes
+
+
 def _copier(graph_module: fx.GraphModule):
     import copy
 
@@ -315,7 +329,8 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
         if trial.converted and analysis.traced is not None and analysis.qconfig_mapping is not None:
             stage = time.perf_counter()
             modules = frozenset(name for name, _ in analysis.traced.graph_module.named_modules() if name)
-            meter = ImpactMeter(bench, trial, analysis.qconfig_mapping, modules, trial_options)
+            meter = ImpactMeter(bench, trial, analysis.qconfig_mapping, modules, trial_options,
+                                _nodes_of_modules(analysis.graph))
             findings, fixed = with_impacts(findings, meter)
             timings.append(Timing(stage="impact", seconds=time.perf_counter() - stage))
         trial_summary = summary(bench, trial, fixed_sqnr_db=fixed, fix_trials=meter.trials if meter else 0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from torch.ao.quantization import QConfigMapping
 
@@ -60,27 +60,42 @@ def keep_float_mapping(base: QConfigMapping, target: str, modules: frozenset[str
     return mapping
 
 
-def local_error_estimate(result: TrialResult, target: str) -> Optional[Impact]:
+def local_error_estimate(result: TrialResult, target: str, aliases: Sequence[str] = ()) -> Optional[Impact]:
     """Output SQNR gained if ``target``'s own error vanished, assuming relative noise carries
-    through the rest of the model unchanged: 10*log10(N_out / (N_out - N_layer))."""
-    layer = result.layer(target)
-    if layer is None or layer.shadow_db is None or result.output_sqnr_db is None:
+    through the rest of the model unchanged: 10*log10(N_out / (N_out - N_layer)).
+
+    ``aliases``: the trial's names for the same layer (a module whose forward traces to
+    F.conv2d is measured as that node)."""
+    layers = [found for found in (result.layer(name) for name in (target, *aliases)) if found is not None]
+    if result.output_sqnr_db is None or not layers:
+        return None
+    own = next((layer for layer in layers if layer.shadow_db is not None), None)
+    # A functional op has no shadow run (no module to re-run); its propagated SQNR includes the
+    # error it inherits, so the estimate is then an upper bound, and says so.
+    layer = own or next((layer for layer in layers if layer.propagated_db is not None), None)
+    if layer is None:
+        return None
+    layer_db = layer.shadow_db if own is not None else layer.propagated_db
+    if layer_db is None:
         return None
     at_output = noise_power_ratio(result.output_sqnr_db)
-    own = noise_power_ratio(layer.shadow_db)
-    remaining = max(at_output - own, at_output * 10 ** (-_MAX_ESTIMATE_DB / 10))
+    layer_noise = noise_power_ratio(layer_db)
+    remaining = max(at_output - layer_noise, at_output * 10 ** (-_MAX_ESTIMATE_DB / 10))
     db = 10 * math.log10(at_output / remaining)
-    return Impact(db=round(db, 3), basis="local-error", base_sqnr_db=round(result.output_sqnr_db, 3),
-                  detail=f"the layer's own error is {layer.shadow_db:.1f} dB SQNR (shadow)")
+    detail = (f"the layer's own error is {layer_db:.1f} dB SQNR (shadow)" if own is not None else
+              f"the error at the layer's output is {layer_db:.1f} dB SQNR (propagated: an upper bound)")
+    return Impact(db=round(db, 3), basis="local-error", base_sqnr_db=round(result.output_sqnr_db, 3), detail=detail)
 
 
 class ImpactMeter:
     """Measures findings against one trial bench, spending at most ``max_fix_trials`` trials."""
 
     def __init__(self, bench: TrialBench, result: TrialResult, base_mapping: QConfigMapping,
-                 modules: frozenset[str], options: TrialOptions) -> None:
+                 modules: frozenset[str], options: TrialOptions,
+                 aliases: Optional[Mapping[str, Sequence[str]]] = None) -> None:
         self.bench, self.result, self.base, self.modules = bench, result, base_mapping, modules
         self.options = options
+        self.aliases = aliases or {}  # module fqn -> the graph nodes it computes
         self.trials = 0
         self._measured: dict[str, Optional[float]] = {}
 
@@ -113,7 +128,10 @@ class ImpactMeter:
                 return Impact(db=round(value - base, 3), basis="keep-float-trial", base_sqnr_db=round(base, 3),
                               fixed_sqnr_db=round(value, 3),
                               detail=f"{finding.target} kept float in a trial: the most a fix of it recovers")
-        return local_error_estimate(self.result, finding.target)
+        return self.estimate(finding.target)
+
+    def estimate(self, target: str) -> Optional[Impact]:
+        return local_error_estimate(self.result, target, self.aliases.get(target, ()))
 
     def combined(self, findings: Sequence[Finding]) -> Optional[float]:
         """Output SQNR with every given finding's qconfig fix applied at once (one trial)."""
@@ -125,8 +143,8 @@ class ImpactMeter:
         return self._sqnr(key, mapping)
 
 
-def _order_key(result: TrialResult, finding: Finding) -> tuple[int, float]:
-    estimate = local_error_estimate(result, finding.target)
+def _order_key(meter: "ImpactMeter", finding: Finding) -> tuple[int, float]:
+    estimate = meter.estimate(finding.target)
     return (-finding.severity.rank, -(estimate.db if estimate else 0.0))
 
 
@@ -135,7 +153,7 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
     and the output SQNR with every kept warning's fix (None when none is a qconfig change)."""
     threshold = meter.options.min_impact_db
     measured: dict[int, Finding] = {}
-    for index, finding in sorted(enumerate(findings), key=lambda pair: _order_key(meter.result, pair[1])):
+    for index, finding in sorted(enumerate(findings), key=lambda pair: _order_key(meter, pair[1])):
         if finding.severity is Severity.INFO or finding.impact is not None:
             measured[index] = finding
             continue
