@@ -50,14 +50,16 @@ def sqnr_db(model, float_model, eval_data) -> float:
 
 def model_report_mapping(model, calibration):
     from torch.ao.quantization import get_default_qconfig_mapping
-    from torch.ao.quantization.fx._model_report.detector import (DynamicStaticDetector,
-                                                                  InputWeightEqualizationDetector,
-                                                                  OutlierDetector, PerChannelDetector)
+    from torch.ao.quantization.fx._model_report.detector import (
+        DynamicStaticDetector,
+        InputWeightEqualizationDetector,
+        OutlierDetector,
+        PerChannelDetector,
+    )
     from torch.ao.quantization.fx._model_report.model_report import ModelReport
     from torch.ao.quantization.quantize_fx import prepare_fx
 
-    full = [PerChannelDetector("x86"), DynamicStaticDetector(), InputWeightEqualizationDetector(0.5),
-            OutlierDetector()]
+    full = [PerChannelDetector("x86"), DynamicStaticDetector(), InputWeightEqualizationDetector(0.5), OutlierDetector()]
     for detectors in (full, full[:3], full[:2]):  # some detectors crash on traced-through conv subclasses
         prepared = prepare_fx(copy.deepcopy(model).eval(), get_default_qconfig_mapping("x86"), (calibration[0],))
         report = ModelReport(prepared, set(detectors))
@@ -76,8 +78,7 @@ def model_report_mapping(model, calibration):
 def quantize(model, mapping, calibration):
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-    prepared = prepare_fx(copy.deepcopy(model).eval(), mapping, (calibration[0],),
-                          backend_config=backend_config("x86"))
+    prepared = prepare_fx(copy.deepcopy(model).eval(), mapping, (calibration[0],), backend_config=backend_config("x86"))
     with torch.no_grad():
         for batch in calibration:
             prepared(batch)
@@ -132,14 +133,18 @@ def equal_coverage(model, mapping, calibration, eval_data, float_count: int, qli
     float layers costing least SQNR are quantized back); (2) the very layers qlint keeps float.
     """
     traced = torch.fx.symbolic_trace(copy.deepcopy(model))
-    layers = conv_linear_modules(traced) + [o for o in functional_owners(traced)
-                                            if o not in conv_linear_modules(traced)]
+    layers = conv_linear_modules(traced) + [
+        o for o in functional_owners(traced) if o not in conv_linear_modules(traced)
+    ]
     base, int8, total, floats = _measure(model, mapping, calibration, eval_data)
     already = [f for f in layers if f in floats]
     choices: dict[str, list[str]] = {}
     if len(floats) <= float_count:
-        gains = {f: _measure(model, _with_float(mapping, [f]), calibration, eval_data)[0] - base
-                 for f in layers if f not in floats}
+        gains = {
+            f: _measure(model, _with_float(mapping, [f]), calibration, eval_data)[0] - base
+            for f in layers
+            if f not in floats
+        }
         extra = sorted(gains, key=lambda f: -gains[f])[: float_count - len(floats)]
         choices["most sensitive (measured)"] = already + extra
     else:  # quantize float layers back, least sensitive first
@@ -177,9 +182,15 @@ def run_one(name: str, target_sqnr: float, max_float_fraction: float) -> dict:
     stage = time.perf_counter()
     report = qlint.lint(model, (calibration[0],), calibration=calibration)
     plan = plan_from_report(report)
-    result = verify(model, plan, calibration, eval_data, target_sqnr=target_sqnr,
-                    max_float_fraction=max_float_fraction,
-                    model_name=name)
+    result = verify(
+        model,
+        plan,
+        calibration,
+        eval_data,
+        target_sqnr=target_sqnr,
+        max_float_fraction=max_float_fraction,
+        model_name=name,
+    )
     advised = time.perf_counter() - stage
 
     over_default, renamed = model_report_over_default(model, mr_mapping)
@@ -187,18 +198,27 @@ def run_one(name: str, target_sqnr: float, max_float_fraction: float) -> dict:
     float_count = round((1 - result.plan.int8_fraction) * mr_total)
     eq = equal_coverage(model, over_default, calibration, eval_data, float_count, qlint_float)
     return {
-        "model": name, "train_s": round(trained, 1), "qlint_s": round(advised, 1),
+        "model": name,
+        "train_s": round(trained, 1),
+        "qlint_s": round(advised, 1),
         "findings": sorted({f.rule for f in report.findings}),
         "plan_decisions": len(plan.modules) + len(plan.equalization) + len(plan.rewrites),
-        "default_sqnr": result.default.sqnr_db, "default_cov": result.default.int8_fraction,
-        "mr_sqnr": round(mr_sqnr, 2), "mr_cov": round(mr_int8 / mr_total, 4) if mr_total else 1.0,
+        "default_sqnr": result.default.sqnr_db,
+        "default_cov": result.default.int8_fraction,
+        "mr_sqnr": round(mr_sqnr, 2),
+        "mr_cov": round(mr_int8 / mr_total, 4) if mr_total else 1.0,
         "mr_entries": len(mr_mapping.module_name_qconfigs),
         "mr_renamed": {k: v for k, v in renamed.items() if k != v},
-        "mr_eq_sqnr": eq["sqnr"], "mr_eq_cov": eq["cov"], "mr_eq_float": eq["float"], "mr_eq_how": eq["how"],
+        "mr_eq_sqnr": eq["sqnr"],
+        "mr_eq_cov": eq["cov"],
+        "mr_eq_float": eq["float"],
+        "mr_eq_how": eq["how"],
         "mr_eq_tried": eq["tried"],
         "plan_given_sqnr": result.requested.sqnr_db,
-        "qlint_sqnr": result.plan.sqnr_db, "qlint_cov": result.plan.int8_fraction,
-        "qlint_int8": result.plan.int8_layers, "qlint_total": result.plan.total_layers,
+        "qlint_sqnr": result.plan.sqnr_db,
+        "qlint_cov": result.plan.int8_fraction,
+        "qlint_int8": result.plan.int8_layers,
+        "qlint_total": result.plan.total_layers,
         "qlint_float_layers": qlint_float,
         "kept_decisions": [f"{d.kind}:{d.target}" for d in result.decisions if d.kept],
         "dropped_decisions": [f"{d.kind}:{d.target}" for d in result.decisions if not d.kept],
@@ -222,18 +242,22 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print()
-    header = ("| model | default SQNR (cov) | ModelReport raw SQNR (cov) | ModelReport equal-cov SQNR (cov) | "
-              "qlint plan SQNR (cov) | vs default | vs ModelReport equal-cov | vs ModelReport raw | "
-              "qlint layers float |")
+    header = (
+        "| model | default SQNR (cov) | ModelReport raw SQNR (cov) | ModelReport equal-cov SQNR (cov) | "
+        "qlint plan SQNR (cov) | vs default | vs ModelReport equal-cov | vs ModelReport raw | "
+        "qlint layers float |"
+    )
     print(header)
     print("|" + "---|" * 9)
     for r in rows:
         floats = ", ".join(f"`{f}`" for f in r["qlint_float_layers"]) or "none"
-        print(f"| {r['model']} | {r['default_sqnr']:.2f} dB ({r['default_cov']:.0%}) | "
-              f"{r['mr_sqnr']:.2f} dB ({r['mr_cov']:.0%}) | {r['mr_eq_sqnr']:.2f} dB ({r['mr_eq_cov']:.0%}) | "
-              f"{r['qlint_sqnr']:.2f} dB ({r['qlint_cov']:.0%}) | "
-              f"{r['qlint_sqnr'] - r['default_sqnr']:+.2f} dB | {r['qlint_sqnr'] - r['mr_eq_sqnr']:+.2f} dB | "
-              f"{r['qlint_sqnr'] - r['mr_sqnr']:+.2f} dB | {1 - r['qlint_cov']:.0%} ({floats}) |")
+        print(
+            f"| {r['model']} | {r['default_sqnr']:.2f} dB ({r['default_cov']:.0%}) | "
+            f"{r['mr_sqnr']:.2f} dB ({r['mr_cov']:.0%}) | {r['mr_eq_sqnr']:.2f} dB ({r['mr_eq_cov']:.0%}) | "
+            f"{r['qlint_sqnr']:.2f} dB ({r['qlint_cov']:.0%}) | "
+            f"{r['qlint_sqnr'] - r['default_sqnr']:+.2f} dB | {r['qlint_sqnr'] - r['mr_eq_sqnr']:+.2f} dB | "
+            f"{r['qlint_sqnr'] - r['mr_sqnr']:+.2f} dB | {1 - r['qlint_cov']:.0%} ({floats}) |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

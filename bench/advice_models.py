@@ -18,7 +18,7 @@ BatchNorm re-amplifies them (small running_var).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -27,8 +27,14 @@ import torch.nn.functional as F
 STEPS = 150
 
 
-def _train(model: nn.Module, make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]],
-           loss_fn: Callable, steps: int = STEPS, lr: float = 3e-3, seed: int = 0) -> nn.Module:
+def _train(
+    model: nn.Module,
+    make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable,
+    steps: int = STEPS,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> nn.Module:
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
@@ -239,8 +245,9 @@ class SameConv2d(nn.Conv2d):
 class SameConvCNN(nn.Module):
     def __init__(self, width: int = 16, classes: int = 10, depth: int = 6) -> None:
         super().__init__()
-        self.convs = nn.ModuleList([SameConv2d(3, width, 3, bias=False)] +
-                                   [SameConv2d(width, width, 3, bias=False) for _ in range(depth - 1)])
+        self.convs = nn.ModuleList(
+            [SameConv2d(3, width, 3, bias=False)] + [SameConv2d(width, width, 3, bias=False) for _ in range(depth - 1)]
+        )
         self.bns = nn.ModuleList(nn.BatchNorm2d(width) for _ in range(depth))
         self.head = nn.Linear(width, classes)
 

@@ -86,8 +86,9 @@ class BasicBlock(nn.Module):
 class ResNet18(nn.Module):
     def __init__(self, classes=1000):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-                                  nn.MaxPool2d(3, 2, 1))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
         layers, cin = [], 64
         for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
             layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
@@ -107,9 +108,18 @@ class EncoderStack(nn.Module):
         self.heads = heads
         self.blocks = nn.ModuleList()
         for _ in range(depth):
-            self.blocks.append(nn.ModuleDict(dict(
-                norm1=nn.LayerNorm(dim), qkv=nn.Linear(dim, 3 * dim), proj=nn.Linear(dim, dim),
-                norm2=nn.LayerNorm(dim), fc1=nn.Linear(dim, 4 * dim), fc2=nn.Linear(4 * dim, dim))))
+            self.blocks.append(
+                nn.ModuleDict(
+                    dict(
+                        norm1=nn.LayerNorm(dim),
+                        qkv=nn.Linear(dim, 3 * dim),
+                        proj=nn.Linear(dim, dim),
+                        norm2=nn.LayerNorm(dim),
+                        fc1=nn.Linear(dim, 4 * dim),
+                        fc2=nn.Linear(4 * dim, dim),
+                    )
+                )
+            )
 
     def forward(self, x):
         b, t, d = x.shape
@@ -156,19 +166,27 @@ def make_runner(mode, model, example):
 
         analysis = analyse(model, example, "x86")
         rules = instantiate_rules(Registry.default(include_plugins=False).select(["QL201", "QL202", "QL203"], None), {})
-        runner, _, _ = insert_observers(analysis.traced.graph_module, resolve_points(analysis.graph, rules),
-                                        needs=resolve_point_needs(analysis.graph, rules))
+        runner, _, _ = insert_observers(
+            analysis.traced.graph_module,
+            resolve_points(analysis.graph, rules),
+            needs=resolve_point_needs(analysis.graph, rules),
+        )
         return runner
     from torch.ao.quantization import get_default_qconfig_mapping
-    from torch.ao.quantization.fx._model_report.detector import (DynamicStaticDetector,
-                                                                  InputWeightEqualizationDetector,
-                                                                  OutlierDetector, PerChannelDetector)
+    from torch.ao.quantization.fx._model_report.detector import (
+        DynamicStaticDetector,
+        InputWeightEqualizationDetector,
+        OutlierDetector,
+        PerChannelDetector,
+    )
     from torch.ao.quantization.fx._model_report.model_report import ModelReport
     from torch.ao.quantization.quantize_fx import prepare_fx
 
     prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), example)
-    report = ModelReport(prepared, {PerChannelDetector(), DynamicStaticDetector(),
-                                    InputWeightEqualizationDetector(0.5), OutlierDetector()})
+    report = ModelReport(
+        prepared,
+        {PerChannelDetector(), DynamicStaticDetector(), InputWeightEqualizationDetector(0.5), OutlierDetector()},
+    )
     return report.prepare_detailed_calibration()
 
 
@@ -206,14 +224,30 @@ def run_one(name, mode, count, size, real_models, loops=1):
         import qlint
 
         start = time.perf_counter()
-        qlint.lint(load(name, count, size, real_models)[0], example, calibration=data,
-                   select=["QL201", "QL202", "QL203"],
-                   calibration_options={"quiet": True})
+        qlint.lint(
+            load(name, count, size, real_models)[0],
+            example,
+            calibration=data,
+            select=["QL201", "QL202", "QL203"],
+            calibration_options={"quiet": True},
+        )
         lint_seconds = time.perf_counter() - start
     else:
         lint_seconds = None
-    print(json.dumps(dict(model=name, mode=mode, seconds=seconds, setup=setup, lint_seconds=lint_seconds,
-                          peak_rss_mib=peak_mib, loop_peak_rss_mib=loop_peak_mib, threads=torch.get_num_threads())))
+    print(
+        json.dumps(
+            dict(
+                model=name,
+                mode=mode,
+                seconds=seconds,
+                setup=setup,
+                lint_seconds=lint_seconds,
+                peak_rss_mib=peak_mib,
+                loop_peak_rss_mib=loop_peak_mib,
+                threads=torch.get_num_threads(),
+            )
+        )
+    )
 
 
 def run_interleaved(name, modes, count, size, real_models, rounds, loops):
@@ -251,13 +285,24 @@ def main():
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--models", default=",".join(BUILT_IN + REAL))
-    parser.add_argument("--real-models", default=DEFAULT_REAL_MODELS,
-                        help="folder of the real-model kit (models.py); its models are skipped when it is missing")
+    parser.add_argument(
+        "--real-models",
+        default=DEFAULT_REAL_MODELS,
+        help="folder of the real-model kit (models.py); its models are skipped when it is missing",
+    )
     parser.add_argument("--modes", default="plain,qlint,modelreport")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="subprocess runs per (model, mode), interleaved across modes; medians are reported")
-    parser.add_argument("--loops", type=int, default=3,
-                        help="timed passes over the batches per run (the fastest counts); ModelReport gets 1")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="subprocess runs per (model, mode), interleaved across modes; medians are reported",
+    )
+    parser.add_argument(
+        "--loops",
+        type=int,
+        default=3,
+        help="timed passes over the batches per run (the fastest counts); ModelReport gets 1",
+    )
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--interleaved", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -265,8 +310,15 @@ def main():
         run_one(args.one[0], args.one[1], args.batches, args.batch_size, args.real_models, args.loops)
         return
     if args.interleaved:
-        run_interleaved(args.interleaved, args.modes.split(","), args.batches, args.batch_size, args.real_models,
-                        args.repeats * args.loops, args.loops)
+        run_interleaved(
+            args.interleaved,
+            args.modes.split(","),
+            args.batches,
+            args.batch_size,
+            args.real_models,
+            args.repeats * args.loops,
+            args.loops,
+        )
         return
     modes = args.modes.split(",")
     results: dict[tuple[str, str], list[dict]] = {}
@@ -279,9 +331,24 @@ def main():
         if name in REAL and not real_kit_available(args.real_models):
             print(f"skipping {name}: no real-model kit at {args.real_models}", file=sys.stderr)
             continue
-        out = subprocess.run([sys.executable, __file__, "--interleaved", name, "--modes", ",".join(modes),
-                              "--repeats", str(args.repeats), "--loops", str(args.loops)] + common,
-                             capture_output=True, text=True, cwd=ROOT)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--interleaved",
+                name,
+                "--modes",
+                ",".join(modes),
+                "--repeats",
+                str(args.repeats),
+                "--loops",
+                str(args.loops),
+            ]
+            + common,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         if out.stderr.strip():  # a mode skipped, or the traceback of a failed run
             print(out.stderr.strip()[-600:], file=sys.stderr)
         if not out.returncode:
@@ -291,10 +358,16 @@ def main():
         for _ in range(args.repeats):
             for mode in modes:
                 loops = 1 if mode == "modelreport" else args.loops
-                out = subprocess.run([sys.executable, __file__, "--one", name, mode, "--loops", str(loops)] + common,
-                                     capture_output=True, text=True, cwd=ROOT)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--one", name, mode, "--loops", str(loops)] + common,
+                    capture_output=True,
+                    text=True,
+                    cwd=ROOT,
+                )
                 if out.returncode:  # e.g. ModelReport on a model its observers cannot run: the last line says why
-                    print(f"{name} {mode}: {(out.stderr.strip().splitlines() or ['failed'])[-1][:300]}", file=sys.stderr)
+                    print(
+                        f"{name} {mode}: {(out.stderr.strip().splitlines() or ['failed'])[-1][:300]}", file=sys.stderr
+                    )
                     continue
                 results.setdefault((name, mode), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
     # "side by side": every mode in one process, one pass each in turn; the median and range of
@@ -303,17 +376,22 @@ def main():
     # processes (fastest of --loops passes each), which also measure memory. "loop peak": Linux's
     # peak-RSS mark reset just before the timed batches, i.e. peak RSS during calibration itself;
     # "process peak" also covers imports, tracing and observer insertion.
-    print(f"{'model':18} {'mode':12} {'x plain side by side':>21} {'(range)':>13} {'CPU x':>6} {'separate s':>10} "
-          f"{'x plain':>8} {'loop peak MiB':>14} {'x plain':>8} {'process peak MiB':>17} {'x plain':>8} "
-          f"{'setup s':>8}")
+    print(
+        f"{'model':18} {'mode':12} {'x plain side by side':>21} {'(range)':>13} {'CPU x':>6} {'separate s':>10} "
+        f"{'x plain':>8} {'loop peak MiB':>14} {'x plain':>8} {'process peak MiB':>17} {'x plain':>8} "
+        f"{'setup s':>8}"
+    )
     for (name, mode), runs in results.items():
         plain_runs = results.get((name, "plain"))
         if not plain_runs:
             continue
         rounds = side_by_side.get(name, {})
         ratios = [t / p for t, p in zip(rounds.get(mode, []), rounds.get("plain", [])) if t is not None]
-        together = f"{_median(ratios):21.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>13}" if ratios else \
-            f"{'n/a':>21} {'':>13}"
+        together = (
+            f"{_median(ratios):21.2f} {f'{min(ratios):.2f}-{max(ratios):.2f}':>13}"
+            if ratios
+            else f"{'n/a':>21} {'':>13}"
+        )
         cpu_rounds = side_by_side_cpu.get(name, {})
         cpu_ratios = [t / p for t, p in zip(cpu_rounds.get(mode, []), cpu_rounds.get("plain", [])) if t is not None]
         together += f" {_median(cpu_ratios):6.2f}" if cpu_ratios else f" {'n/a':>6}"
@@ -322,8 +400,10 @@ def main():
         plain_loop = _median([r["loop_peak_rss_mib"] for r in plain_runs if r["loop_peak_rss_mib"]] or [0])
         peak, plain_peak = _median([r["peak_rss_mib"] for r in runs]), _median([r["peak_rss_mib"] for r in plain_runs])
         loop_text = f"{loop:14.0f} {loop / plain_loop:8.2f}" if loop and plain_loop else f"{'n/a':>14} {'':8}"
-        print(f"{name:18} {mode:12} {together} {seconds:10.2f} {seconds / plain_seconds:8.2f} {loop_text} "
-              f"{peak:17.0f} {peak / plain_peak:8.2f} {_median([r['setup'] for r in runs]):8.2f}")
+        print(
+            f"{name:18} {mode:12} {together} {seconds:10.2f} {seconds / plain_seconds:8.2f} {loop_text} "
+            f"{peak:17.0f} {peak / plain_peak:8.2f} {_median([r['setup'] for r in runs]):8.2f}"
+        )
 
 
 def _median(values):

@@ -34,8 +34,9 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -117,8 +118,10 @@ def bits_offences(report: Report) -> list[str]:
         for key, number, dtype_bits in bit_numbers(finding.data):
             limit = float(dtype_bits) if isinstance(dtype_bits, (int, float)) else 8.0
             if not (0.0 <= number <= limit):  # NaN fails too
-                offences.append(f"{finding.rule} {finding.severity.value} {finding.target}: "
-                                f"{key}={number} (dtype has {limit:g} bits)")
+                offences.append(
+                    f"{finding.rule} {finding.severity.value} {finding.target}: "
+                    f"{key}={number} (dtype has {limit:g} bits)"
+                )
     return offences
 
 
@@ -129,37 +132,49 @@ def print_report(name: str, report: Report, wall: float, threshold: float) -> tu
         print("  trial: none — " + "; ".join(n.message for n in report.notices))
     else:
         coverage = f"{trial.int8_ops}/{trial.weighted_ops}"
-        print(f"  trial: converted={trial.converted}"
-              + (f" (failed at {trial.failed_stage})" if trial.failed_stage else "")
-              + f", output SQNR {fmt(trial.output_sqnr_db, '.2f')} dB, int8 coverage {coverage}"
-              + f" conv/linear/recurrent/attention ops, {trial.seconds:.1f} s, {trial.fix_trials} fix trials")
+        print(
+            f"  trial: converted={trial.converted}"
+            + (f" (failed at {trial.failed_stage})" if trial.failed_stage else "")
+            + f", output SQNR {fmt(trial.output_sqnr_db, '.2f')} dB, int8 coverage {coverage}"
+            + f" conv/linear/recurrent/attention ops, {trial.seconds:.1f} s, {trial.fix_trials} fix trials"
+        )
         print(f"         calibrated on {trial.calibrated_on}; evaluated on {trial.evaluated_on}")
-        print(f"         with every warning's fix: {fmt(trial.fixed_sqnr_db, '.2f')} dB "
-              f"(recoverable {fmt(trial.recoverable_db, '+.2f')} dB)")
+        print(
+            f"         with every warning's fix: {fmt(trial.fixed_sqnr_db, '.2f')} dB "
+            f"(recoverable {fmt(trial.recoverable_db, '+.2f')} dB)"
+        )
         if trial.float_layers:
-            print(f"         float layers: {', '.join(trial.float_layers[:8])}"
-                  + (f" (+{len(trial.float_layers) - 8})" if len(trial.float_layers) > 8 else ""))
-    stages = ", ".join(f"{t.stage} {t.seconds:.1f}" for t in report.timings
-                       if not t.stage.startswith("QL") and not t.stage.startswith("rule"))
+            print(
+                f"         float layers: {', '.join(trial.float_layers[:8])}"
+                + (f" (+{len(trial.float_layers) - 8})" if len(trial.float_layers) > 8 else "")
+            )
+    stages = ", ".join(
+        f"{t.stage} {t.seconds:.1f}"
+        for t in report.timings
+        if not t.stage.startswith("QL") and not t.stage.startswith("rule")
+    )
     print(f"  timings (s): {stages}")
     serious = [f for f in report.findings if f.severity is not Severity.INFO]
     infos = [f for f in report.findings if f.severity is Severity.INFO]
     demoted = [f for f in infos if "threshold, so this is info" in f.message]
     print(f"  {len(serious)} warnings/errors, {len(infos)} info ({len(demoted)} demoted below {threshold:g} dB)")
     if serious:
-        print(f"  {'sev':7} {'rule':5} {'target':34} {'impact':>7} {'basis':16} {'kind':9} "
-              f"{'default':>7} {'fixed':>7}")
+        print(f"  {'sev':7} {'rule':5} {'target':34} {'impact':>7} {'basis':16} {'kind':9} {'default':>7} {'fixed':>7}")
     for f in serious:
         i = f.impact
-        print(f"  {f.severity.value:7} {f.rule:5} {short(f.target, 34):34} "
-              f"{fmt(i.db if i else None, '+7.2f'):>7} {(i.basis if i else '-'):16} "
-              f"{(i.kind if i else '-'):9} {fmt(i.base_sqnr_db if i else None, '7.2f'):>7} "
-              f"{fmt(i.fixed_sqnr_db if i else None, '7.2f'):>7}")
+        print(
+            f"  {f.severity.value:7} {f.rule:5} {short(f.target, 34):34} "
+            f"{fmt(i.db if i else None, '+7.2f'):>7} {(i.basis if i else '-'):16} "
+            f"{(i.kind if i else '-'):9} {fmt(i.base_sqnr_db if i else None, '7.2f'):>7} "
+            f"{fmt(i.fixed_sqnr_db if i else None, '7.2f'):>7}"
+        )
         print(f"          {short(f.message)}")
     for f in demoted:
         i = f.impact
-        print(f"  (info)  {f.rule:5} {short(f.target, 34):34} {fmt(i.db if i else None, '+7.2f'):>7} "
-              f"{(i.basis if i else '-'):16}")
+        print(
+            f"  (info)  {f.rule:5} {short(f.target, 34):34} {fmt(i.db if i else None, '+7.2f'):>7} "
+            f"{(i.basis if i else '-'):16}"
+        )
     by_rule: dict[str, int] = {}
     for f in infos:
         by_rule[f.rule] = by_rule.get(f.rule, 0) + 1
@@ -185,13 +200,15 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="", help="comma-separated names (default: all)")
     parser.add_argument("--real-models", default=DEFAULT_REAL_MODELS)
     parser.add_argument("--batches", type=int, default=8, help="calibration batches (at most 16) the trial uses")
-    parser.add_argument("--max-fix-trials", type=int, default=None,
-                        help="trial_options.max_fix_trials (default: qlint's, 12)")
+    parser.add_argument(
+        "--max-fix-trials", type=int, default=None, help="trial_options.max_fix_trials (default: qlint's, 12)"
+    )
     parser.add_argument("--backend", default="x86")
     args = parser.parse_args(argv)
     real_available = (Path(args.real_models) / "models.py").is_file()
     names = [n for n in args.models.split(",") if n] or (
-        (list(REAL_MODELS) if real_available else []) + list(BENCH_MODELS))
+        (list(REAL_MODELS) if real_available else []) + list(BENCH_MODELS)
+    )
     unknown = [n for n in names if n not in BENCH_MODELS and n not in REAL_MODELS]
     if unknown:
         print(f"error: unknown models {', '.join(unknown)}", file=sys.stderr)
@@ -204,10 +221,12 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    print(f"qlint {qlint.__version__}, torch {torch.__version__}, backend {args.backend}, "
-          f"impact threshold {THRESHOLD_DB} dB, "
-          f"calibration batches {args.batches} + {EVALUATION_BATCHES} held-out, max fix trials "
-          f"{'default' if args.max_fix_trials is None else args.max_fix_trials}")
+    print(
+        f"qlint {qlint.__version__}, torch {torch.__version__}, backend {args.backend}, "
+        f"impact threshold {THRESHOLD_DB} dB, "
+        f"calibration batches {args.batches} + {EVALUATION_BATCHES} held-out, max fix trials "
+        f"{'default' if args.max_fix_trials is None else args.max_fix_trials}"
+    )
     verdicts = {}
     for name in names:
         model, example, calibration, held_out = load_model(name, args.real_models)
@@ -218,15 +237,18 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = qlint.lint(model, example, calibration=data, backend=args.backend,
-                                trial_options=options, model_name=name)
+            report = qlint.lint(
+                model, example, calibration=data, backend=args.backend, trial_options=options, model_name=name
+            )
         wall = time.perf_counter() - start
         verdicts[name] = print_report(name, report, wall, THRESHOLD_DB) + (wall,)
         sys.stdout.flush()
     print("\n=== summary")
     for name, (accepted, physical, wall) in verdicts.items():
-        print(f"  {name:20} acceptance {'PASS' if accepted else 'FAIL'}   physical bits "
-              f"{'PASS' if physical else 'FAIL'}   lint {wall:6.1f} s")
+        print(
+            f"  {name:20} acceptance {'PASS' if accepted else 'FAIL'}   physical bits "
+            f"{'PASS' if physical else 'FAIL'}   lint {wall:6.1f} s"
+        )
     return 0
 
 

@@ -12,7 +12,7 @@ held-out batches, disjoint, from a seeded generator; the caller's RNG is left as
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -50,8 +50,7 @@ class MobileNetV2ish(nn.Module):
 
 
 class TransformerClassifier(nn.Module):
-    def __init__(self, features: int = 16, dim: int = 64, heads: int = 4, layers: int = 2,
-                 classes: int = 5) -> None:
+    def __init__(self, features: int = 16, dim: int = 64, heads: int = 4, layers: int = 2, classes: int = 5) -> None:
         super().__init__()
         self.embed = nn.Linear(features, dim)
         layer = nn.TransformerEncoderLayer(dim, heads, dim * 2, batch_first=True, dropout=0.0)

@@ -24,19 +24,20 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import calibration as bench  # noqa: E402  (bench/calibration.py: models and batches)
+from qlint.rules.ql203_activation_outlier import outlier_metric  # noqa: E402
 
 from qlint.linter.calibration import insert_observers, resolve_point_needs, resolve_points, run_calibration  # noqa: E402
 from qlint.linter.engine import analyse, instantiate_rules  # noqa: E402
 from qlint.linter.registry import Registry  # noqa: E402
-from qlint.rules.ql203_activation_outlier import outlier_metric  # noqa: E402
 from qlint.stats import PERCENTILE_SAMPLE  # noqa: E402
 
 
 def metrics(analysis, rules, data, percentile_sample):
     """Per observed point, QL203's per-channel metric after calibrating with this sample size."""
     points = resolve_points(analysis.graph, rules)
-    observed, observers, _ = insert_observers(analysis.traced.graph_module, points,
-                                              needs=resolve_point_needs(analysis.graph, rules))
+    observed, observers, _ = insert_observers(
+        analysis.traced.graph_module, points, needs=resolve_point_needs(analysis.graph, rules)
+    )
     for observer in observers.values():
         observer.percentile_sample = percentile_sample
     run_calibration(observed, data, quiet=True)
@@ -51,8 +52,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
     print(f"percentile_sample={PERCENTILE_SAMPLE} vs exact")
-    print(f"{'model':18} {'channels':>8} {'outliers':>8} {'verdicts differ':>15} {'median |rel err|':>16} "
-          f"{'p99 |rel err|':>13}")
+    print(
+        f"{'model':18} {'channels':>8} {'outliers':>8} {'verdicts differ':>15} {'median |rel err|':>16} "
+        f"{'p99 |rel err|':>13}"
+    )
     for name in args.models.split(","):
         if name in bench.REAL and not bench.real_kit_available(args.real_models):
             print(f"skipping {name}: no real-model kit at {args.real_models}", file=sys.stderr)
@@ -74,7 +77,9 @@ def main() -> None:
             differ += int(((exact_metric > threshold) != (estimate > threshold)).sum())
         error = torch.cat(errors).double()
         median, p99 = torch.quantile(error, torch.tensor([0.5, 0.99], dtype=torch.float64)).tolist()
-        print(f"{name:18} {channels:8d} {outliers:8d} {differ:8d} ({differ / channels:5.1%}) {median:16.4f} {p99:13.4f}")
+        print(
+            f"{name:18} {channels:8d} {outliers:8d} {differ:8d} ({differ / channels:5.1%}) {median:16.4f} {p99:13.4f}"
+        )
 
 
 if __name__ == "__main__":

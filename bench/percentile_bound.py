@@ -42,8 +42,10 @@ def main() -> None:
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     print(f"percentile_sample={PERCENTILE_SAMPLE}; level of the estimate (fraction of the batch below it)")
-    print(f"{'q':>6} {'n':>6} {'exact':>7} {'groups x size':>13} {'1 %':>7} {'median':>7} {'99 %':>7} "
-          f"{'8-batch mean 1 %':>17} {'99 %':>7}")
+    print(
+        f"{'q':>6} {'n':>6} {'exact':>7} {'groups x size':>13} {'1 %':>7} {'median':>7} {'99 %':>7} "
+        f"{'8-batch mean 1 %':>17} {'99 %':>7}"
+    )
     for q in (float(value) for value in args.q.split(",")):
         for n in (int(value) for value in args.sizes.split(",")):
             # above the exact size (the sampled path), and at most ~2e7 values in memory at once
@@ -54,8 +56,10 @@ def main() -> None:
             low, middle, high = torch.quantile(level, torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64)).tolist()
             low8, high8 = torch.quantile(mean8, torch.tensor([0.01, 0.99], dtype=torch.float64)).tolist()
             exact = host_reference_rank(n, q) / n
-            print(f"{q:6.3f} {n:6d} {exact:7.4f} {f'{plan.groups} x {plan.group_size}':>13} {low:7.4f} "
-                  f"{middle:7.4f} {high:7.4f} {low8:17.4f} {high8:7.4f}")
+            print(
+                f"{q:6.3f} {n:6d} {exact:7.4f} {f'{plan.groups} x {plan.group_size}':>13} {low:7.4f} "
+                f"{middle:7.4f} {high:7.4f} {low8:17.4f} {high8:7.4f}"
+            )
 
 
 if __name__ == "__main__":

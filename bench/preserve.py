@@ -42,8 +42,11 @@ def _set_mode(mode: str) -> None:
 
     originals = getattr(preserve, "_bench_originals", None)
     if originals is None:
-        originals = preserve._bench_originals = (preserve._KeptTensor.__init__, preserve._open_watch,
-                                                 preserve._close_watch)
+        originals = preserve._bench_originals = (
+            preserve._KeptTensor.__init__,
+            preserve._open_watch,
+            preserve._close_watch,
+        )
     init, open_watch, close_watch = originals
 
     def eager_init(self, name, tensor, copy_now):
@@ -91,8 +94,12 @@ def _peak_child(name: str, mode: str, all_rules: bool) -> None:
 
 
 def _peak(name: str, mode: str, all_rules: bool) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", name, mode, str(int(all_rules))],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", name, mode, str(int(all_rules))],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -102,8 +109,10 @@ def _peaks(name: str, all_rules: bool, repeats: int) -> dict[str, dict]:
     for _ in range(repeats):
         for mode in MODES:
             runs[mode].append(_peak(name, mode, all_rules))
-    return {mode: dict(found[0], peak_added=statistics.median(run["peak_added"] for run in found))
-            for mode, found in runs.items()}
+    return {
+        mode: dict(found[0], peak_added=statistics.median(run["peak_added"] for run in found))
+        for mode, found in runs.items()
+    }
 
 
 def _times(name: str, repeats: int) -> dict[str, float]:
@@ -120,7 +129,8 @@ def _times(name: str, repeats: int) -> dict[str, float]:
             _lint(model, example, calibration, False)
             seconds[mode].append(time.perf_counter() - start)
     return {mode: statistics.median(a / b for a, b in zip(seconds[mode], seconds["off"])) for mode in MODES} | {
-        "off_seconds": statistics.median(seconds["off"])}
+        "off_seconds": statistics.median(seconds["off"])
+    }
 
 
 def main() -> None:
@@ -134,22 +144,33 @@ def main() -> None:
         _peak_child(args.child[0], args.child[1], bool(int(args.child[2])))
         return
     print("peak RSS lint adds over the loaded model (MiB), and lint time relative to 'off'")
-    print(f"{'model':<20}{'params':>8}{'buffers':>9} | {'rules':<9}" + "".join(f"{m:>8}" for m in MODES)
-          + f" | {'time watch':>10}{'eager':>7}{'off s':>7}")
+    print(
+        f"{'model':<20}{'params':>8}{'buffers':>9} | {'rules':<9}"
+        + "".join(f"{m:>8}" for m in MODES)
+        + f" | {'time watch':>10}{'eager':>7}{'off s':>7}"
+    )
     for name in args.models.split(","):
         times = _times(name, args.repeats)
         for all_rules in (False, True):
             if not args.peak_repeats:
-                print(f"{name:<20}{'':>17} | {'no QL105':<9}{'':>24} | {times['watch']:>10.3f}"
-                      f"{times['eager']:>7.3f}{times['off_seconds']:>7.2f}")
+                print(
+                    f"{name:<20}{'':>17} | {'no QL105':<9}{'':>24} | {times['watch']:>10.3f}"
+                    f"{times['eager']:>7.3f}{times['off_seconds']:>7.2f}"
+                )
                 break
             peaks = _peaks(name, all_rules, args.peak_repeats)
             first = peaks["watch"]
-            timing = (f" | {times['watch']:>10.3f}{times['eager']:>7.3f}{times['off_seconds']:>7.2f}"
-                      if not all_rules else " |")
-            print(f"{name:<20}{first['params']:>8.1f}{first['buffers']:>9.2f} | "
-                  f"{'all' if all_rules else 'no QL105':<9}"
-                  + "".join(f"{peaks[m]['peak_added']:>8.1f}" for m in MODES) + timing)
+            timing = (
+                f" | {times['watch']:>10.3f}{times['eager']:>7.3f}{times['off_seconds']:>7.2f}"
+                if not all_rules
+                else " |"
+            )
+            print(
+                f"{name:<20}{first['params']:>8.1f}{first['buffers']:>9.2f} | "
+                f"{'all' if all_rules else 'no QL105':<9}"
+                + "".join(f"{peaks[m]['peak_added']:>8.1f}" for m in MODES)
+                + timing
+            )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -45,10 +45,11 @@ import torch.nn as nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import qlint  # noqa: E402
 from torch.ao.quantization import get_default_qconfig_mapping  # noqa: E402
 from torch.ao.quantization.backend_config.x86 import get_x86_backend_config  # noqa: E402
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx  # noqa: E402
+
+import qlint  # noqa: E402
 
 
 def stack(layers: int, width: int, seed: int = 0) -> nn.Sequential:
@@ -160,8 +161,10 @@ def main() -> None:
 
     tiny, x = stack(4, args.width), example(args.width, args.batch)
     torch_export(tiny, x), qlint_static(tiny, x), torch_trial(tiny, x), qlint_trial(tiny, x)
-    print(f"torch {torch.__version__}, qlint {qlint.__version__}, {args.threads} thread(s); "
-          f"Sequential of Linear({args.width}, {args.width}) + ReLU, input {args.batch}x{args.width}\n")
+    print(
+        f"torch {torch.__version__}, qlint {qlint.__version__}, {args.threads} thread(s); "
+        f"Sequential of Linear({args.width}, {args.width}) + ReLU, input {args.batch}x{args.width}\n"
+    )
 
     print("static rules: qlint.lint(trial off) vs torch.export.export")
     print("| layers | rounds | torch.export s | qlint s (trace / rules) | qlint ÷ export, median (range) |")
@@ -173,13 +176,18 @@ def main() -> None:
         lints = [q[0] for _, q in rows]
         stages = rows[-1][1][1]
         ratios = [q[0] / e for e, q in rows]
-        print(f"| {layers:,} | {len(rows)} | {statistics.median(exports):.2f} | {statistics.median(lints):.2f} "
-              f"({stages['trace']:.2f} / {stages['rules']:.2f}) | {ratio_text(ratios)} |", flush=True)
+        print(
+            f"| {layers:,} | {len(rows)} | {statistics.median(exports):.2f} | {statistics.median(lints):.2f} "
+            f"({stages['trace']:.2f} / {stages['rules']:.2f}) | {ratio_text(ratios)} |",
+            flush=True,
+        )
         del model, rows
 
     print("\ntrial quantization as lint runs it vs torch prepare_fx + calibrate + convert_fx + forward")
-    print("| layers | rounds | torch pass s | trial s | trial ÷ torch, median (range) | "
-          "whole `lint --select QL105` s | QL105 result |")
+    print(
+        "| layers | rounds | torch pass s | trial s | trial ÷ torch, median (range) | "
+        "whole `lint --select QL105` s | QL105 result |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---|")
     for layers in trial_sizes:
         model = stack(layers, args.width)
@@ -187,9 +195,11 @@ def main() -> None:
         passes = [t for t, _ in rows]
         rules = [q[0] for _, q in rows]
         ratios = [q[0] / t for t, q in rows]
-        print(f"| {layers:,} | {len(rows)} | {statistics.median(passes):.1f} | {statistics.median(rules):.1f} | "
-              f"{ratio_text(ratios)} | {statistics.median(q[1] for _, q in rows):.1f} | {rows[-1][1][2]} |",
-              flush=True)
+        print(
+            f"| {layers:,} | {len(rows)} | {statistics.median(passes):.1f} | {statistics.median(rules):.1f} | "
+            f"{ratio_text(ratios)} | {statistics.median(q[1] for _, q in rows):.1f} | {rows[-1][1][2]} |",
+            flush=True,
+        )
         del model, rows
 
 

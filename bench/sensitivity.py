@@ -72,17 +72,23 @@ def main() -> int:
     estimate = [(row.name, row.score) for row in rows]
     estimated = dict(estimate)
     exhaustive_rank = {name: rank for rank, (name, _) in enumerate(reference, 1)}
-    print(f"model {args.model}: {len(rows)} quantized layers, {args.batches} batches of "
-          f"{args.batch_size}x3x{args.size}x{args.size}, {args.threads} thread(s), torch {torch.__version__}")
+    print(
+        f"model {args.model}: {len(rows)} quantized layers, {args.batches} batches of "
+        f"{args.batch_size}x3x{args.size}x{args.size}, {args.threads} thread(s), torch {torch.__version__}"
+    )
     print(f"{'rank':>4} {'layer':<22} {'estimate':>10} {'exhaustive':>10} {'ex. rank':>8} {'FLOPs':>6} {'params':>6}")
     for rank, row in enumerate(rows, 1):
-        print(f"{rank:>4} {row.name:<22} {row.score:>10.3e} {dict(reference)[row.name]:>10.3e} "
-              f"{exhaustive_rank[row.name]:>8} {100 * row.flops_share:>5.1f}% {100 * row.params_share:>5.1f}%")
+        print(
+            f"{rank:>4} {row.name:<22} {row.score:>10.3e} {dict(reference)[row.name]:>10.3e} "
+            f"{exhaustive_rank[row.name]:>8} {100 * row.flops_share:>5.1f}% {100 * row.params_share:>5.1f}%"
+        )
     top10 = top_k_spearman(reference, estimate, 10)
     overall = spearman([value for _, value in reference], [estimated[name] for name, _ in reference])
     print(f"sensitivity(): {fast:.2f} s   exhaustive: {slow:.2f} s   speedup: {slow / fast:.1f}x")
-    print(f"  of which analysis, given the quantized model: {analysis_only:.2f} s "
-          f"({slow / analysis_only:.1f}x faster than exhaustive)")
+    print(
+        f"  of which analysis, given the quantized model: {analysis_only:.2f} s "
+        f"({slow / analysis_only:.1f}x faster than exhaustive)"
+    )
     print(f"Spearman, exhaustive top 10: {top10:.3f}   all {len(reference)} layers: {overall:.3f}")
     return 0
 

@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.ao.quantization import (HistogramObserver, MinMaxObserver, QConfig, QConfigMapping,
-                                   get_default_qconfig, get_default_qconfig_mapping)
+from torch.ao.quantization import (
+    HistogramObserver,
+    MinMaxObserver,
+    QConfig,
+    QConfigMapping,
+    get_default_qconfig,
+    get_default_qconfig_mapping,
+)
 
 
 class BadNet(nn.Module):
@@ -24,8 +30,12 @@ class BadNet(nn.Module):
         self.stem_bn = nn.BatchNorm2d(16)
         self.act = nn.ReLU()
         self.block = nn.Sequential(
-            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
         )
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Linear(32, num_classes)
@@ -50,8 +60,10 @@ def qconfig_mapping(backend: str = "x86") -> QConfigMapping:
     mapping = get_default_qconfig_mapping(backend)
     generic = get_default_qconfig(backend)
     mapping.set_object_type(torch.sigmoid, generic)  # sigmoid should keep fixed qparams
-    per_tensor = QConfig(activation=HistogramObserver.with_args(reduce_range=True),
-                         weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))
+    per_tensor = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=True),
+        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+    )
     mapping.set_module_name("classifier", per_tensor)
     return mapping
 

@@ -8,8 +8,18 @@ from importlib import import_module
 from typing import Any
 
 from qlint.linter.engine import lint
-from qlint.linter.findings import (CompareRow, Finding, LayerRow, Notice, QConfigRow, Report, RuleInfo, Severity,
-                                   SkippedRule, Timing)
+from qlint.linter.findings import (
+    CompareRow,
+    Finding,
+    LayerRow,
+    Notice,
+    QConfigRow,
+    Report,
+    RuleInfo,
+    Severity,
+    SkippedRule,
+    Timing,
+)
 from qlint.version import __version__
 
 # Public functions of the higher layers, imported when first used.
@@ -29,5 +39,20 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["CompareRow", "Finding", "LayerRow", "Notice", "QConfigRow", "Report", "RuleInfo", "Severity",
-           "SkippedRule", "Timing", "compare", "lint", "sensitivity", "verify", "__version__"]
+__all__ = [
+    "CompareRow",
+    "Finding",
+    "LayerRow",
+    "Notice",
+    "QConfigRow",
+    "Report",
+    "RuleInfo",
+    "Severity",
+    "SkippedRule",
+    "Timing",
+    "compare",
+    "lint",
+    "sensitivity",
+    "verify",
+    "__version__",
+]

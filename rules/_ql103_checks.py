@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
+from qlint.rules._ql103_islands import is_static_quantized, through_shape_ops
 from torch.ao.quantization import QConfigMapping
 
-from qlint.linter.context import INTENT_EAGER, INTENT_PREPARED, LintContext
-from qlint.linter.qconfig_table import qconfig_rows
-from qlint.linter.findings import QConfigRow, Severity
 from qlint.core.graph import ModelGraph, OpNode
-from qlint.rules._ql103_islands import is_static_quantized, through_shape_ops
 from qlint.core.intent import ObserverSpec, default_mapping, function_candidates, import_type, node_qconfig
+from qlint.linter.context import INTENT_EAGER, INTENT_PREPARED, LintContext
+from qlint.linter.findings import QConfigRow, Severity
+from qlint.linter.qconfig_table import qconfig_rows
 
 # node.op values of calls: producers that are real ops (not inputs, outputs or attributes).
 CALL_OPS = ("module", "function", "method")
@@ -26,8 +27,8 @@ class QConfigCheckState:
         self.graph: ModelGraph = ctx.graph
         self.eager = ctx.eager_flow or ctx.intent == INTENT_EAGER
         self.prepared = ctx.intent == INTENT_PREPARED
-        self._rows: Optional[dict[str, QConfigRow]] = None
-        self._default: Optional[QConfigMapping] = None
+        self._rows: dict[str, QConfigRow] | None = None
+        self._default: QConfigMapping | None = None
 
     def checked_nodes(self) -> Iterator[OpNode]:
         """Statically quantized ops whose qconfig the backend will look at."""
@@ -38,7 +39,7 @@ class QConfigCheckState:
                 continue  # eager mode quantizes modules only; functional ops keep no qconfig
             yield node
 
-    def spec_of_input(self, producer: OpNode, consumer: OpNode) -> tuple[Optional[ObserverSpec], OpNode]:
+    def spec_of_input(self, producer: OpNode, consumer: OpNode) -> tuple[ObserverSpec | None, OpNode]:
         """The observer that quantizes ``producer``'s output where ``consumer`` reads it."""
         source = through_shape_ops(self.graph, producer)
         if source.op in CALL_OPS and is_static_quantized(source):
@@ -47,7 +48,7 @@ class QConfigCheckState:
         own = consumer.qconfig.activation if consumer.qconfig else None
         return own, source
 
-    def input_spec(self, node: OpNode) -> tuple[Optional[ObserverSpec], OpNode]:
+    def input_spec(self, node: OpNode) -> tuple[ObserverSpec | None, OpNode]:
         """The observer of ``node``'s first input (its own in eager mode, where stubs quantize)."""
         if node.qconfig is None:
             raise ValueError(f"{node.name} has no qconfig: only checked (quantized) ops have an input spec")
@@ -58,7 +59,7 @@ class QConfigCheckState:
             return node.qconfig.activation, node
         return self.spec_of_input(producers[0], node)
 
-    def expected_fixed(self, node: OpNode) -> Optional[ObserverSpec]:
+    def expected_fixed(self, node: OpNode) -> ObserverSpec | None:
         """The FixedQParams observer the backend's default mapping gives this call, if any."""
         if self._default is None:
             self._default = default_mapping(self.ctx.backend.name)
@@ -85,9 +86,17 @@ class QConfigCheckState:
             row = self._rows.get(node.name)
             if row is None:
                 continue
-            out.append({"node": row.node, "target": row.target, "kind": row.kind,
-                        "input_dtype": row.input_dtype, "output_dtype": row.output_dtype,
-                        "observer": row.activation_observer, "ch_axis": row.ch_axis})
+            out.append(
+                {
+                    "node": row.node,
+                    "target": row.target,
+                    "kind": row.kind,
+                    "input_dtype": row.input_dtype,
+                    "output_dtype": row.output_dtype,
+                    "observer": row.activation_observer,
+                    "ch_axis": row.ch_axis,
+                }
+            )
         return out
 
 
@@ -109,10 +118,10 @@ class FindingGroups:
 
 def requires_fixed_qparams(ctx: LintContext, kind: str, dtype: str) -> bool:
     """True when every static kernel for this dtype requires fixed qparams (qnnpack's qint8 path does not)."""
-    options = [o for o in ctx.backend.dtype_options(kind) if not o.is_dynamic
-               and dtype in (o.output_dtype, o.input_dtype)]
-    return bool(options) and all(o.input_quant_min is not None or o.input_quant_max is not None
-                                 for o in options)
+    options = [
+        o for o in ctx.backend.dtype_options(kind) if not o.is_dynamic and dtype in (o.output_dtype, o.input_dtype)
+    ]
+    return bool(options) and all(o.input_quant_min is not None or o.input_quant_max is not None for o in options)
 
 
 def float_reason(node: OpNode) -> str:
@@ -142,7 +151,7 @@ def scale_text(scale: float) -> str:
     return f"{scale:g}"
 
 
-def within_quant_range(qmin: Optional[int], qmax: Optional[int], low: Optional[int], high: Optional[int]) -> bool:
+def within_quant_range(qmin: int | None, qmax: int | None, low: int | None, high: int | None) -> bool:
     """True when [qmin, qmax] lies inside the bounds a backend accepts (None: no bound)."""
     if low is not None and (qmin is None or qmin < low):
         return False
@@ -173,8 +182,9 @@ def describe_nodes(nodes: Sequence[OpNode]) -> str:
     return f"{len(nodes)} op{'s' if len(nodes) != 1 else ''} ({names})"
 
 
-def activation_dtype_text(where: str, backend: str, info: dict[str, Any], targets: list[str],
-                          sources: list[str]) -> tuple[str, dict[str, Any], Severity]:
+def activation_dtype_text(
+    where: str, backend: str, info: dict[str, Any], targets: list[str], sources: list[str]
+) -> tuple[str, dict[str, Any], Severity]:
     """Activations in a dtype the backend has no kernel for: why the ops stay float, and the fix."""
     supported = " or ".join(info["supported"])
     message = (
@@ -182,27 +192,41 @@ def activation_dtype_text(where: str, backend: str, info: dict[str, Any], target
         f"quantized kernels for these ops only with {supported} activations. prepare_fx "
         "finds no matching dtype config and leaves them in float, so nothing you configured "
         f"is quantized there. Fix: use {info['supported'][0]} activation observers, e.g. "
-        f"get_default_qconfig('{backend}') or get_default_qconfig_mapping('{backend}').")
-    suggestion = {"action": "set_qconfig", "targets": targets, "scope": sources,
-                  "activation_dtype": info["supported"][0], "observer": info["observer"]}
+        f"get_default_qconfig('{backend}') or get_default_qconfig_mapping('{backend}')."
+    )
+    suggestion = {
+        "action": "set_qconfig",
+        "targets": targets,
+        "scope": sources,
+        "activation_dtype": info["supported"][0],
+        "observer": info["observer"],
+    }
     return message, suggestion, Severity.ERROR
 
 
-def activation_range_text(where: str, backend: str, info: dict[str, Any], targets: list[str],
-                          sources: list[str]) -> tuple[str, dict[str, Any], Severity]:
+def activation_range_text(
+    where: str, backend: str, info: dict[str, Any], targets: list[str], sources: list[str]
+) -> tuple[str, dict[str, Any], Severity]:
     """An activation quant range the backend rejects: why the ops stay float, and the fix."""
     message = (
         f"{where} observe activations with quant range {info['quant_range']}, outside the "
         f"{info['supported_range']} that {backend} accepts for them. prepare_fx rejects the "
         "qconfig and leaves these ops in float. Fix: use an observer with quant_min/quant_max "
-        f"inside {info['supported_range']} (the defaults of get_default_qconfig('{backend}')).")
-    suggestion = {"action": "set_qconfig", "targets": targets, "scope": sources,
-                  "quant_min": info["supported_range"][0], "quant_max": info["supported_range"][1]}
+        f"inside {info['supported_range']} (the defaults of get_default_qconfig('{backend}'))."
+    )
+    suggestion = {
+        "action": "set_qconfig",
+        "targets": targets,
+        "scope": sources,
+        "quant_min": info["supported_range"][0],
+        "quant_max": info["supported_range"][1],
+    }
     return message, suggestion, Severity.ERROR
 
 
-def weight_dtype_text(where: str, backend: str, info: dict[str, Any], targets: list[str],
-                      sources: list[str]) -> tuple[str, dict[str, Any], Severity]:
+def weight_dtype_text(
+    where: str, backend: str, info: dict[str, Any], targets: list[str], sources: list[str]
+) -> tuple[str, dict[str, Any], Severity]:
     """Weights in a dtype the backend has no kernel for: why the layers stay float, and the fix."""
     supported = " or ".join(info["supported"])
     message = (
@@ -210,15 +234,23 @@ def weight_dtype_text(where: str, backend: str, info: dict[str, Any], targets: l
         f"kernels with {info['activation_dtype']} activations take only {supported} weights. "
         "prepare_fx finds no matching dtype config and leaves these layers in float. Fix: "
         f"use a {info['supported'][0]} weight observer (torch.ao.quantization."
-        "default_per_channel_weight_observer or default_weight_observer).")
-    suggestion = {"action": "set_weight_observer", "targets": targets, "scope": sources,
-                  "dtype": info["supported"][0], "observer": "PerChannelMinMaxObserver",
-                  "qscheme": "torch.per_channel_symmetric", "ch_axis": 0}
+        "default_per_channel_weight_observer or default_weight_observer)."
+    )
+    suggestion = {
+        "action": "set_weight_observer",
+        "targets": targets,
+        "scope": sources,
+        "dtype": info["supported"][0],
+        "observer": "PerChannelMinMaxObserver",
+        "qscheme": "torch.per_channel_symmetric",
+        "ch_axis": 0,
+    }
     return message, suggestion, Severity.ERROR
 
 
-def weight_range_text(where: str, backend: str, info: dict[str, Any], targets: list[str],
-                      sources: list[str]) -> tuple[str, dict[str, Any], Severity]:
+def weight_range_text(
+    where: str, backend: str, info: dict[str, Any], targets: list[str], sources: list[str]
+) -> tuple[str, dict[str, Any], Severity]:
     """A weight quant range outside the backend's (int8 overflow guard): why it fails, and the fix."""
     low, high = info["supported_range"]
     message = (
@@ -228,51 +260,77 @@ def weight_range_text(where: str, backend: str, info: dict[str, Any], targets: l
         "the qconfig and leaves these layers in float. Fix: set quant_min="
         f"{low}, quant_max={high} on the weight observer, e.g. "
         f"MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, "
-        f"quant_min={low}, quant_max={high}).")
-    suggestion = {"action": "set_weight_observer", "targets": targets, "scope": sources,
-                  "observer": info["observer"], "dtype": info["dtype"],
-                  "quant_min": low, "quant_max": high}
+        f"quant_min={low}, quant_max={high})."
+    )
+    suggestion = {
+        "action": "set_weight_observer",
+        "targets": targets,
+        "scope": sources,
+        "observer": info["observer"],
+        "dtype": info["dtype"],
+        "quant_min": low,
+        "quant_max": high,
+    }
     return message, suggestion, Severity.ERROR
 
 
-def weight_qscheme_text(where: str, backend: str, info: dict[str, Any], targets: list[str],
-                        sources: list[str]) -> tuple[str, dict[str, Any], Severity]:
+def weight_qscheme_text(
+    where: str, backend: str, info: dict[str, Any], targets: list[str], sources: list[str]
+) -> tuple[str, dict[str, Any], Severity]:
     """A weight qscheme the kernels do not take: an error where convert fails, else a warning."""
     severity = Severity.ERROR
     qscheme = info["qscheme"]
     per_channel = "per_channel" in qscheme and not info.get("transpose")
     if info.get("transpose"):
-        why = ("prepare_fx does not support per-channel weight observers for ConvTranspose "
-               "modules and raises 'Per channel weight observer is not supported yet for "
-               "ConvTranspose{n}d'")
+        why = (
+            "prepare_fx does not support per-channel weight observers for ConvTranspose "
+            "modules and raises 'Per channel weight observer is not supported yet for "
+            "ConvTranspose{n}d'"
+        )
     elif "float_qparams" in qscheme:
-        why = ("float-qparams weights are only supported by the embedding kernels; conv and "
-               "linear prepack rejects them at convert time")
+        why = (
+            "float-qparams weights are only supported by the embedding kernels; conv and "
+            "linear prepack rejects them at convert time"
+        )
     elif backend == "onednn":
-        why = ("oneDNN only supports symmetric weight quantization (zero point 0); "
-               "quantized::qconv_prepack/linear_prepack fail at convert with 'ONEDNN only "
-               "supports symmetric quantization of weight'")
+        why = (
+            "oneDNN only supports symmetric weight quantization (zero point 0); "
+            "quantized::qconv_prepack/linear_prepack fail at convert with 'ONEDNN only "
+            "supports symmetric quantization of weight'"
+        )
     else:
         severity = Severity.WARNING
-        why = (f"{backend}'s kernels are built for symmetric weights (zero point 0): an "
-               "asymmetric zero point needs extra zero-point compensation per output, "
-               + ("and x86 cannot use its oneDNN kernels and falls back to FBGEMM"
-                  if backend == "x86" else "and buys almost no accuracy for weights, "
-                  "which are centred on zero"))
-    want = "torch.per_channel_symmetric" if per_channel or "float_qparams" in qscheme \
-        else "torch.per_tensor_symmetric"
+        why = (
+            f"{backend}'s kernels are built for symmetric weights (zero point 0): an "
+            "asymmetric zero point needs extra zero-point compensation per output, "
+            + (
+                "and x86 cannot use its oneDNN kernels and falls back to FBGEMM"
+                if backend == "x86"
+                else "and buys almost no accuracy for weights, which are centred on zero"
+            )
+        )
+    want = "torch.per_channel_symmetric" if per_channel or "float_qparams" in qscheme else "torch.per_tensor_symmetric"
     observer = "PerChannelMinMaxObserver" if want.startswith("torch.per_channel") else "MinMaxObserver"
-    message = (f"{where} quantize weights with {qscheme} ({info['observer']}): {why}. Fix: use "
-               f"{observer}.with_args(dtype=torch.qint8, qscheme={want}).")
-    suggestion: dict[str, Any] = {"action": "set_weight_observer", "targets": targets, "scope": sources,
-                                  "observer": observer, "qscheme": want, "dtype": "torch.qint8"}
+    message = (
+        f"{where} quantize weights with {qscheme} ({info['observer']}): {why}. Fix: use "
+        f"{observer}.with_args(dtype=torch.qint8, qscheme={want})."
+    )
+    suggestion: dict[str, Any] = {
+        "action": "set_weight_observer",
+        "targets": targets,
+        "scope": sources,
+        "observer": observer,
+        "qscheme": want,
+        "dtype": "torch.qint8",
+    }
     if want.startswith("torch.per_channel"):
         suggestion["ch_axis"] = 0
     return message, suggestion, severity
 
 
-def full_range_activation_text(where: str, backend: str, info: dict[str, Any],
-                               targets: list[str]) -> tuple[str, dict[str, Any], Severity]:
+def full_range_activation_text(
+    where: str, backend: str, info: dict[str, Any], targets: list[str]
+) -> tuple[str, dict[str, Any], Severity]:
     """8-bit activations into x86/fbgemm conv/linear: the VNNI-less overflow risk, and the fix."""
     message = (
         f"The activations entering {where} are quantized to the full 8-bit range "
@@ -281,21 +339,32 @@ def full_range_activation_text(where: str, backend: str, info: dict[str, Any],
         "(vpmaddubsw) on CPUs without VNNI, which can saturate and silently corrupt "
         "outputs. Fix: use reduce_range=True on the activation observer (7-bit "
         f"activations, as get_default_qconfig('{backend}') does), or deploy only on "
-        "VNNI-capable CPUs.")
-    suggestion = {"action": "set_activation_observer", "targets": targets,
-                  "observer": info["observer"], "reduce_range": True}
+        "VNNI-capable CPUs."
+    )
+    suggestion = {
+        "action": "set_activation_observer",
+        "targets": targets,
+        "observer": info["observer"],
+        "reduce_range": True,
+    }
     return message, suggestion, Severity.WARNING
 
 
-def wasted_reduce_range_text(where: str, backend: str, info: dict[str, Any],
-                             targets: list[str]) -> tuple[str, dict[str, Any], Severity]:
+def wasted_reduce_range_text(
+    where: str, backend: str, info: dict[str, Any], targets: list[str]
+) -> tuple[str, dict[str, Any], Severity]:
     """reduce_range where the backend does not overflow: the wasted bit, and the fix."""
     message = (
         f"The activations entering {where} use reduce_range (range {info['quant_range']}, "
         f"{info['observer']}), which only x86/fbgemm need to avoid 16-bit overflow. "
         f"{backend}'s kernels do not overflow, so this throws away one bit of activation "
         "resolution (twice the rounding error) for nothing. Fix: use reduce_range=False, "
-        f"as get_default_qconfig('{backend}') does.")
-    suggestion = {"action": "set_activation_observer", "targets": targets,
-                  "observer": info["observer"], "reduce_range": False}
+        f"as get_default_qconfig('{backend}') does."
+    )
+    suggestion = {
+        "action": "set_activation_observer",
+        "targets": targets,
+        "observer": info["observer"],
+        "reduce_range": False,
+    }
     return message, suggestion, Severity.INFO

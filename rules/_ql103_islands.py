@@ -7,7 +7,7 @@ find them from resolved qconfigs; eager flows from DeQuantStub → … → Quant
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 from qlint.core.graph import ModelGraph, OpNode
 from qlint.core.ops import SHAPE_KINDS
@@ -31,8 +31,13 @@ class Island:
 
 def is_static_quantized(node: OpNode) -> bool:
     qc = node.qconfig
-    return (qc is not None and qc.quantized and not qc.is_dynamic and qc.activation is not None
-            and not qc.activation.is_float)
+    return (
+        qc is not None
+        and qc.quantized
+        and not qc.is_dynamic
+        and qc.activation is not None
+        and not qc.activation.is_float
+    )
 
 
 def through_shape_ops(graph: ModelGraph, node: OpNode) -> OpNode:
@@ -98,8 +103,15 @@ def fx_float_islands(graph: ModelGraph) -> list[Island]:
                     consumers.extend(reached)
                     out += 1
         if producers and consumers:
-            islands.append(Island(tuple(graph.node(n) for n in members), tuple(unique_nodes(producers)),
-                                   tuple(unique_nodes(consumers)), into, out))
+            islands.append(
+                Island(
+                    tuple(graph.node(n) for n in members),
+                    tuple(unique_nodes(producers)),
+                    tuple(unique_nodes(consumers)),
+                    into,
+                    out,
+                )
+            )
     return islands
 
 
@@ -128,13 +140,24 @@ def eager_float_islands(graph: ModelGraph) -> list[Island]:
             continue
         entry_stubs = [stub] + [p for n in region for p in graph.producers(n.name) if p.kind == "dequant_stub"]
         covered.update(s.name for s in entry_stubs)
-        producers = [p for s in unique_nodes(entry_stubs) for p in graph.producers(s.name)
-                     if p.op == "module" and p.kind not in ("quant_stub", "dequant_stub") and is_static_quantized(p)]
+        producers = [
+            p
+            for s in unique_nodes(entry_stubs)
+            for p in graph.producers(s.name)
+            if p.op == "module" and p.kind not in ("quant_stub", "dequant_stub") and is_static_quantized(p)
+        ]
         consumers = [c for q in unique_nodes(quant_stubs) for c in quantized_modules_after(graph, q)]
         if producers and consumers:
             members = sorted(unique_nodes(region), key=lambda n: graph.position(n.name))
-            islands.append(Island(tuple(members), tuple(unique_nodes(producers)), tuple(unique_nodes(consumers)),
-                                   len(unique_nodes(entry_stubs)), len(unique_nodes(quant_stubs))))
+            islands.append(
+                Island(
+                    tuple(members),
+                    tuple(unique_nodes(producers)),
+                    tuple(unique_nodes(consumers)),
+                    len(unique_nodes(entry_stubs)),
+                    len(unique_nodes(quant_stubs)),
+                )
+            )
     return islands
 
 
@@ -145,7 +168,12 @@ def quantized_modules_after(graph: ModelGraph, stub: OpNode) -> list[OpNode]:
         if node.name in seen or node.op not in _OPS:
             continue
         seen.add(node.name)
-        if node.op == "module" and node.kind not in SHAPE_KINDS and node.kind != "dequant_stub" and is_static_quantized(node):
+        if (
+            node.op == "module"
+            and node.kind not in SHAPE_KINDS
+            and node.kind != "dequant_stub"
+            and is_static_quantized(node)
+        ):
             found.append(node)
         elif node.kind in SHAPE_KINDS or node.op != "module":
             stack.extend(graph.consumers(node.name))
@@ -164,5 +192,3 @@ def feeds_cat(graph: ModelGraph, node: OpNode) -> bool:
         if current.kind in SHAPE_KINDS:
             stack.extend(graph.consumers(current.name))
     return False
-
-

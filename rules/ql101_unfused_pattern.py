@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
-from torch.ao.quantization import QConfigMapping, QuantStub, DeQuantStub, get_default_qconfig_mapping
+from torch.ao.quantization import DeQuantStub, QConfigMapping, QuantStub, get_default_qconfig_mapping
 
+from qlint.core.graph import ModelGraph, OpNode
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
-from qlint.core.graph import ModelGraph, OpNode
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 REASON_EAGER = "eager-no-fuse"
@@ -24,16 +24,16 @@ REASON_CLAMP = "unfusable-activation"
 
 _WHY = {
     REASON_EAGER: "the model uses QuantStub/DeQuantStub (eager mode), where nothing is fused "
-                  "unless you call torch.ao.quantization.fuse_modules",
+    "unless you call torch.ao.quantization.fuse_modules",
     REASON_FANOUT: "the intermediate output is also used by {others}, so the ops cannot be merged",
     REASON_QCONFIG: "the ops have different qconfigs ({detail}); prepare_fx refuses to fuse them "
-                    "or silently applies the first op's qconfig to all",
+    "or silently applies the first op's qconfig to all",
     REASON_TRAINING: "the BatchNorm is in training mode; post-training fusion folds BN statistics "
-                     "and needs eval mode (call model.eval())",
+    "and needs eval mode (call model.eval())",
     REASON_FUNCTIONAL: "the {op} is a functional call (e.g. F.conv2d in a custom forward); FX fuses "
-                       "only nn.Module conv/linear/BN calls",
+    "only nn.Module conv/linear/BN calls",
     REASON_CLAMP: "the backend has no fused kernel ending in {op} (it fuses ReLU), so the output is rounded "
-                  "to int8 over its full signed range before {op} clips it",
+    "to int8 over its full signed range before {op} clips it",
 }
 _FIX = {
     REASON_EAGER: "call torch.ao.quantization.fuse_modules(model, [{names}]) before prepare",
@@ -42,7 +42,7 @@ _FIX = {
     REASON_TRAINING: "put the model in eval mode before prepare_fx (or use prepare_qat_fx for QAT)",
     REASON_FUNCTIONAL: "use the nn.Module (nn.Conv2d/nn.Linear) or fold the BN into the conv weights",
     REASON_CLAMP: "use nn.ReLU where the values stay below the clip (the ReLU pattern fuses), or accept the "
-                  "extra rounding",
+    "extra rounding",
 }
 # Clipping activations that x86/qnnpack do not fuse, though the same chain ending in ReLU fuses.
 _CLAMP_KINDS = frozenset({"relu6", "hardtanh"})
@@ -106,9 +106,11 @@ class UnfusedPattern(Rule):
 
     def check(self, ctx: LintContext) -> Iterable[Finding]:
         graph = ctx.graph
-        patterns = sorted((p for p in ctx.backend.fusable
-                           if self.options.include_add_relu or p != ("add", "relu")),
-                          key=len, reverse=True)
+        patterns = sorted(
+            (p for p in ctx.backend.fusable if self.options.include_add_relu or p != ("add", "relu")),
+            key=len,
+            reverse=True,
+        )
         covered: set[str] = set()
         clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]] = []
         for head in graph.ops():
@@ -155,8 +157,9 @@ class UnfusedPattern(Rule):
                     break
         return reasons
 
-    def _report(self, graph: ModelGraph, chain: list[OpNode], pattern: tuple[str, ...],
-                reasons: list[tuple[str, str]]) -> Finding:
+    def _report(
+        self, graph: ModelGraph, chain: list[OpNode], pattern: tuple[str, ...], reasons: list[tuple[str, str]]
+    ) -> Finding:
         names = [n.display for n in chain]
         why = []
         fixes = []
@@ -170,56 +173,75 @@ class UnfusedPattern(Rule):
             f"folded into the weights, which adds error and kernels. Fix: {'; '.join(dict.fromkeys(fixes))}."
         )
         return self.finding(
-            chain[0].display, message,
+            chain[0].display,
+            message,
             data={
-                "kind": "-".join(pattern), "node": chain[0].name, "pattern": list(pattern),
-                "nodes": [n.name for n in chain], "modules": names,
+                "kind": "-".join(pattern),
+                "node": chain[0].name,
+                "pattern": list(pattern),
+                "nodes": [n.name for n in chain],
+                "modules": names,
                 "reasons": [c for c, _ in reasons],
                 "other_consumers": fanout[0].split(", ") if fanout else [],
             },
-            suggestion={"action": "fuse", "modules": names, "pattern": list(pattern),
-                        "blockers": [c for c, _ in reasons]},
+            suggestion={
+                "action": "fuse",
+                "modules": names,
+                "pattern": list(pattern),
+                "blockers": [c for c, _ in reasons],
+            },
         )
 
-
-    def _clamp_finding(self, ctx: LintContext, clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]]
-                       ) -> Finding:
+    def _clamp_finding(self, ctx: LintContext, clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]]) -> Finding:
         """One finding for every chain that stops short of its clipping activation, measured together."""
         lines, rounding = [], []
         for chain, _pattern, clamp in clamps:
             measured = ctx.trial.activation(chain[-1].name) if ctx.trial is not None else None
             rounding.append(measured)
             text = f"{' → '.join(n.display for n in chain)} → {clamp.display}"
-            lines.append(text + (f" (rounding before {clamp.kind}: {measured:.1f} dB)" if measured is not None
-                                 else ""))
+            lines.append(text + (f" (rounding before {clamp.kind}: {measured:.1f} dB)" if measured is not None else ""))
         first_chain, first_pattern, first_clamp = clamps[0]
         kinds = sorted({clamp.kind for _, _, clamp in clamps})
         why = _WHY[REASON_CLAMP].format(op="/".join(kinds))
-        message = (f"{len(clamps)} {' → '.join(first_pattern)} chain(s) end in {'/'.join(kinds)} and fuse without "
-                   f"it on {ctx.backend.name}: {why}. Chains: {'; '.join(lines[:8])}"
-                   + (f"; ... ({len(lines)} in all)" if len(lines) > 8 else "") + ".")
+        message = (
+            f"{len(clamps)} {' → '.join(first_pattern)} chain(s) end in {'/'.join(kinds)} and fuse without "
+            f"it on {ctx.backend.name}: {why}. Chains: {'; '.join(lines[:8])}"
+            + (f"; ... ({len(lines)} in all)" if len(lines) > 8 else "")
+            + "."
+        )
         activations = [clamp.module or clamp.display for _, _, clamp in clamps]
         impact, float_change = _relu_variant_impact(ctx, activations)
         message += f" Fix: {_FIX[REASON_CLAMP]}."
         if impact is not None and impact.fixed_sqnr_db is not None:
-            message += (f" With nn.ReLU in all {len(clamps)} places the int8 model measures "
-                        f"{impact.fixed_sqnr_db:.1f} dB against its own float outputs ({impact.db:+.1f} dB)")
-            message += ("; the float outputs do not change on the evaluation data." if float_change is None
-                        or float_change >= 150 else
-                        f"; the float outputs change ({float_change:.1f} dB SQNR against the original), so "
-                        "check accuracy before switching.")
+            message += (
+                f" With nn.ReLU in all {len(clamps)} places the int8 model measures "
+                f"{impact.fixed_sqnr_db:.1f} dB against its own float outputs ({impact.db:+.1f} dB)"
+            )
+            message += (
+                "; the float outputs do not change on the evaluation data."
+                if float_change is None or float_change >= 150
+                else f"; the float outputs change ({float_change:.1f} dB SQNR against the original), so "
+                "check accuracy before switching."
+            )
         return self.finding(
-            first_chain[0].display, message, impact=impact,
-            data={"kind": "unfusable-activation", "node": first_chain[0].name,
-                  "pattern": list(first_pattern) + [first_clamp.kind],
-                  "chains": [[n.display for n in chain] + [clamp.display] for chain, _, clamp in clamps],
-                  "activations": activations, "reasons": [REASON_CLAMP],
-                  "rounding_sqnr_db": rounding, "float_change_sqnr_db": float_change},
+            first_chain[0].display,
+            message,
+            impact=impact,
+            data={
+                "kind": "unfusable-activation",
+                "node": first_chain[0].name,
+                "pattern": list(first_pattern) + [first_clamp.kind],
+                "chains": [[n.display for n in chain] + [clamp.display] for chain, _, clamp in clamps],
+                "activations": activations,
+                "reasons": [REASON_CLAMP],
+                "rounding_sqnr_db": rounding,
+                "float_change_sqnr_db": float_change,
+            },
             suggestion={"action": "replace_activation", "modules": activations, "with": "relu"},
         )
 
 
-def _unfused_clamp(ctx: LintContext, chain: list[OpNode], pattern: tuple[str, ...]) -> Optional[OpNode]:
+def _unfused_clamp(ctx: LintContext, chain: list[OpNode], pattern: tuple[str, ...]) -> OpNode | None:
     """The ReLU6 / Hardtanh(0, x) module right after a fused chain the backend would extend with ReLU."""
     if pattern[-1] == "relu" or not ctx.backend.can_fuse(pattern + ("relu",)):
         return None
@@ -241,7 +263,7 @@ def _unfused_clamp(ctx: LintContext, chain: list[OpNode], pattern: tuple[str, ..
     return clamp
 
 
-def _relu_variant_impact(ctx: LintContext, fqns: list[str]) -> tuple[Optional[Impact], Optional[float]]:
+def _relu_variant_impact(ctx: LintContext, fqns: list[str]) -> tuple[Impact | None, float | None]:
     """One trial of the model with every ``fqns`` module replaced by nn.ReLU, measured against its
     own float outputs; and how much that change moves the float outputs (SQNR, dB)."""
     bench, trial = ctx.trial_bench, ctx.trial
@@ -259,23 +281,29 @@ def _relu_variant_impact(ctx: LintContext, fqns: list[str]) -> tuple[Optional[Im
     float_change = bench.float_sqnr_of(with_relu())
     if fixed is None:
         return None, float_change
-    impact = Impact(db=round(fixed - trial.output_sqnr_db, 3), basis="rule-trial",
-                    base_sqnr_db=round(trial.output_sqnr_db, 3), fixed_sqnr_db=round(fixed, 3),
-                    detail="every listed activation replaced by nn.ReLU in one trial "
-                           "(each model against its own float outputs)")
+    impact = Impact(
+        db=round(fixed - trial.output_sqnr_db, 3),
+        basis="rule-trial",
+        base_sqnr_db=round(trial.output_sqnr_db, 3),
+        fixed_sqnr_db=round(fixed, 3),
+        detail="every listed activation replaced by nn.ReLU in one trial (each model against its own float outputs)",
+    )
     return impact, None if float_change is None else round(float_change, 3)
 
 
 _MODULE_ONLY_KINDS = frozenset({"conv1d", "conv2d", "conv3d", "linear", "batch_norm"})
 
 
-def _match_chain(graph: ModelGraph, head: OpNode, pattern: tuple[str, ...]) -> Optional[list[OpNode]]:
+def _match_chain(graph: ModelGraph, head: OpNode, pattern: tuple[str, ...]) -> list[OpNode] | None:
     if head.kind != pattern[0]:
         return None
     chain = [head]
     for kind in pattern[1:]:
-        nxt = [c for c in graph.consumers(chain[-1].name)
-               if c.kind == kind and graph.producers(c.name)[0].name == chain[-1].name]
+        nxt = [
+            c
+            for c in graph.consumers(chain[-1].name)
+            if c.kind == kind and graph.producers(c.name)[0].name == chain[-1].name
+        ]
         if not nxt:
             return None
         chain.append(nxt[0])
@@ -304,6 +332,7 @@ def _qconfig_text(node: OpNode) -> str:
 
 
 # --- examples --------------------------------------------------------------------------
+
 
 class _ConvBnReluFanout(nn.Module):
     def __init__(self) -> None:
@@ -376,10 +405,14 @@ VALID = (
     Example("linear-relu with one qconfig", lambda: _LinearRelu().eval(), lambda: (torch.randn(4, 16),)),
 )
 INVALID = (
-    Example("conv output also feeds the residual add", lambda: _ConvBnReluFanout().eval(), _image,
-            flagged=("conv",)),
+    Example("conv output also feeds the residual add", lambda: _ConvBnReluFanout().eval(), _image, flagged=("conv",)),
     Example("eager model without fuse_modules", lambda: _eager(False), _image, flagged=("conv",)),
     Example("BatchNorm left in training mode", lambda: _CleanBlock().train(), _image, flagged=("conv",)),
-    Example("linear and relu with different qconfigs", lambda: _LinearRelu().eval(),
-            lambda: (torch.randn(4, 16),), qconfig_mapping=_linear_relu_mixed_mapping, flagged=("fc",)),
+    Example(
+        "linear and relu with different qconfigs",
+        lambda: _LinearRelu().eval(),
+        lambda: (torch.randn(4, 16),),
+        qconfig_mapping=_linear_relu_mixed_mapping,
+        flagged=("fc",),
+    ),
 )

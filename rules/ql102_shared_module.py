@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 from pydantic import Field
 
+from qlint.core.graph import ModelGraph, ModuleInfo
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Severity
-from qlint.core.graph import ModelGraph, ModuleInfo
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 # Modules with no learned state whose reuse matters only where observers are per module.
-_STATELESS_KINDS = frozenset({"relu", "relu6", "identity", "dropout", "flatten", "max_pool",
-                              "avg_pool", "adaptive_avg_pool", "hardtanh", "leaky_relu"})
+_STATELESS_KINDS = frozenset(
+    {
+        "relu",
+        "relu6",
+        "identity",
+        "dropout",
+        "flatten",
+        "max_pool",
+        "avg_pool",
+        "adaptive_avg_pool",
+        "hardtanh",
+        "leaky_relu",
+    }
+)
 # Modules that live inside others and are called by their parent, not by the graph.
 _INTERNAL_KINDS = frozenset({"observer"})
 # Call sites named in a message; a module reused thousands of times would make it unreadable.
@@ -96,17 +108,27 @@ class SharedModule(Rule):
             where = [f"{s.name} (in {s.scope or 'the top-level forward'})" for s in sites[:_LISTED_SITES]]
             if len(sites) > _LISTED_SITES:  # data["call_sites"] keeps them all; the message stays readable
                 where.append(f"and {len(sites) - _LISTED_SITES} more")
-            impact = ("one observer serves every call" if ctx.eager_flow or not stateless
-                      else "eager-mode flows would give every call one observer")
+            impact = (
+                "one observer serves every call"
+                if ctx.eager_flow or not stateless
+                else "eager-mode flows would give every call one observer"
+            )
             message = (
                 f"module '{fqn}' ({kind}) is called {len(sites)} times: {', '.join(where)}. "
                 f"Quantized, {impact}, so tensors with different ranges share one scale and "
                 "zero point. Fix: give each call site its own module instance."
             )
             yield self.finding(
-                fqn, message, severity=severity,
-                data={"kind": "multiple-calls", "node": sites[0].name, "calls": len(sites),
-                      "call_sites": [s.name for s in sites], "op_kind": kind},
+                fqn,
+                message,
+                severity=severity,
+                data={
+                    "kind": "multiple-calls",
+                    "node": sites[0].name,
+                    "calls": len(sites),
+                    "call_sites": [s.name for s in sites],
+                    "op_kind": kind,
+                },
                 suggestion={"action": "split_module", "module": fqn, "copies": len(sites)},
             )
 
@@ -122,10 +144,15 @@ class SharedModule(Rule):
                 "where it was meant to be used (a forgotten QuantStub/DeQuantStub leaves tensors float)."
             )
             yield self.finding(
-                fqn, message,
+                fqn,
+                message,
                 severity=self.severity if info.has_parameters or info.kind.endswith("stub") else Severity.INFO,
-                data={"kind": "never-called", "node": None, "module_type": info.type_name,
-                      "has_parameters": info.has_parameters},
+                data={
+                    "kind": "never-called",
+                    "node": None,
+                    "module_type": info.type_name,
+                    "has_parameters": info.has_parameters,
+                },
                 suggestion={"action": "remove_module", "module": fqn},
             )
 
@@ -170,6 +197,7 @@ class _UsedModules:
 
 
 # --- examples --------------------------------------------------------------------------
+
 
 class _SharedRelu(nn.Module):
     def __init__(self) -> None:
@@ -240,8 +268,11 @@ VALID = (
 )
 INVALID = (
     Example("one ReLU reused after two convs", lambda: _SharedRelu().eval(), _image, flagged=("act",)),
-    Example("one projection applied to queries and keys", lambda: _SharedLinear().eval(), _tokens,
-            flagged=("proj",)),
-    Example("a head left over from an earlier version", lambda: _Unused().eval(),
-            lambda: (torch.randn(2, 16),), flagged=("old_head",)),
+    Example("one projection applied to queries and keys", lambda: _SharedLinear().eval(), _tokens, flagged=("proj",)),
+    Example(
+        "a head left over from an earlier version",
+        lambda: _Unused().eval(),
+        lambda: (torch.randn(2, 16),),
+        flagged=("old_head",),
+    ),
 )

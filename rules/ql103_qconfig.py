@@ -2,27 +2,61 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
-from torch.ao.quantization import (DeQuantStub, QConfig, QConfigMapping, QuantStub, get_default_qconfig,
-                                   get_default_qconfig_mapping)
-from torch.ao.quantization.observer import (HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver,
-                                            default_per_channel_weight_observer)
+from qlint.rules._ql103_checks import (
+    CALL_OPS,
+    LISTED_NODES,
+    FindingGroups,
+    QConfigCheckState,
+    activation_dtype_text,
+    activation_range_text,
+    describe_nodes,
+    fixed_qparams_range,
+    float_reason,
+    full_range_activation_text,
+    is_reduced_range,
+    qparams_text,
+    requires_fixed_qparams,
+    scale_text,
+    wasted_reduce_range_text,
+    weight_dtype_text,
+    weight_qscheme_text,
+    weight_range_text,
+    within_quant_range,
+)
+from qlint.rules._ql103_islands import (
+    Island,
+    eager_float_islands,
+    feeds_cat,
+    fx_float_islands,
+    is_static_quantized,
+    unique_nodes,
+)
+from torch.ao.quantization import (
+    DeQuantStub,
+    QConfig,
+    QConfigMapping,
+    QuantStub,
+    get_default_qconfig,
+    get_default_qconfig_mapping,
+)
+from torch.ao.quantization.observer import (
+    HistogramObserver,
+    MinMaxObserver,
+    PerChannelMinMaxObserver,
+    default_per_channel_weight_observer,
+)
 
+from qlint.core.graph import OpNode
+from qlint.core.ops import CONV_OR_LINEAR_KINDS, FIXED_QPARAMS_KINDS, SHAPE_KINDS, WEIGHTED_KINDS
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Severity
-from qlint.core.graph import OpNode
-from qlint.rules._ql103_islands import Island, eager_float_islands, feeds_cat, fx_float_islands, is_static_quantized, unique_nodes
-from qlint.core.ops import CONV_OR_LINEAR_KINDS, FIXED_QPARAMS_KINDS, SHAPE_KINDS, WEIGHTED_KINDS
-from qlint.rules._ql103_checks import (CALL_OPS, LISTED_NODES, FindingGroups, QConfigCheckState, activation_dtype_text,
-                                  activation_range_text, describe_nodes, fixed_qparams_range, float_reason,
-                                  full_range_activation_text, is_reduced_range, qparams_text, requires_fixed_qparams,
-                                  scale_text, wasted_reduce_range_text, weight_dtype_text, weight_qscheme_text,
-                                  weight_range_text, within_quant_range)
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 # Sub-check kinds (data["kind"]; part of each finding's fingerprint).
@@ -149,29 +183,45 @@ class QConfigCheck(Rule):
             if state.prepared and feeds_cat(graph, node):
                 continue  # prepare_fx replaced its observer with cat's shared one (see cat check)
             low, high = _MATH_RANGE[node.kind]
-            wanted = (f"FixedQParamsObserver(scale={expected.fixed_scale:g}, "
-                      f"zero_point={expected.fixed_zero_point}, dtype={expected.dtype})")
+            wanted = (
+                f"FixedQParamsObserver(scale={expected.fixed_scale:g}, "
+                f"zero_point={expected.fixed_zero_point}, dtype={expected.dtype})"
+            )
             common = {
-                "node": node.name, "op_kind": node.kind, "observer": spec.observer,
-                "dtype": spec.dtype, "source": node.qconfig.source,
+                "node": node.name,
+                "op_kind": node.kind,
+                "observer": spec.observer,
+                "dtype": spec.dtype,
+                "source": node.qconfig.source,
                 "expected_observer": "FixedQParamsObserver",
-                "expected_scale": expected.fixed_scale, "expected_zero_point": expected.fixed_zero_point,
-                "output_range": [low, high], "qconfig_table": state.table([node]),
+                "expected_scale": expected.fixed_scale,
+                "expected_zero_point": expected.fixed_zero_point,
+                "output_range": [low, high],
+                "qconfig_table": state.table([node]),
             }
             suggestion = {
-                "action": "set_qconfig", "target": node.display, "node": node.name,
+                "action": "set_qconfig",
+                "target": node.display,
+                "node": node.name,
                 "object_type": node.module_type or node.target,
-                "activation": "FixedQParamsObserver", "scale": expected.fixed_scale,
-                "zero_point": expected.fixed_zero_point, "dtype": expected.dtype,
-                "quant_min": expected.quant_min, "quant_max": expected.quant_max,
+                "activation": "FixedQParamsObserver",
+                "scale": expected.fixed_scale,
+                "zero_point": expected.fixed_zero_point,
+                "dtype": expected.dtype,
+                "quant_min": expected.quant_min,
+                "quant_max": expected.quant_max,
                 "from": f"get_default_qconfig_mapping('{ctx.backend.name}')",
             }
-            fix = (f"Fix: give this op the qconfig that get_default_qconfig_mapping('{ctx.backend.name}') "
-                   f"sets for it ({wanted}), e.g. start from get_default_qconfig_mapping and "
-                   "override other entries, instead of QConfigMapping().set_global(...).")
+            fix = (
+                f"Fix: give this op the qconfig that get_default_qconfig_mapping('{ctx.backend.name}') "
+                f"sets for it ({wanted}), e.g. start from get_default_qconfig_mapping and "
+                "override other entries, instead of QConfigMapping().set_global(...)."
+            )
             if spec.is_fixed_qparams:
-                if (abs(spec.fixed_scale - expected.fixed_scale) <= 1e-9
-                        and spec.fixed_zero_point == expected.fixed_zero_point):
+                if (
+                    abs(spec.fixed_scale - expected.fixed_scale) <= 1e-9
+                    and spec.fixed_zero_point == expected.fixed_zero_point
+                ):
                     continue
                 got_low, got_high = fixed_qparams_range(spec)
                 message = (
@@ -181,10 +231,19 @@ class QConfigCheck(Rule):
                     f"{ctx.backend.name} kernel uses scale {scale_text(expected.fixed_scale)}, zero point "
                     f"{expected.fixed_zero_point}. prepare_fx rejects qparams that differ from the "
                     "backend's and ignores this qconfig, so the op is not quantized as configured "
-                    f"and the wrong range would clip or waste codes. {fix}")
-                yield self.finding(node.display, message, suggestion=suggestion,
-                                   data={"kind": KIND_FIXED_MISMATCH, **common,
-                                         "scale": spec.fixed_scale, "zero_point": spec.fixed_zero_point})
+                    f"and the wrong range would clip or waste codes. {fix}"
+                )
+                yield self.finding(
+                    node.display,
+                    message,
+                    suggestion=suggestion,
+                    data={
+                        "kind": KIND_FIXED_MISMATCH,
+                        **common,
+                        "scale": spec.fixed_scale,
+                        "zero_point": spec.fixed_zero_point,
+                    },
+                )
                 continue
             message = (
                 f"{node.display} ({node.kind}) is observed by {spec.observer} (from the "
@@ -195,9 +254,11 @@ class QConfigCheck(Rule):
                 "its tails, and it breaks the backend's fixed-qparams lookup: prepare_fx warns "
                 "'QConfig must specify a FixedQParamsObserver' and ignores this qconfig, so the "
                 f"op is not quantized the way the mapping says (in QAT the fake-quant learns a "
-                f"range the int8 kernel will not use). {fix}")
-            yield self.finding(node.display, message, data={"kind": KIND_FIXED_OBSERVER, **common},
-                               suggestion=suggestion)
+                f"range the int8 kernel will not use). {fix}"
+            )
+            yield self.finding(
+                node.display, message, data={"kind": KIND_FIXED_OBSERVER, **common}, suggestion=suggestion
+            )
 
     # --- backend support: dtypes, quant ranges, qschemes --------------------------------
     def _backend_support(self, state: QConfigCheckState) -> Iterator[Finding]:
@@ -206,62 +267,118 @@ class QConfigCheck(Rule):
         for node in state.checked_nodes():
             qc = node.qconfig
             spec = qc.activation
-            options = [o for o in ctx.backend.dtype_options(node.kind)
-                       if not o.is_dynamic and o.input_dtype not in (None, "torch.float32")]
+            options = [
+                o
+                for o in ctx.backend.dtype_options(node.kind)
+                if not o.is_dynamic and o.input_dtype not in (None, "torch.float32")
+            ]
             if not options:
                 continue  # no static kernel (float, weight-only or dynamic op): not a qconfig matter
             matching = [o for o in options if spec.dtype in (o.output_dtype, o.input_dtype)]
             if not matching:
                 supported = sorted({o.output_dtype for o in options if o.output_dtype})
-                groups.add((KIND_ACT_DTYPE, spec.dtype, tuple(supported)), node,
-                           dtype=spec.dtype, observer=spec.observer, supported=supported)
+                groups.add(
+                    (KIND_ACT_DTYPE, spec.dtype, tuple(supported)),
+                    node,
+                    dtype=spec.dtype,
+                    observer=spec.observer,
+                    supported=supported,
+                )
                 continue
             ranged = [o for o in matching if o.input_quant_min is not None or o.input_quant_max is not None]
             if ranged and len(ranged) == len(matching) and not spec.is_fixed_qparams:
-                if not any(within_quant_range(spec.quant_min, spec.quant_max, o.input_quant_min, o.input_quant_max)
-                           for o in ranged):
+                if not any(
+                    within_quant_range(spec.quant_min, spec.quant_max, o.input_quant_min, o.input_quant_max)
+                    for o in ranged
+                ):
                     bounds = [ranged[0].input_quant_min, ranged[0].input_quant_max]
-                    groups.add((KIND_ACT_RANGE, spec.dtype, spec.quant_min, spec.quant_max), node,
-                               dtype=spec.dtype, observer=spec.observer,
-                               quant_range=[spec.quant_min, spec.quant_max], supported_range=bounds)
+                    groups.add(
+                        (KIND_ACT_RANGE, spec.dtype, spec.quant_min, spec.quant_max),
+                        node,
+                        dtype=spec.dtype,
+                        observer=spec.observer,
+                        quant_range=[spec.quant_min, spec.quant_max],
+                        supported_range=bounds,
+                    )
             weight = qc.weight
-            if (node.weight is None or node.kind not in WEIGHTED_KINDS or weight is None
-                    or weight.is_float or not any(o.weight_dtype for o in matching)):
+            if (
+                node.weight is None
+                or node.kind not in WEIGHTED_KINDS
+                or weight is None
+                or weight.is_float
+                or not any(o.weight_dtype for o in matching)
+            ):
                 continue
             weighted = [o for o in matching if o.weight_dtype == weight.dtype]
             if not weighted:
                 supported = sorted({o.weight_dtype for o in matching if o.weight_dtype})
-                groups.add((KIND_WEIGHT_DTYPE, weight.dtype, spec.dtype), node, dtype=weight.dtype,
-                           activation_dtype=spec.dtype, observer=weight.observer, supported=supported)
+                groups.add(
+                    (KIND_WEIGHT_DTYPE, weight.dtype, spec.dtype),
+                    node,
+                    dtype=weight.dtype,
+                    activation_dtype=spec.dtype,
+                    observer=weight.observer,
+                    supported=supported,
+                )
                 continue
-            if not any(within_quant_range(weight.quant_min, weight.quant_max, o.weight_quant_min, o.weight_quant_max)
-                       for o in weighted):
+            if not any(
+                within_quant_range(weight.quant_min, weight.quant_max, o.weight_quant_min, o.weight_quant_max)
+                for o in weighted
+            ):
                 bound = next(o for o in weighted if o.weight_quant_min is not None or o.weight_quant_max is not None)
-                groups.add((KIND_WEIGHT_RANGE, weight.dtype, weight.quant_min, weight.quant_max, spec.dtype),
-                           node, dtype=weight.dtype, activation_dtype=spec.dtype, observer=weight.observer,
-                           quant_range=[weight.quant_min, weight.quant_max],
-                           supported_range=[bound.weight_quant_min, bound.weight_quant_max])
+                groups.add(
+                    (KIND_WEIGHT_RANGE, weight.dtype, weight.quant_min, weight.quant_max, spec.dtype),
+                    node,
+                    dtype=weight.dtype,
+                    activation_dtype=spec.dtype,
+                    observer=weight.observer,
+                    quant_range=[weight.quant_min, weight.quant_max],
+                    supported_range=[bound.weight_quant_min, bound.weight_quant_max],
+                )
             if node.kind in _CONV_TRANSPOSE_KINDS and node.op == "module" and weight.is_per_channel:
-                groups.add((KIND_WEIGHT_QSCHEME, weight.qscheme, "transpose"), node, qscheme=weight.qscheme,
-                           observer=weight.observer, dtype=weight.dtype, transpose=True)
+                groups.add(
+                    (KIND_WEIGHT_QSCHEME, weight.qscheme, "transpose"),
+                    node,
+                    qscheme=weight.qscheme,
+                    observer=weight.observer,
+                    dtype=weight.dtype,
+                    transpose=True,
+                )
             elif node.kind in CONV_OR_LINEAR_KINDS and weight.qscheme and "symmetric" not in weight.qscheme:
-                groups.add((KIND_WEIGHT_QSCHEME, weight.qscheme), node, qscheme=weight.qscheme,
-                           observer=weight.observer, dtype=weight.dtype)
+                groups.add(
+                    (KIND_WEIGHT_QSCHEME, weight.qscheme),
+                    node,
+                    qscheme=weight.qscheme,
+                    observer=weight.observer,
+                    dtype=weight.dtype,
+                )
         for key, nodes, info in groups.items():
             yield self._support_finding(state, key[0], nodes, info)
 
-    def _support_finding(self, state: QConfigCheckState, kind: str, nodes: list[OpNode],
-                         info: dict[str, Any]) -> Finding:
+    def _support_finding(
+        self, state: QConfigCheckState, kind: str, nodes: list[OpNode], info: dict[str, Any]
+    ) -> Finding:
         backend = state.ctx.backend.name
         where = describe_nodes(nodes)
         sources = sorted({n.qconfig.source for n in nodes if n.qconfig is not None})
-        data: dict[str, Any] = {"kind": kind, "node": nodes[0].name, "nodes": [n.name for n in nodes],
-                                "targets": [n.display for n in nodes], "sources": sources,
-                                "backend": backend, **info, "qconfig_table": state.table(nodes)}
+        data: dict[str, Any] = {
+            "kind": kind,
+            "node": nodes[0].name,
+            "nodes": [n.name for n in nodes],
+            "targets": [n.display for n in nodes],
+            "sources": sources,
+            "backend": backend,
+            **info,
+            "qconfig_table": state.table(nodes),
+        }
         targets = [n.display for n in nodes]
-        text = {KIND_ACT_DTYPE: activation_dtype_text, KIND_ACT_RANGE: activation_range_text,
-                KIND_WEIGHT_DTYPE: weight_dtype_text, KIND_WEIGHT_RANGE: weight_range_text,
-                KIND_WEIGHT_QSCHEME: weight_qscheme_text}[kind]
+        text = {
+            KIND_ACT_DTYPE: activation_dtype_text,
+            KIND_ACT_RANGE: activation_range_text,
+            KIND_WEIGHT_DTYPE: weight_dtype_text,
+            KIND_WEIGHT_RANGE: weight_range_text,
+            KIND_WEIGHT_QSCHEME: weight_qscheme_text,
+        }[kind]
         message, suggestion, severity = text(where, backend, info, targets, sources)
         return self.finding(nodes[0].display, message, data=data, suggestion=suggestion, severity=severity)
 
@@ -280,21 +397,37 @@ class QConfigCheck(Rule):
                 continue
             reduced = is_reduced_range(spec)
             if wants and not reduced:
-                groups.add((KIND_REDUCE_RANGE, spec.qparams_key()), node, observer=spec.observer,
-                           quant_range=[spec.quant_min, spec.quant_max], reduce_range=spec.reduce_range,
-                           input_node=source.name)
+                groups.add(
+                    (KIND_REDUCE_RANGE, spec.qparams_key()),
+                    node,
+                    observer=spec.observer,
+                    quant_range=[spec.quant_min, spec.quant_max],
+                    reduce_range=spec.reduce_range,
+                    input_node=source.name,
+                )
             elif not wants and reduced:
-                groups.add((KIND_REDUCE_RANGE_WASTE, spec.qparams_key()), node, observer=spec.observer,
-                           quant_range=[spec.quant_min, spec.quant_max], reduce_range=spec.reduce_range,
-                           input_node=source.name)
+                groups.add(
+                    (KIND_REDUCE_RANGE_WASTE, spec.qparams_key()),
+                    node,
+                    observer=spec.observer,
+                    quant_range=[spec.quant_min, spec.quant_max],
+                    reduce_range=spec.reduce_range,
+                    input_node=source.name,
+                )
         backend = ctx.backend.name
         for key, nodes, info in groups.items():
             kind = key[0]
             where = describe_nodes(nodes)
-            data = {"kind": kind, "node": nodes[0].name, "nodes": [n.name for n in nodes],
-                    "targets": [n.display for n in nodes], "backend": backend,
-                    "sources": sorted({n.qconfig.source for n in nodes}), **info,
-                    "qconfig_table": state.table(nodes)}
+            data = {
+                "kind": kind,
+                "node": nodes[0].name,
+                "nodes": [n.name for n in nodes],
+                "targets": [n.display for n in nodes],
+                "backend": backend,
+                "sources": sorted({n.qconfig.source for n in nodes}),
+                **info,
+                "qconfig_table": state.table(nodes),
+            }
             text = full_range_activation_text if kind == KIND_REDUCE_RANGE else wasted_reduce_range_text
             message, suggestion, severity = text(where, backend, info, data["targets"])
             yield self.finding(nodes[0].display, message, data=data, suggestion=suggestion, severity=severity)
@@ -308,7 +441,7 @@ class QConfigCheck(Rule):
                 continue
             yield self._island_finding(state, island, compute)
 
-    def _island_finding(self, state: QConfigCheckState, island: "Island", compute: list[OpNode]) -> Finding:
+    def _island_finding(self, state: QConfigCheckState, island: Island, compute: list[OpNode]) -> Finding:
         backend = state.ctx.backend
         head = compute[0]
         ops = ", ".join(f"{n.display} ({n.kind})" for n in compute[:LISTED_NODES])
@@ -318,37 +451,53 @@ class QConfigCheck(Rule):
         consumers = ", ".join(dict.fromkeys(c.display for c in island.consumers))
         unsupported = sorted({n.kind for n in compute if not backend.supports(n.kind)})
         if state.eager:
-            how = ("between a DeQuantStub and a QuantStub, with quantized modules on both sides")
-            fix = ("move these ops before the first QuantStub or after the last DeQuantStub, or "
-                   "quantize them and remove the stub pair")
+            how = "between a DeQuantStub and a QuantStub, with quantized modules on both sides"
+            fix = (
+                "move these ops before the first QuantStub or after the last DeQuantStub, or "
+                "quantize them and remove the stub pair"
+            )
         else:
             states = sorted({float_reason(n) for n in compute})
             how = f"({' / '.join(states)}) between quantized ops"
-            fix = ("give them a quantized qconfig (e.g. the one their neighbours use), or move them "
-                   "to the start or end of the model")
+            fix = (
+                "give them a quantized qconfig (e.g. the one their neighbours use), or move them "
+                "to the start or end of the model"
+            )
         if unsupported:
-            fix += (f"; {backend.name} has no quantized kernel for {', '.join(unsupported)}, so moving "
-                    "it to the model edge or replacing it with a supported op is the way out")
+            fix += (
+                f"; {backend.name} has no quantized kernel for {', '.join(unsupported)}, so moving "
+                "it to the model edge or replacing it with a supported op is the way out"
+            )
         message = (
             f"{ops} run{'s' if len(compute) == 1 else ''} in float {how}: {producers} → island → "
             f"{consumers}. Every edge into the island costs a dequantize and every edge out a "
             f"quantize ({island.dequantize_edges} + {island.quantize_edges} here), each an extra "
-            f"pass over the tensor and an extra rounding step. Fix: {fix}.")
+            f"pass over the tensor and an extra rounding step. Fix: {fix}."
+        )
         involved = list(island.producers) + list(island.nodes) + list(island.consumers)
         neighbour = island.producers[0]
         data = {
-            "kind": KIND_FLOAT_ISLAND, "node": head.name, "island": [n.name for n in island.nodes],
+            "kind": KIND_FLOAT_ISLAND,
+            "node": head.name,
+            "island": [n.name for n in island.nodes],
             "island_targets": [n.display for n in island.nodes],
-            "producers": [p.name for p in island.producers], "consumers": [c.name for c in island.consumers],
-            "dequantize_edges": island.dequantize_edges, "quantize_edges": island.quantize_edges,
-            "unsupported_kinds": unsupported, "eager": state.eager,
+            "producers": [p.name for p in island.producers],
+            "consumers": [c.name for c in island.consumers],
+            "dequantize_edges": island.dequantize_edges,
+            "quantize_edges": island.quantize_edges,
+            "unsupported_kinds": unsupported,
+            "eager": state.eager,
             "qconfig_table": state.table(unique_nodes(involved)),
         }
         like = neighbour.qconfig.activation if neighbour.qconfig and neighbour.qconfig.activation else None
-        suggestion = {"action": "set_qconfig", "target": head.display,
-                      "targets": [n.display for n in compute], "like": neighbour.name,
-                      "activation": like.observer if like else None,
-                      "alternative": "move_to_model_edge"}
+        suggestion = {
+            "action": "set_qconfig",
+            "target": head.display,
+            "targets": [n.display for n in compute],
+            "like": neighbour.name,
+            "activation": like.observer if like else None,
+            "alternative": "move_to_model_edge",
+        }
         return self.finding(head.display, message, data=data, suggestion=suggestion)
 
     # --- cat inputs ----------------------------------------------------------------------
@@ -377,42 +526,65 @@ class QConfigCheck(Rule):
         described = "; ".join(f"{s.display}: {qparams_text(spec)}" for _, s, spec in inputs)
         if first.is_fixed_qparams and any(not spec.is_fixed_qparams for _, _, spec in odd):
             low, high = fixed_qparams_range(first)
-            effect = (f"here the first input, {first_source.display}, has fixed qparams, so every other "
-                      f"input is quantized to [{low:g}, {high:g}] and clipped outside it")
-            fix = (f"put a calibrated input first in the cat (or apply {first_source.kind} after "
-                   "the cat), and give all inputs one qconfig")
+            effect = (
+                f"here the first input, {first_source.display}, has fixed qparams, so every other "
+                f"input is quantized to [{low:g}, {high:g}] and clipped outside it"
+            )
+            fix = (
+                f"put a calibrated input first in the cat (or apply {first_source.kind} after "
+                "the cat), and give all inputs one qconfig"
+            )
         else:
-            effect = (f"the other inputs' observers ({', '.join(s.display for _, s, _ in odd)}) are "
-                      f"replaced by {first_source.display}'s {first.observer}, so their configured "
-                      "dtype/range is silently ignored; where observers cannot be shared (eager "
-                      "mode, other front ends) each input is requantized to cat's scale instead")
+            effect = (
+                f"the other inputs' observers ({', '.join(s.display for _, s, _ in odd)}) are "
+                f"replaced by {first_source.display}'s {first.observer}, so their configured "
+                "dtype/range is silently ignored; where observers cannot be shared (eager "
+                "mode, other front ends) each input is requantized to cat's scale instead"
+            )
             fix = "give every input of the cat (and the cat) the same qconfig"
         message = (
             f"The inputs of {cat.display} are observed with different qparams ({described}). "
             "prepare_fx can only use one scale and zero point for cat: it makes all inputs and the "
-            f"output share the first input's observer; {effect}. Fix: {fix}.")
+            f"output share the first input's observer; {effect}. Fix: {fix}."
+        )
         involved = unique_nodes([s for _, s, _ in inputs] + [cat])
         data = {
-            "kind": KIND_CAT, "node": cat.name,
-            "inputs": [{"node": s.name, "target": s.display, "observer": spec.observer,
-                        "dtype": spec.dtype, "qscheme": spec.qscheme,
-                        "quant_range": [spec.quant_min, spec.quant_max],
-                        "fixed_scale": spec.fixed_scale, "fixed_zero_point": spec.fixed_zero_point,
-                        "matches_first": spec.qparams_key() == first.qparams_key()}
-                       for _, s, spec in inputs],
-            "first_input": first_source.name, "mismatched": [s.name for _, s, _ in odd],
+            "kind": KIND_CAT,
+            "node": cat.name,
+            "inputs": [
+                {
+                    "node": s.name,
+                    "target": s.display,
+                    "observer": spec.observer,
+                    "dtype": spec.dtype,
+                    "qscheme": spec.qscheme,
+                    "quant_range": [spec.quant_min, spec.quant_max],
+                    "fixed_scale": spec.fixed_scale,
+                    "fixed_zero_point": spec.fixed_zero_point,
+                    "matches_first": spec.qparams_key() == first.qparams_key(),
+                }
+                for _, s, spec in inputs
+            ],
+            "first_input": first_source.name,
+            "mismatched": [s.name for _, s, _ in odd],
             "qconfig_table": state.table(involved),
         }
         # The observer to share: a calibrated one (it sees every input), and it should come first.
         calibrated = next(((s, spec) for _, s, spec in inputs if not spec.is_fixed_qparams), None)
         shared_source, shared = calibrated if calibrated is not None else (first_source, first)
-        suggestion = {"action": "unify_qconfig", "target": cat.display, "cat": cat.name,
-                      "nodes": [s.display for _, s, _ in inputs], "activation": shared.observer,
-                      "first_input": shared_source.name}
+        suggestion = {
+            "action": "unify_qconfig",
+            "target": cat.display,
+            "cat": cat.name,
+            "nodes": [s.display for _, s, _ in inputs],
+            "activation": shared.observer,
+            "first_input": shared_source.name,
+        }
         return self.finding(cat.display, message, data=data, suggestion=suggestion)
 
 
 # --- examples --------------------------------------------------------------------------
+
 
 def _seeded(build):
     with torch.random.fork_rng(devices=[]):
@@ -527,27 +699,33 @@ def _global_only() -> QConfigMapping:
 
 
 def _qint8_activations() -> QConfigMapping:
-    qconfig = QConfig(activation=HistogramObserver.with_args(dtype=torch.qint8, reduce_range=True),
-                      weight=default_per_channel_weight_observer)
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(dtype=torch.qint8, reduce_range=True),
+        weight=default_per_channel_weight_observer,
+    )
     return get_default_qconfig_mapping("x86").set_global(qconfig)
 
 
 def _qnnpack_symmetric_full_range() -> QConfigMapping:
-    qconfig = QConfig(activation=HistogramObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
-                      weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+    )
     return get_default_qconfig_mapping("qnnpack").set_global(qconfig)
 
 
 def _x86_full_range() -> QConfigMapping:
-    qconfig = QConfig(activation=HistogramObserver.with_args(reduce_range=False),
-                      weight=default_per_channel_weight_observer)
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=False), weight=default_per_channel_weight_observer
+    )
     return get_default_qconfig_mapping("x86").set_global(qconfig)
 
 
 def _onednn_affine_weights() -> QConfigMapping:
-    qconfig = QConfig(activation=HistogramObserver.with_args(reduce_range=False),
-                      weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8,
-                                                                qscheme=torch.per_channel_affine))
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=False),
+        weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_affine),
+    )
     return get_default_qconfig_mapping("onednn").set_global(qconfig)
 
 
@@ -560,28 +738,62 @@ def _gelu_at_edge() -> QConfigMapping:
 
 
 VALID = (
-    Example("conv/cat/sigmoid/linear/softmax model under x86's default mapping", _head, _image,
-            qconfig_mapping=_x86_default),
-    Example("the same model under qnnpack's default mapping", _head, _image,
-            qconfig_mapping=_qnnpack_default, backend="qnnpack"),
-    Example("float ops at the end of the model are not an island", _gelu_sandwich, _image,
-            qconfig_mapping=_gelu_at_edge),
+    Example(
+        "conv/cat/sigmoid/linear/softmax model under x86's default mapping", _head, _image, qconfig_mapping=_x86_default
+    ),
+    Example(
+        "the same model under qnnpack's default mapping",
+        _head,
+        _image,
+        qconfig_mapping=_qnnpack_default,
+        backend="qnnpack",
+    ),
+    Example(
+        "float ops at the end of the model are not an island", _gelu_sandwich, _image, qconfig_mapping=_gelu_at_edge
+    ),
     Example("eager model whose float LayerNorm runs after the last DeQuantStub", _eager_clean, _image),
 )
 INVALID = (
-    Example("set_global(get_default_qconfig('x86')) gives the sigmoid a HistogramObserver", _head, _image,
-            qconfig_mapping=_global_only, flagged=("gate", "softmax")),
-    Example("qint8 activations on x86", _gelu_sandwich, _image, qconfig_mapping=_qint8_activations,
-            flagged=("conv1",)),
-    Example("qnnpack qint8 activations with weights in [-128, 127]", _gelu_sandwich, _image,
-            qconfig_mapping=_qnnpack_symmetric_full_range, backend="qnnpack", flagged=("conv1",)),
-    Example("reduce_range=False activations on x86", _gelu_sandwich, _image,
-            qconfig_mapping=_x86_full_range, flagged=("conv1",)),
-    Example("per-channel affine weights on onednn", _gelu_sandwich, _image,
-            qconfig_mapping=_onednn_affine_weights, backend="onednn", flagged=("conv1",)),
-    Example("GELU with qconfig None between two quantized convs", _gelu_sandwich, _image,
-            qconfig_mapping=_gelu_in_float, flagged=("act",)),
-    Example("cat of a sigmoid branch and a relu branch", _gated_cat, _image,
-            qconfig_mapping=_x86_default, flagged=("cat",)),
+    Example(
+        "set_global(get_default_qconfig('x86')) gives the sigmoid a HistogramObserver",
+        _head,
+        _image,
+        qconfig_mapping=_global_only,
+        flagged=("gate", "softmax"),
+    ),
+    Example("qint8 activations on x86", _gelu_sandwich, _image, qconfig_mapping=_qint8_activations, flagged=("conv1",)),
+    Example(
+        "qnnpack qint8 activations with weights in [-128, 127]",
+        _gelu_sandwich,
+        _image,
+        qconfig_mapping=_qnnpack_symmetric_full_range,
+        backend="qnnpack",
+        flagged=("conv1",),
+    ),
+    Example(
+        "reduce_range=False activations on x86",
+        _gelu_sandwich,
+        _image,
+        qconfig_mapping=_x86_full_range,
+        flagged=("conv1",),
+    ),
+    Example(
+        "per-channel affine weights on onednn",
+        _gelu_sandwich,
+        _image,
+        qconfig_mapping=_onednn_affine_weights,
+        backend="onednn",
+        flagged=("conv1",),
+    ),
+    Example(
+        "GELU with qconfig None between two quantized convs",
+        _gelu_sandwich,
+        _image,
+        qconfig_mapping=_gelu_in_float,
+        flagged=("act",),
+    ),
+    Example(
+        "cat of a sigmoid branch and a relu branch", _gated_cat, _image, qconfig_mapping=_x86_default, flagged=("cat",)
+    ),
     Example("eager LayerNorm between DeQuantStub and QuantStub", _eager_island, _image, flagged=("norm",)),
 )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -11,12 +12,12 @@ from pydantic import Field
 from torch.ao.quantization import QConfig, QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
 from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver
 
-from qlint.linter.context import INTENT_EAGER, LintContext
-from qlint.linter.findings import Finding, Severity
 from qlint.core.graph import OpNode
 from qlint.core.intent import ObserverSpec
 from qlint.core.ops import CONV_KINDS, CONV_OR_LINEAR_KINDS
 from qlint.core.sqnr import sqnr_db
+from qlint.linter.context import INTENT_EAGER, LintContext
+from qlint.linter.findings import Finding, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 
@@ -89,7 +90,7 @@ class PerChannel(Rule):
     options: Options  # this rule's own Options, so the type checker knows its fields
 
     def check(self, ctx: LintContext) -> Iterable[Finding]:
-        layers: list[tuple[OpNode, ObserverSpec, Optional[int], Optional[dict[str, Any]]]] = []
+        layers: list[tuple[OpNode, ObserverSpec, int | None, dict[str, Any] | None]] = []
         for node in ctx.graph.ops():
             weight = self._per_tensor_weight(ctx, node)
             if weight is None:
@@ -109,7 +110,7 @@ class PerChannel(Rule):
         if layers:
             yield self._report(ctx, layers)
 
-    def _per_tensor_weight(self, ctx: LintContext, node: OpNode) -> Optional[ObserverSpec]:
+    def _per_tensor_weight(self, ctx: LintContext, node: OpNode) -> ObserverSpec | None:
         if node.kind not in CONV_OR_LINEAR_KINDS or not _supports_per_channel(ctx, node.kind):
             return None
         if (ctx.eager_flow or ctx.intent == INTENT_EAGER) and node.op != "module":
@@ -124,20 +125,24 @@ class PerChannel(Rule):
             return None  # float/fp16 weights, or a dtype QL103 reports
         return weight
 
-    def _report(self, ctx: LintContext,
-                layers: list[tuple[OpNode, ObserverSpec, Optional[int], Optional[dict[str, Any]]]]) -> Finding:
+    def _report(
+        self, ctx: LintContext, layers: list[tuple[OpNode, ObserverSpec, int | None, dict[str, Any] | None]]
+    ) -> Finding:
         """One finding for the model: the layers worst first, each with its measured weight SQNR."""
+
         def gain(entry) -> float:
             evidence = entry[3] or {}
             tensor_db, channel_db = evidence.get("per_tensor_sqnr_db"), evidence.get("per_channel_sqnr_db")
             return channel_db - tensor_db if tensor_db is not None and channel_db is not None else -math.inf
+
         layers = sorted(layers, key=gain, reverse=True)
         node, weight, channels, evidence = layers[0]
         backend = ctx.backend.name
         default_note = ""
         if backend == "qnnpack":
-            default_note = (" (qnnpack's default qconfig is per-tensor, but its conv and linear "
-                            "kernels accept per-channel weights)")
+            default_note = (
+                " (qnnpack's default qconfig is per-tensor, but its conv and linear kernels accept per-channel weights)"
+            )
         lines = [_layer_line(n, c, e, bool(n.qconfig and n.qconfig.is_dynamic)) for n, _, c, e in layers[:8]]
         more = f"; ... ({len(layers)} layers in all)" if len(layers) > 8 else ""
         message = (
@@ -148,13 +153,20 @@ class PerChannel(Rule):
             f"{'; '.join(lines)}{more}. Fix: use PerChannelMinMaxObserver.with_args(dtype=torch.qint8, "
             "qscheme=torch.per_channel_symmetric, ch_axis=0) as the weight observer (what "
             "torch.ao.quantization.default_per_channel_weight_observer and the x86/fbgemm/onednn "
-            "default qconfigs use).")
+            "default qconfigs use)."
+        )
         dynamic = bool(node.qconfig and node.qconfig.is_dynamic)
         data: dict[str, Any] = {
-            "kind": "per-tensor-weight", "node": node.name, "op_kind": node.kind,
-            "weight_observer": weight.observer, "weight_qscheme": weight.qscheme,
-            "weight_dtype": weight.dtype, "quant_range": [weight.quant_min, weight.quant_max],
-            "channels": channels, "dynamic": dynamic, "backend": backend,
+            "kind": "per-tensor-weight",
+            "node": node.name,
+            "op_kind": node.kind,
+            "weight_observer": weight.observer,
+            "weight_qscheme": weight.qscheme,
+            "weight_dtype": weight.dtype,
+            "quant_range": [weight.quant_min, weight.quant_max],
+            "channels": channels,
+            "dynamic": dynamic,
+            "backend": backend,
             "qconfig_source": node.qconfig.source if node.qconfig else None,
             "weight_available": evidence is not None,
             "layers": [_layer_data(n, c, e) for n, _, c, e in layers],
@@ -163,9 +175,13 @@ class PerChannel(Rule):
             data.update({k: v for k, v in evidence.items() if k not in ("channels", "channel_absmax")})
             data["channel_absmax"] = evidence.get("channel_absmax")
         targets = [n.display for n, _, _, _ in layers]
-        suggestion: dict[str, Any] = {"action": "set_weight_observer", "observer": "PerChannelMinMaxObserver",
-                                      "qscheme": "torch.per_channel_symmetric", "ch_axis": 0,
-                                      "dtype": "torch.qint8"}
+        suggestion: dict[str, Any] = {
+            "action": "set_weight_observer",
+            "observer": "PerChannelMinMaxObserver",
+            "qscheme": "torch.per_channel_symmetric",
+            "ch_axis": 0,
+            "dtype": "torch.qint8",
+        }
         if len(targets) == 1:
             suggestion.update(target=node.display, node=node.name)
         else:
@@ -173,7 +189,7 @@ class PerChannel(Rule):
         return self.finding(node.display, message, data=data, suggestion=suggestion)
 
 
-def _layer_line(node: OpNode, channels: Optional[int], evidence: Optional[dict[str, Any]], dynamic: bool) -> str:
+def _layer_line(node: OpNode, channels: int | None, evidence: dict[str, Any] | None, dynamic: bool) -> str:
     head = f"{node.display} ({'dynamic ' if dynamic else ''}{node.kind}"
     head += f", {channels} channels" if channels is not None else ""
     head += ", BN folded)" if evidence and evidence.get("folded_batch_norm") else ")"
@@ -181,18 +197,31 @@ def _layer_line(node: OpNode, channels: Optional[int], evidence: Optional[dict[s
         return head + ": weights not available"
     spread = evidence["channel_spread"]
     spread_text = "∞" if spread == "inf" else f"{spread:.1f}×"
-    return (f"{head}: channel absmax spread {spread_text}, weight SQNR {evidence['per_tensor_sqnr_db']:.1f} dB "
-            f"per-tensor vs {evidence['per_channel_sqnr_db']:.1f} dB per-channel")
+    return (
+        f"{head}: channel absmax spread {spread_text}, weight SQNR {evidence['per_tensor_sqnr_db']:.1f} dB "
+        f"per-tensor vs {evidence['per_channel_sqnr_db']:.1f} dB per-channel"
+    )
 
 
-def _layer_data(node: OpNode, channels: Optional[int], evidence: Optional[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("channel_spread", "resolution_loss", "bits_lost", "per_tensor_sqnr_db", "per_channel_sqnr_db",
-            "folded_batch_norm")
-    return {"target": node.display, "node": node.name, "kind": node.kind, "channels": channels,
-            **{key: evidence.get(key) for key in keys if evidence is not None}}
+def _layer_data(node: OpNode, channels: int | None, evidence: dict[str, Any] | None) -> dict[str, Any]:
+    keys = (
+        "channel_spread",
+        "resolution_loss",
+        "bits_lost",
+        "per_tensor_sqnr_db",
+        "per_channel_sqnr_db",
+        "folded_batch_norm",
+    )
+    return {
+        "target": node.display,
+        "node": node.name,
+        "kind": node.kind,
+        "channels": channels,
+        **{key: evidence.get(key) for key in keys if evidence is not None},
+    }
 
 
-def quantized_weight(ctx: LintContext, node: OpNode) -> tuple[Optional[torch.Tensor], Optional[str]]:
+def quantized_weight(ctx: LintContext, node: OpNode) -> tuple[torch.Tensor | None, str | None]:
     """The weight convert_fx quantizes: for a conv whose only consumer is a BatchNorm module
     (conv-bn fuses), the BN-folded weight w * gamma / sqrt(running_var + eps); else the weight.
     Returns (tensor, the folded BN's fqn or None)."""
@@ -225,7 +254,7 @@ def _supports_per_channel(ctx: LintContext, kind: str) -> bool:
     return kind in kinds
 
 
-def _channels_from_shape(node: OpNode) -> Optional[int]:
+def _channels_from_shape(node: OpNode) -> int | None:
     shape = node.output.shape if node.output is not None else None
     if not shape:
         return None
@@ -234,7 +263,7 @@ def _channels_from_shape(node: OpNode) -> Optional[int]:
     return shape[1] if len(shape) > 1 else None
 
 
-def _evidence(tensor: torch.Tensor, weight: ObserverSpec) -> Optional[dict[str, Any]]:
+def _evidence(tensor: torch.Tensor, weight: ObserverSpec) -> dict[str, Any] | None:
     """Per-output-channel ranges and the resolution a per-tensor scale costs the narrowest channel."""
     if tensor.dim() < 2 or tensor.numel() == 0 or not tensor.is_floating_point():
         return None
@@ -262,17 +291,20 @@ def _evidence(tensor: torch.Tensor, weight: ObserverSpec) -> Optional[dict[str, 
     spread: Any = high / low
     if result["zero_channels"]:
         spread = "inf"
-    result.update({
-        "channel_absmax_min": low, "channel_absmax_max": high,
-        "channel_absmax": [round(float(v), 6) for v in absmax[:256]],
-        "channel_spread": spread if isinstance(spread, str) else round(spread, 4),
-        "resolution_loss": round(worst, 4),
-        "resolution_loss_median": round(float(loss.median()), 4),
-        # never more bits lost than the weight dtype has
-        "bits_lost": round(min(math.log2(worst), math.log2(levels + 1)), 3) if worst > 1 else 0.0,
-        "tensor_step": tensor_step,
-        "narrowest_channel": int(torch.nonzero(absmax == low)[0, 0]),
-    })
+    result.update(
+        {
+            "channel_absmax_min": low,
+            "channel_absmax_max": high,
+            "channel_absmax": [round(float(v), 6) for v in absmax[:256]],
+            "channel_spread": spread if isinstance(spread, str) else round(spread, 4),
+            "resolution_loss": round(worst, 4),
+            "resolution_loss_median": round(float(loss.median()), 4),
+            # never more bits lost than the weight dtype has
+            "bits_lost": round(min(math.log2(worst), math.log2(levels + 1)), 3) if worst > 1 else 0.0,
+            "tensor_step": tensor_step,
+            "narrowest_channel": int(torch.nonzero(absmax == low)[0, 0]),
+        }
+    )
     result.update(_weight_sqnr(tensor.detach().float(), int(qmin), int(qmax)))
     return result
 
@@ -285,12 +317,16 @@ def _weight_sqnr(weight: torch.Tensor, qmin: int, qmax: int) -> dict[str, float]
     per_tensor = torch.fake_quantize_per_tensor_affine(flat, tensor_scale, 0, qmin, qmax)
     channel_scales = (flat.abs().amax(dim=1) / half).clamp_min(1e-12)
     per_channel = torch.fake_quantize_per_channel_affine(
-        flat, channel_scales, torch.zeros_like(channel_scales, dtype=torch.int32), 0, qmin, qmax)
-    return {"per_tensor_sqnr_db": round(float(sqnr_db(flat, per_tensor) or 0.0), 3),
-            "per_channel_sqnr_db": round(float(sqnr_db(flat, per_channel) or 0.0), 3)}
+        flat, channel_scales, torch.zeros_like(channel_scales, dtype=torch.int32), 0, qmin, qmax
+    )
+    return {
+        "per_tensor_sqnr_db": round(float(sqnr_db(flat, per_tensor) or 0.0), 3),
+        "per_channel_sqnr_db": round(float(sqnr_db(flat, per_channel) or 0.0), 3),
+    }
 
 
 # --- examples --------------------------------------------------------------------------
+
 
 def _seeded(build):
     with torch.random.fork_rng(devices=[]):
@@ -369,8 +405,10 @@ def _qnnpack_default() -> QConfigMapping:
 
 
 def _per_tensor_x86() -> QConfigMapping:
-    qconfig = QConfig(activation=HistogramObserver.with_args(reduce_range=True),
-                      weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=True),
+        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+    )
     return get_default_qconfig_mapping("x86").set_global(qconfig)
 
 
@@ -380,18 +418,41 @@ def _dynamic() -> QConfigMapping:
 
 VALID = (
     Example("x86 default mapping: per-channel weights", _conv_head, _image, qconfig_mapping=_x86_default),
-    Example("dynamic linear with per-tensor weights when include_dynamic is off", _mlp, _rows,
-            qconfig_mapping=_dynamic),
-    Example("per-tensor depthwise conv whose channels have equal ranges, min_channel_spread=4",
-            _flat_depthwise, _image8, qconfig_mapping=_per_tensor_x86, options={"min_channel_spread": 4.0}),
+    Example(
+        "dynamic linear with per-tensor weights when include_dynamic is off", _mlp, _rows, qconfig_mapping=_dynamic
+    ),
+    Example(
+        "per-tensor depthwise conv whose channels have equal ranges, min_channel_spread=4",
+        _flat_depthwise,
+        _image8,
+        qconfig_mapping=_per_tensor_x86,
+        options={"min_channel_spread": 4.0},
+    ),
 )
 INVALID = (
-    Example("per-tensor weights on x86", _conv_head, _image, qconfig_mapping=_per_tensor_x86,
-            flagged=("conv", "fc")),
-    Example("qnnpack's default mapping uses per-tensor weights", _mlp, _rows,
-            qconfig_mapping=_qnnpack_default, backend="qnnpack", flagged=("fc1", "fc2")),
-    Example("depthwise conv with a 64x channel spread, min_channel_spread=4", _depthwise, _image8,
-            qconfig_mapping=_per_tensor_x86, options={"min_channel_spread": 4.0}, flagged=("dw",)),
-    Example("dynamic linear with per-tensor weights when include_dynamic is on", _mlp, _rows,
-            qconfig_mapping=_dynamic, options={"include_dynamic": True}, flagged=("fc1", "fc2")),
+    Example("per-tensor weights on x86", _conv_head, _image, qconfig_mapping=_per_tensor_x86, flagged=("conv", "fc")),
+    Example(
+        "qnnpack's default mapping uses per-tensor weights",
+        _mlp,
+        _rows,
+        qconfig_mapping=_qnnpack_default,
+        backend="qnnpack",
+        flagged=("fc1", "fc2"),
+    ),
+    Example(
+        "depthwise conv with a 64x channel spread, min_channel_spread=4",
+        _depthwise,
+        _image8,
+        qconfig_mapping=_per_tensor_x86,
+        options={"min_channel_spread": 4.0},
+        flagged=("dw",),
+    ),
+    Example(
+        "dynamic linear with per-tensor weights when include_dynamic is on",
+        _mlp,
+        _rows,
+        qconfig_mapping=_dynamic,
+        options={"include_dynamic": True},
+        flagged=("fc1", "fc2"),
+    ),
 )

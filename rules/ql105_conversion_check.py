@@ -7,7 +7,8 @@ import copy
 import io
 import traceback
 import warnings
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -20,8 +21,7 @@ from qlint.core.preserve import cloned
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
-from qlint.measure.trial import (STAGE_CONVERT, STAGE_FLOAT, STAGE_PREPARE, LayerError,
-                                 TrialFailure, TrialResult)
+from qlint.measure.trial import STAGE_CONVERT, STAGE_FLOAT, STAGE_PREPARE, LayerError, TrialFailure, TrialResult
 
 DEFAULT_WARN_BELOW_DB = 20.0  # 10 % RMS error at the output: enough to move top-1 on many tasks
 DEFAULT_ERROR_BELOW_DB = 10.0  # 32 % RMS error: the int8 model computes something else
@@ -118,10 +118,12 @@ class ConversionCheck(Rule):
 
     class Options(RuleOptions):
         report_success_sqnr: bool = Field(True, description="Report the output SQNR when conversion works.")
-        warn_below_db: float = Field(DEFAULT_WARN_BELOW_DB, description=(
-            "A converted model whose output SQNR is below this (dB) is a warning."))
-        error_below_db: float = Field(DEFAULT_ERROR_BELOW_DB, description=(
-            "A converted model whose output SQNR is below this (dB) is an error."))
+        warn_below_db: float = Field(
+            DEFAULT_WARN_BELOW_DB, description=("A converted model whose output SQNR is below this (dB) is a warning.")
+        )
+        error_below_db: float = Field(
+            DEFAULT_ERROR_BELOW_DB, description=("A converted model whose output SQNR is below this (dB) is an error.")
+        )
 
     options: Options  # this rule's own Options, so the type checker knows its fields
 
@@ -138,8 +140,7 @@ class ConversionCheck(Rule):
         inputs = tuple(ctx.example_inputs or ())
         if failure.stage in (STAGE_PREPARE, STAGE_CONVERT):
             modules = {id(m): name for name, m in model.named_modules() if name} if model is not None else {}
-            return self._failure(ctx, failure.stage, failure.error, _locate_in_traceback(failure.error, modules),
-                                 None)
+            return self._failure(ctx, failure.stage, failure.error, _locate_in_traceback(failure.error, modules), None)
         with _quiet_run():
             where, node = _locate_by_running(model, inputs)
         return self._failure(ctx, failure.stage, failure.error, where, node)
@@ -147,8 +148,7 @@ class ConversionCheck(Rule):
     def _output_error(self, ctx: LintContext, trial: TrialResult) -> Iterable[Finding]:
         sqnr = trial.output_sqnr_db
         text = "n/a (no floating-point outputs)" if sqnr is None else f"{sqnr:.1f} dB"
-        where = (f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}, "
-                 f"{ctx.backend.name}")
+        where = f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}, {ctx.backend.name}"
         severity = Severity.INFO
         if sqnr is not None and sqnr < self.options.error_below_db:
             severity = Severity.ERROR
@@ -156,10 +156,15 @@ class ConversionCheck(Rule):
             severity = Severity.WARNING
         if severity is Severity.INFO and not self.options.report_success_sqnr:
             return
-        message = (f"prepare_fx, calibration, convert_fx and a quantized forward pass all succeed "
-                   f"({where}); output SQNR of the converted model vs float: {text}.")
-        data: dict[str, Any] = {"kind": "conversion-ok" if severity is Severity.INFO else "low-output-sqnr",
-                                "backend": ctx.backend.name, "sqnr_db": None if sqnr is None else round(sqnr, 3)}
+        message = (
+            f"prepare_fx, calibration, convert_fx and a quantized forward pass all succeed "
+            f"({where}); output SQNR of the converted model vs float: {text}."
+        )
+        data: dict[str, Any] = {
+            "kind": "conversion-ok" if severity is Severity.INFO else "low-output-sqnr",
+            "backend": ctx.backend.name,
+            "sqnr_db": None if sqnr is None else round(sqnr, 3),
+        }
         suggestion = None
         impact = None
         target = ctx.model_name
@@ -169,10 +174,15 @@ class ConversionCheck(Rule):
             message += f" That is below {limit:g} dB."
             if onset is not None:
                 target = onset.name
-                data.update(onset=onset.name, onset_shadow_db=_rounded(onset.shadow_db),
-                            onset_propagated_db=_rounded(onset.propagated_db))
-                message += (f" The error starts at {onset.name!r} ({onset.kind}): its own (shadow) SQNR is "
-                            f"{_db(onset.shadow_db)} and the SQNR at its output {_db(onset.propagated_db)}.")
+                data.update(
+                    onset=onset.name,
+                    onset_shadow_db=_rounded(onset.shadow_db),
+                    onset_propagated_db=_rounded(onset.propagated_db),
+                )
+                message += (
+                    f" The error starts at {onset.name!r} ({onset.kind}): its own (shadow) SQNR is "
+                    f"{_db(onset.shadow_db)} and the SQNR at its output {_db(onset.propagated_db)}."
+                )
                 best, impact = _best_keep_float(ctx, trial, _candidates(ctx, onset.name))
                 if best is not None and impact is not None:
                     data["fix_target"] = best
@@ -183,16 +193,25 @@ class ConversionCheck(Rule):
                         function = ctx.graph.node(best).target
                         suggestion = {"action": "keep_float_function", "node": best, "function": function}
                         how = f"mapping.set_object_type({function}, None)"
-                    message += (f" Keeping {best!r} float ({how}) measures "
-                                f"{impact.fixed_sqnr_db:.1f} dB ({impact.db:+.1f} dB).")
+                    message += (
+                        f" Keeping {best!r} float ({how}) measures {impact.fixed_sqnr_db:.1f} dB ({impact.db:+.1f} dB)."
+                    )
                     if impact.db < 0.5:
-                        message += (" No single layer kept float recovers it: the error is spread over "
-                                    "several layers or arrives with an input range that one scale cannot "
-                                    "cover; run 'qlint verify' for a measured plan, or 'qlint compare'.")
+                        message += (
+                            " No single layer kept float recovers it: the error is spread over "
+                            "several layers or arrives with an input range that one scale cannot "
+                            "cover; run 'qlint verify' for a measured plan, or 'qlint compare'."
+                        )
         yield self.finding(target, message, severity=severity, data=data, suggestion=suggestion, impact=impact)
 
-    def _failure(self, ctx: LintContext, stage: str, error: BaseException, where: Optional[dict[str, Any]],
-                 failing_node: Optional[fx.Node]) -> Finding:
+    def _failure(
+        self,
+        ctx: LintContext,
+        stage: str,
+        error: BaseException,
+        where: dict[str, Any] | None,
+        failing_node: fx.Node | None,
+    ) -> Finding:
         where = dict(where or {})
         text = _first_line(error)
         cause, why, fix, suggestion = _diagnose(ctx, stage, error, text, where)
@@ -204,11 +223,15 @@ class ConversionCheck(Rule):
             place = f"module {where['module']!r} ({where.get('module_type')})"
         else:
             place = "an unidentified node"
-        message = (f"{stage} fails at {place}: {type(error).__name__}: {text}. Likely cause: {why} "
-                   f"Fix: {fix}")
+        message = f"{stage} fails at {place}: {type(error).__name__}: {text}. Likely cause: {why} Fix: {fix}"
         target = where.get("module") or where.get("node") or ctx.model_name
-        data = {"kind": cause, "stage": stage, "error_type": type(error).__name__, "error": text[:500],
-                **{k: v for k, v in where.items() if isinstance(v, (str, int, type(None)))}}
+        data = {
+            "kind": cause,
+            "stage": stage,
+            "error_type": type(error).__name__,
+            "error": text[:500],
+            **{k: v for k, v in where.items() if isinstance(v, (str, int, type(None)))},
+        }
         if where.get("node") in ctx.graph:
             data["node"] = where["node"]
         return self.finding(str(target), message, data=data, suggestion=suggestion)
@@ -216,12 +239,13 @@ class ConversionCheck(Rule):
 
 # --- locating the failing node ------------------------------------------------------------
 
+
 class _Locator(fx.Interpreter):
     """Runs a GraphModule node by node and remembers the first node that raises."""
 
     def __init__(self, module: fx.GraphModule) -> None:
         super().__init__(module, garbage_collect_values=True)
-        self.failed: Optional[fx.Node] = None
+        self.failed: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -256,7 +280,7 @@ def _target_text(target: Any) -> str:
     return f"{module}.{name}" if module and not str(name).startswith(module) else str(name)
 
 
-def _locate_by_running(gm: Any, inputs: tuple[Any, ...]) -> tuple[Optional[dict[str, Any]], Optional[fx.Node]]:
+def _locate_by_running(gm: Any, inputs: tuple[Any, ...]) -> tuple[dict[str, Any] | None, fx.Node | None]:
     if not isinstance(gm, fx.GraphModule):
         return None, None
     locator = _Locator(gm)
@@ -269,7 +293,7 @@ def _locate_by_running(gm: Any, inputs: tuple[Any, ...]) -> tuple[Optional[dict[
     return _describe_node(gm, locator.failed), locator.failed
 
 
-def _locate_in_traceback(error: BaseException, modules: dict[int, str]) -> Optional[dict[str, Any]]:
+def _locate_in_traceback(error: BaseException, modules: dict[int, str]) -> dict[str, Any] | None:
     """The innermost traceback frame holding an fx Node or one of the model's modules."""
     frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
     for frame in reversed(frames):
@@ -286,64 +310,100 @@ def _locate_in_traceback(error: BaseException, modules: dict[int, str]) -> Optio
 
 # --- diagnosis ------------------------------------------------------------------------------
 
-def _diagnose(ctx: LintContext, stage: str, error: BaseException, text: str,
-              where: dict[str, Any]) -> tuple[str, str, str, Optional[dict[str, Any]]]:
+
+def _diagnose(
+    ctx: LintContext, stage: str, error: BaseException, text: str, where: dict[str, Any]
+) -> tuple[str, str, str, dict[str, Any] | None]:
     lowered = text.lower()
     node = where.get("node")
     module = where.get("module")
     if stage == STAGE_FLOAT:
-        return (CAUSE_FLOAT, "the float model itself fails on the example inputs, so nothing can be "
-                "quantized.", "fix the model or pass example inputs of the right shape and dtype.", None)
+        return (
+            CAUSE_FLOAT,
+            "the float model itself fails on the example inputs, so nothing can be quantized.",
+            "fix the model or pass example inputs of the right shape and dtype.",
+            None,
+        )
     if "view size is not compatible" in lowered or (where.get("target") == "view" and "stride" in lowered):
-        return (CAUSE_VIEW,
-                "`.view` on a quantized tensor that is not contiguous: quantized conv kernels return "
-                "channels-last (NHWC) tensors, so a `.view` that works in float fails after convert_fx.",
-                f"replace `.view(...)` (node {node!r}) with `.reshape(...)` or `torch.flatten(x, 1)` "
-                "(or call `.contiguous()` first).",
-                {"action": "rewrite", "kind": "view_to_reshape", "node": node or ctx.model_name})
-    if ("quantizedcpu" in lowered or "could not run 'quantized::" in lowered
-            or ("not implemented" in lowered and "quantized" in lowered)
-            or isinstance(error, NotImplementedError)):
+        return (
+            CAUSE_VIEW,
+            "`.view` on a quantized tensor that is not contiguous: quantized conv kernels return "
+            "channels-last (NHWC) tensors, so a `.view` that works in float fails after convert_fx.",
+            f"replace `.view(...)` (node {node!r}) with `.reshape(...)` or `torch.flatten(x, 1)` "
+            "(or call `.contiguous()` first).",
+            {"action": "rewrite", "kind": "view_to_reshape", "node": node or ctx.model_name},
+        )
+    if (
+        "quantizedcpu" in lowered
+        or "could not run 'quantized::" in lowered
+        or ("not implemented" in lowered and "quantized" in lowered)
+        or isinstance(error, NotImplementedError)
+    ):
         op = where.get("target") or "this op"
-        keep = (f"mapping.set_module_name({module!r}, None)" if module else
-                f"mapping.set_object_type({op}, None)")
-        return (CAUSE_NO_KERNEL,
-                f"{op} has no quantized kernel on {ctx.backend.name} (QuantizedCPU), yet receives a quantized "
-                "tensor after convert_fx.",
-                f"keep it in float: {keep} (convert_fx then dequantizes before it), or use a variant of the "
-                "op that has a quantized kernel (e.g. bilinear/nearest instead of bicubic interpolation).",
-                {"action": "keep_float", "module": module, "node": node, "function": op}
-                if module else {"action": "keep_float_function", "node": node, "function": op})
-    if ("per channel" in lowered or "per-channel" in lowered or "qconfig" in lowered
-            or (stage in (STAGE_PREPARE, STAGE_CONVERT) and module and isinstance(error, (AssertionError,
-                                                                                       ValueError)))):
-        return (CAUSE_QCONFIG,
-                f"the qconfig for {module or node} asks for something its quantized module does not "
-                "support" + (" (per-channel weights on a transposed convolution)." if "per channel" in lowered
-                             else "."),
-                f"give {module or node} a supported qconfig (e.g. per-tensor weights: "
-                "MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)) or keep "
-                f"it float with mapping.set_module_name({(module or node)!r}, None).",
-                {"action": "set_weight_observer", "targets": [module or node], "observer": "MinMaxObserver",
-                 "qscheme": "torch.per_tensor_symmetric", "dtype": "torch.qint8"}
-                if "per channel" in lowered else {"action": "keep_float", "module": module or node})
-    if ("control flow" in lowered or "symbolically traced" in lowered or "proxy" in lowered
-            or "data-dependent" in lowered or "guard" in lowered):
-        return (CAUSE_CONTROL_FLOW,
-                "data- or shape-dependent Python (an `if`/loop or a Python call on a tensor's value or shape) "
-                "that prepare_fx's tracer cannot turn into graph ops.",
-                "move the branch out of forward, make it depend only on constructor arguments, or keep that "
-                "submodule untraced with PrepareCustomConfig().set_non_traceable_module_names([...]) or wrap the "
-                "helper with torch.fx.wrap.", None)
+        keep = f"mapping.set_module_name({module!r}, None)" if module else f"mapping.set_object_type({op}, None)"
+        return (
+            CAUSE_NO_KERNEL,
+            f"{op} has no quantized kernel on {ctx.backend.name} (QuantizedCPU), yet receives a quantized "
+            "tensor after convert_fx.",
+            f"keep it in float: {keep} (convert_fx then dequantizes before it), or use a variant of the "
+            "op that has a quantized kernel (e.g. bilinear/nearest instead of bicubic interpolation).",
+            {"action": "keep_float", "module": module, "node": node, "function": op}
+            if module
+            else {"action": "keep_float_function", "node": node, "function": op},
+        )
+    if (
+        "per channel" in lowered
+        or "per-channel" in lowered
+        or "qconfig" in lowered
+        or (stage in (STAGE_PREPARE, STAGE_CONVERT) and module and isinstance(error, (AssertionError, ValueError)))
+    ):
+        return (
+            CAUSE_QCONFIG,
+            f"the qconfig for {module or node} asks for something its quantized module does not "
+            "support" + (" (per-channel weights on a transposed convolution)." if "per channel" in lowered else "."),
+            f"give {module or node} a supported qconfig (e.g. per-tensor weights: "
+            "MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)) or keep "
+            f"it float with mapping.set_module_name({(module or node)!r}, None).",
+            {
+                "action": "set_weight_observer",
+                "targets": [module or node],
+                "observer": "MinMaxObserver",
+                "qscheme": "torch.per_tensor_symmetric",
+                "dtype": "torch.qint8",
+            }
+            if "per channel" in lowered
+            else {"action": "keep_float", "module": module or node},
+        )
+    if (
+        "control flow" in lowered
+        or "symbolically traced" in lowered
+        or "proxy" in lowered
+        or "data-dependent" in lowered
+        or "guard" in lowered
+    ):
+        return (
+            CAUSE_CONTROL_FLOW,
+            "data- or shape-dependent Python (an `if`/loop or a Python call on a tensor's value or shape) "
+            "that prepare_fx's tracer cannot turn into graph ops.",
+            "move the branch out of forward, make it depend only on constructor arguments, or keep that "
+            "submodule untraced with PrepareCustomConfig().set_non_traceable_module_names([...]) or wrap the "
+            "helper with torch.fx.wrap.",
+            None,
+        )
     if "dtype" in lowered or "quint8" in lowered or "qint8" in lowered or "expected" in lowered:
-        return (CAUSE_DTYPE,
-                "two connected ops disagree on the tensor's dtype (a quantized tensor reaches an op expecting "
-                "float, or the other way round), usually from an unsupported dtype in the qconfig.",
-                f"use the backend's default qconfig for {module or node or 'this op'} or keep it float.",
-                {"action": "keep_float", "module": module} if module else None)
-    return (CAUSE_UNKNOWN, "not one of the known conversion failures; see the error text.",
-            f"keep {module or node or 'the failing op'} in float to confirm it is the culprit.",
-            {"action": "keep_float", "module": module} if module else None)
+        return (
+            CAUSE_DTYPE,
+            "two connected ops disagree on the tensor's dtype (a quantized tensor reaches an op expecting "
+            "float, or the other way round), usually from an unsupported dtype in the qconfig.",
+            f"use the backend's default qconfig for {module or node or 'this op'} or keep it float.",
+            {"action": "keep_float", "module": module} if module else None,
+        )
+    return (
+        CAUSE_UNKNOWN,
+        "not one of the known conversion failures; see the error text.",
+        f"keep {module or node or 'the failing op'} in float to confirm it is the culprit.",
+        {"action": "keep_float", "module": module} if module else None,
+    )
 
 
 def _first_line(error: BaseException) -> str:
@@ -356,6 +416,7 @@ def _first_line(error: BaseException) -> str:
 
 # --- helpers ----------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def _quiet_run():
     # A failing GraphModule prints its generated code's traceback to stderr; the finding reports it.
@@ -364,7 +425,7 @@ def _quiet_run():
         yield
 
 
-def error_onset(trial: TrialResult, threshold_db: float) -> Optional[LayerError]:
+def error_onset(trial: TrialResult, threshold_db: float) -> LayerError | None:
     """Where the output error starts: the first layer, in forward order, whose output SQNR
     (propagated) is below ``threshold_db``; when error only builds up gradually, the layer
     adding the most error itself (lowest shadow SQNR)."""
@@ -380,8 +441,11 @@ def _candidates(ctx: LintContext, onset: str) -> list[str]:
     of it: its input's range is set by that module's output observer, so the error may arrive
     from there."""
     found = [onset] if onset in ctx.graph.modules or onset in ctx.graph else []
-    sites = ctx.graph.call_sites(onset) if onset in ctx.graph.modules else (
-        [ctx.graph.node(onset)] if onset in ctx.graph else [])
+    sites = (
+        ctx.graph.call_sites(onset)
+        if onset in ctx.graph.modules
+        else ([ctx.graph.node(onset)] if onset in ctx.graph else [])
+    )
     frontier = [p for site in sites for p in ctx.graph.producers(site.name)]
     seen: set[str] = set()
     while frontier:
@@ -397,13 +461,12 @@ def _candidates(ctx: LintContext, onset: str) -> list[str]:
     return found
 
 
-def _best_keep_float(ctx: LintContext, trial: TrialResult, candidates: list[str]
-                     ) -> tuple[Optional[str], Optional[Impact]]:
+def _best_keep_float(ctx: LintContext, trial: TrialResult, candidates: list[str]) -> tuple[str | None, Impact | None]:
     """Keep each candidate float in a trial (a module by name; a functional op by its
     function, with ``set_object_type``); the one recovering the most output SQNR."""
     if ctx.trial_bench is None or ctx.qconfig_mapping is None or trial.output_sqnr_db is None:
         return None, None
-    best: tuple[Optional[str], Optional[Impact]] = (None, None)
+    best: tuple[str | None, Impact | None] = (None, None)
     for name in candidates:
         mapping = copy.deepcopy(ctx.qconfig_mapping)
         if name in ctx.graph.modules:
@@ -418,9 +481,14 @@ def _best_keep_float(ctx: LintContext, trial: TrialResult, candidates: list[str]
         fixed = ctx.trial_bench.output_sqnr(mapping)
         if fixed is None:
             continue
-        impact = Impact(db=round(fixed - trial.output_sqnr_db, 3), basis="rule-trial", kind="diagnosis",
-                        base_sqnr_db=round(trial.output_sqnr_db, 3), fixed_sqnr_db=round(fixed, 3),
-                        detail=f"{label} kept float in a trial")
+        impact = Impact(
+            db=round(fixed - trial.output_sqnr_db, 3),
+            basis="rule-trial",
+            kind="diagnosis",
+            base_sqnr_db=round(trial.output_sqnr_db, 3),
+            fixed_sqnr_db=round(fixed, 3),
+            detail=f"{label} kept float in a trial",
+        )
         if best[1] is None or impact.db > best[1].db:
             best = (name, impact)
     return best
@@ -435,15 +503,16 @@ def _function_of(ctx: LintContext, node_name: str) -> Any:
     return node.target if node is not None and node.op == "call_function" and callable(node.target) else None
 
 
-def _rounded(value: Optional[float]) -> Optional[float]:
+def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _db(value: Optional[float]) -> str:
+def _db(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f} dB"
 
 
 # --- examples -----------------------------------------------------------------------------------
+
 
 class _ConvFlatten(nn.Module):
     """Conv → BN → ReLU → flatten → linear: converts and runs (torch.flatten handles NHWC)."""
@@ -511,6 +580,7 @@ def _seeded(cls, *args):
     def build():
         torch.manual_seed(0)
         return cls(*args).eval()
+
     return build
 
 
@@ -532,17 +602,15 @@ _QUIET = {"report_success_sqnr": False}
 VALID = (
     Example("conv-bn-relu with torch.flatten on x86", _seeded(_ConvFlatten), _image, options=_QUIET),
     Example("MLP with a sigmoid head on qnnpack", _seeded(_Mlp), _rows, backend="qnnpack", options=_QUIET),
-    Example("bilinear upsampling (has a quantized kernel)", _seeded(_Upsample, "bilinear"), _image,
-            options=_QUIET),
+    Example("bilinear upsampling (has a quantized kernel)", _seeded(_Upsample, "bilinear"), _image, options=_QUIET),
 )
 INVALID = (
     Example(".view on a quantized conv output (channels-last)", _seeded(_ConvView), _image, flagged=("view",)),
-    Example("bicubic interpolation has no quantized kernel", _seeded(_Upsample), _image,
-            flagged=("interpolate",)),
-    Example("per-channel weights on ConvTranspose2d", _seeded(_Decoder), _image, _global_per_channel_x86,
-            flagged=("up",)),
+    Example("bicubic interpolation has no quantized kernel", _seeded(_Upsample), _image, flagged=("interpolate",)),
+    Example(
+        "per-channel weights on ConvTranspose2d", _seeded(_Decoder), _image, _global_per_channel_x86, flagged=("up",)
+    ),
     # Measured, not assumed: x86's int8 ConvTranspose2d (per-tensor weights, the default
     # mapping) converts and runs, yet its output is noise (-0.3 dB); kept float, 34.6 dB.
-    Example("transposed conv on x86 converts but destroys the output", _seeded(_Decoder), _image,
-            flagged=("up",)),
+    Example("transposed conv on x86 converts but destroys the output", _seeded(_Decoder), _image, flagged=("up",)),
 )

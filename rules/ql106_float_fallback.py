@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -18,12 +19,18 @@ from qlint.measure.fallback import FloatLayer
 from qlint.measure.trial import TrialResult
 
 _WHY = {
-    "tracer-leaf": ("torch.fx treats this torch module as one opaque call (a tracer leaf), so prepare_fx "
-                    "never sees the layers inside it, and no qconfig reaches them"),
-    "recurrent": ("torch has no static int8 kernel for recurrent layers; FX quantizes them only with a "
-                  "dynamic qconfig (weights int8, activations quantized on the fly)"),
-    "functional": ("it is a functional call (F.linear / F.conv*d) whose weight is not a module parameter "
-                   "pattern the backend config quantizes"),
+    "tracer-leaf": (
+        "torch.fx treats this torch module as one opaque call (a tracer leaf), so prepare_fx "
+        "never sees the layers inside it, and no qconfig reaches them"
+    ),
+    "recurrent": (
+        "torch has no static int8 kernel for recurrent layers; FX quantizes them only with a "
+        "dynamic qconfig (weights int8, activations quantized on the fly)"
+    ),
+    "functional": (
+        "it is a functional call (F.linear / F.conv*d) whose weight is not a module parameter "
+        "pattern the backend config quantizes"
+    ),
     "no-static-kernel": "the backend config has no static int8 pattern for it with this qconfig",
 }
 
@@ -106,65 +113,86 @@ class FloatFallback(Rule):
         for layer in trial.float_layers:
             if layer.reason == "kept-float":
                 if self.options.report_kept_float:
-                    yield self.finding(layer.target, f"{layer.target} ({layer.kind}) is kept float by the "
-                                       f"qconfig mapping. int8 coverage {coverage}.", severity=Severity.INFO,
-                                       data=_data(layer, trial))
+                    yield self.finding(
+                        layer.target,
+                        f"{layer.target} ({layer.kind}) is kept float by the "
+                        f"qconfig mapping. int8 coverage {coverage}.",
+                        severity=Severity.INFO,
+                        data=_data(layer, trial),
+                    )
                 continue
             yield self._fallback(ctx, trial, layer, coverage)
 
     def _fallback(self, ctx: LintContext, trial: TrialResult, layer: FloatLayer, coverage: str) -> Finding:
         what = f"{layer.target} ({layer.kind.removeprefix('module:')}"
         what += f", {len(layer.inner)} weighted layers inside)" if layer.inner else ")"
-        message = (f"{what} stays float after convert_fx: {_WHY[layer.reason]}. int8 coverage of the model's "
-                   f"conv/linear/recurrent/attention ops: {coverage}.")
-        suggestion: Optional[dict[str, Any]] = None
+        message = (
+            f"{what} stays float after convert_fx: {_WHY[layer.reason]}. int8 coverage of the model's "
+            f"conv/linear/recurrent/attention ops: {coverage}."
+        )
+        suggestion: dict[str, Any] | None = None
         impact = None
         if layer.reason == "recurrent":
             suggestion = {"action": "set_qconfig", "targets": [layer.target], "mode": "dynamic"}
             fixed = _dynamic_entry_sqnr(ctx, suggestion, self.finding(layer.target, "", suggestion=suggestion))
-            message += (f" Fix: quantize it dynamically: mapping.set_module_name({layer.target!r}, "
-                        "default_dynamic_qconfig).")
+            message += (
+                f" Fix: quantize it dynamically: mapping.set_module_name({layer.target!r}, default_dynamic_qconfig)."
+            )
             impact = _coverage_impact(trial, fixed, 1, "dynamic qconfig entry in the mapping")
         elif layer.reason == "tracer-leaf" and layer.inner:
-            suggestion = {"action": "quantize_dynamic_after_convert", "module": layer.target,
-                          "types": ["Linear"]}
+            suggestion = {"action": "quantize_dynamic_after_convert", "module": layer.target, "types": ["Linear"]}
             fixed = _dynamic_leaf_sqnr(ctx, trial, layer.target)
             linears = _linear_count(ctx, trial, layer.target)
-            message += (f" Fix: after convert_fx, quantize the Linear layers inside it dynamically: "
-                        f"converted.{layer.target} = torch.ao.quantization.quantize_dynamic("
-                        f"converted.{layer.target}, {{nn.Linear}}, dtype=torch.qint8), and run it with "
-                        "torch.backends.mha.set_fastpath_enabled(False) (the fused fast path expects float "
-                        "Linear weights).")
+            message += (
+                f" Fix: after convert_fx, quantize the Linear layers inside it dynamically: "
+                f"converted.{layer.target} = torch.ao.quantization.quantize_dynamic("
+                f"converted.{layer.target}, {{nn.Linear}}, dtype=torch.qint8), and run it with "
+                "torch.backends.mha.set_fastpath_enabled(False) (the fused fast path expects float "
+                "Linear weights)."
+            )
             impact = _coverage_impact(trial, fixed, linears, "quantize_dynamic of the leaf after convert_fx")
         else:
-            message += (" No qconfig change quantizes it: rewrite it as an nn.Linear/nn.Conv module call, "
-                        "or keep it float on purpose with a None qconfig.")
+            message += (
+                " No qconfig change quantizes it: rewrite it as an nn.Linear/nn.Conv module call, "
+                "or keep it float on purpose with a None qconfig."
+            )
         if impact is not None and impact.fixed_sqnr_db is not None:
             message += f" Measured: output SQNR {impact.base_sqnr_db:.1f} → {impact.fixed_sqnr_db:.1f} dB with the fix."
         return self.finding(layer.target, message, data=_data(layer, trial), suggestion=suggestion, impact=impact)
 
 
 def _data(layer: FloatLayer, trial: TrialResult) -> dict[str, Any]:
-    return {"kind": layer.reason, "op": layer.kind, "inner": list(layer.inner),
-            "int8_ops": trial.int8_ops, "weighted_ops": trial.weighted_ops}
+    return {
+        "kind": layer.reason,
+        "op": layer.kind,
+        "inner": list(layer.inner),
+        "int8_ops": trial.int8_ops,
+        "weighted_ops": trial.weighted_ops,
+    }
 
 
-def _coverage_impact(trial: TrialResult, fixed: Optional[float], gained: int, how: str) -> Optional[Impact]:
+def _coverage_impact(trial: TrialResult, fixed: float | None, gained: int, how: str) -> Impact | None:
     if fixed is None or trial.output_sqnr_db is None:
         return None
-    return Impact(db=round(fixed - trial.output_sqnr_db, 3), basis="rule-trial", kind="coverage",
-                  base_sqnr_db=round(trial.output_sqnr_db, 3), fixed_sqnr_db=round(fixed, 3),
-                  int8_ops_gained=gained, detail=how)
+    return Impact(
+        db=round(fixed - trial.output_sqnr_db, 3),
+        basis="rule-trial",
+        kind="coverage",
+        base_sqnr_db=round(trial.output_sqnr_db, 3),
+        fixed_sqnr_db=round(fixed, 3),
+        int8_ops_gained=gained,
+        detail=how,
+    )
 
 
-def _dynamic_entry_sqnr(ctx: LintContext, suggestion: dict[str, Any], finding: Finding) -> Optional[float]:
+def _dynamic_entry_sqnr(ctx: LintContext, suggestion: dict[str, Any], finding: Finding) -> float | None:
     if ctx.trial_bench is None or ctx.qconfig_mapping is None:
         return None
     mapping = fix_mapping(ctx.qconfig_mapping, [finding], ctx.backend.name)
     return None if mapping is None else ctx.trial_bench.output_sqnr(mapping)
 
 
-def _dynamic_leaf_sqnr(ctx: LintContext, trial: TrialResult, target: str) -> Optional[float]:
+def _dynamic_leaf_sqnr(ctx: LintContext, trial: TrialResult, target: str) -> float | None:
     if ctx.trial_bench is None or trial.model is None:
         return None
     model = copy.deepcopy(trial.model)
@@ -192,6 +220,7 @@ def _linear_count(ctx: LintContext, trial: TrialResult, target: str) -> int:
 
 
 # --- examples -----------------------------------------------------------------------------------
+
 
 class _LSTMClassifier(nn.Module):
     def __init__(self) -> None:
@@ -241,6 +270,7 @@ def _seeded(cls):
     def build():
         torch.manual_seed(0)
         return cls().eval()
+
     return build
 
 
@@ -259,9 +289,17 @@ VALID = (
     Example("an LSTM the mapping keeps float on purpose", _seeded(_LSTMClassifier), _sequence, _keep_lstm_float),
 )
 INVALID = (
-    Example("nn.LSTM stays float after convert_fx (needs a dynamic qconfig)", _seeded(_LSTMClassifier),
-            _sequence, flagged=("lstm",)),
+    Example(
+        "nn.LSTM stays float after convert_fx (needs a dynamic qconfig)",
+        _seeded(_LSTMClassifier),
+        _sequence,
+        flagged=("lstm",),
+    ),
     Example("nn.GRU stays float after convert_fx", _seeded(_GRUClassifier), _sequence, flagged=("gru",)),
-    Example("nn.TransformerEncoder is a tracer leaf: its Linear layers stay float",
-            _seeded(_TransformerClassifier), _sequence, flagged=("encoder",)),
+    Example(
+        "nn.TransformerEncoder is a tracer leaf: its Linear layers stay float",
+        _seeded(_TransformerClassifier),
+        _sequence,
+        flagged=("encoder",),
+    ),
 )

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 from pydantic import Field
 from torch.ao.quantization import QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
 
+from qlint.core.graph import OpNode
 from qlint.linter.calibration import FEATURES
-from qlint.linter.json_values import finite_or_none
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
-from qlint.core.graph import OpNode
+from qlint.linter.json_values import finite_or_none
 from qlint.linter.rule import Example, Need, ObservationSpec, Rule, RuleOptions
 
 KINDS = frozenset({"linear"})
@@ -86,18 +86,26 @@ class DynamicStatic(Rule):
             measured = measure(ctx.statistics, node, tolerance)
             if measured is None:
                 continue
-            flagged = (node.qconfig is not None and node.is_quantized
-                       and measured.dynamic_recommended != bool(node.qconfig.is_dynamic)
-                       and (self.options.report_dynamic_to_static or not node.qconfig.is_dynamic))
+            flagged = (
+                node.qconfig is not None
+                and node.is_quantized
+                and measured.dynamic_recommended != bool(node.qconfig.is_dynamic)
+                and (self.options.report_dynamic_to_static or not node.qconfig.is_dynamic)
+            )
             if flagged:
                 yield self._finding(node, measured)
             verdict = "dynamic" if measured.dynamic_recommended else "static"
-            yield LayerRow(name=node.display, kind=node.kind, rule=self.code, statistic="S(output)",
-                           value=measured.output_comp_stat,
-                           verdict=f"{verdict} recommended" + (" (flagged)" if flagged else ""),
-                           extra={"input_comp_stat": measured.input_comp_stat})
+            yield LayerRow(
+                name=node.display,
+                kind=node.kind,
+                rule=self.code,
+                statistic="S(output)",
+                value=measured.output_comp_stat,
+                verdict=f"{verdict} recommended" + (" (flagged)" if flagged else ""),
+                extra={"input_comp_stat": measured.input_comp_stat},
+            )
 
-    def _finding(self, node: OpNode, measured: "DynamicStaticMeasurement") -> Finding:
+    def _finding(self, node: OpNode, measured: DynamicStaticMeasurement) -> Finding:
         tolerance = self.options.tolerance
         s_out = measured.output_comp_stat
         if measured.dynamic_recommended:
@@ -107,22 +115,38 @@ class DynamicStatic(Rule):
                 "quantized statically: one calibrated scale wastes most int8 levels on each batch. "
                 f"Quantize it dynamically: mapping.set_module_name({node.display!r}, default_dynamic_qconfig)."
             )
-            suggestion = {"action": "set_qconfig", "module": node.display, "node": node.name,
-                          "qconfig": "torch.ao.quantization.default_dynamic_qconfig", "mode": "dynamic"}
+            suggestion = {
+                "action": "set_qconfig",
+                "module": node.display,
+                "node": node.name,
+                "qconfig": "torch.ao.quantization.default_dynamic_qconfig",
+                "mode": "dynamic",
+            }
         else:
             message = (
                 f"the output range of {node.display} is stable across batches (S = {s_out:.3g} > "
                 f"{tolerance}), but it is quantized dynamically: static quantization would avoid the "
                 "per-call range computation and keep the output in int8. Use a static qconfig for it."
             )
-            suggestion = {"action": "set_qconfig", "module": node.display, "node": node.name,
-                          "qconfig": "static", "mode": "static"}
+            suggestion = {
+                "action": "set_qconfig",
+                "module": node.display,
+                "node": node.name,
+                "qconfig": "static",
+                "mode": "static",
+            }
         return self.finding(
-            node.display, message,
-            data={"kind": "dynamic-recommended" if measured.dynamic_recommended else "static-recommended",
-                  "node": node.name, "tolerance": tolerance, "intent_dynamic": bool(node.qconfig and node.qconfig.is_dynamic),
-                  "dynamic_recommended": measured.dynamic_recommended,
-                  "input_comp_stat": measured.input_comp_stat, "output_comp_stat": measured.output_comp_stat},
+            node.display,
+            message,
+            data={
+                "kind": "dynamic-recommended" if measured.dynamic_recommended else "static-recommended",
+                "node": node.name,
+                "tolerance": tolerance,
+                "intent_dynamic": bool(node.qconfig and node.qconfig.is_dynamic),
+                "dynamic_recommended": measured.dynamic_recommended,
+                "input_comp_stat": measured.input_comp_stat,
+                "output_comp_stat": measured.output_comp_stat,
+            },
             suggestion=suggestion,
         )
 
@@ -132,11 +156,11 @@ class DynamicStaticMeasurement:
     """torch's DynamicStaticDetector quantities for one linear layer."""
 
     dynamic_recommended: bool
-    input_comp_stat: Optional[float]  # S before the layer (None where undefined)
+    input_comp_stat: float | None  # S before the layer (None where undefined)
     output_comp_stat: float  # S after the layer
 
 
-def measure(statistics, node: OpNode, tolerance: float) -> Optional[DynamicStaticMeasurement]:
+def measure(statistics, node: OpNode, tolerance: float) -> DynamicStaticMeasurement | None:
     """S before and after ``node`` and the recommendation; None without usable statistics."""
     pre = statistics.get(node.name, "input", 0)
     post = statistics.get(node.name, "output", 0)
@@ -150,6 +174,7 @@ def measure(statistics, node: OpNode, tolerance: float) -> Optional[DynamicStati
 
 
 # --- examples --------------------------------------------------------------------------
+
 
 class _Mlp(nn.Module):
     def __init__(self) -> None:
@@ -175,7 +200,7 @@ def _stationary(count: int = 8):
 def _drifting(count: int = 8):
     """Each batch lives on its own scale (e.g. sensor gain changes): non-stationary."""
     generator = torch.Generator().manual_seed(0)
-    return [torch.randn(16, 16, generator=generator) * 4.0 ** k for k in range(count)]
+    return [torch.randn(16, 16, generator=generator) * 4.0**k for k in range(count)]
 
 
 def _dynamic_mapping() -> QConfigMapping:
@@ -191,14 +216,24 @@ def _inputs():
 
 
 VALID = (
-    Example("static quantization on stationary activations", _mlp, _inputs, _static_mapping,
-            calibration=_stationary),
-    Example("dynamic quantization on drifting activations", _mlp, _inputs, _dynamic_mapping,
-            calibration=_drifting),
+    Example("static quantization on stationary activations", _mlp, _inputs, _static_mapping, calibration=_stationary),
+    Example("dynamic quantization on drifting activations", _mlp, _inputs, _dynamic_mapping, calibration=_drifting),
 )
 INVALID = (
-    Example("static quantization on activations whose scale drifts per batch", _mlp, _inputs, _static_mapping,
-            calibration=_drifting, flagged=("fc",)),
-    Example("dynamic quantization on stationary activations", _mlp, _inputs, _dynamic_mapping,
-            calibration=_stationary, flagged=("fc",)),
+    Example(
+        "static quantization on activations whose scale drifts per batch",
+        _mlp,
+        _inputs,
+        _static_mapping,
+        calibration=_drifting,
+        flagged=("fc",),
+    ),
+    Example(
+        "dynamic quantization on stationary activations",
+        _mlp,
+        _inputs,
+        _dynamic_mapping,
+        calibration=_stationary,
+        flagged=("fc",),
+    ),
 )

@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 from pydantic import Field
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
+from qlint.core.graph import ModelGraph, OpNode
 from qlint.linter.calibration import FEATURES
-from qlint.linter.json_values import json_float
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
-from qlint.core.graph import ModelGraph, OpNode
+from qlint.linter.json_values import json_float
 from qlint.linter.rule import Example, Need, ObservationSpec, Rule, RuleOptions
 
 KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d"})
 
 
-def weight_channel_ranges(weight: torch.Tensor, in_channels: int) -> Optional[torch.Tensor]:
+def weight_channel_ranges(weight: torch.Tensor, in_channels: int) -> torch.Tensor | None:
     """Range (max - min) of the weights that multiply each input channel.
 
     Linear ``[out, in]``: per column. Conv ``[out, in/groups, *k]``: input channel
@@ -42,8 +42,9 @@ def weight_channel_ranges(weight: torch.Tensor, in_channels: int) -> Optional[to
     return high - low
 
 
-def comparison_metrics(input_ranges: torch.Tensor, input_global: float, weight_ranges: torch.Tensor,
-                       weight_global: float) -> torch.Tensor:
+def comparison_metrics(
+    input_ranges: torch.Tensor, input_global: float, weight_ranges: torch.Tensor, weight_global: float
+) -> torch.Tensor:
     """s_c = sqrt(w_c / W) / sqrt(i_c / I), in float64 (inf where i_c == 0)."""
     return torch.sqrt(weight_ranges / weight_global) / torch.sqrt(input_ranges / input_global)
 
@@ -142,10 +143,16 @@ class InputWeightEqualization(Rule):
                 continue
             blocker = equalization_blocker(ctx.graph, node)
             verdict = "equalize" if measured.equalization_recommended else "balanced"
-            yield LayerRow(name=node.display, kind=node.kind, rule=self.code, statistic="fraction s_c outside band",
-                           value=measured.fraction_recommended,
-                           verdict=f"{verdict} (not applicable: {blocker})" if blocker and
-                           measured.equalization_recommended else verdict)
+            yield LayerRow(
+                name=node.display,
+                kind=node.kind,
+                rule=self.code,
+                statistic="fraction s_c outside band",
+                value=measured.fraction_recommended,
+                verdict=f"{verdict} (not applicable: {blocker})"
+                if blocker and measured.equalization_recommended
+                else verdict,
+            )
             if node.qconfig is None or not node.is_quantized or not measured.equalization_recommended or blocker:
                 continue
             worst = _most_unbalanced(measured.comp_metrics, measured.channels_recommended)
@@ -158,20 +165,29 @@ class InputWeightEqualization(Rule):
                 "_equalization_config set to default_equalization_qconfig for it)."
             )
             yield self.finding(
-                node.display, message,
-                data={"kind": "equalization-recommended", "node": node.name, "ratio_threshold": t,
-                      "channel_fraction": self.options.channel_fraction,
-                      "channels_recommended": measured.channels_recommended,
-                      "comp_metrics": measured.comp_metrics,
-                      "fraction_recommended": measured.fraction_recommended,
-                      "equalization_recommended": measured.equalization_recommended},
-                suggestion={"action": "equalize", "module": node.display, "node": node.name,
-                            "equalization_qconfig": "torch.ao.quantization.fx._equalize.default_equalization_qconfig",
-                            "via": "prepare_fx(_equalization_config=QConfigMapping().set_module_name(module, ...))"},
+                node.display,
+                message,
+                data={
+                    "kind": "equalization-recommended",
+                    "node": node.name,
+                    "ratio_threshold": t,
+                    "channel_fraction": self.options.channel_fraction,
+                    "channels_recommended": measured.channels_recommended,
+                    "comp_metrics": measured.comp_metrics,
+                    "fraction_recommended": measured.fraction_recommended,
+                    "equalization_recommended": measured.equalization_recommended,
+                },
+                suggestion={
+                    "action": "equalize",
+                    "module": node.display,
+                    "node": node.name,
+                    "equalization_qconfig": "torch.ao.quantization.fx._equalize.default_equalization_qconfig",
+                    "via": "prepare_fx(_equalization_config=QConfigMapping().set_module_name(module, ...))",
+                },
             )
 
 
-def equalization_blocker(graph: ModelGraph, node: OpNode) -> Optional[str]:
+def equalization_blocker(graph: ModelGraph, node: OpNode) -> str | None:
     """Why torch's input-weight equalization cannot apply to ``node``; None when it can.
 
     Its equalization observers scale every input channel of one weight: a grouped or depthwise
@@ -192,13 +208,14 @@ class EqualizationMeasurement:
     """torch's InputWeightEqualizationDetector quantities for one layer."""
 
     channels_recommended: list[bool]
-    comp_metrics: list[Optional[float]]  # s_c per input channel (None where not finite)
+    comp_metrics: list[float | None]  # s_c per input channel (None where not finite)
     fraction_recommended: float
     equalization_recommended: bool
 
 
-def measure(statistics, graph: ModelGraph, node: OpNode, ratio_threshold: float,
-            channel_fraction: float) -> Optional[EqualizationMeasurement]:
+def measure(
+    statistics, graph: ModelGraph, node: OpNode, ratio_threshold: float, channel_fraction: float
+) -> EqualizationMeasurement | None:
     """s_c per input channel of ``node`` and the verdicts; None without usable statistics or weight."""
     stats = statistics.get(node.name, "input", 0)
     if stats is None or stats.num_channels == 0:
@@ -218,12 +235,15 @@ def measure(statistics, graph: ModelGraph, node: OpNode, ratio_threshold: float,
     usable = torch.isfinite(metrics) & (metrics > 0) & (input_ranges > 0) & (weight_ranges.cpu() > 0)
     recommended = usable & ((metrics < ratio_threshold) | (metrics > 1 / ratio_threshold))
     fraction = float(recommended.sum()) / len(recommended)
-    return EqualizationMeasurement([bool(v) for v in recommended.tolist()],
-                                   [json_float(v) for v in metrics.tolist()], fraction,
-                                   fraction >= channel_fraction)
+    return EqualizationMeasurement(
+        [bool(v) for v in recommended.tolist()],
+        [json_float(v) for v in metrics.tolist()],
+        fraction,
+        fraction >= channel_fraction,
+    )
 
 
-def _weight_of(graph: ModelGraph, node: OpNode) -> Optional[torch.Tensor]:
+def _weight_of(graph: ModelGraph, node: OpNode) -> torch.Tensor | None:
     """The node's weight; for fused modules (ConvReLU2d, LinearReLU) the inner op's weight."""
     candidates = [node.weight] if node.weight else []
     if node.module is not None:
@@ -235,7 +255,7 @@ def _weight_of(graph: ModelGraph, node: OpNode) -> Optional[torch.Tensor]:
     return None
 
 
-def _most_unbalanced(metrics: list, recommended: list) -> Optional[tuple[int, float]]:
+def _most_unbalanced(metrics: list, recommended: list) -> tuple[int, float] | None:
     best = None
     for index, (value, flag) in enumerate(zip(metrics, recommended)):
         if flag and isinstance(value, float):
@@ -246,6 +266,7 @@ def _most_unbalanced(metrics: list, recommended: list) -> Optional[tuple[int, fl
 
 
 # --- examples --------------------------------------------------------------------------
+
 
 class _Linear(nn.Module):
     def __init__(self) -> None:
@@ -301,22 +322,51 @@ def _mapping() -> QConfigMapping:
 
 
 VALID = (
-    Example("linear input channels of similar range", _linear, lambda: (torch.randn(16, 8),), _mapping,
-            calibration=lambda: _scaled_channels((16, 8), [1.0] * 8)),
-    Example("conv input channels of similar range", _conv, lambda: (torch.randn(2, 4, 8, 8),), _mapping,
-            calibration=lambda: _scaled_channels((2, 4, 8, 8), [1.0, 1.2, 0.9, 1.1])),
+    Example(
+        "linear input channels of similar range",
+        _linear,
+        lambda: (torch.randn(16, 8),),
+        _mapping,
+        calibration=lambda: _scaled_channels((16, 8), [1.0] * 8),
+    ),
+    Example(
+        "conv input channels of similar range",
+        _conv,
+        lambda: (torch.randn(2, 4, 8, 8),),
+        _mapping,
+        calibration=lambda: _scaled_channels((2, 4, 8, 8), [1.0, 1.2, 0.9, 1.1]),
+    ),
     # Unbalanced, but torch's equalization cannot apply: prepare_fx crashes on both.
-    Example("depthwise conv with unbalanced input channels", _depthwise, lambda: (torch.randn(2, 4, 8, 8),),
-            _mapping, calibration=lambda: _scaled_channels((2, 4, 8, 8), [100.0, 0.01, 1.0, 30.0])),
-    Example("linear on (B, T, D) inputs with unbalanced features", _linear, lambda: (torch.randn(2, 16, 8),),
-            _mapping, calibration=lambda: [b.transpose(1, 2) for b in
-                                           _scaled_channels((2, 8, 16), [50.0] * 4 + [1.0] * 4)]),
+    Example(
+        "depthwise conv with unbalanced input channels",
+        _depthwise,
+        lambda: (torch.randn(2, 4, 8, 8),),
+        _mapping,
+        calibration=lambda: _scaled_channels((2, 4, 8, 8), [100.0, 0.01, 1.0, 30.0]),
+    ),
+    Example(
+        "linear on (B, T, D) inputs with unbalanced features",
+        _linear,
+        lambda: (torch.randn(2, 16, 8),),
+        _mapping,
+        calibration=lambda: [b.transpose(1, 2) for b in _scaled_channels((2, 8, 16), [50.0] * 4 + [1.0] * 4)],
+    ),
 )
 INVALID = (
-    Example("half the linear input channels are 50x wider than the rest", _linear,
-            lambda: (torch.randn(16, 8),), _mapping,
-            calibration=lambda: _scaled_channels((16, 8), [50.0] * 4 + [1.0] * 4), flagged=("fc",)),
-    Example("conv input channels span very different ranges", _conv, lambda: (torch.randn(2, 4, 8, 8),),
-            _mapping, calibration=lambda: _scaled_channels((2, 4, 8, 8), [100.0, 0.01, 1.0, 30.0]),
-            flagged=("conv",)),
+    Example(
+        "half the linear input channels are 50x wider than the rest",
+        _linear,
+        lambda: (torch.randn(16, 8),),
+        _mapping,
+        calibration=lambda: _scaled_channels((16, 8), [50.0] * 4 + [1.0] * 4),
+        flagged=("fc",),
+    ),
+    Example(
+        "conv input channels span very different ranges",
+        _conv,
+        lambda: (torch.randn(2, 4, 8, 8),),
+        _mapping,
+        calibration=lambda: _scaled_channels((2, 4, 8, 8), [100.0, 0.01, 1.0, 30.0]),
+        flagged=("conv",),
+    ),
 )

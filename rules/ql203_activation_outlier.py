@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 from pydantic import Field
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
+from qlint.core.graph import OpNode
 from qlint.linter.calibration import FEATURES
-from qlint.linter.json_values import json_float
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
-from qlint.core.graph import OpNode
+from qlint.linter.json_values import json_float
 from qlint.linter.rule import Example, Need, ObservationSpec, Rule, RuleOptions
 from qlint.stats import TensorStats
 
@@ -110,16 +110,18 @@ class ActivationOutlier(Rule):
     class Options(RuleOptions):
         ratio_threshold: float = Field(3.5, gt=1, description="Outlier when max/percentile ratio exceeds this.")
         reference_percentile: float = Field(0.975, gt=0, lt=1, description="Quantile compared with the maximum.")
-        fraction_batches_used_threshold: float = Field(0.95, ge=0, le=1,
-                                                       description="Minimum fraction of usable batches.")
+        fraction_batches_used_threshold: float = Field(
+            0.95, ge=0, le=1, description="Minimum fraction of usable batches."
+        )
         report_constant_channels: bool = Field(True, description="Report channels constant over all data.")
 
     options: Options  # this rule's own Options, so the type checker knows its fields
 
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         for node in ctx.graph.by_kind(*KINDS):
-            measured = measure(ctx.statistics, node, self.options.ratio_threshold,
-                               self.options.fraction_batches_used_threshold)
+            measured = measure(
+                ctx.statistics, node, self.options.ratio_threshold, self.options.fraction_batches_used_threshold
+            )
             if measured is None:
                 continue
             yield _layer_row(self.code, node, measured)
@@ -134,8 +136,13 @@ class ActivationOutlier(Rule):
                     f"Inf values during calibration (channels {_short(bad)}): observers would compute "
                     "NaN/Inf qparams and the quantized model would produce garbage. Fix the numerics "
                     "upstream (overflow, division by zero, log of 0) before quantizing.",
-                    data={"kind": "non-finite", "node": node.name, "nan_count": measured.nan_count,
-                          "inf_count": measured.inf_count, "channels": bad},
+                    data={
+                        "kind": "non-finite",
+                        "node": node.name,
+                        "nan_count": measured.nan_count,
+                        "inf_count": measured.inf_count,
+                        "channels": bad,
+                    },
                     severity=Severity.ERROR,
                 )
             outliers = measured.outlier.nonzero().flatten().tolist()
@@ -149,13 +156,18 @@ class ActivationOutlier(Rule):
                     f"{len(constant)} of {stats.num_channels} input channels of {node.display} are constant over "
                     f"all calibration data (channels {_short(constant)}): they carry no information; fold them "
                     "into the bias or prune them.",
-                    data={"kind": "constant-channels", "node": node.name, "constant_channels": constant,
-                          "values": values},
+                    data={
+                        "kind": "constant-channels",
+                        "node": node.name,
+                        "constant_channels": constant,
+                        "values": values,
+                    },
                     severity=Severity.INFO,
                 )
 
-    def _outlier_finding(self, ctx: LintContext, node: OpNode, measured: "OutlierMeasurement",
-                         outliers: list[int]) -> Finding:
+    def _outlier_finding(
+        self, ctx: LintContext, node: OpNode, measured: OutlierMeasurement, outliers: list[int]
+    ) -> Finding:
         stats = measured.stats
         high, low = stats.channel_max.cpu(), stats.channel_min.cpu()
         ratios_all = measured.metric
@@ -186,15 +198,27 @@ class ActivationOutlier(Rule):
             f"max / {self.options.reference_percentile:g}-quantile > {self.options.ratio_threshold:g}, max up to "
             f"{max((m for m in maxima if isinstance(m, float)), default=math.nan):.4g}). One per-tensor scale must "
             "cover them"
-            + (f": the bulk of an outlier channel keeps 1/{max(dense_ratios):.3g} of the int8 range "
-               f"(about {channel_bits:.1f} of {bits} bits lost)" if math.isfinite(channel_bits) and channel_bits > 0
-               else "")
-            + (f", and the other channels lose about {loss_bits:.1f} bits" if
-               math.isfinite(loss_bits) and loss_bits >= 0.1 else "")
-            + (f"; {len(sparse)} of them are mostly zeros (quantile 0), which int8 represents exactly"
-               if sparse else "")
-            + (f". Measured: this activation quantized with its observer's qparams has {measured_db:.1f} dB SQNR"
-               if measured_db is not None else "")
+            + (
+                f": the bulk of an outlier channel keeps 1/{max(dense_ratios):.3g} of the int8 range "
+                f"(about {channel_bits:.1f} of {bits} bits lost)"
+                if math.isfinite(channel_bits) and channel_bits > 0
+                else ""
+            )
+            + (
+                f", and the other channels lose about {loss_bits:.1f} bits"
+                if math.isfinite(loss_bits) and loss_bits >= 0.1
+                else ""
+            )
+            + (
+                f"; {len(sparse)} of them are mostly zeros (quantile 0), which int8 represents exactly"
+                if sparse
+                else ""
+            )
+            + (
+                f". Measured: this activation quantized with its observer's qparams has {measured_db:.1f} dB SQNR"
+                if measured_db is not None
+                else ""
+            )
             + "."
         )
         target, suggestion, fix = _fix(ctx, node, producer, clip)
@@ -203,15 +227,27 @@ class ActivationOutlier(Rule):
         if not dense and not (math.isfinite(loss_bits) and loss_bits >= 0.1):
             severity = Severity.INFO  # only mostly-zero channels, and nothing lost by the others
         return self.finding(
-            node.display, message, severity=severity,
-            data={"kind": "outlier", "node": node.name, "outlier_channels": outliers,
-                  "mostly_zero_channels": sparse, "channel_max": maxima, "ratios": ratios,
-                  "resolution_loss_bits": json_float(loss_bits),
-                  "outlier_channel_bits_lost": json_float(channel_bits), "dtype_bits": bits,
-                  "int8_step": json_float(full / 255), "int8_step_without_outliers": json_float(without / 255),
-                  "activation_sqnr_db": measured_db, "clip_value": json_float(clip), "fix_target": target,
-                  "ratio_threshold": self.options.ratio_threshold,
-                  "reference_percentile": self.options.reference_percentile},
+            node.display,
+            message,
+            severity=severity,
+            data={
+                "kind": "outlier",
+                "node": node.name,
+                "outlier_channels": outliers,
+                "mostly_zero_channels": sparse,
+                "channel_max": maxima,
+                "ratios": ratios,
+                "resolution_loss_bits": json_float(loss_bits),
+                "outlier_channel_bits_lost": json_float(channel_bits),
+                "dtype_bits": bits,
+                "int8_step": json_float(full / 255),
+                "int8_step_without_outliers": json_float(without / 255),
+                "activation_sqnr_db": measured_db,
+                "clip_value": json_float(clip),
+                "fix_target": target,
+                "ratio_threshold": self.options.ratio_threshold,
+                "reference_percentile": self.options.reference_percentile,
+            },
             suggestion=suggestion,
         )
 
@@ -237,12 +273,32 @@ def _physical_bits(value: float, bits: int) -> float:
 # Ops whose int8 output reuses their input's qparams (prepare_fx shares the observer), and
 # BatchNorm, which fuses into the conv before it: the observer that sets a layer's input
 # range belongs to the first op upstream that is none of these.
-_SHARES_INPUT_QPARAMS = frozenset({"relu", "relu6", "hardtanh", "max_pool", "adaptive_avg_pool", "avg_pool",
-                                   "flatten", "view", "reshape", "permute", "transpose", "dropout", "identity",
-                                   "contiguous", "squeeze", "unsqueeze", "getitem", "batch_norm", "clamp"})
+_SHARES_INPUT_QPARAMS = frozenset(
+    {
+        "relu",
+        "relu6",
+        "hardtanh",
+        "max_pool",
+        "adaptive_avg_pool",
+        "avg_pool",
+        "flatten",
+        "view",
+        "reshape",
+        "permute",
+        "transpose",
+        "dropout",
+        "identity",
+        "contiguous",
+        "squeeze",
+        "unsqueeze",
+        "getitem",
+        "batch_norm",
+        "clamp",
+    }
+)
 
 
-def _producer(ctx: LintContext, node: OpNode) -> Optional[OpNode]:
+def _producer(ctx: LintContext, node: OpNode) -> OpNode | None:
     """The op whose output observer quantizes ``node``'s input (through qparam-sharing ops)."""
     producers = ctx.graph.producers(node.name)
     current = producers[0] if producers else None
@@ -262,25 +318,34 @@ def _clip_value(stats: TensorStats, channels: list[int]) -> float:
     return max(values) if values else math.nan
 
 
-def _fix(ctx: LintContext, node: OpNode, producer: Optional[OpNode], clip: float) -> tuple[str, dict, str]:
+def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -> tuple[str, dict, str]:
     """Where a clipping observer goes: the input's observer belongs to the module producing it
     (prepare_fx reuses the producer's output observer), or to the layer for a graph input."""
-    clip_text = f" (the flagged channels' {CLIP_PERCENTILE:g}-percentile band ends near {clip:.4g})" \
-        if math.isfinite(clip) else ""
+    clip_text = (
+        f" (the flagged channels' {CLIP_PERCENTILE:g}-percentile band ends near {clip:.4g})"
+        if math.isfinite(clip)
+        else ""
+    )
     if producer is not None and producer.op == "module" and producer.module:
         target = producer.module
     elif producer is None or producer.op == "input":
         target = node.display
     else:
-        return (node.display, {"action": "keep_float", "module": node.display},
-                f"Fix: the input comes from {producer.display} ({producer.kind}), a functional op with no "
-                f"qconfig of its own to change: clip or normalise these channels before {node.display}, or "
-                "keep the layer float.")
-    return (target, {"action": "set_activation_observer", "targets": [target], "percentile": CLIP_PERCENTILE},
-            f"Fix: give {target} a clipping activation observer{clip_text}: "
-            f"PercentileObserver(percentile={CLIP_PERCENTILE:g}) instead of the default histogram search, so "
-            "the rare spikes saturate and the bulk keeps its resolution; or clip/normalise these channels "
-            "upstream, or keep the layer float.")
+        return (
+            node.display,
+            {"action": "keep_float", "module": node.display},
+            f"Fix: the input comes from {producer.display} ({producer.kind}), a functional op with no "
+            f"qconfig of its own to change: clip or normalise these channels before {node.display}, or "
+            "keep the layer float.",
+        )
+    return (
+        target,
+        {"action": "set_activation_observer", "targets": [target], "percentile": CLIP_PERCENTILE},
+        f"Fix: give {target} a clipping activation observer{clip_text}: "
+        f"PercentileObserver(percentile={CLIP_PERCENTILE:g}) instead of the default histogram search, so "
+        "the rare spikes saturate and the bulk keeps its resolution; or clip/normalise these channels "
+        "upstream, or keep the layer float.",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,8 +361,9 @@ class OutlierMeasurement:
     stats: TensorStats
 
 
-def measure(statistics, node: OpNode, ratio_threshold: float,
-            fraction_batches_used_threshold: float) -> Optional[OutlierMeasurement]:
+def measure(
+    statistics, node: OpNode, ratio_threshold: float, fraction_batches_used_threshold: float
+) -> OutlierMeasurement | None:
     """Percentile-ratio outliers, constant channels and NaN/Inf at the input of ``node``."""
     stats = statistics.get(node.name, "input", 0)
     if stats is None or int(stats.batches) == 0:
@@ -308,8 +374,9 @@ def measure(statistics, node: OpNode, ratio_threshold: float,
     outlier = sufficient & (metric > ratio_threshold)  # NaN compares False
     has_values = stats.count.cpu() > 0
     constant = has_values & (stats.channel_min.cpu() == stats.channel_max.cpu())
-    return OutlierMeasurement(metric, outlier, sufficient, constant, int(stats.nan_count.sum()),
-                              int(stats.inf_count.sum()), stats)
+    return OutlierMeasurement(
+        metric, outlier, sufficient, constant, int(stats.nan_count.sum()), int(stats.inf_count.sum()), stats
+    )
 
 
 def _layer_row(code: str, node: OpNode, measured: OutlierMeasurement) -> LayerRow:
@@ -321,10 +388,18 @@ def _layer_row(code: str, node: OpNode, measured: OutlierMeasurement) -> LayerRo
         verdict = f"{count} outlier channel(s)"
     else:
         verdict = "ok"
-    return LayerRow(name=node.display, kind=node.kind, rule=code, statistic="max p_r (max / quantile)",
-                    value=float(finite.max()) if finite.numel() else None, verdict=verdict,
-                    extra={"outlier_channels": measured.outlier.nonzero().flatten().tolist(),
-                           "constant_channels": int(measured.constant.sum())})
+    return LayerRow(
+        name=node.display,
+        kind=node.kind,
+        rule=code,
+        statistic="max p_r (max / quantile)",
+        value=float(finite.max()) if finite.numel() else None,
+        verdict=verdict,
+        extra={
+            "outlier_channels": measured.outlier.nonzero().flatten().tolist(),
+            "constant_channels": int(measured.constant.sum()),
+        },
+    )
 
 
 def _short(channels: list[int]) -> str:
@@ -333,6 +408,7 @@ def _short(channels: list[int]) -> str:
 
 
 # --- examples --------------------------------------------------------------------------
+
 
 class _Head(nn.Module):
     def __init__(self) -> None:
@@ -396,16 +472,44 @@ def _with_nan(shape, count=4):
 
 
 VALID = (
-    Example("well-behaved positive linear inputs", _head, lambda: (torch.randn(64, 16),), _mapping,
-            calibration=lambda: _uniform((64, 16))),
-    Example("well-behaved conv inputs", _convnet, lambda: (torch.randn(2, 3, 16, 16),), _mapping,
-            calibration=lambda: _uniform((2, 3, 16, 16))),
+    Example(
+        "well-behaved positive linear inputs",
+        _head,
+        lambda: (torch.randn(64, 16),),
+        _mapping,
+        calibration=lambda: _uniform((64, 16)),
+    ),
+    Example(
+        "well-behaved conv inputs",
+        _convnet,
+        lambda: (torch.randn(2, 3, 16, 16),),
+        _mapping,
+        calibration=lambda: _uniform((2, 3, 16, 16)),
+    ),
 )
 INVALID = (
-    Example("one linear input channel has rare large spikes", _head, lambda: (torch.randn(64, 16),), _mapping,
-            calibration=lambda: _spiky((64, 16), 5), flagged=("fc",)),
-    Example("one conv input channel has rare large spikes", _convnet, lambda: (torch.randn(2, 3, 16, 16),),
-            _mapping, calibration=lambda: _spiky((2, 3, 16, 16), 1), flagged=("conv",)),
-    Example("NaN in the calibration activations", _head, lambda: (torch.randn(64, 16),), _mapping,
-            calibration=lambda: _with_nan((64, 16)), flagged=("fc",)),
+    Example(
+        "one linear input channel has rare large spikes",
+        _head,
+        lambda: (torch.randn(64, 16),),
+        _mapping,
+        calibration=lambda: _spiky((64, 16), 5),
+        flagged=("fc",),
+    ),
+    Example(
+        "one conv input channel has rare large spikes",
+        _convnet,
+        lambda: (torch.randn(2, 3, 16, 16),),
+        _mapping,
+        calibration=lambda: _spiky((2, 3, 16, 16), 1),
+        flagged=("conv",),
+    ),
+    Example(
+        "NaN in the calibration activations",
+        _head,
+        lambda: (torch.randn(64, 16),),
+        _mapping,
+        calibration=lambda: _with_nan((64, 16)),
+        flagged=("fc",),
+    ),
 )

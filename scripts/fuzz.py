@@ -18,8 +18,9 @@ import random
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -29,12 +30,35 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-OPS = ("conv", "bn", "relu", "relu_f", "add", "cat", "sigmoid_f", "mul_const", "shared_conv", "hardtanh",
-       "maxpool_f", "dropout")
-INPUT_KINDS = ("normal", "nan", "inf", "-inf", "constant", "zeros", "huge_1e30", "tiny_1e-30", "batch1",
-               "wrong_shape", "int_dtype", "double_dtype")
-CALIBRATION_KINDS = ("none", "same", "normal", "nan", "inf", "constant", "huge_1e30", "empty_list",
-                     "wrong_shape")
+OPS = (
+    "conv",
+    "bn",
+    "relu",
+    "relu_f",
+    "add",
+    "cat",
+    "sigmoid_f",
+    "mul_const",
+    "shared_conv",
+    "hardtanh",
+    "maxpool_f",
+    "dropout",
+)
+INPUT_KINDS = (
+    "normal",
+    "nan",
+    "inf",
+    "-inf",
+    "constant",
+    "zeros",
+    "huge_1e30",
+    "tiny_1e-30",
+    "batch1",
+    "wrong_shape",
+    "int_dtype",
+    "double_dtype",
+)
+CALIBRATION_KINDS = ("none", "same", "normal", "nan", "inf", "constant", "huge_1e30", "empty_list", "wrong_shape")
 WEIGHT_KINDS = ("normal", "nan_weight", "inf_weight", "zero_weight", "huge_weight")
 MAPPINGS = ("none", "default", "badnet", "global_per_tensor", "empty")
 MODES = ("eval", "train", "mixed")
@@ -56,8 +80,9 @@ class Draw:
 class SpecNet(nn.Module):
     """A DAG of ops over 4-D feature maps, then pool → flatten → linear."""
 
-    def __init__(self, spec: list[tuple], in_channels: int, channels: list[int], classes: int,
-                 data_dependent: bool) -> None:
+    def __init__(
+        self, spec: list[tuple], in_channels: int, channels: list[int], classes: int, data_dependent: bool
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.layers = nn.ModuleDict()
@@ -146,11 +171,18 @@ def build_case(draw: Draw) -> dict[str, Any]:
     codes = [cls.code for cls in Registry.default().all()]
     selectors = codes + ["QL1", "QL2", "ALL", "unfused-pattern"]
     case = {
-        "in_channels": in_channels, "spec": spec, "channels": channels, "classes": draw.integer(1, 5),
-        "size": draw.integer(1, 9), "batch": draw.integer(1, 3),
+        "in_channels": in_channels,
+        "spec": spec,
+        "channels": channels,
+        "classes": draw.integer(1, 5),
+        "size": draw.integer(1, 9),
+        "batch": draw.integer(1, 3),
         "data_dependent": draw.integer(0, 9) == 0,
-        "input": draw.choice(INPUT_KINDS), "calibration": draw.choice(CALIBRATION_KINDS),
-        "weights": draw.choice(WEIGHT_KINDS), "mapping": draw.choice(MAPPINGS), "mode": draw.choice(MODES),
+        "input": draw.choice(INPUT_KINDS),
+        "calibration": draw.choice(CALIBRATION_KINDS),
+        "weights": draw.choice(WEIGHT_KINDS),
+        "mapping": draw.choice(MAPPINGS),
+        "mode": draw.choice(MODES),
         "backend": draw.choice(("x86", "fbgemm", "qnnpack", "onednn")),
         "select": [draw.choice(selectors) for _ in range(draw.integer(0, 2))] or None,
         "ignore": [draw.choice(selectors) for _ in range(draw.integer(0, 2))] or None,
@@ -169,7 +201,7 @@ def _tensor(kind: str, shape: tuple[int, ...], generator: torch.Generator) -> to
         return t
     if kind in ("inf", "-inf"):
         t = torch.randn(shape, generator=generator)
-        t.view(-1)[:: 2] = float(kind)
+        t.view(-1)[::2] = float(kind)
         return t
     if kind == "constant":
         return torch.full(shape, 3.0)
@@ -201,8 +233,9 @@ def materialize(case: dict[str, Any]):
         params = list(model.parameters())
         if weight != "normal" and params:
             p = params[case["seed"] % len(params)]
-            value = {"nan_weight": float("nan"), "inf_weight": float("inf"), "zero_weight": 0.0,
-                     "huge_weight": 1e30}[weight]
+            value = {"nan_weight": float("nan"), "inf_weight": float("inf"), "zero_weight": 0.0, "huge_weight": 1e30}[
+                weight
+            ]
             if weight == "zero_weight":
                 p.zero_()
             else:
@@ -213,7 +246,7 @@ def materialize(case: dict[str, Any]):
         shape = (batch, case["in_channels"] + 1, case["size"], case["size"])
     example = (_tensor(case["input"], shape, generator),)
     calib_kind = case["calibration"]
-    calibration: Optional[Any]
+    calibration: Any | None
     good_shape = (case["batch"], case["in_channels"], case["size"], case["size"])
     if calib_kind == "none":
         calibration = None
@@ -229,8 +262,13 @@ def materialize(case: dict[str, Any]):
 
 
 def mapping_object(name: str, backend: str):
-    from torch.ao.quantization import (MinMaxObserver, QConfig, QConfigMapping, get_default_qconfig,
-                                       get_default_qconfig_mapping)
+    from torch.ao.quantization import (
+        MinMaxObserver,
+        QConfig,
+        QConfigMapping,
+        get_default_qconfig,
+        get_default_qconfig_mapping,
+    )
 
     if name == "none":
         return None
@@ -242,8 +280,10 @@ def mapping_object(name: str, backend: str):
         return qconfig_mapping(backend)
     if name == "empty":
         return QConfigMapping()
-    per_tensor = QConfig(activation=get_default_qconfig(backend).activation,
-                         weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))
+    per_tensor = QConfig(
+        activation=get_default_qconfig(backend).activation,
+        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+    )
     return QConfigMapping().set_global(per_tensor)
 
 
@@ -259,7 +299,7 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def _same(before, after) -> Optional[str]:
+def _same(before, after) -> str | None:
     state_a, flags_a, grads_a, hooks_a = before
     state_b, flags_b, grads_b, hooks_b = after
     if state_a.keys() != state_b.keys():
@@ -286,10 +326,18 @@ def run_case(case: dict[str, Any], registry=None) -> tuple[str, str]:
     before = _snapshot(model)
     try:
         mapping = mapping_object(case["mapping"], case["backend"])
-        report = qlint.lint(model, example, calibration=calibration, backend=case["backend"],
-                            qconfig_mapping=mapping, select=case["select"], ignore=case["ignore"],
-                            registry=registry, calibration_options={"quiet": True},
-                            trial_options={"enabled": case.get("trial", True), "max_fix_trials": 1})
+        report = qlint.lint(
+            model,
+            example,
+            calibration=calibration,
+            backend=case["backend"],
+            qconfig_mapping=mapping,
+            select=case["select"],
+            ignore=case["ignore"],
+            registry=registry,
+            calibration_options={"quiet": True},
+            trial_options={"enabled": case.get("trial", True), "max_fix_trials": 1},
+        )
         outcome, detail = "report", f"{len(report.findings)} findings, {len(report.skipped)} skipped"
         crashed = [n.message for n in report.notices if "rule crashed" in n.message]
         if crashed:
@@ -299,8 +347,14 @@ def run_case(case: dict[str, Any], registry=None) -> tuple[str, str]:
         outcome, detail = "qlint-error", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     except Exception as error:  # the contract is broken
         tb = traceback.extract_tb(error.__traceback__)
-        where = next((f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(tb)
-                      if "/qlint/" in f.filename or "/rules/" in f.filename), "?")
+        where = next(
+            (
+                f"{Path(f.filename).name}:{f.lineno} in {f.name}"
+                for f in reversed(tb)
+                if "/qlint/" in f.filename or "/rules/" in f.filename
+            ),
+            "?",
+        )
         return "crash", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} @ {where}"
     changed = _same(before, _snapshot(model))
     if changed:
@@ -309,9 +363,15 @@ def run_case(case: dict[str, Any], registry=None) -> tuple[str, str]:
 
 
 def _classes(case: dict[str, Any]) -> list[str]:
-    return [f"input={case['input']}", f"calibration={case['calibration']}", f"weights={case['weights']}",
-            f"mapping={case['mapping']}", f"mode={case['mode']}",
-            f"data_dependent={case['data_dependent']}", f"backend={case['backend']}"]
+    return [
+        f"input={case['input']}",
+        f"calibration={case['calibration']}",
+        f"weights={case['weights']}",
+        f"mapping={case['mapping']}",
+        f"mode={case['mode']}",
+        f"data_dependent={case['data_dependent']}",
+        f"backend={case['backend']}",
+    ]
 
 
 def main(argv=None) -> int:
@@ -319,11 +379,15 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show", type=int, default=20, help="distinct failures to print")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="draw no new case after this many seconds (the table counts the cases run)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="draw no new case after this many seconds (the table counts the cases run)",
+    )
     args = parser.parse_args(argv)
-    import warnings
     import logging
+    import warnings
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)

@@ -42,8 +42,13 @@ from qlint.numeric.examples import (  # noqa: E402
 from qlint.numeric.sensitivity import sensitivity_rows  # noqa: E402
 
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--no-first-run", "--hide-scrollbars",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--hide-scrollbars",
 ]
 MIN_PIXELS = 150  # a drawn series covers thousands of pixels; a stray legend swatch ~150
 
@@ -55,8 +60,8 @@ def decode_png(path: Path) -> np.ndarray:
         raise ValueError(f"{path} is not a PNG")
     position, idat, header = 8, bytearray(), None
     while position < len(data):
-        length, kind = struct.unpack(">I4s", data[position: position + 8])
-        chunk = data[position + 8: position + 8 + length]
+        length, kind = struct.unpack(">I4s", data[position : position + 8])
+        chunk = data[position + 8 : position + 8 + length]
         position += 12 + length
         if kind == b"IHDR":
             header = struct.unpack(">IIBBBBB", chunk)
@@ -99,7 +104,11 @@ def _unfilter_sequential(kind: int, line: np.ndarray, previous: np.ndarray, chan
             continue
         upper_left = above[index - channels] if index >= channels else 0
         estimate = left + up - upper_left
-        distance_left, distance_up, distance_corner = abs(estimate - left), abs(estimate - up), abs(estimate - upper_left)
+        distance_left, distance_up, distance_corner = (
+            abs(estimate - left),
+            abs(estimate - up),
+            abs(estimate - upper_left),
+        )
         if distance_left <= distance_up and distance_left <= distance_corner:
             predictor = left
         elif distance_up <= distance_corner:
@@ -111,7 +120,7 @@ def _unfilter_sequential(kind: int, line: np.ndarray, previous: np.ndarray, chan
 
 
 def color_mask(image: np.ndarray, hex_color: str, tolerance: int = 12) -> np.ndarray:
-    target = np.array([int(hex_color[i: i + 2], 16) for i in (1, 3, 5)], dtype=np.int32)
+    target = np.array([int(hex_color[i : i + 2], 16) for i in (1, 3, 5)], dtype=np.int32)
     return (np.abs(image[..., :3].astype(np.int32) - target) <= tolerance).all(axis=-1)
 
 
@@ -139,8 +148,13 @@ def check_self_contained(page: str) -> list[str]:
 
 
 def render(html_path: Path, png_path: Path, chromium: str) -> None:
-    command = [chromium, *CHROMIUM_FLAGS, "--window-size=1200,2600", f"--screenshot={png_path}",
-               html_path.resolve().as_uri()]
+    command = [
+        chromium,
+        *CHROMIUM_FLAGS,
+        "--window-size=1200,2600",
+        f"--screenshot={png_path}",
+        html_path.resolve().as_uri(),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if completed.returncode != 0 or not png_path.exists():
         raise RuntimeError(f"chromium failed ({completed.returncode}): {completed.stderr[-800:]}")

@@ -26,9 +26,14 @@ def run_cli(tmp_path):
         full_env = dict(os.environ)
         full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env.update(env or {})
-        return subprocess.run([sys.executable, "-m", "qlint", *map(str, args)],
-                              cwd=cwd or tmp_path, env=full_env, capture_output=True, text=True,
-                              timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "qlint", *map(str, args)],
+            cwd=cwd or tmp_path,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     return run
 

@@ -20,9 +20,17 @@ class SequentialNet(nn.Sequential):
 
     def __init__(self):
         super().__init__(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 16),
+            nn.ReLU(),
+            nn.Linear(16, 4),
         )
 
 
@@ -118,8 +126,10 @@ def per_tensor_mapping(backend: str = "x86"):
     """A hand-written mapping: per-tensor weights everywhere, generic observer for sigmoid too."""
     from torch.ao.quantization import HistogramObserver, MinMaxObserver, QConfig, QConfigMapping
 
-    qconfig = QConfig(activation=HistogramObserver.with_args(reduce_range=True),
-                      weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=True),
+        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+    )
     return QConfigMapping().set_global(qconfig)
 
 
@@ -156,10 +166,14 @@ class InvertedResidual(nn.Module):
         hidden = cin * expand
         self.use_residual = stride == 1 and cin == cout
         self.conv = nn.Sequential(
-            nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=inplace),
-            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+            nn.Conv2d(cin, hidden, 1, bias=False),
+            nn.BatchNorm2d(hidden),
             nn.ReLU6(inplace=inplace),
-            nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout),
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=inplace),
+            nn.Conv2d(hidden, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
         )
 
     def forward(self, x):
@@ -173,7 +187,8 @@ class MobileNetStyle(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(inplace=inplace))
         self.blocks = nn.Sequential(
-            InvertedResidual(8, 8, 1, 2, inplace), InvertedResidual(8, 12, 2, 3, inplace),
+            InvertedResidual(8, 8, 1, 2, inplace),
+            InvertedResidual(8, 12, 2, 3, inplace),
             InvertedResidual(12, 12, 1, 3, inplace),
         )
         self.head = nn.Sequential(nn.Conv2d(12, 24, 1, bias=False), nn.BatchNorm2d(24), nn.ReLU6(inplace=inplace))

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from qlint.linter.baseline import filter_new, read_baseline, write_baseline
 from qlint.errors import ConfigError
+from qlint.linter.baseline import filter_new, read_baseline, write_baseline
 from qlint.linter.findings import Finding, Report, Severity
 
 BADNET = ("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial")
@@ -15,13 +15,20 @@ MAPPING = ("--qconfig-mapping", "examples.badnet:qconfig_mapping")
 
 
 def _finding(target: str, kind: str = "k", message: str = "m") -> Finding:
-    return Finding(rule="QL101", name="unfused-pattern", severity=Severity.WARNING, target=target,
-                   message=message, data={"kind": kind})
+    return Finding(
+        rule="QL101",
+        name="unfused-pattern",
+        severity=Severity.WARNING,
+        target=target,
+        message=message,
+        data={"kind": kind},
+    )
 
 
 def _report(*findings: Finding) -> Report:
-    return Report(qlint_version="0.1.0", torch_version="2.x", model="m.pt2", backend="x86",
-                  frontend="fx", findings=list(findings))
+    return Report(
+        qlint_version="0.1.0", torch_version="2.x", model="m.pt2", backend="x86", frontend="fx", findings=list(findings)
+    )
 
 
 def test_write_then_filter_in_process(tmp_path):
@@ -37,8 +44,10 @@ def test_write_then_filter_in_process(tmp_path):
     assert "1 baseline entry no longer found" in filtered.notices[-1].message
 
 
-@pytest.mark.parametrize("content", ["{not json", "[]", '{"version": 99, "fingerprints": {}}',
-                                     '{"version": 1}', '{"version": 1, "fingerprints": [1]}'])
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "[]", '{"version": 99, "fingerprints": {}}', '{"version": 1}', '{"version": 1, "fingerprints": [1]}'],
+)
 def test_corrupt_baseline_is_config_error(tmp_path, content):
     path = tmp_path / "b.json"
     path.write_text(content)

@@ -42,8 +42,14 @@ def _images(count=4, batch=2, seed=0):
 
 
 def _lint(model, calibration, **kwargs):
-    return qlint.lint(model, (torch.randn(2, 3, 8, 8),), calibration=calibration, select=DATA_RULES,
-                      calibration_options={"quiet": True}, **kwargs)
+    return qlint.lint(
+        model,
+        (torch.randn(2, 3, 8, 8),),
+        calibration=calibration,
+        select=DATA_RULES,
+        calibration_options={"quiet": True},
+        **kwargs,
+    )
 
 
 def _assert_ran_cleanly(report):
@@ -58,8 +64,9 @@ def test_statistics_object_and_user_model_untouched():
     before = copy.deepcopy(model.state_dict())
     modules_before = [name for name, _ in model.named_modules()]
     analysis = qlint.linter.engine.analyse(model, (torch.randn(2, 3, 8, 8),), "x86")
-    rules = qlint.linter.engine.instantiate_rules(qlint.linter.registry.Registry.default(include_plugins=False)
-                                           .select(DATA_RULES, None), {})
+    rules = qlint.linter.engine.instantiate_rules(
+        qlint.linter.registry.Registry.default(include_plugins=False).select(DATA_RULES, None), {}
+    )
     from qlint.linter.calibration import collect_statistics
 
     stats, _ = collect_statistics(analysis, rules, _images(5), {"quiet": True})
@@ -106,8 +113,9 @@ def test_num_batches_limits_the_run():
     from qlint.linter.calibration import collect_statistics
 
     analysis = qlint.linter.engine.analyse(_net(), (torch.randn(2, 3, 8, 8),), "x86")
-    rules = qlint.linter.engine.instantiate_rules(qlint.linter.registry.Registry.default(include_plugins=False)
-                                           .select(["QL203"], None), {})
+    rules = qlint.linter.engine.instantiate_rules(
+        qlint.linter.registry.Registry.default(include_plugins=False).select(["QL203"], None), {}
+    )
     stats, _ = collect_statistics(analysis, rules, _images(6), {"quiet": True, "num_batches": 2})
     assert stats.batches == 2
     assert int(stats.get("conv", "input", 0).batches) == 2
@@ -215,8 +223,9 @@ def _equalization_error(model, calibration, test, equalize: bool) -> float:
     from torch.ao.quantization.fx._equalize import default_equalization_qconfig
 
     equalization = QConfigMapping().set_module_name("fc1", default_equalization_qconfig) if equalize else None
-    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (calibration[0],),
-                          _equalization_config=equalization)
+    prepared = prepare_fx(
+        copy.deepcopy(model), get_default_qconfig_mapping("x86"), (calibration[0],), _equalization_config=equalization
+    )
     with torch.no_grad():
         for batch in calibration:
             prepared(batch)
@@ -255,8 +264,9 @@ def test_ql202_band_follows_what_equalization_does():
         calibration, test = _channel_data(scales, 8, 0), _channel_data(scales, 1, 1)[0]
         error_plain = _equalization_error(model, calibration, test, equalize=False)
         error_equalized = _equalization_error(model, calibration, test, equalize=True)
-        report = qlint.lint(model, (calibration[0],), calibration=calibration, select=["QL202"],
-                            calibration_options={"quiet": True})
+        report = qlint.lint(
+            model, (calibration[0],), calibration=calibration, select=["QL202"], calibration_options={"quiet": True}
+        )
         finding = [f for f in report.findings if f.target == "fc1"]
         metrics = [m for m in (finding[0].data["comp_metrics"] if finding else [])]
         row = [r for r in report.layers if r.name == "fc1"][0]
@@ -283,8 +293,19 @@ def badnet_calibration(count: int = 8, batch: int = 4) -> list[torch.Tensor]:
 def test_cli_readme_example_reports_all_data_rules(run_cli, tmp_path):
     path = tmp_path / "calibration.pt"
     torch.save(badnet_calibration(), path)
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--qconfig-mapping",
-                     "examples.badnet:qconfig_mapping", "--calibration", path, "--format", "json", "--quiet")
+    result = run_cli(
+        "examples.badnet:build",
+        "--input-shape",
+        "1,3,32,32",
+        "--no-trial",
+        "--qconfig-mapping",
+        "examples.badnet:qconfig_mapping",
+        "--calibration",
+        path,
+        "--format",
+        "json",
+        "--quiet",
+    )
     assert result.returncode == 1, result.stderr
     report = qlint.Report.model_validate_json(result.stdout)
     rules = {f.rule for f in report.findings}
@@ -293,9 +314,20 @@ def test_cli_readme_example_reports_all_data_rules(run_cli, tmp_path):
 
 
 def test_cli_calibration_from_a_factory(run_cli, repo_root):
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--calibration",
-                     "examples.badnet:calibration_batches", "--select", "QL2", "--format", "json",
-                     "--quiet", cwd=repo_root)
+    result = run_cli(
+        "examples.badnet:build",
+        "--input-shape",
+        "1,3,32,32",
+        "--no-trial",
+        "--calibration",
+        "examples.badnet:calibration_batches",
+        "--select",
+        "QL2",
+        "--format",
+        "json",
+        "--quiet",
+        cwd=repo_root,
+    )
     assert result.returncode == 1, result.stderr
     report = qlint.Report.model_validate_json(result.stdout)
     assert {"QL201", "QL202", "QL203"} <= {f.rule for f in report.findings}

@@ -4,7 +4,6 @@ import torch
 import torch.nn as nn
 
 
-
 def _check_one_line_error(result, *needles):
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -79,8 +78,10 @@ def test_debug_shows_traceback(run_cli, tmp_path):
 def test_weights_that_do_not_fit(run_cli, tmp_path, repo_root):
     path = tmp_path / "other.pt"
     torch.save(nn.Linear(4, 2).state_dict(), path)
-    _check_one_line_error(run_cli("examples.badnet:build", "--weights", path, "--input-shape", "1,3,32,32", "--no-trial",
-                            cwd=repo_root), "does not fit")
+    _check_one_line_error(
+        run_cli("examples.badnet:build", "--weights", path, "--input-shape", "1,3,32,32", "--no-trial", cwd=repo_root),
+        "does not fit",
+    )
 
 
 def test_bad_pyproject_option(run_cli, tmp_path, repo_root):

@@ -1,16 +1,16 @@
 """The CLI in a real project with nested folders, as ruff users expect it.
 
-    tmp/
-      pyproject.toml            [tool.qlint] select = ["QL102"]       (the outer project)
-      fan_out.py                a module:factory model
-      other.toml                a --config file
-      proj/
-        pyproject.toml          [tool.qlint] + [[tool.qlint.files]] with a relative calibration
-        data/calib.pt
-        models/
-          pyproject.toml        no [tool.qlint]: skipped by discovery
-          bad.pt2               conv-bn-relu with a fan-out: QL101
-      bl/                       a project whose baseline path is relative to its pyproject
+tmp/
+  pyproject.toml            [tool.qlint] select = ["QL102"]       (the outer project)
+  fan_out.py                a module:factory model
+  other.toml                a --config file
+  proj/
+    pyproject.toml          [tool.qlint] + [[tool.qlint.files]] with a relative calibration
+    data/calib.pt
+    models/
+      pyproject.toml        no [tool.qlint]: skipped by discovery
+      bad.pt2               conv-bn-relu with a fan-out: QL101
+  bl/                       a project whose baseline path is relative to its pyproject
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from qlint.cli.main import COMMAND_SUMMARIES, _commands, main
 from tests.conftest import ROOT
 
-FAN_OUT = '''
+FAN_OUT = """
 from torch import nn
 
 
@@ -45,7 +45,7 @@ class FanOut(nn.Module):
 
 def build():
     return FanOut().eval()
-'''
+"""
 
 
 def _fan_out_module():
@@ -65,7 +65,8 @@ def project(tmp_path_factory):
     (proj / "data").mkdir()
     (proj / "pyproject.toml").write_text(
         '[tool.qlint]\nfail-on = "warning"\n\n'
-        '[[tool.qlint.files]]\npath = "models/*.pt2"\ncalibration = "data/calib.pt"\n')
+        '[[tool.qlint.files]]\npath = "models/*.pt2"\ncalibration = "data/calib.pt"\n'
+    )
     (proj / "models" / "pyproject.toml").write_text("[tool.black]\nline-length = 100\n")
     program = torch.export.export(_fan_out_module(), (torch.randn(1, 3, 8, 8),))
     torch.export.save(program, proj / "models" / "bad.pt2")
@@ -197,7 +198,12 @@ def test_precommit_docs_pin_torch_for_the_isolated_hook(tmp_path):
     hook = config["repos"][0]["hooks"][0]
     assert any(re.fullmatch(r"torch==[0-9.]+(\+cpu)?", dep) for dep in hook["additional_dependencies"]), hook
     (tmp_path / ".pre-commit-config.yaml").write_text(isolated[0])
-    valid = subprocess.run([sys.executable, "-m", "pre_commit", "validate-config", ".pre-commit-config.yaml"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    valid = subprocess.run(
+        [sys.executable, "-m", "pre_commit", "validate-config", ".pre-commit-config.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert valid.returncode == 0, valid.stdout + valid.stderr
     assert "CPU" in text and "--trust-config" in text

@@ -54,13 +54,18 @@ def _one_line(result) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("pyproject, setting", [
-    ('[tool.qlint]\nqconfig-mapping = "repo_code:mapping"\n', "qconfig-mapping"),
-    ('[tool.qlint]\ncalibration = "repo_code:batches"\n', "calibration"),
-    ('[[tool.qlint.files]]\npath = "models/*.pt2"\ncalibration = "repo_code.py:batches"\n', "calibration"),
-    ('[[tool.qlint.files]]\npath = "models/model.pt2"\nqconfig-mapping = "repo_code.py:mapping"\n',
-     "qconfig-mapping"),
-])
+@pytest.mark.parametrize(
+    "pyproject, setting",
+    [
+        ('[tool.qlint]\nqconfig-mapping = "repo_code:mapping"\n', "qconfig-mapping"),
+        ('[tool.qlint]\ncalibration = "repo_code:batches"\n', "calibration"),
+        ('[[tool.qlint.files]]\npath = "models/*.pt2"\ncalibration = "repo_code.py:batches"\n', "calibration"),
+        (
+            '[[tool.qlint.files]]\npath = "models/model.pt2"\nqconfig-mapping = "repo_code.py:mapping"\n',
+            "qconfig-mapping",
+        ),
+    ],
+)
 def test_code_settings_are_refused_without_trust(run_main, tmp_path, model_file, pyproject, setting):
     marker, _ = _hostile_repo(tmp_path, model_file, pyproject)
     line = _one_line(run_main("models/model.pt2", cwd=tmp_path))
@@ -78,8 +83,16 @@ def test_trust_config_runs_it_and_flags_need_no_opt_in(run_cli, run_main, tmp_pa
     marker.unlink()
     # The same code named on the command line is the user's own intent.
     (tmp_path / "pyproject.toml").write_text("[tool.qlint]\n")
-    flagged = run_main("models/model.pt2", "--qconfig-mapping", f"{module}:mapping", "--calibration",
-                       f"{module}:batches", "--select", "QL103,QL201", cwd=tmp_path)
+    flagged = run_main(
+        "models/model.pt2",
+        "--qconfig-mapping",
+        f"{module}:mapping",
+        "--calibration",
+        f"{module}:batches",
+        "--select",
+        "QL103,QL201",
+        cwd=tmp_path,
+    )
     assert flagged.returncode in (0, 1), flagged.stderr
     assert marker.exists()
 

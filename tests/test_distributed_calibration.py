@@ -53,8 +53,15 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         torch.set_num_threads(1)
         shard = _data()[rank::world]
-        report = qlint.lint(_model(), (torch.randn(1, 3, 32, 32),), calibration=shard, trial_options={"enabled": False},
-                            qconfig_mapping=_mapping(), select=RULES, calibration_options={"quiet": True})
+        report = qlint.lint(
+            _model(),
+            (torch.randn(1, 3, 32, 32),),
+            calibration=shard,
+            trial_options={"enabled": False},
+            qconfig_mapping=_mapping(),
+            select=RULES,
+            calibration_options={"quiet": True},
+        )
         Path(out, f"rank{rank}.json").write_text(json.dumps(_summary(report)))
     finally:
         dist.destroy_process_group()
@@ -85,9 +92,15 @@ def _assert_same(a, b, path="") -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable")
 def test_two_gloo_ranks_match_single_process(tmp_path):
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    single = qlint.lint(_model(), (torch.randn(1, 3, 32, 32),), calibration=_data(), qconfig_mapping=_mapping(),
-                        trial_options={"enabled": False},  # the trial runs on each rank's own data
-                        select=RULES, calibration_options={"quiet": True})
+    single = qlint.lint(
+        _model(),
+        (torch.randn(1, 3, 32, 32),),
+        calibration=_data(),
+        qconfig_mapping=_mapping(),
+        trial_options={"enabled": False},  # the trial runs on each rank's own data
+        select=RULES,
+        calibration_options={"quiet": True},
+    )
     expected = _summary(single)
     assert {f["rule"] for f in expected["findings"]} == set(RULES)  # the comparison is not vacuous
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]

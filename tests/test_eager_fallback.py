@@ -8,10 +8,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qlint.core.eager_fallback import FRONTEND_EAGER, eager_analysis, eager_graph
-from qlint.errors import TraceError
 from qlint.core.graph import ModelGraph, TensorInfo
 from qlint.core.intent import NodeQConfig
 from qlint.core.trace import private_copy, trace
+from qlint.errors import TraceError
 
 
 class DataDependent(nn.Module):

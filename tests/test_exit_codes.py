@@ -33,11 +33,18 @@ TINY = "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear
 
 
 # ------------------------------------------------------------------ user code calling sys.exit
-@pytest.mark.parametrize("module, source, code", [
-    ("quits_in_factory", "def build():\n    raise SystemExit(0)\n", "0"),
-    ("quits_in_forward", "import sys, torch.nn as nn\n\nclass M(nn.Module):\n    def forward(self, x):\n"
-     "        sys.exit(3)\n\ndef build():\n    return M()\n", "3"),
-])
+@pytest.mark.parametrize(
+    "module, source, code",
+    [
+        ("quits_in_factory", "def build():\n    raise SystemExit(0)\n", "0"),
+        (
+            "quits_in_forward",
+            "import sys, torch.nn as nn\n\nclass M(nn.Module):\n    def forward(self, x):\n"
+            "        sys.exit(3)\n\ndef build():\n    return M()\n",
+            "3",
+        ),
+    ],
+)
 def test_sys_exit_in_user_code_is_exit_2(run_main, tmp_path, module, source, code):
     (tmp_path / f"{module}.py").write_text(source)
     result = run_main(f"{module}:build", "--input-shape", "1,4", "--select", "QL105", cwd=tmp_path)
@@ -88,7 +95,7 @@ class Crashes(Rule):
         raise RuntimeError("boom in XQ900")
 '''
 
-FAN_OUT = '''
+FAN_OUT = """
 from torch import nn
 
 
@@ -104,14 +111,22 @@ class FanOut(nn.Module):
 
 def build():
     return FanOut().eval()
-'''
+"""
 
 
 def test_a_crashed_rule_exits_2_and_the_other_findings_are_printed(run_cli, tmp_path):
     _install_plugin(tmp_path / "site", "qlint_crashing_rule", CRASHING_RULE)
     (tmp_path / "fan_out.py").write_text(FAN_OUT)
-    result = run_cli("fan_out:build", "--input-shape", "1,3,8,8", "--select", "QL101,XQ900", "-q", cwd=tmp_path,
-                     env={"PYTHONPATH": f"{ROOT}:{tmp_path / 'site'}"})
+    result = run_cli(
+        "fan_out:build",
+        "--input-shape",
+        "1,3,8,8",
+        "--select",
+        "QL101,XQ900",
+        "-q",
+        cwd=tmp_path,
+        env={"PYTHONPATH": f"{ROOT}:{tmp_path / 'site'}"},
+    )
     line = _one_line(result, "analysis incomplete", "XQ900", "boom")
     assert "fan_out:build" in line
     assert "QL101" in result.stdout  # the rules that ran still report
@@ -124,24 +139,30 @@ def test_sys_exit_in_a_plugin_is_exit_2(run_cli, tmp_path):
 
 
 # ------------------------------------------------------------------ settings and arguments
-@pytest.mark.parametrize("pyproject, needles", [
-    ("[tool.qlint.rules.QL999]\nthreshold = 1\n", ("QL999", "unknown rule")),
-    ('[tool.qlint]\nfail-on = "sometimes"\n', ("fail-on", "error", "warning")),
-    ("[tool.qlint]\nnum-batches = 0\n", ("num-batches",)),
-    ("[tool.qlint]\nselect = " + "[" * 5000 + "]" * 5000 + "\n", ("nested too deeply",)),
-])
+@pytest.mark.parametrize(
+    "pyproject, needles",
+    [
+        ("[tool.qlint.rules.QL999]\nthreshold = 1\n", ("QL999", "unknown rule")),
+        ('[tool.qlint]\nfail-on = "sometimes"\n', ("fail-on", "error", "warning")),
+        ("[tool.qlint]\nnum-batches = 0\n", ("num-batches",)),
+        ("[tool.qlint]\nselect = " + "[" * 5000 + "]" * 5000 + "\n", ("nested too deeply",)),
+    ],
+)
 def test_bad_settings_are_one_line(run_main, tmp_path, pyproject, needles):
     (tmp_path / "tiny_settings_model.py").write_text(TINY)
     (tmp_path / "pyproject.toml").write_text(pyproject)
     _one_line(run_main("tiny_settings_model:build", "--input-shape", "1,4"), "pyproject.toml", *needles)
 
 
-@pytest.mark.parametrize("args, needles", [
-    (("--random-calibration", "0"), ("--random-calibration", "positive")),
-    (("--random-calibration", "-3"), ("--random-calibration", "positive")),
-    (("--num-batches", "0"), ("--num-batches", "positive")),
-    (("--input-shape", "1000000,1000000,1000"), ("--input-shape", "elements", "--example-inputs")),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (("--random-calibration", "0"), ("--random-calibration", "positive")),
+        (("--random-calibration", "-3"), ("--random-calibration", "positive")),
+        (("--num-batches", "0"), ("--num-batches", "positive")),
+        (("--input-shape", "1000000,1000000,1000"), ("--input-shape", "elements", "--example-inputs")),
+    ],
+)
 def test_bad_arguments_are_one_line(run_main, tmp_path, args, needles):
     (tmp_path / "tiny_args_model.py").write_text(TINY)
     _one_line(run_main("tiny_args_model:build", *args), *needles)
@@ -152,8 +173,11 @@ def test_deeply_nested_baseline_and_plan_are_one_line(run_main, tmp_path):
     (tmp_path / "baseline.json").write_text(deep)
     (tmp_path / "plan.json").write_text(deep)
     (tmp_path / "tiny_deep_model.py").write_text(TINY)
-    _one_line(run_main("tiny_deep_model:build", "--input-shape", "1,4", "--select", "QL102",
-                       "--baseline", "baseline.json"), "baseline", "nested too deeply")
+    _one_line(
+        run_main("tiny_deep_model:build", "--input-shape", "1,4", "--select", "QL102", "--baseline", "baseline.json"),
+        "baseline",
+        "nested too deeply",
+    )
     _one_line(run_main("plan", "check", "plan.json"), "nested too deeply")
 
 
@@ -161,14 +185,26 @@ def test_weights_with_the_wrong_shape(run_main, tmp_path):
     (tmp_path / "tiny_weights_model.py").write_text(TINY)
     wrong = nn.Sequential(nn.Linear(4, 6), nn.ReLU())
     torch.save(wrong.state_dict(), tmp_path / "wrong.pt")
-    _one_line(run_main("tiny_weights_model:build", "--weights", "wrong.pt", "--input-shape", "1,4"),
-              "wrong.pt", "does not fit", "size mismatch")
+    _one_line(
+        run_main("tiny_weights_model:build", "--weights", "wrong.pt", "--input-shape", "1,4"),
+        "wrong.pt",
+        "does not fit",
+        "size mismatch",
+    )
 
 
 def test_html_pointing_at_a_directory(run_main, tmp_path):
     (tmp_path / "out").mkdir()
-    result = run_main("compare", "examples.compare_demo:float_model", "examples.compare_demo:quantized_model",
-                      "--calibration", "examples.compare_demo:batches", "--html", "out", cwd=tmp_path)
+    result = run_main(
+        "compare",
+        "examples.compare_demo:float_model",
+        "examples.compare_demo:quantized_model",
+        "--calibration",
+        "examples.compare_demo:batches",
+        "--html",
+        "out",
+        cwd=tmp_path,
+    )
     _one_line(result, "--html", "directory")
 
 
@@ -176,21 +212,31 @@ def test_outputs_never_overwrite_the_input_model(run_main, tmp_path):
     model = nn.Sequential(nn.Linear(4, 4)).eval()
     torch.export.save(torch.export.export(model, (torch.randn(1, 4),)), tmp_path / "model.pt2")
     original = (tmp_path / "model.pt2").read_bytes()
-    for flags in (("-o", "model.pt2"), ("--baseline", "model.pt2", "--write-baseline"),
-                  ("--emit-qconfig", "./model.pt2")):
+    for flags in (
+        ("-o", "model.pt2"),
+        ("--baseline", "model.pt2", "--write-baseline"),
+        ("--emit-qconfig", "./model.pt2"),
+    ):
         _one_line(run_main("model.pt2", *flags), "model.pt2", "input", "overwrite")
     assert (tmp_path / "model.pt2").read_bytes() == original
 
 
 # ------------------------------------------------------------------ stdout that cannot be written
-@pytest.mark.parametrize("redirect, needles", [(">&-", ("stdout is closed",)),
-                                               ("> /dev/full", ("cannot write", "stdout"))])
+@pytest.mark.parametrize(
+    "redirect, needles", [(">&-", ("stdout is closed",)), ("> /dev/full", ("cannot write", "stdout"))]
+)
 def test_unwritable_stdout_is_one_line(tmp_path, redirect, needles):
     if redirect.endswith("/dev/full") and not __import__("os").path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
     command = f"{sys.executable} -m qlint rules --format json {redirect}"
-    result = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        ["bash", "-c", command],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     _one_line(result, *needles)
 
 

@@ -15,14 +15,16 @@ RULES = ["QL101", "QL103", "QL104"]
 def _signature(report):
     """What must agree across forms: rule, finding kind and reasons, independent of naming."""
     return collections.Counter(
-        (f.rule, str(f.data.get("kind")), tuple(f.data.get("reasons", ()))) for f in report.findings)
+        (f.rule, str(f.data.get("kind")), tuple(f.data.get("reasons", ()))) for f in report.findings
+    )
 
 
 def _lint(model, x):
     # The five forms must give the same rule verdicts; the trial's measured impacts depend on
     # each form's example data, so it is off here (tests/test_impact.py covers it).
-    return qlint.lint(model, (x,), qconfig_mapping=models.per_tensor_mapping(), select=RULES,
-                      trial_options={"enabled": False})
+    return qlint.lint(
+        model, (x,), qconfig_mapping=models.per_tensor_mapping(), select=RULES, trial_options={"enabled": False}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +57,18 @@ def test_exported_pt2_form(reference, image, tmp_path, capsys):
     program = torch.export.export(models.gated_nested_train(), (image,), strict=False)
     path = tmp_path / "gated.pt2"
     torch.export.save(program, str(path))
-    code = main([str(path), "--no-trial", "--format", "json", "--select", ",".join(RULES),
-                 "--qconfig-mapping", "tests.models:per_tensor_mapping"])
+    code = main(
+        [
+            str(path),
+            "--no-trial",
+            "--format",
+            "json",
+            "--select",
+            ",".join(RULES),
+            "--qconfig-mapping",
+            "tests.models:per_tensor_mapping",
+        ]
+    )
     report = qlint.Report.model_validate_json(capsys.readouterr().out)
     assert code == 1
     assert report.frontend.startswith("torch.export")
@@ -66,8 +78,20 @@ def test_exported_pt2_form(reference, image, tmp_path, capsys):
 
 def test_factory_form(reference, capsys, monkeypatch, repo_root):
     monkeypatch.chdir(repo_root)
-    code = main(["tests.models:gated_nested_train", "--no-trial", "--input-shape", "2,3,16,16", "--format", "json",
-                 "--select", ",".join(RULES), "--qconfig-mapping", "tests.models:per_tensor_mapping"])
+    code = main(
+        [
+            "tests.models:gated_nested_train",
+            "--no-trial",
+            "--input-shape",
+            "2,3,16,16",
+            "--format",
+            "json",
+            "--select",
+            ",".join(RULES),
+            "--qconfig-mapping",
+            "tests.models:per_tensor_mapping",
+        ]
+    )
     report = qlint.Report.model_validate_json(capsys.readouterr().out)
     assert code == 1
     assert _signature(report) == _signature(reference)

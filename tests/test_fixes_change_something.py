@@ -24,8 +24,18 @@ def _observer_text(factory):
     if factory is None:
         return None
     observer = factory()
-    fields = ("dtype", "qscheme", "quant_min", "quant_max", "reduce_range", "ch_axis", "is_dynamic",
-              "percentile", "bins", "averaging_constant")
+    fields = (
+        "dtype",
+        "qscheme",
+        "quant_min",
+        "quant_max",
+        "reduce_range",
+        "ch_axis",
+        "is_dynamic",
+        "percentile",
+        "bins",
+        "averaging_constant",
+    )
     return (type(observer).__name__,) + tuple(str(getattr(observer, name, None)) for name in fields)
 
 
@@ -34,23 +44,33 @@ def _assignment(model, mapping, inputs, backend):
         warnings.simplefilter("ignore")
         prepared = prepare_fx(copy.deepcopy(model), mapping, inputs, backend_config=backend_config(backend))
     table = prepared.meta["_observed_graph_module_attrs"].node_name_to_qconfig
-    return {name: None if qc is None else (_observer_text(qc.activation), _observer_text(qc.weight))
-            for name, qc in table.items()}
+    return {
+        name: None if qc is None else (_observer_text(qc.activation), _observer_text(qc.weight))
+        for name, qc in table.items()
+    }
 
 
-CASES = [pytest.param(rule, example, id=f"{rule.code}-invalid-{index}")
-         for rule in Registry.default(include_plugins=False).all()
-         for index, example in enumerate(rule.examples()[1])]
+CASES = [
+    pytest.param(rule, example, id=f"{rule.code}-invalid-{index}")
+    for rule in Registry.default(include_plugins=False).all()
+    for index, example in enumerate(rule.examples()[1])
+]
 
 
 @pytest.mark.parametrize("rule,example", CASES)
 def test_every_qconfig_fix_changes_the_assignment(rule, example):
     mapping = example.qconfig_mapping() if example.qconfig_mapping else get_default_qconfig_mapping(example.backend)
     inputs = example.inputs()
-    report = qlint.lint(example.build(), inputs, backend=example.backend, qconfig_mapping=mapping,
-                        calibration=example.calibration() if example.calibration else None,
-                        select=[rule.code], trial_options={"enabled": False},
-                        options={rule.code: dict(example.options)} if example.options else None)
+    report = qlint.lint(
+        example.build(),
+        inputs,
+        backend=example.backend,
+        qconfig_mapping=mapping,
+        calibration=example.calibration() if example.calibration else None,
+        select=[rule.code],
+        trial_options={"enabled": False},
+        options={rule.code: dict(example.options)} if example.options else None,
+    )
     fixes = [(f, fix_mapping(mapping, [f], example.backend)) for f in report.by_rule(rule.code)]
     fixes = [(f, fixed) for f, fixed in fixes if fixed is not None]
     if not fixes:

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 _SPEC = importlib.util.spec_from_file_location(
-    "qlint_fuzz", Path(__file__).resolve().parent.parent / "scripts" / "fuzz.py")
+    "qlint_fuzz", Path(__file__).resolve().parent.parent / "scripts" / "fuzz.py"
+)
 fuzz = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(fuzz)
 
@@ -37,9 +38,12 @@ def _quiet_torch_logs():
     logging.disable(logging.NOTSET)
 
 
-@settings(max_examples=200, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 @given(st.data())
 def test_lint_never_crashes_and_never_modifies(registry, data):
     case = fuzz.build_case(fuzz.Draw(lambda lo, hi: data.draw(st.integers(lo, hi))))
@@ -61,10 +65,23 @@ def test_checker_detects_a_modified_model():
 
 def test_hostile_cases_give_report_or_qlint_error(registry):
     """Fixed cases for each hostile input class, so a regression names the class."""
-    base = {"in_channels": 3, "spec": [("conv", 0, 3, 4, 3), ("bn", 1, 4), ("relu", 2)],
-            "channels": [3, 4, 4, 4], "classes": 2, "size": 5, "batch": 2, "data_dependent": False,
-            "calibration": "none", "weights": "normal", "mapping": "none", "mode": "eval",
-            "backend": "x86", "select": None, "ignore": None, "seed": 0}
+    base = {
+        "in_channels": 3,
+        "spec": [("conv", 0, 3, 4, 3), ("bn", 1, 4), ("relu", 2)],
+        "channels": [3, 4, 4, 4],
+        "classes": 2,
+        "size": 5,
+        "batch": 2,
+        "data_dependent": False,
+        "calibration": "none",
+        "weights": "normal",
+        "mapping": "none",
+        "mode": "eval",
+        "backend": "x86",
+        "select": None,
+        "ignore": None,
+        "seed": 0,
+    }
     for kind in fuzz.INPUT_KINDS:
         outcome, detail = fuzz.run_case({**base, "input": kind}, registry)
         assert outcome in ("report", "qlint-error"), (kind, detail)

@@ -28,13 +28,18 @@ HOSTILE_NAMES = [
 
 
 def _hostile_plan() -> dict:
-    provenance = [{"source": "user", "detail": f"reason\n{ATTACK}"},
-                  {"source": "finding", "rule": "QL104", "target": f"t\n{ATTACK}"}]
+    provenance = [
+        {"source": "user", "detail": f"reason\n{ATTACK}"},
+        {"source": "finding", "rule": "QL104", "target": f"t\n{ATTACK}"},
+    ]
     return {
-        "type": "qlint.QuantPlan", "schema_version": 1, "backend": "x86",
+        "type": "qlint.QuantPlan",
+        "schema_version": 1,
+        "backend": "x86",
         "model": f'm"""\n{ATTACK}\n"""',
-        "modules": [{"fqn": name, "quantize": i % 2 == 0, "provenance": provenance}
-                    for i, name in enumerate(HOSTILE_NAMES)],
+        "modules": [
+            {"fqn": name, "quantize": i % 2 == 0, "provenance": provenance} for i, name in enumerate(HOSTILE_NAMES)
+        ],
         "equalization": [{"module": HOSTILE_NAMES[0], "previous": HOSTILE_NAMES[1], "provenance": provenance}],
         "rewrites": [{"kind": "fuse", "modules": HOSTILE_NAMES[:2], "provenance": provenance}],
         "notes": [f"note\n{ATTACK}"],
@@ -76,10 +81,17 @@ def _check_structure(source: str) -> list[str]:
 
 
 def _run_generated(path, cwd) -> subprocess.CompletedProcess:
-    code = (f"import runpy; ns = runpy.run_path({str(path)!r}); "
-            "print(sorted(ns['qconfig_mapping'].module_name_qconfigs))")
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    code = (
+        f"import runpy; ns = runpy.run_path({str(path)!r}); print(sorted(ns['qconfig_mapping'].module_name_qconfigs))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_plan_qconfig_from_a_hostile_plan(run_main, tmp_path):
@@ -129,8 +141,18 @@ def build():
 def test_emit_qconfig_with_hostile_module_names(run_main, tmp_path):
     (tmp_path / "hostile_model.py").write_text(HOSTILE_MODEL)
     out = tmp_path / "qconfig.py"
-    result = run_main("hostile_model:build", "--input-shape", "1,3,8,8", "--select", "QL101",
-                      "--emit-qconfig", out, "--emit-plan", tmp_path / "plan.json", cwd=tmp_path)
+    result = run_main(
+        "hostile_model:build",
+        "--input-shape",
+        "1,3,8,8",
+        "--select",
+        "QL101",
+        "--emit-qconfig",
+        out,
+        "--emit-plan",
+        tmp_path / "plan.json",
+        cwd=tmp_path,
+    )
     assert result.returncode == 1, result.stderr  # QL101 found the unfused pattern
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert set(plan["rewrites"][0]["modules"]) >= {f"x\n{ATTACK}", f"b\r{ATTACK}"}

@@ -11,13 +11,19 @@ COMMAND = re.compile(r"^::(error|warning|notice) ([^:]*)::(.*)$")
 
 
 def _report(findings, model="models/a,b:c.pt2", **extra) -> Report:
-    return Report(qlint_version="0.1.0", torch_version="2.x", model=model, backend="x86",
-                  frontend="fx.symbolic_trace", findings=findings, **extra)
+    return Report(
+        qlint_version="0.1.0",
+        torch_version="2.x",
+        model=model,
+        backend="x86",
+        frontend="fx.symbolic_trace",
+        findings=findings,
+        **extra,
+    )
 
 
 def _finding(severity=Severity.WARNING, message="plain", target="stem", rule="QL101", name="unfused-pattern"):
-    return Finding(rule=rule, name=name, severity=severity, target=target, message=message,
-                   data={"kind": "k"})
+    return Finding(rule=rule, name=name, severity=severity, target=target, message=message, data={"kind": "k"})
 
 
 def test_escaping_rules():
@@ -27,8 +33,7 @@ def test_escaping_rules():
 
 
 def test_one_annotation_per_finding_with_file_and_title():
-    text = render_github(_report([_finding(Severity.ERROR), _finding(Severity.WARNING),
-                                  _finding(Severity.INFO)]))
+    text = render_github(_report([_finding(Severity.ERROR), _finding(Severity.WARNING), _finding(Severity.INFO)]))
     lines = text.splitlines()
     assert [COMMAND.match(line).group(1) for line in lines] == ["error", "warning", "notice"]
     props = COMMAND.match(lines[0]).group(2)
@@ -43,9 +48,12 @@ def test_multiline_message_stays_on_one_line():
 
 
 def test_skipped_and_notices_are_annotations_and_factory_has_no_file():
-    report = _report([], model="examples.badnet:build",
-                     skipped=[SkippedRule(rule="QL201", name="range", reason="no calibration data")],
-                     notices=[Notice(level=Severity.WARNING, message="random data")])
+    report = _report(
+        [],
+        model="examples.badnet:build",
+        skipped=[SkippedRule(rule="QL201", name="range", reason="no calibration data")],
+        notices=[Notice(level=Severity.WARNING, message="random data")],
+    )
     lines = render_github(report).splitlines()
     assert lines[0].startswith("::notice title=QL201 skipped::") and "no calibration data" in lines[0]
     assert lines[1] == "::warning title=qlint::random data"
@@ -57,8 +65,17 @@ def test_empty_report_prints_nothing():
 
 
 def test_cli_github_format(run_cli, repo_root):
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--qconfig-mapping",
-                     "examples.badnet:qconfig_mapping", "--format", "github", cwd=repo_root)
+    result = run_cli(
+        "examples.badnet:build",
+        "--input-shape",
+        "1,3,32,32",
+        "--no-trial",
+        "--qconfig-mapping",
+        "examples.badnet:qconfig_mapping",
+        "--format",
+        "github",
+        cwd=repo_root,
+    )
     assert result.returncode == 1, result.stderr
     lines = result.stdout.splitlines()
     assert lines and all(COMMAND.match(line) for line in lines)

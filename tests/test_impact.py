@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.ao.quantization import (QConfig, QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping)
+from torch.ao.quantization import QConfig, QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
 from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
@@ -36,9 +36,12 @@ class _Spread(nn.Module):
 
 
 def _per_tensor() -> QConfigMapping:
-    return QConfigMapping().set_global(QConfig(
-        activation=HistogramObserver.with_args(reduce_range=True),
-        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)))
+    return QConfigMapping().set_global(
+        QConfig(
+            activation=HistogramObserver.with_args(reduce_range=True),
+            weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+        )
+    )
 
 
 def _batches(count=6):
@@ -68,8 +71,14 @@ def _by_hand(model, mapping, calibration, evaluation, backend="x86"):
 
 def test_trial_and_fix_impact_match_torch_by_hand():
     model, data = _model(), _batches()
-    report = qlint.lint(model, (data[0],), calibration=data, qconfig_mapping=_per_tensor(), select=["QL104"],
-                        trial_options={"batches": 4, "min_impact_db": 0.0})
+    report = qlint.lint(
+        model,
+        (data[0],),
+        calibration=data,
+        qconfig_mapping=_per_tensor(),
+        select=["QL104"],
+        trial_options={"batches": 4, "min_impact_db": 0.0},
+    )
     trial = report.trial
     assert trial is not None and trial.converted
     # batches=4 reads 4 + 1 batches: the trial calibrates on 4 and evaluates on the 5th, held out
@@ -80,9 +89,10 @@ def test_trial_and_fix_impact_match_torch_by_hand():
     impact = finding.impact
     assert impact is not None and impact.basis == "fix-trial" and impact.kind == "sqnr-gain"
     fixed_mapping = _per_tensor()
-    per_channel = QConfig(activation=HistogramObserver.with_args(reduce_range=True),
-                          weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8,
-                                                                    qscheme=torch.per_channel_symmetric))
+    per_channel = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=True),
+        weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric),
+    )
     assert finding.suggestion["targets"] == ["conv", "head"]
     for name in finding.suggestion["targets"]:
         fixed_mapping.set_module_name(name, per_channel)
@@ -91,18 +101,31 @@ def test_trial_and_fix_impact_match_torch_by_hand():
     assert impact.db > 0 and finding.severity.value == "warning"
     # the summary measured every kept fix at once
     assert trial.fixed_sqnr_db is not None and trial.recoverable_db == pytest.approx(
-        trial.fixed_sqnr_db - trial.output_sqnr_db, abs=1e-3)
+        trial.fixed_sqnr_db - trial.output_sqnr_db, abs=1e-3
+    )
 
 
 def test_threshold_turns_a_small_impact_into_info_and_says_so():
     model, data = _model(), _batches()
-    strict = qlint.lint(model, (data[0],), calibration=data, qconfig_mapping=_per_tensor(), select=["QL104"],
-                        trial_options={"batches": 4, "min_impact_db": 1000.0})
+    strict = qlint.lint(
+        model,
+        (data[0],),
+        calibration=data,
+        qconfig_mapping=_per_tensor(),
+        select=["QL104"],
+        trial_options={"batches": 4, "min_impact_db": 1000.0},
+    )
     [finding] = strict.by_rule("QL104")
     assert finding.severity.value == "info"
     assert "below the 1000 dB threshold" in finding.message
-    off = qlint.lint(model, (data[0],), calibration=data, qconfig_mapping=_per_tensor(), select=["QL104"],
-                     trial_options={"enabled": False})
+    off = qlint.lint(
+        model,
+        (data[0],),
+        calibration=data,
+        qconfig_mapping=_per_tensor(),
+        select=["QL104"],
+        trial_options={"enabled": False},
+    )
     [raw] = off.by_rule("QL104")
     assert raw.severity.value == "warning" and raw.impact is None and off.trial is None
 
@@ -154,6 +177,7 @@ def test_float_fallback_measures_its_dynamic_fix_like_torch():
 
 # --- property: bits lost stay physical -----------------------------------------------------------
 
+
 class _Fc(nn.Module):
     def __init__(self):
         super().__init__()
@@ -164,9 +188,12 @@ class _Fc(nn.Module):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scales=st.lists(st.floats(min_value=1e-6, max_value=1e6), min_size=8, max_size=8),
-       spike=st.floats(min_value=1.0, max_value=1e9), positive=st.booleans(),
-       weight_scales=st.lists(st.floats(min_value=1e-9, max_value=1e9), min_size=4, max_size=4))
+@given(
+    scales=st.lists(st.floats(min_value=1e-6, max_value=1e6), min_size=8, max_size=8),
+    spike=st.floats(min_value=1.0, max_value=1e9),
+    positive=st.booleans(),
+    weight_scales=st.lists(st.floats(min_value=1e-9, max_value=1e9), min_size=4, max_size=4),
+)
 def test_no_finding_reports_more_bits_lost_than_the_dtype_has(scales, spike, positive, weight_scales):
     torch.manual_seed(0)
     model = _Fc().eval()
@@ -179,8 +206,14 @@ def test_no_finding_reports_more_bits_lost_than_the_dtype_has(scales, spike, pos
         batch = batch.abs() if positive else batch
         batch[0, 0] = spike  # a rare spike in channel 0
         batches.append(batch)
-    report = qlint.lint(model, (batches[0],), calibration=batches, qconfig_mapping=_per_tensor(),
-                        select=["QL104", "QL203"], trial_options={"enabled": False})
+    report = qlint.lint(
+        model,
+        (batches[0],),
+        calibration=batches,
+        qconfig_mapping=_per_tensor(),
+        select=["QL104", "QL203"],
+        trial_options={"enabled": False},
+    )
     for finding in report.findings:
         bits = finding.data.get("dtype_bits", 8)
         for key, value in finding.data.items():

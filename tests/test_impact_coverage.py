@@ -31,8 +31,10 @@ def _model_and_data():
         torch.manual_seed(0)
         model = MaskedScores().eval()
     generator = torch.Generator().manual_seed(1)
-    data = [(torch.randn(4, 16, generator=generator), (torch.rand(4, 16, generator=generator) > 0.2).float())
-            for _ in range(6)]
+    data = [
+        (torch.randn(4, 16, generator=generator), (torch.rand(4, 16, generator=generator) > 0.2).float())
+        for _ in range(6)
+    ]
     return model, data
 
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch.ao.quantization import QConfigMapping, get_default_qconfig
 from torch.ao.quantization.quantize_fx import prepare_fx
 
-from qlint.linter.engine import analyse
 from qlint.core.intent import describe_observer
+from qlint.linter.engine import analyse
 
 
 class Inner(nn.Module):
@@ -44,10 +44,17 @@ def _mappings():
     yield "global", QConfigMapping().set_global(x86)
     yield "object_type", QConfigMapping().set_global(x86).set_object_type(nn.Linear, qnn).set_object_type(F.relu, None)
     yield "regex", QConfigMapping().set_global(x86).set_module_name_regex(r"a\..*", qnn)
-    yield "module_name", (QConfigMapping().set_global(x86).set_object_type(nn.Conv2d, None)
-                          .set_module_name("b", qnn).set_module_name("a.conv", x86))
-    yield "order", (QConfigMapping().set_global(x86)
-                    .set_module_name_object_type_order("", operator.add, 1, None))
+    yield (
+        "module_name",
+        (
+            QConfigMapping()
+            .set_global(x86)
+            .set_object_type(nn.Conv2d, None)
+            .set_module_name("b", qnn)
+            .set_module_name("a.conv", x86)
+        ),
+    )
+    yield "order", (QConfigMapping().set_global(x86).set_module_name_object_type_order("", operator.add, 1, None))
 
 
 @pytest.mark.parametrize("label,mapping", list(_mappings()), ids=lambda v: v if isinstance(v, str) else "")

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import networkx as nx
+import qlint.rules
 
 import qlint
-import qlint.rules
 
 PACKAGE = Path(qlint.__file__).resolve().parent
 RULES = Path(qlint.rules.__file__).resolve().parent
@@ -146,8 +146,11 @@ def test_every_module_is_in_a_layer():
 
 
 def test_imports_point_down_the_layers():
-    wrong = sorted(f"{source} ({_layer(source)}) imports {target} ({_layer(target)})"
-                   for source, target in GRAPH.edges if not _allowed(source, target))
+    wrong = sorted(
+        f"{source} ({_layer(source)}) imports {target} ({_layer(target)})"
+        for source, target in GRAPH.edges
+        if not _allowed(source, target)
+    )
     assert not wrong, "\n".join(wrong)
 
 
@@ -169,10 +172,12 @@ def test_the_checks_see_imports_inside_functions():
 
 def test_import_qlint_is_light():
     heavy = ("qlint.advice", "qlint.numeric", "qlint.cli")
-    code = ("import sys, qlint\n"
-            f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))\n"
-            "qlint.verify\n"
-            "print('qlint.advice.verify' in sys.modules)\n")
+    code = (
+        "import sys, qlint\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))\n"
+        "qlint.verify\n"
+        "print('qlint.advice.verify' in sys.modules)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded, verify_loaded = result.stdout.splitlines()
     assert loaded == "[]", f"import qlint loaded {loaded}"

@@ -102,6 +102,7 @@ def _pickled_weight(payload):
             members[f"{root}/data/weights/{config['fc.bias']['path_name']}"] = payload
 
         _edit_config(members, root, "weights", mark)
+
     return edit
 
 
@@ -126,23 +127,32 @@ def _refusal_line(result, archive):
 def _run_launcher(tmp_path, *args, env=None):
     """The console script's way in (no working directory on sys.path), reporting one import at exit."""
     launcher = tmp_path / "launch.py"
-    launcher.write_text("import sys\nfrom qlint.cli.main import main\ncode = main(sys.argv[1:])\n"
-                        "print('IMPORTED' if 'torch.utils.benchmark' in sys.modules else 'NOT IMPORTED', "
-                        "file=sys.stderr)\nsys.exit(code)\n")
+    launcher.write_text(
+        "import sys\nfrom qlint.cli.main import main\ncode = main(sys.argv[1:])\n"
+        "print('IMPORTED' if 'torch.utils.benchmark' in sys.modules else 'NOT IMPORTED', "
+        "file=sys.stderr)\nsys.exit(code)\n"
+    )
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # no empty entry: that is cwd
     full_env = dict(os.environ, PYTHONPATH=path, **(env or {}))
-    return subprocess.run([sys.executable, str(launcher), *map(str, args)], cwd=tmp_path, env=full_env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(launcher), *map(str, args)],
+        cwd=tmp_path,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 # --------------------------------------------------------------------------- the attacks
 def _opaque_constant(marker):
     def edit(members, root):
         def add(config):
-            config["evil"] = {"path_name": "opaque_obj_0", "is_param": False, "use_pickle": True,
-                              "tensor_meta": None}
+            config["evil"] = {"path_name": "opaque_obj_0", "is_param": False, "use_pickle": True, "tensor_meta": None}
+
         _edit_config(members, root, "constants", add)
         members[f"{root}/data/constants/opaque_obj_0"] = pickle.dumps(_WritesMarker(marker))
+
     return edit
 
 
@@ -156,6 +166,7 @@ def _aoti_library(library):
         members[folder + "model.wrapper.so"] = library
         members[folder + "model.wrapper.cpp"] = b"// compiled model"
         members[folder + "model.wrapper_metadata.json"] = json.dumps({"AOTI_DEVICE_KEY": "cpu"}).encode()
+
     return edit
 
 
@@ -165,9 +176,11 @@ def _native_library(folder):
     if compiler is None:
         return b"\x7fELF not a real library"
     source = folder / "payload.c"
-    source.write_text('#include <stdio.h>\n#include <stdlib.h>\n__attribute__((constructor)) static void run(void) '
-                      '{ const char *p = getenv("QLINT_TEST_MARKER"); FILE *f = p ? fopen(p, "w") : 0; '
-                      'if (f) fclose(f); }\n')
+    source.write_text(
+        "#include <stdio.h>\n#include <stdlib.h>\n__attribute__((constructor)) static void run(void) "
+        '{ const char *p = getenv("QLINT_TEST_MARKER"); FILE *f = p ? fopen(p, "w") : 0; '
+        "if (f) fclose(f); }\n"
+    )
     built = folder / "payload.so"
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(built), str(source)], check=True)
     return built.read_bytes()
@@ -175,16 +188,25 @@ def _native_library(folder):
 
 def _printing_operator(program):
     """An op torch resolves and runs on every forward: print to stdout (JSON and SARIF break)."""
-    program["graph_module"]["graph"]["nodes"].insert(0, {
-        "target": "torch.ops.higher_order.print", "name": "injected", "is_hop_single_tensor_return": None,
-        "inputs": [{"name": "format_str", "arg": {"as_string": "INJECTED-BY-ARCHIVE"}, "kind": 1}],
-        "outputs": [{"as_none": True}], "metadata": {}})
+    program["graph_module"]["graph"]["nodes"].insert(
+        0,
+        {
+            "target": "torch.ops.higher_order.print",
+            "name": "injected",
+            "is_hop_single_tensor_return": None,
+            "inputs": [{"name": "format_str", "arg": {"as_string": "INJECTED-BY-ARCHIVE"}, "kind": 1}],
+            "outputs": [{"as_none": True}],
+            "metadata": {},
+        },
+    )
 
 
 def _shape_expression(code):
     def change(program):  # torch parses size expressions with sympy.sympify, an eval
         program["graph_module"]["graph"]["tensor_values"]["x"]["sizes"][0] = {
-            "as_expr": {"expr_str": code, "hint": {"as_int": 2}}}
+            "as_expr": {"expr_str": code, "hint": {"as_int": 2}}
+        }
+
     return change
 
 
@@ -192,15 +214,20 @@ def _defaultdict_spec(module):
     def change(program):  # torch rebuilds a defaultdict spec with importlib.import_module(module)
         signature = program["graph_module"]["module_call_graph"][0]["signature"]
         spec = json.loads(signature["in_spec"])
-        spec[1]["children_spec"][1] = {"type": "collections.defaultdict", "children_spec": [], "context": {
-            "default_factory_module": module, "default_factory_name": "factory", "dict_context": []}}
+        spec[1]["children_spec"][1] = {
+            "type": "collections.defaultdict",
+            "children_spec": [],
+            "context": {"default_factory_module": module, "default_factory_name": "factory", "dict_context": []},
+        }
         signature["in_spec"] = json.dumps(spec)
+
     return change
 
 
 def _source_function(name):
     def change(program):  # torch resolves it with hasattr/getattr from torch: a lazy submodule import
         program["graph_module"]["graph"]["nodes"][0]["metadata"]["source_fn_stack"] = f"linear,{name}"
+
     return change
 
 
@@ -208,8 +235,9 @@ def _retyped(program):
     for node in program["graph_module"]["graph"]["nodes"]:
         stack = node["metadata"].get("nn_module_stack")
         if stack:
-            node["metadata"]["nn_module_stack"] = stack.replace("torch.nn.modules.linear.Linear",
-                                                                "torch.utils.benchmark.Timer")
+            node["metadata"]["nn_module_stack"] = stack.replace(
+                "torch.nn.modules.linear.Linear", "torch.utils.benchmark.Timer"
+            )
 
 
 def _add_bomb(path):
@@ -230,27 +258,46 @@ def attacks(base_archive, tmp_path_factory):
     # importable next to the launcher, as a module in any folder on sys.path would be
     (folder / "qlint_payload_module.py").write_text(f"open({str(marker)!r}, 'w').close()\nfactory = dict\n")
     archives = {
-        "pickled_weight": _rewrite(base_archive, folder / "weight.pt2",
-                                   _pickled_weight(pickle.dumps(_WritesMarker(marker)))),
+        "pickled_weight": _rewrite(
+            base_archive, folder / "weight.pt2", _pickled_weight(pickle.dumps(_WritesMarker(marker)))
+        ),
         "opaque": _rewrite(base_archive, folder / "opaque.pt2", _opaque_constant(marker)),
         "inputs": _rewrite(base_archive, folder / "inputs.pt2", _example_inputs(pickle.dumps(_WritesMarker(marker)))),
         "aoti": _rewrite(base_archive, folder / "aoti.pt2", _aoti_library(_native_library(folder))),
-        "guard": _rewrite(base_archive, folder / "guard.pt2",
-                          _guard(f"__import__('os').system('touch {marker}') == 0")),
-        "operator": _rewrite(base_archive, folder / "operator.pt2",
-                             lambda m, r: _edit_program(m, r, _printing_operator)),
-        "expression": _rewrite(base_archive, folder / "expression.pt2", lambda m, r: _edit_program(
-            m, r, _shape_expression(f"__import__('os').system('touch {marker}')"))),
-        "treespec": _rewrite(base_archive, folder / "treespec.pt2", lambda m, r: _edit_program(
-            m, r, _defaultdict_spec("qlint_payload_module"))),
-        "source_fn": _rewrite(base_archive, folder / "source_fn.pt2", lambda m, r: _edit_program(
-            m, r, _source_function("torch.onnx.export"))),
+        "guard": _rewrite(
+            base_archive, folder / "guard.pt2", _guard(f"__import__('os').system('touch {marker}') == 0")
+        ),
+        "operator": _rewrite(
+            base_archive, folder / "operator.pt2", lambda m, r: _edit_program(m, r, _printing_operator)
+        ),
+        "expression": _rewrite(
+            base_archive,
+            folder / "expression.pt2",
+            lambda m, r: _edit_program(m, r, _shape_expression(f"__import__('os').system('touch {marker}')")),
+        ),
+        "treespec": _rewrite(
+            base_archive,
+            folder / "treespec.pt2",
+            lambda m, r: _edit_program(m, r, _defaultdict_spec("qlint_payload_module")),
+        ),
+        "source_fn": _rewrite(
+            base_archive,
+            folder / "source_fn.pt2",
+            lambda m, r: _edit_program(m, r, _source_function("torch.onnx.export")),
+        ),
         "bomb": _add_bomb(shutil.copy(base_archive, folder / "bomb.pt2")),
         "trust_needed": _rewrite(base_archive, folder / "trust_needed.pt2", _guard("len(L['x'].size()) == 2")),
         "retyped": _rewrite(base_archive, folder / "retyped.pt2", lambda m, r: _edit_program(m, r, _retyped)),
     }
-    result = _run_launcher(folder, *archives.values(), "--random-calibration", "1", "--format", "json",
-                           env={"QLINT_TEST_MARKER": str(marker)})
+    result = _run_launcher(
+        folder,
+        *archives.values(),
+        "--random-calibration",
+        "1",
+        "--format",
+        "json",
+        env={"QLINT_TEST_MARKER": str(marker)},
+    )
     return archives, result, marker
 
 
@@ -270,18 +317,21 @@ def test_no_payload_ran(attacks):
     assert "INJECTED-BY-ARCHIVE" not in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("attack, member, reason", [
-    ("pickled_weight", "data/weights/weight_1", "weight 'fc.bias' (marked for pickle loading)"),
-    ("opaque", "data/constants/opaque_obj_0", "opaque Python object"),
-    ("inputs", "data/sample_inputs/model.pt", "example inputs cannot be loaded as plain tensors"),
-    ("aoti", "data/aotinductor/model/model.wrapper.so", "native code"),
-    ("guard", "models/model.json", "guard code"),
-    ("operator", "models/model.json", "'torch.ops.higher_order.print'"),
-    ("expression", "models/model.json", "shape expression"),
-    ("treespec", "models/model.json", "factory module 'qlint_payload_module'"),
-    ("source_fn", "models/model.json", "'torch.onnx.export'"),
-    ("trust_needed", "models/model.json", "calls 'len'"),
-])
+@pytest.mark.parametrize(
+    "attack, member, reason",
+    [
+        ("pickled_weight", "data/weights/weight_1", "weight 'fc.bias' (marked for pickle loading)"),
+        ("opaque", "data/constants/opaque_obj_0", "opaque Python object"),
+        ("inputs", "data/sample_inputs/model.pt", "example inputs cannot be loaded as plain tensors"),
+        ("aoti", "data/aotinductor/model/model.wrapper.so", "native code"),
+        ("guard", "models/model.json", "guard code"),
+        ("operator", "models/model.json", "'torch.ops.higher_order.print'"),
+        ("expression", "models/model.json", "shape expression"),
+        ("treespec", "models/model.json", "factory module 'qlint_payload_module'"),
+        ("source_fn", "models/model.json", "'torch.onnx.export'"),
+        ("trust_needed", "models/model.json", "calls 'len'"),
+    ],
+)
 def test_refused_with_the_member_and_why(attacks, attack, member, reason):
     archives, result, _ = attacks
     line = _refusal_line(result, archives[attack])
@@ -335,6 +385,7 @@ def test_trusted_archive_lints_through_the_cli(run_cli, base_archive, tmp_path):
 
 def test_dynamic_shape_export_still_loads(tmp_path):
     """Plain exports keep loading: shape expressions, guard code and sym ops of a dynamic export."""
+
     class Pool(nn.Module):
         def __init__(self):
             super().__init__()

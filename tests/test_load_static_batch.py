@@ -56,7 +56,7 @@ def test_rechunks_a_list_and_keeps_every_row_in_order():
 def test_rechunks_a_stream_of_tuples():
     program = _export(_TwoInputs(), torch.randn(2, 3), torch.randn(2, 3))
     xs, ys = _rows(0, 9, 3), _rows(1, 9, 3)
-    stream = ((xs[i:i + 3], ys[i:i + 3]) for i in range(0, 9, 3))
+    stream = ((xs[i : i + 3], ys[i : i + 3]) for i in range(0, 9, 3))
     fitted, notice = fit_calibration(stream, program)
     chunks = list(fitted)
     assert [tuple(t.shape) for chunk in chunks for t in chunk] == [(2, 3)] * 8

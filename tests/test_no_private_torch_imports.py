@@ -13,8 +13,11 @@ def _private_torch_imports(path: Path):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names
-                                     if alias.name[:1] == "_" and alias.name[:2] != "__"]
+            names = [node.module] + [
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if alias.name[:1] == "_" and alias.name[:2] != "__"
+            ]
         for name in names:
             parts = name.split(".")
             if parts[0] == "torch" and any(p.startswith("_") for p in parts[1:]):
@@ -30,7 +33,9 @@ def test_scanner_detects_private_import(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("from torch.ao.quantization.fx._model_report import detector\nimport torch._dynamo\n")
     assert [name for _, name in _private_torch_imports(sample)] == [
-        "torch.ao.quantization.fx._model_report", "torch._dynamo"]
+        "torch.ao.quantization.fx._model_report",
+        "torch._dynamo",
+    ]
 
 
 def test_product_code_has_no_private_torch_imports():

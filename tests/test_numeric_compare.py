@@ -12,18 +12,18 @@ import torch.ao.ns._numeric_suite_fx as torch_ns
 from torch.ao.ns.fx.utils import compute_sqnr
 
 from qlint.linter.findings import Report
+from qlint.measure.matching import match_layers
 from qlint.numeric.badcases import BadCaseSet, compare_badcases, find_badcases, per_sample_scores
 from qlint.numeric.compare import compare
 from qlint.numeric.examples import (
-    prepare_eager_ptq,
     EagerConvNet,
     SmallConvNet,
     bad_layer_qconfig_mapping,
     image_batches,
+    prepare_eager_ptq,
     quantize_fx_ptq,
     randomize_batch_norm,
 )
-from qlint.measure.matching import match_layers
 
 warnings.filterwarnings("ignore")
 
@@ -77,7 +77,9 @@ def test_rows_are_float_fqns_in_forward_order_and_survive_json(broken):
 def test_propagated_sqnr_equals_torch_add_loggers(broken):
     model, data, prepared, converted, _ = broken
     ours = compare(model, converted, data[:1], modes=("propagated",))
-    loggers = torch_ns.add_loggers("fp32", copy.deepcopy(prepared), "int8", copy.deepcopy(converted), torch_ns.OutputLogger)
+    loggers = torch_ns.add_loggers(
+        "fp32", copy.deepcopy(prepared), "int8", copy.deepcopy(converted), torch_ns.OutputLogger
+    )
     with torch.no_grad():
         loggers[0](data[0])
         loggers[1](data[0])
@@ -99,17 +101,23 @@ def test_torch_numeric_suite_finds_the_same_worst_layers(broken):
     model, data, prepared, converted, report = broken
     weights = torch_ns.extract_weights("fp32", prepared, "int8", converted)
     torch_ns.extend_logger_results_with_comparison(weights, "fp32", "int8", compute_sqnr, "sqnr")
-    torch_weight = {entry["fqn"]: float(entry["sqnr"][0]) for layer in weights.values()
-                    for entry in layer["weight"]["int8"]}
-    shadow = torch_ns.add_shadow_loggers("fp32", copy.deepcopy(prepared), "int8", copy.deepcopy(converted),
-                                         torch_ns.OutputLogger)
+    torch_weight = {
+        entry["fqn"]: float(entry["sqnr"][0]) for layer in weights.values() for entry in layer["weight"]["int8"]
+    }
+    shadow = torch_ns.add_shadow_loggers(
+        "fp32", copy.deepcopy(prepared), "int8", copy.deepcopy(converted), torch_ns.OutputLogger
+    )
     with torch.no_grad():
         for batch in data:
             shadow(batch)
     shadow_results = torch_ns.extract_shadow_logger_info(shadow, torch_ns.OutputLogger, "int8")
     torch_ns.extend_logger_results_with_comparison(shadow_results, "fp32", "int8", compute_sqnr, "sqnr")
-    torch_shadow = {entry["fqn"]: min(float(value) for value in entry["sqnr"]) for layer in shadow_results.values()
-                    for entry in layer["node_output"]["int8"] if entry.get("sqnr")}
+    torch_shadow = {
+        entry["fqn"]: min(float(value) for value in entry["sqnr"])
+        for layer in shadow_results.values()
+        for entry in layer["node_output"]["int8"]
+        if entry.get("sqnr")
+    }
     ours_weight = {row.name: row.weight_sqnr for row in report.layers if row.weight_sqnr is not None}
     ours_shadow = {row.name: row.sqnr_shadow for row in report.layers if row.sqnr_shadow is not None}
     assert min(torch_weight, key=torch_weight.get) == min(ours_weight, key=ours_weight.get) == BAD_LAYER
@@ -144,9 +152,11 @@ def test_models_are_left_exactly_as_they_were(broken, counterpart):
         float_model.train()
 
     def snapshot(module):
-        return ({name: value.clone() for name, value in module.state_dict().items()},
-                [child.training for child in module.modules()],
-                sum(len(child._forward_hooks) + len(child._forward_pre_hooks) for child in module.modules()))
+        return (
+            {name: value.clone() for name, value in module.state_dict().items()},
+            [child.training for child in module.modules()],
+            sum(len(child._forward_hooks) + len(child._forward_pre_hooks) for child in module.modules()),
+        )
 
     before = snapshot(float_model), snapshot(quantized)
     report = compare(float_model, quantized, [batch * 3.0 for batch in data])  # a range the observers never saw
@@ -191,14 +201,17 @@ def test_badcases_find_the_outlier_inputs_and_round_trip(broken, tmp_path):
     # values are the per-sample metrics of the full outputs
     case = found.worst("max_abs")[0]
     with torch.no_grad():
-        expected = per_sample_scores(model(case.sample), converted(case.sample).dequantize()
-                                     if converted(case.sample).is_quantized else converted(case.sample))
+        expected = per_sample_scores(
+            model(case.sample),
+            converted(case.sample).dequantize() if converted(case.sample).is_quantized else converted(case.sample),
+        )
     assert case.value == pytest.approx(float(expected["max_abs"][0]), rel=1e-6)
     assert torch.equal(case.sample[0], dataset[case.index // 4][case.index % 4])
     path = found.save(tmp_path / "badcases.pt")
     loaded = BadCaseSet.load(path)
-    assert {metric: [c.index for c in cases] for metric, cases in loaded.cases.items()} == \
-        {metric: [c.index for c in cases] for metric, cases in found.cases.items()}
+    assert {metric: [c.index for c in cases] for metric, cases in loaded.cases.items()} == {
+        metric: [c.index for c in cases] for metric, cases in found.cases.items()
+    }
     rerun = compare_badcases(model, converted, path, metric="max_abs")
     assert isinstance(rerun, Report) and rerun.layers
     assert BAD_LAYER in [finding.target for finding in rerun.by_rule("QL301")]

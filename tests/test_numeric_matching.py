@@ -9,19 +9,19 @@ from torch import nn
 from torch.ao.quantization import get_default_qat_qconfig_mapping, quantize_dynamic
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_qat_fx
 
+from qlint.measure.matching import CounterpartKind, match_layers
 from qlint.numeric.compare import compare
 from qlint.numeric.examples import (
-    prepare_eager_ptq,
     EagerConvNet,
     LstmTagger,
     SmallConvNet,
     image_batches,
+    prepare_eager_ptq,
     quantize_eager_ptq,
     quantize_fx_ptq,
     randomize_batch_norm,
     sequence_batches,
 )
-from qlint.measure.matching import CounterpartKind, match_layers
 
 warnings.filterwarnings("ignore")
 
@@ -29,8 +29,18 @@ warnings.filterwarnings("ignore")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 CONV_NET_LAYERS = {  # every conv/linear of SmallConvNet, by float fqn
-    "stem.conv", "block1.conv", "res1.conv1", "res1.conv2", "block2.conv", "res2.conv1",
-    "res2.conv2", "block3.conv", "pointwise", "fc1", "fc2", "head",
+    "stem.conv",
+    "block1.conv",
+    "res1.conv1",
+    "res1.conv2",
+    "block2.conv",
+    "res2.conv1",
+    "res2.conv2",
+    "block3.conv",
+    "pointwise",
+    "fc1",
+    "fc2",
+    "head",
 }
 
 
@@ -124,7 +134,8 @@ def test_dynamic_lstm_and_linear():
     _assert_compare_is_sane(report, {"lstm", "proj", "head"})
     # the LSTM's row pools all four gate matrices of the layer, not only one
     assert report.layers[0].extra["weight"]["elements"] == sum(
-        parameter.numel() for name, parameter in model.lstm.named_parameters() if name.startswith("weight"))
+        parameter.numel() for name, parameter in model.lstm.named_parameters() if name.startswith("weight")
+    )
 
 
 def test_eager_converted_model():
@@ -170,9 +181,16 @@ def test_graph_order_fallback_when_names_differ():
     torch.manual_seed(0)
     original = _Original().eval()
     renamed = _Renamed().eval()
-    renamed.load_state_dict({"first.weight": original.a.weight, "first.bias": original.a.bias,
-                             "second.weight": original.b.weight, "second.bias": original.b.bias,
-                             "classifier.weight": original.c.weight, "classifier.bias": original.c.bias})
+    renamed.load_state_dict(
+        {
+            "first.weight": original.a.weight,
+            "first.bias": original.a.bias,
+            "second.weight": original.b.weight,
+            "second.bias": original.b.bias,
+            "classifier.weight": original.c.weight,
+            "classifier.bias": original.c.bias,
+        }
+    )
     data = image_batches(2, batch_size=2, size=8)
     _, quantized = quantize_fx_ptq(renamed, data)
     result = match_layers(original, quantized)

@@ -9,6 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+# The reference implementations (private module: tests only, never product code).
+from torch.ao.ns.fx.utils import compute_cosine_similarity, compute_normalized_l2_error, compute_sqnr
+
 from qlint.linter.findings import CompareRow
 from qlint.measure.metrics import (
     SQNR_CAP_DB,
@@ -16,9 +19,6 @@ from qlint.measure.metrics import (
     PairwiseErrorStats,
     sqnr_db,
 )
-
-# The reference implementations (private module: tests only, never product code).
-from torch.ao.ns.fx.utils import compute_cosine_similarity, compute_normalized_l2_error, compute_sqnr
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -53,7 +53,7 @@ def test_streamed_sqnr_equals_sqnr_of_the_concatenation(batches, width, noise_ex
     stats = PairwiseErrorStats()
     xs, ys = [], []
     for index in range(batches):
-        x, y = _noisy_pair(seed + index, (3, width), 10.0 ** noise_exponent, 10.0 ** scale_exponent)
+        x, y = _noisy_pair(seed + index, (3, width), 10.0**noise_exponent, 10.0**scale_exponent)
         stats.update(x, y)
         xs.append(x)
         ys.append(y)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from rich.console import Console
 
+from qlint.cli.compare import EXIT_FINDINGS, EXIT_USAGE, add_compare_arguments, load_data_arg, run_compare
 from qlint.linter.findings import Report
 from qlint.numeric import html as report_html
-from qlint.cli.compare import EXIT_FINDINGS, EXIT_USAGE, add_compare_arguments, load_data_arg, run_compare
 from qlint.numeric.compare import activation_histograms, compare, worst_layers
 from qlint.numeric.examples import (
     SmallConvNet,
@@ -118,9 +118,25 @@ def test_command_json_html_and_badcases(tmp_path):
     factories = [f"{__name__}:{name}" for name in ("float_factory", "quantized_factory", "data_factory")]
     stdout = io.StringIO()
     html_path, badcases_path = tmp_path / "report.html", tmp_path / "badcases.pt"
-    code = run_compare(_parse([factories[0], factories[1], "--calibration", factories[2], "--format", "json",
-                               "--html", str(html_path), "--badcases", "2", "--badcases-path", str(badcases_path)]),
-                       stdout=stdout)
+    code = run_compare(
+        _parse(
+            [
+                factories[0],
+                factories[1],
+                "--calibration",
+                factories[2],
+                "--format",
+                "json",
+                "--html",
+                str(html_path),
+                "--badcases",
+                "2",
+                "--badcases-path",
+                str(badcases_path),
+            ]
+        ),
+        stdout=stdout,
+    )
     assert code == EXIT_FINDINGS
     report = Report.model_validate_json(stdout.getvalue())
     assert [finding.target for finding in report.by_rule("QL301")] == [BAD_LAYER]
@@ -136,13 +152,23 @@ def test_command_text_output_and_usage_errors(tmp_path):
     torch.save(data_factory(), data_path)
     stdout = io.StringIO()
     float_spec, quantized_spec = f"{__name__}:float_factory", f"{__name__}:quantized_factory"
-    code = run_compare(_parse([float_spec, quantized_spec, "--calibration", str(data_path), "--modes", "propagated"]),
-                       stdout=stdout)
+    code = run_compare(
+        _parse([float_spec, quantized_spec, "--calibration", str(data_path), "--modes", "propagated"]), stdout=stdout
+    )
     text = stdout.getvalue()
     assert code == EXIT_FINDINGS and "QL301" in text and BAD_LAYER in text and "propagated dB" in text
-    assert run_compare(_parse(["no_such_module:factory", quantized_spec, "--calibration", str(data_path)]),
-                       stdout=io.StringIO()) == EXIT_USAGE
-    assert run_compare(_parse([float_spec, quantized_spec, "--calibration", str(data_path), "--modes", "bogus"]),
-                       stdout=io.StringIO()) == EXIT_USAGE
+    assert (
+        run_compare(
+            _parse(["no_such_module:factory", quantized_spec, "--calibration", str(data_path)]), stdout=io.StringIO()
+        )
+        == EXIT_USAGE
+    )
+    assert (
+        run_compare(
+            _parse([float_spec, quantized_spec, "--calibration", str(data_path), "--modes", "bogus"]),
+            stdout=io.StringIO(),
+        )
+        == EXIT_USAGE
+    )
     with pytest.raises(Exception, match="not-a-spec"):
         load_data_arg("not-a-spec")

@@ -10,15 +10,15 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 # torch's FX numeric suite is private API: the reference in tests only.
 import torch.ao.ns._numeric_suite_fx as torch_ns
+from torch import nn
 from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-from qlint.numeric.compare import compare
 from qlint.measure.metrics import PairwiseErrorStats
+from qlint.numeric.compare import compare
 from tests.models import mobilenet_style
 
 warnings.filterwarnings("ignore")
@@ -94,8 +94,9 @@ def _case(name: str):
 
 def torch_shadow_sqnr(float_model: nn.Module, converted: torch.fx.GraphModule, batches) -> dict[str, float]:
     """SQNR per quantized module fqn from torch's shadow loggers, pooled over the batches."""
-    shadow = torch_ns.add_shadow_loggers("fp32", copy.deepcopy(float_model), "int8", copy.deepcopy(converted),
-                                         torch_ns.OutputLogger)
+    shadow = torch_ns.add_shadow_loggers(
+        "fp32", copy.deepcopy(float_model), "int8", copy.deepcopy(converted), torch_ns.OutputLogger
+    )
     with torch.no_grad():
         for batch in batches:
             shadow(batch)

@@ -54,8 +54,7 @@ def _no_control_characters(text: str) -> None:
 
 def test_markup_and_escape_sequences_are_shown_literally(run_main, project):
     for extra in ([], ["-q"]):
-        result = run_main("named_model:build", "--input-shape", "1,3,8,8", "--select", "QL101", *extra,
-                          cwd=project)
+        result = run_main("named_model:build", "--input-shape", "1,3,8,8", "--select", "QL101", *extra, cwd=project)
         assert result.returncode == 1, result.stderr  # findings, not a rendering crash
         assert MARKUP in result.stdout, result.stdout
         assert "r\\x1b[31mRED\\x07" in result.stdout, result.stdout
@@ -64,8 +63,18 @@ def test_markup_and_escape_sequences_are_shown_literally(run_main, project):
 
 def test_print_in_user_code_never_reaches_json_or_sarif(run_main, project):
     for output_format in ("json", "sarif"):
-        result = run_main("named_model:build", "--input-shape", "1,3,8,8", "--select", "QL101,QL203",
-                          "--random-calibration", "2", "--format", output_format, cwd=project)
+        result = run_main(
+            "named_model:build",
+            "--input-shape",
+            "1,3,8,8",
+            "--select",
+            "QL101,QL203",
+            "--random-calibration",
+            "2",
+            "--format",
+            output_format,
+            cwd=project,
+        )
         assert result.returncode == 1, result.stderr
         payload = json.loads(result.stdout)  # the report alone: no printed line mixed in
         assert "printed by the factory" in result.stderr and '{"printed": "by forward"}' in result.stderr
@@ -108,8 +117,9 @@ def test_a_file_name_cannot_inject_workflow_commands(run_main, tmp_path):
 
 
 def test_github_annotations_escape_module_names(run_main, project):
-    result = run_main("named_model:build", "--input-shape", "1,3,8,8", "--select", "QL101", "--format", "github",
-                      cwd=project)
+    result = run_main(
+        "named_model:build", "--input-shape", "1,3,8,8", "--select", "QL101", "--format", "github", cwd=project
+    )
     assert result.returncode == 1, result.stderr
     _check_annotations(result.stdout)
     assert "r\\x1b[31mRED\\x07" in result.stdout

@@ -20,17 +20,19 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from qlint.rules import ql201_dynamic_static, ql202_input_weight_equalization, ql203_activation_outlier
 from torch.ao.quantization import get_default_qat_qconfig_mapping, get_default_qconfig_mapping
-from torch.ao.quantization.fx._model_report.detector import (DynamicStaticDetector,
-                                                              InputWeightEqualizationDetector,
-                                                              OutlierDetector)
+from torch.ao.quantization.fx._model_report.detector import (
+    DynamicStaticDetector,
+    InputWeightEqualizationDetector,
+    OutlierDetector,
+)
 from torch.ao.quantization.fx._model_report.model_report import ModelReport
 from torch.ao.quantization.quantize_fx import prepare_fx, prepare_qat_fx
 
 from qlint.linter.calibration import collect_statistics
 from qlint.linter.engine import analyse, instantiate_rules
 from qlint.linter.registry import Registry
-from qlint.rules import ql201_dynamic_static, ql202_input_weight_equalization, ql203_activation_outlier
 
 
 def _dynamic_static(rules, statistics, node):
@@ -39,14 +41,17 @@ def _dynamic_static(rules, statistics, node):
 
 def _equalization(rules, statistics, graph, node):
     options = rules["QL202"].options
-    return ql202_input_weight_equalization.measure(statistics, graph, node, options.ratio_threshold,
-                                                   options.channel_fraction)
+    return ql202_input_weight_equalization.measure(
+        statistics, graph, node, options.ratio_threshold, options.channel_fraction
+    )
 
 
 def _outliers(rules, statistics, node):
     options = rules["QL203"].options
-    return ql203_activation_outlier.measure(statistics, node, options.ratio_threshold,
-                                            options.fraction_batches_used_threshold)
+    return ql203_activation_outlier.measure(
+        statistics, node, options.ratio_threshold, options.fraction_batches_used_threshold
+    )
+
 
 RTOL = 1e-4
 THRESHOLD = 0.5
@@ -184,8 +189,10 @@ def _qlint(prepared, example, batches):
     # No example inputs: qlint's shape propagation would run them through the copy and move
     # the QAT fake-quant observers before calibration starts (see the report to the lead).
     analysis = analyse(copy.deepcopy(prepared), None, "x86")
-    rules = instantiate_rules(Registry.default(include_plugins=False).select(["QL201", "QL202", "QL203"], None),
-                              {"QL202": {"ratio_threshold": THRESHOLD}})
+    rules = instantiate_rules(
+        Registry.default(include_plugins=False).select(["QL201", "QL202", "QL203"], None),
+        {"QL202": {"ratio_threshold": THRESHOLD}},
+    )
     statistics, _ = collect_statistics(analysis, rules, batches, {"quiet": True})
     return analysis.graph, {r.code: r for r in rules}, statistics
 
@@ -248,7 +255,10 @@ def test_input_weight_equalization_parity(case):
             else:
                 expected.append(False)  # zero range: never recommended by qlint
         assert ours.channels_recommended == expected, fqn
-        module_verdict = sum(expected) / len(expected) >= InputWeightEqualizationDetector.DEFAULT_RECOMMEND_INPUT_WEIGHT_CHANNEL_RATIO
+        module_verdict = (
+            sum(expected) / len(expected)
+            >= InputWeightEqualizationDetector.DEFAULT_RECOMMEND_INPUT_WEIGHT_CHANNEL_RATIO
+        )
         assert ours.equalization_recommended == module_verdict, fqn
         compared += 1
     assert compared >= 1, f"{name}: torch reported no equalization layer"
@@ -264,8 +274,10 @@ def test_outlier_parity(case):
             continue  # QL203 reports conv/linear layers; torch observes every leaf module
         ours = _outliers(rules, statistics, node)
         assert ours is not None, fqn
-        torch_outlier = [bool(o and s) for o, s in zip(info[OutlierDetector.OUTLIER_KEY],
-                                                        info[OutlierDetector.IS_SUFFICIENT_BATCHES_KEY])]
+        torch_outlier = [
+            bool(o and s)
+            for o, s in zip(info[OutlierDetector.OUTLIER_KEY], info[OutlierDetector.IS_SUFFICIENT_BATCHES_KEY])
+        ]
         assert ours.outlier.tolist() == torch_outlier, (fqn, ours.metric, info[OutlierDetector.COMP_METRIC_KEY])
         used = info[OutlierDetector.NUM_BATCHES_KEY].tolist()
         for channel, torch_metric in enumerate(info[OutlierDetector.COMP_METRIC_KEY].tolist()):

@@ -23,12 +23,10 @@ def _narrow_channel_linear() -> nn.Module:
     return model
 
 
-
 def test_ql104_reports_no_more_bits_lost_than_int8_has():
     example = (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)),)
     # qnnpack's default weight observer is per-tensor, so QL104 judges this layer
-    report = qlint.lint(_narrow_channel_linear(), example, backend="qnnpack",
-                        trial_options={"enabled": False})
+    report = qlint.lint(_narrow_channel_linear(), example, backend="qnnpack", trial_options={"enabled": False})
     findings = report.by_rule("QL104")
     assert findings, "QL104 should report the per-tensor weight of a layer with a 1000x channel spread"
     for finding in findings:

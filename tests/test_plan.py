@@ -7,19 +7,35 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from torch.ao.quantization import QConfig, QConfigMapping, get_default_qconfig, get_default_qconfig_mapping, qconfig_equals
+from torch.ao.quantization import (
+    QConfig,
+    QConfigMapping,
+    get_default_qconfig,
+    get_default_qconfig_mapping,
+    qconfig_equals,
+)
 from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 import qlint
-from qlint.errors import ConfigError
-from qlint.advice.plan import (ActivationSpec, EqualizationPair, ModuleDecision, PlanFormatError, Provenance, QuantPlan,
-                        Rewrite, WeightSpec, default_plan, plan_from_report)
-from qlint.cli.plan import emit_plan_outputs, plan_command
 from qlint.advice.export import PercentileObserver
-
+from qlint.advice.plan import (
+    ActivationSpec,
+    EqualizationPair,
+    ModuleDecision,
+    PlanFormatError,
+    Provenance,
+    QuantPlan,
+    Rewrite,
+    WeightSpec,
+    default_plan,
+    plan_from_report,
+)
+from qlint.cli.plan import emit_plan_outputs, plan_command
+from qlint.errors import ConfigError
 
 # --- models -------------------------------------------------------------------------------
+
 
 class Cnn(nn.Module):
     def __init__(self):
@@ -110,33 +126,54 @@ def _prov(**kw):
 
 def _rich_plan(backend="x86"):
     return QuantPlan(
-        backend=backend, model="Mlp",
+        backend=backend,
+        model="Mlp",
         activation=ActivationSpec(observer="moving_average", averaging_constant=0.02),
         weight=WeightSpec(per_channel=backend != "qnnpack"),
         modules=[
-            ModuleDecision(fqn="fc1", activation=ActivationSpec(observer="percentile", percentile=99.9),
-                           weight=WeightSpec(per_channel=False), provenance=_prov(rule="QL104", target="fc1")),
-            ModuleDecision(fqn="fc2", activation=ActivationSpec(observer="histogram", bins=1024,
-                                                                reduce_range=True),
-                           provenance=_prov(source="measurement", metric="sqnr_db", value=21.5)),
+            ModuleDecision(
+                fqn="fc1",
+                activation=ActivationSpec(observer="percentile", percentile=99.9),
+                weight=WeightSpec(per_channel=False),
+                provenance=_prov(rule="QL104", target="fc1"),
+            ),
+            ModuleDecision(
+                fqn="fc2",
+                activation=ActivationSpec(observer="histogram", bins=1024, reduce_range=True),
+                provenance=_prov(source="measurement", metric="sqnr_db", value=21.5),
+            ),
             ModuleDecision(fqn="head", quantize=False, provenance=_prov(source="user", detail="accuracy")),
         ],
         equalization=[EqualizationPair(module="fc2", previous="fc1", provenance=_prov(rule="QL202", target="fc2"))],
-        rewrites=[Rewrite(kind="fold_bn_into_functional_conv", modules=["conv", "bn"], params={"pattern": ["a"]},
-                          provenance=_prov(rule="QL101", target="conv"))],
+        rewrites=[
+            Rewrite(
+                kind="fold_bn_into_functional_conv",
+                modules=["conv", "bn"],
+                params={"pattern": ["a"]},
+                provenance=_prov(rule="QL101", target="conv"),
+            )
+        ],
         notes=["something"],
     )
 
 
 # --- JSON ---------------------------------------------------------------------------------
 
+
 def test_json_round_trip_hand_built_and_from_report():
     plan = _rich_plan()
     assert QuantPlan.model_validate_json(plan.model_dump_json()) == plan
     assert QuantPlan.from_json(plan.model_dump_json(indent=2)) == plan
-    report = qlint.lint(_build(Cnn), _inputs(Cnn), qconfig_mapping=QConfigMapping().set_global(
-        QConfig(activation=HistogramObserver.with_args(reduce_range=True),
-                weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))))
+    report = qlint.lint(
+        _build(Cnn),
+        _inputs(Cnn),
+        qconfig_mapping=QConfigMapping().set_global(
+            QConfig(
+                activation=HistogramObserver.with_args(reduce_range=True),
+                weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+            )
+        ),
+    )
     from_report = plan_from_report(report)
     assert from_report.modules, "QL104 findings should become module decisions"
     assert QuantPlan.model_validate_json(from_report.model_dump_json()) == from_report
@@ -144,11 +181,14 @@ def test_json_round_trip_hand_built_and_from_report():
     assert raw["type"] == "qlint.QuantPlan" and raw["schema_version"] == 1
 
 
-@pytest.mark.parametrize("change,fragment", [
-    ({"type": "other.Plan"}, "not a qlint plan"),
-    ({"schema_version": 99}, "newer than this qlint reads"),
-    ({"schema_version": "1"}, "bad plan schema_version"),
-])
+@pytest.mark.parametrize(
+    "change,fragment",
+    [
+        ({"type": "other.Plan"}, "not a qlint plan"),
+        ({"schema_version": 99}, "newer than this qlint reads"),
+        ({"schema_version": "1"}, "bad plan schema_version"),
+    ],
+)
 def test_refuses_unknown_type_and_newer_version(change, fragment):
     raw = {**json.loads(default_plan("x86").model_dump_json()), **change}
     text = json.dumps(raw)
@@ -171,27 +211,44 @@ def test_bad_content_is_a_one_line_config_error():
 
 def test_duplicate_module_decisions_are_rejected():
     with pytest.raises(ValueError, match="more than one decision"):
-        QuantPlan(modules=[ModuleDecision(fqn="a", provenance=_prov(source="user")),
-                           ModuleDecision(fqn="a", quantize=False, provenance=_prov(source="user"))])
+        QuantPlan(
+            modules=[
+                ModuleDecision(fqn="a", provenance=_prov(source="user")),
+                ModuleDecision(fqn="a", quantize=False, provenance=_prov(source="user")),
+            ]
+        )
 
 
 # --- exporters ----------------------------------------------------------------------------
 
+
 def _planned_decisions(cls, backend):
     per_channel = backend != "qnnpack"
     if cls is Cnn:
-        return [ModuleDecision(fqn="conv2", weight=WeightSpec(per_channel=not per_channel),
-                               activation=ActivationSpec(observer="percentile", percentile=99.5),
-                               provenance=_prov(rule="QL104", target="conv2")),
-                ModuleDecision(fqn="fc", quantize=False, provenance=_prov(source="user"))]
+        return [
+            ModuleDecision(
+                fqn="conv2",
+                weight=WeightSpec(per_channel=not per_channel),
+                activation=ActivationSpec(observer="percentile", percentile=99.5),
+                provenance=_prov(rule="QL104", target="conv2"),
+            ),
+            ModuleDecision(fqn="fc", quantize=False, provenance=_prov(source="user")),
+        ]
     if cls is Mlp:
-        return [ModuleDecision(fqn="fc1", mode="dynamic", provenance=_prov(rule="QL201", target="fc1")),
-                ModuleDecision(fqn="head", quantize=False, provenance=_prov(source="user"))]
-    return [ModuleDecision(fqn="sigmoid", activation=ActivationSpec(
-                observer="fixed", scale=1.0 / 256.0, zero_point=0, quant_min=0, quant_max=255),
-                provenance=_prov(rule="QL103", target="sigmoid")),
-            ModuleDecision(fqn="out", activation=ActivationSpec(observer="minmax", symmetric=False),
-                           provenance=_prov(source="user"))]
+        return [
+            ModuleDecision(fqn="fc1", mode="dynamic", provenance=_prov(rule="QL201", target="fc1")),
+            ModuleDecision(fqn="head", quantize=False, provenance=_prov(source="user")),
+        ]
+    return [
+        ModuleDecision(
+            fqn="sigmoid",
+            activation=ActivationSpec(observer="fixed", scale=1.0 / 256.0, zero_point=0, quant_min=0, quant_max=255),
+            provenance=_prov(rule="QL103", target="sigmoid"),
+        ),
+        ModuleDecision(
+            fqn="out", activation=ActivationSpec(observer="minmax", symmetric=False), provenance=_prov(source="user")
+        ),
+    ]
 
 
 @pytest.mark.parametrize("backend", ["x86", "qnnpack"])
@@ -247,6 +304,7 @@ def test_int16_is_refused_where_the_backend_lacks_it():
 def _same_mapping(a: QConfigMapping, b: QConfigMapping) -> bool:
     def same(x, y):
         return (x is None and y is None) or (x is not None and y is not None and qconfig_equals(x, y))
+
     if not same(a.global_qconfig, b.global_qconfig):
         return False
     if list(a.module_name_qconfigs) != list(b.module_name_qconfigs):
@@ -258,15 +316,23 @@ def _same_mapping(a: QConfigMapping, b: QConfigMapping) -> bool:
     return all(same(a.object_type_qconfigs[k], b.object_type_qconfigs[k]) for k in a.object_type_qconfigs)
 
 
-@pytest.mark.parametrize("plan", [_rich_plan("x86"), _rich_plan("qnnpack"), default_plan("onednn"),
-                                  default_plan("x86").model_copy(update={"modules": _planned_decisions(Gate, "x86")})])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        _rich_plan("x86"),
+        _rich_plan("qnnpack"),
+        default_plan("onednn"),
+        default_plan("x86").model_copy(update={"modules": _planned_decisions(Gate, "x86")}),
+    ],
+)
 def test_to_python_exec_builds_an_equivalent_mapping(plan):
     source = plan.to_python()
     namespace: dict = {}
     exec(compile(source, "qconfig.py", "exec"), namespace)
     assert _same_mapping(namespace["qconfig_mapping"], plan.to_qconfig_mapping())
-    assert not _same_mapping(namespace["qconfig_mapping"], get_default_qconfig_mapping("fbgemm").set_module_name(
-        "zzz", None))
+    assert not _same_mapping(
+        namespace["qconfig_mapping"], get_default_qconfig_mapping("fbgemm").set_module_name("zzz", None)
+    )
     for decision in plan.modules:
         assert repr(decision.fqn) in source
 
@@ -280,14 +346,19 @@ def test_equalization_mapping_drives_prepare_fx():
     eq = plan.to_equalization_mapping(default_equalization_qconfig)
     assert list(eq.module_name_qconfigs) == ["fc2"]
     model, inputs = _build(LinearStack), _inputs(LinearStack)
-    prepared = prepare_fx(copy.deepcopy(model), default_plan("x86").to_qconfig_mapping(), inputs,
-                          _equalization_config=eq)
+    prepared = prepare_fx(
+        copy.deepcopy(model), default_plan("x86").to_qconfig_mapping(), inputs, _equalization_config=eq
+    )
     names = [type(m).__name__ for m in prepared.modules()]
     assert names.count("_InputEqualizationObserver") == 1  # only fc2, as planned
     prepared(*inputs)
     out = convert_fx(prepared)(*inputs)
-    reference = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), inputs,
-                           _equalization_config=QConfigMapping().set_module_name("fc2", default_equalization_qconfig))
+    reference = prepare_fx(
+        copy.deepcopy(model),
+        get_default_qconfig_mapping("x86"),
+        inputs,
+        _equalization_config=QConfigMapping().set_module_name("fc2", default_equalization_qconfig),
+    )
     reference(*inputs)
     assert out.shape == model(*inputs).shape and torch.equal(out, convert_fx(reference)(*inputs))
     namespace: dict = {}
@@ -306,6 +377,7 @@ def test_percentile_observer_clips_outliers():
 
 
 # --- plan_from_report ----------------------------------------------------------------------
+
 
 def test_plan_from_report_follows_findings_and_fixes_conversion():
     """QL105 flags per-channel ConvTranspose; the plan's mapping converts cleanly."""
@@ -326,8 +398,10 @@ def test_plan_from_report_follows_findings_and_fixes_conversion():
 
 
 def test_plan_from_report_maps_weight_and_fixed_qparams_suggestions():
-    per_tensor = QConfig(activation=HistogramObserver.with_args(reduce_range=True),
-                         weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))
+    per_tensor = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=True),
+        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+    )
     report = qlint.lint(_build(Gate), _inputs(Gate), qconfig_mapping=QConfigMapping().set_global(per_tensor))
     plan = plan_from_report(report)
     flagged_weights = {f.target for f in report.by_rule("QL104")}
@@ -347,6 +421,7 @@ def test_plan_from_report_maps_weight_and_fixed_qparams_suggestions():
 
 
 # --- CLI ----------------------------------------------------------------------------------
+
 
 def test_cli_show_qconfig_check_and_emit(tmp_path, capsys):
     report = qlint.lint(_build(Mlp), _inputs(Mlp), select=["QL105"])

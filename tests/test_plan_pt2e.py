@@ -39,8 +39,13 @@ def test_plan_exports_to_a_working_pt2e_quantizer():
     model = Net().eval()
     batches = [torch.randn(4, 3, 16, 16) for _ in range(4)]
     base = default_plan("x86")
-    keep_head = base.model_copy(update={"modules": [ModuleDecision(
-        fqn="head", quantize=False, provenance=[Provenance(source="user", detail="test")])]})
+    keep_head = base.model_copy(
+        update={
+            "modules": [
+                ModuleDecision(fqn="head", quantize=False, provenance=[Provenance(source="user", detail="test")])
+            ]
+        }
+    )
 
     converted = _quantize(model, keep_head.to_pt2e_quantizer(), batches)
     with torch.no_grad():
@@ -54,8 +59,8 @@ def test_plan_exports_to_a_working_pt2e_quantizer():
 
 
 def test_non_x86_backend_is_refused_with_a_clear_error():
-    from qlint.errors import ConfigError
     from qlint.advice.plan import default_plan
+    from qlint.errors import ConfigError
 
     with pytest.raises(ConfigError, match="XNNPACK"):
         default_plan("qnnpack").to_pt2e_quantizer()

@@ -65,8 +65,9 @@ def test_hooks_file_declares_both_hooks(repo_root):
 def model_repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("precommit-repo")
     (repo / "models").mkdir()
-    torch.export.save(torch.export.export(WithFindings().eval(), (torch.randn(1, 3, 8, 8),)),
-                      repo / "models" / "bad.pt2")
+    torch.export.save(
+        torch.export.export(WithFindings().eval(), (torch.randn(1, 3, 8, 8),)), repo / "models" / "bad.pt2"
+    )
     torch.export.save(torch.export.export(Clean().eval(), (torch.randn(2, 8),)), repo / "models" / "clean.pt2")
     hook = dict(_hooks()["qlint-system"])
     config = {"repos": [{"repo": "local", "hooks": [hook]}]}
@@ -90,8 +91,14 @@ def _env(home: Path) -> dict[str, str]:
 def _run(repo: Path, env, pyproject: str, *args: str) -> subprocess.CompletedProcess:
     (repo / "pyproject.toml").write_text(pyproject)
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True, env=env)
-    return subprocess.run([sys.executable, "-m", "pre_commit", "run", *args], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pre_commit", "run", *args],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 BASE = '[tool.qlint]\nfail-on = "warning"\n'
@@ -148,7 +155,8 @@ def test_hook_refuses_repository_code_unless_args_trust_it(model_repo):
     (repo / "repo_mapping.py").write_text(
         "import pathlib\npathlib.Path(__file__).with_name('PWNED').write_text('ran')\n"
         "from torch.ao.quantization import get_default_qconfig_mapping\n"
-        "def mapping():\n    return get_default_qconfig_mapping('x86')\n")
+        "def mapping():\n    return get_default_qconfig_mapping('x86')\n"
+    )
     marker = repo / "PWNED"
     hostile = BASE + 'qconfig-mapping = "repo_mapping:mapping"\n'
     config = repo / ".pre-commit-config.yaml"

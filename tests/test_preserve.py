@@ -29,10 +29,17 @@ def _model_state(model):
     tensors = {}
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         lazy = is_lazy(tensor)
-        tensors[name] = (id(tensor), type(tensor), tensor.requires_grad,
-                         None if lazy else tensor.detach().clone(), None if lazy else tuple(tensor.shape))
-    modules = {name: (type(module), {key: _attribute(value) for key, value in vars(module).items()})
-               for name, module in model.named_modules()}
+        tensors[name] = (
+            id(tensor),
+            type(tensor),
+            tensor.requires_grad,
+            None if lazy else tensor.detach().clone(),
+            None if lazy else tuple(tensor.shape),
+        )
+    modules = {
+        name: (type(module), {key: _attribute(value) for key, value in vars(module).items()})
+        for name, module in model.named_modules()
+    }
     return tensors, modules
 
 
@@ -77,8 +84,9 @@ def _assert_same_process(before):
     assert torch.equal(torch.get_rng_state(), torch_rng), "torch RNG state changed"
     assert random.getstate() == python_rng, "random's state changed"
     now = numpy.random.get_state()
-    assert now[0] == numpy_rng[0] and (now[1] == numpy_rng[1]).all() and now[2:] == numpy_rng[2:], \
+    assert now[0] == numpy_rng[0] and (now[1] == numpy_rng[1]).all() and now[2:] == numpy_rng[2:], (
         "numpy's RNG state changed"
+    )
     assert logging.root.manager.disable == disabled, "logging.disable level changed"
 
 
@@ -192,8 +200,7 @@ def _torch_trial_sqnr(factory, calibration, evaluation):
     return float(10 * torch.log10(reference.pow(2).sum() / (reference - quantized).pow(2).sum()))
 
 
-@pytest.mark.parametrize("factory", [sm.writes_input, sm.writes_input_unused, sm.reads_input],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("factory", [sm.writes_input, sm.writes_input_unused, sm.reads_input], ids=lambda f: f.__name__)
 def test_lint_of_a_model_writing_its_input_leaves_the_data_and_measures_right(factory):
     example = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
     calibration = _batches(3, (64, 16))
@@ -223,8 +230,9 @@ def test_lint_writes_no_node_meta_on_the_users_graph_module():
     assert torch.equal(gm.fc1.weight, weight)  # the graph's clamp_ ran on the shared weight and was undone
 
 
-@pytest.mark.parametrize("factory,where", [(sm.stores_proxy_attribute, "last_input"),
-                                           (sm.stores_proxy_buffer, "running")])
+@pytest.mark.parametrize(
+    "factory,where", [(sm.stores_proxy_attribute, "last_input"), (sm.stores_proxy_buffer, "running")]
+)
 def test_lint_of_a_model_that_stores_a_traced_value_is_a_clean_error(factory, where):
     model = factory()
     state = _model_state(model)
@@ -353,8 +361,19 @@ def _write_paths():
     def foreach(w):
         torch._foreach_mul_([w], 3.0)
 
-    return [setitem, iadd, out, relu_positional, hardtanh_keyword, aten_overload, data_reassigned,
-            init, through_numpy, through_data, foreach]
+    return [
+        setitem,
+        iadd,
+        out,
+        relu_positional,
+        hardtanh_keyword,
+        aten_overload,
+        data_reassigned,
+        init,
+        through_numpy,
+        through_data,
+        foreach,
+    ]
 
 
 @pytest.mark.parametrize("write", _write_paths(), ids=lambda f: f.__name__)

@@ -8,22 +8,33 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.ao.quantization import (QConfig, QConfigMapping, QuantStub, DeQuantStub, default_dynamic_qconfig,
-                                   default_per_channel_weight_observer, get_default_qat_qconfig_mapping,
-                                   get_default_qconfig, get_default_qconfig_mapping)
-from torch.ao.quantization.observer import (HistogramObserver, MinMaxObserver,
-                                            default_fixed_qparams_range_0to1_observer,
-                                            default_fixed_qparams_range_neg1to1_observer)
+from qlint.rules.ql103_qconfig import QConfigCheck
+from qlint.rules.ql104_per_channel import PerChannel
+from torch.ao.quantization import (
+    DeQuantStub,
+    QConfig,
+    QConfigMapping,
+    QuantStub,
+    default_dynamic_qconfig,
+    default_per_channel_weight_observer,
+    get_default_qat_qconfig_mapping,
+    get_default_qconfig,
+    get_default_qconfig_mapping,
+)
+from torch.ao.quantization.observer import (
+    HistogramObserver,
+    MinMaxObserver,
+    default_fixed_qparams_range_0to1_observer,
+    default_fixed_qparams_range_neg1to1_observer,
+)
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx, prepare_qat_fx
 
 import qlint
 from qlint.core.backends import backend_info
-from qlint.linter.engine import analyse
 from qlint.errors import ConfigError
+from qlint.linter.engine import analyse
 from qlint.linter.findings import Report, Severity
 from qlint.linter.rule import parse_doc_sections
-from qlint.rules.ql103_qconfig import QConfigCheck
-from qlint.rules.ql104_per_channel import PerChannel
 
 BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
 TABLE_KEYS = {"node", "target", "kind", "input_dtype", "output_dtype", "observer", "ch_axis"}
@@ -42,8 +53,15 @@ def _seeded(cls, *args):
 def _lint(model, inputs, code, backend="x86", mapping=None, **options):
     # These tests check each rule's own verdicts; the trial that measures impact (and turns
     # a finding below the threshold into info) is tested in test_impact.py.
-    return qlint.lint(model, inputs, backend=backend, qconfig_mapping=mapping, select=[code],
-                      options={code: options} if options else None, trial_options={"enabled": False})
+    return qlint.lint(
+        model,
+        inputs,
+        backend=backend,
+        qconfig_mapping=mapping,
+        select=[code],
+        options={code: options} if options else None,
+        trial_options={"enabled": False},
+    )
 
 
 def _kinds(report, code="QL103"):
@@ -61,10 +79,14 @@ for _rule in (QConfigCheck, PerChannel):
 
 @pytest.mark.parametrize("rule,example,is_valid", EXAMPLES)
 def test_examples(rule, example, is_valid):
-    report = qlint.lint(example.build(), example.inputs(), backend=example.backend,
-                        qconfig_mapping=example.qconfig_mapping() if example.qconfig_mapping else None,
-                        select=[rule.code],
-                        options={rule.code: dict(example.options)} if example.options else None)
+    report = qlint.lint(
+        example.build(),
+        example.inputs(),
+        backend=example.backend,
+        qconfig_mapping=example.qconfig_mapping() if example.qconfig_mapping else None,
+        select=[rule.code],
+        options={rule.code: dict(example.options)} if example.options else None,
+    )
     assert not report.skipped, report.skipped
     findings = report.by_rule(rule.code)
     if is_valid:
@@ -72,8 +94,9 @@ def test_examples(rule, example, is_valid):
     else:
         assert findings
         # a finding about several layers lists them in data["layers"] (QL104)
-        targets = {f.target for f in findings} | {layer["target"] for f in findings
-                                                   for layer in f.data.get("layers", [])}
+        targets = {f.target for f in findings} | {
+            layer["target"] for f in findings for layer in f.data.get("layers", [])
+        }
         assert set(example.flagged) <= targets, (example.flagged, targets)
         for finding in findings:
             assert finding.name == rule.name
@@ -98,6 +121,7 @@ def test_unknown_option_is_a_config_error(rule):
 
 
 # --- QL103: the backends' own defaults are clean ----------------------------------------------
+
 
 class _Everything(nn.Module):
     """conv, cat of two conv branches, sigmoid/tanh/hardsigmoid in module and functional form,
@@ -143,6 +167,7 @@ def test_prepared_models_are_clean(backend):
 
 # --- QL103: fixed-qparams ops --------------------------------------------------------------------
 
+
 class _Gates(nn.Module):
     def __init__(self):
         super().__init__()
@@ -156,14 +181,15 @@ class _Gates(nn.Module):
 
 
 def test_generic_observer_on_fixed_ops_names_the_backend_qparams():
-    report = _lint(_seeded(_Gates), _image(), "QL103",
-                   mapping=QConfigMapping().set_global(get_default_qconfig("x86")))
+    report = _lint(_seeded(_Gates), _image(), "QL103", mapping=QConfigMapping().set_global(get_default_qconfig("x86")))
     fixed = {f.target: f for f in report.by_rule("QL103") if f.data["kind"] == "fixed-qparams-observer"}
     # F.softmax is not a fixed-qparams op for torch (neither the default mapping nor the
     # backend config lists it), so only the module softmax is reported.
     assert set(fixed) == {"sig", "tanh", "softmax"}
-    zero_to_one, minus_one_to_one = default_fixed_qparams_range_0to1_observer(), \
-        default_fixed_qparams_range_neg1to1_observer()
+    zero_to_one, minus_one_to_one = (
+        default_fixed_qparams_range_0to1_observer(),
+        default_fixed_qparams_range_neg1to1_observer(),
+    )
     assert fixed["sig"].data["expected_scale"] == pytest.approx(float(zero_to_one.scale))
     assert fixed["sig"].data["expected_zero_point"] == int(zero_to_one.zero_point)
     assert fixed["tanh"].data["expected_scale"] == pytest.approx(float(minus_one_to_one.scale))
@@ -189,9 +215,12 @@ def test_fixed_qparams_with_the_wrong_range_is_reported():
 
 def test_qnnpack_qint8_path_does_not_need_fixed_qparams():
     # qnnpack's symmetric qint8 kernels accept any observer on sigmoid; only the quint8 path is fixed.
-    qconfig = QConfig(activation=HistogramObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
-                      weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric,
-                                                      quant_min=-127, quant_max=127))
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+        weight=MinMaxObserver.with_args(
+            dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, quant_min=-127, quant_max=127
+        ),
+    )
     report = _lint(_seeded(_Gates), _image(), "QL103", "qnnpack", QConfigMapping().set_global(qconfig))
     assert "fixed-qparams-observer" not in _kinds(report)
     assert report.by_rule("QL103") == []
@@ -204,6 +233,7 @@ def test_fixed_qparams_check_can_be_switched_off():
 
 
 # --- QL103: backend support ---------------------------------------------------------------------
+
 
 class _ConvStack(nn.Module):
     def __init__(self):
@@ -218,8 +248,10 @@ class _ConvStack(nn.Module):
 
 
 def test_one_global_mistake_is_one_finding_listing_every_op():
-    qconfig = QConfig(activation=HistogramObserver.with_args(dtype=torch.qint8, reduce_range=True),
-                      weight=default_per_channel_weight_observer)
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(dtype=torch.qint8, reduce_range=True),
+        weight=default_per_channel_weight_observer,
+    )
     model = _seeded(_ConvStack)
     report = _lint(model, _image(), "QL103", mapping=QConfigMapping().set_global(qconfig))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "activation-dtype"]
@@ -233,8 +265,9 @@ def test_one_global_mistake_is_one_finding_listing_every_op():
 
 
 def test_quint8_weights_are_an_error():
-    qconfig = QConfig(activation=HistogramObserver.with_args(reduce_range=True),
-                      weight=MinMaxObserver.with_args(dtype=torch.quint8))
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=True), weight=MinMaxObserver.with_args(dtype=torch.quint8)
+    )
     report = _lint(_seeded(_ConvStack), _image(), "QL103", mapping=QConfigMapping().set_global(qconfig))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "weight-dtype"]
     assert finding.severity is Severity.ERROR
@@ -242,11 +275,14 @@ def test_quint8_weights_are_an_error():
     assert finding.suggestion["dtype"] == "torch.qint8"
 
 
-@pytest.mark.parametrize("backend,severity", [("onednn", Severity.ERROR), ("x86", Severity.WARNING),
-                                              ("fbgemm", Severity.WARNING)])
+@pytest.mark.parametrize(
+    "backend,severity", [("onednn", Severity.ERROR), ("x86", Severity.WARNING), ("fbgemm", Severity.WARNING)]
+)
 def test_affine_weights(backend, severity):
-    qconfig = QConfig(activation=HistogramObserver.with_args(reduce_range=backend in ("x86", "fbgemm")),
-                      weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_affine))
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=backend in ("x86", "fbgemm")),
+        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_affine),
+    )
     report = _lint(_seeded(_ConvStack), _image(), "QL103", backend, QConfigMapping().set_global(qconfig))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "weight-qscheme"]
     assert finding.severity is severity
@@ -257,7 +293,8 @@ def test_onednn_affine_weights_really_fail_to_convert():
     """The error the rule predicts for onednn is the one torch raises."""
     if "onednn" not in torch.backends.quantized.supported_engines:
         pytest.skip("this torch build has no onednn engine")
-    from qlint.rules.ql103_qconfig import _gelu_sandwich, _image as example_image, _onednn_affine_weights
+    from qlint.rules.ql103_qconfig import _gelu_sandwich, _onednn_affine_weights
+    from qlint.rules.ql103_qconfig import _image as example_image
 
     model, inputs = _gelu_sandwich(), example_image()
     report = _lint(model, inputs, "QL103", "onednn", _onednn_affine_weights())
@@ -286,12 +323,14 @@ def test_reduce_range_on_qnnpack_is_info_and_optional():
 
 
 def test_explicit_seven_bit_range_counts_as_reduced():
-    qconfig = QConfig(activation=HistogramObserver.with_args(quant_min=0, quant_max=127),
-                      weight=default_per_channel_weight_observer)
+    qconfig = QConfig(
+        activation=HistogramObserver.with_args(quant_min=0, quant_max=127), weight=default_per_channel_weight_observer
+    )
     report = _lint(_seeded(_ConvStack), _image(), "QL103", "x86", QConfigMapping().set_global(qconfig))
     assert "activation-reduce-range" not in _kinds(report)
-    full = QConfig(activation=HistogramObserver.with_args(reduce_range=False),
-                   weight=default_per_channel_weight_observer)
+    full = QConfig(
+        activation=HistogramObserver.with_args(reduce_range=False), weight=default_per_channel_weight_observer
+    )
     report = _lint(_seeded(_ConvStack), _image(), "QL103", "fbgemm", QConfigMapping().set_global(full))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "activation-reduce-range"]
     assert finding.severity is Severity.WARNING
@@ -321,6 +360,7 @@ def test_per_channel_conv_transpose_is_an_error():
 
 
 # --- QL103: float islands -----------------------------------------------------------------------
+
 
 class _Island(nn.Module):
     def __init__(self):
@@ -405,6 +445,7 @@ def test_eager_flow_island_and_no_fixed_qparams_false_alarm():
 
 # --- QL103: cat inputs --------------------------------------------------------------------------
 
+
 class _Cat(nn.Module):
     def __init__(self, sigmoid_first=True):
         super().__init__()
@@ -456,8 +497,14 @@ def test_cat_with_matching_inputs_is_clean_and_order_matters_for_the_advice():
 def test_cat_finding_survives_torch_export_and_json():
     model, inputs = _seeded(_Cat), _image()
     program = torch.export.export(model, inputs)
-    report = qlint.lint(model, inputs, backend="x86", qconfig_mapping=get_default_qconfig_mapping("x86"),
-                        select=["QL103", "QL104"], exported_program=program)
+    report = qlint.lint(
+        model,
+        inputs,
+        backend="x86",
+        qconfig_mapping=get_default_qconfig_mapping("x86"),
+        select=["QL103", "QL104"],
+        exported_program=program,
+    )
     assert "cat-input-qparams" in _kinds(report)
     again = Report.model_validate_json(report.model_dump_json())
     assert again == report
@@ -465,6 +512,7 @@ def test_cat_finding_survives_torch_export_and_json():
 
 
 # --- QL104 --------------------------------------------------------------------------------------
+
 
 def _flagged(report) -> set:
     """The layers QL104 lists (it reports once per model)."""
@@ -495,6 +543,7 @@ def test_per_channel_reads_the_bn_folded_weights():
     assert finding.data["channel_spread"] > 20 * float(raw.max() / raw.min())
     assert finding.data["bits_lost"] <= 8.0
 
+
 class _Spread(nn.Module):
     def __init__(self):
         super().__init__()
@@ -509,9 +558,12 @@ class _Spread(nn.Module):
 
 
 def _per_tensor(qscheme=torch.per_tensor_symmetric):
-    return QConfigMapping().set_global(QConfig(
-        activation=HistogramObserver.with_args(reduce_range=True),
-        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=qscheme)))
+    return QConfigMapping().set_global(
+        QConfig(
+            activation=HistogramObserver.with_args(reduce_range=True),
+            weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=qscheme),
+        )
+    )
 
 
 def test_per_channel_evidence_matches_the_weights():
@@ -526,10 +578,15 @@ def test_per_channel_evidence_matches_the_weights():
     assert finding.data["bits_lost"] == pytest.approx(math.log2(finding.data["resolution_loss"]), rel=1e-3)
     assert finding.data["narrowest_channel"] == int(absmax.argmin())
     assert finding.data["weight_qscheme"] == "torch.per_tensor_symmetric"
-    assert finding.suggestion == {"action": "set_weight_observer", "target": "conv", "node": "conv",
-                                  "observer": "PerChannelMinMaxObserver",
-                                  "qscheme": "torch.per_channel_symmetric", "ch_axis": 0,
-                                  "dtype": "torch.qint8"}
+    assert finding.suggestion == {
+        "action": "set_weight_observer",
+        "target": "conv",
+        "node": "conv",
+        "observer": "PerChannelMinMaxObserver",
+        "qscheme": "torch.per_channel_symmetric",
+        "ch_axis": 0,
+        "dtype": "torch.qint8",
+    }
     # measured weight SQNR, recomputed by hand with torch's fake-quant ops
     flat = model.conv.weight.detach().reshape(6, -1)
     per_tensor = torch.fake_quantize_per_tensor_affine(flat, float(flat.abs().max()) / 127.5, 0, -128, 127)
@@ -554,8 +611,10 @@ def test_affine_per_tensor_loss_uses_the_affine_step():
 
 def test_min_channel_spread_filters_on_evidence():
     model = _seeded(_Spread)
-    spread = float(model.conv.weight.detach().abs().reshape(6, -1).amax(1).max()
-                   / model.conv.weight.detach().abs().reshape(6, -1).amax(1).min())
+    spread = float(
+        model.conv.weight.detach().abs().reshape(6, -1).amax(1).max()
+        / model.conv.weight.detach().abs().reshape(6, -1).amax(1).min()
+    )
     below = _lint(model, _image(), "QL104", mapping=_per_tensor(), min_channel_spread=spread * 0.9)
     above = _lint(model, _image(), "QL104", mapping=_per_tensor(), min_channel_spread=spread * 1.1)
     assert [f.target for f in below.by_rule("QL104")] == ["conv"]

@@ -5,18 +5,33 @@ import math
 
 import pytest
 import torch
+from qlint.rules.ql105_conversion_check import (
+    _ConvFlatten,
+    _ConvView,
+    _Decoder,
+    _global_per_channel_x86,
+    _image,
+    _Mlp,
+    _rows,
+    _seeded,
+    _Upsample,
+)
 from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 import qlint
-from qlint.rules.ql105_conversion_check import (_ConvFlatten, _ConvView, _Decoder, _Mlp, _Upsample,
-                                                _global_per_channel_x86, _image, _rows, _seeded)
 from qlint.core.sqnr import sqnr_db as output_sqnr
 
 
 def _ql105(model, inputs, backend="x86", mapping=None, options=None):
-    report = qlint.lint(model, inputs, backend=backend, qconfig_mapping=mapping, select=["QL105"],
-                        options={"QL105": options} if options else None)
+    report = qlint.lint(
+        model,
+        inputs,
+        backend=backend,
+        qconfig_mapping=mapping,
+        select=["QL105"],
+        options={"QL105": options} if options else None,
+    )
     assert not report.skipped, report.skipped
     return report.by_rule("QL105")
 
@@ -49,8 +64,9 @@ def test_qconfig_the_module_cannot_take():
     assert finding.suggestion["qscheme"] == "torch.per_tensor_symmetric"
 
 
-@pytest.mark.parametrize("build,inputs,backend", [(_seeded(_ConvFlatten), _image, "x86"),
-                                                  (_seeded(_Mlp), _rows, "qnnpack")])
+@pytest.mark.parametrize(
+    "build,inputs,backend", [(_seeded(_ConvFlatten), _image, "x86"), (_seeded(_Mlp), _rows, "qnnpack")]
+)
 def test_success_reports_the_output_sqnr(build, inputs, backend):
     (finding,) = _ql105(build(), inputs(), backend)
     assert finding.severity.value == "info" and finding.data["kind"] == "conversion-ok"

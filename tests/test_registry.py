@@ -6,10 +6,10 @@ import textwrap
 
 import pytest
 
-from tests.conftest import ROOT
 from qlint.errors import ConfigError
 from qlint.linter.registry import Registry
 from qlint.linter.rule import validate_rule_class
+from tests.conftest import ROOT
 
 
 def test_builtin_rules_are_valid_and_unique():
@@ -94,8 +94,14 @@ class TooManyLinears(Rule):
 
 def _run(tmp_path, code):
     """Python in ``tmp_path`` with ``tmp_path/site`` on PYTHONPATH, where the test plugins are installed."""
-    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
 
 
 def _site(tmp_path):
@@ -106,18 +112,24 @@ def _site(tmp_path):
 
 def test_third_party_rule_loads_and_runs(tmp_path):
     _make_plugin(_site(tmp_path), "qlint_demo_plugin", PLUGIN)
-    result = _run(tmp_path, "import torch, qlint\n"
-                  "r = qlint.lint(torch.nn.Sequential(torch.nn.Linear(2, 2)), (torch.randn(1, 2),), select=['XQ001'])\n"
-                  "print([f.rule for f in r.findings])")
+    result = _run(
+        tmp_path,
+        "import torch, qlint\n"
+        "r = qlint.lint(torch.nn.Sequential(torch.nn.Linear(2, 2)), (torch.randn(1, 2),), select=['XQ001'])\n"
+        "print([f.rule for f in r.findings])",
+    )
     assert result.returncode == 0, result.stderr
     assert "['XQ001']" in result.stdout
 
 
 def test_broken_plugin_names_its_package(tmp_path):
     _make_plugin(_site(tmp_path), "qlint_broken_plugin", "raise ImportError('missing dependency foo')\n")
-    result = _run(tmp_path, "from qlint.linter.registry import Registry\n"
-                  "from qlint.errors import RuleLoadError\n"
-                  "try:\n    Registry.default()\nexcept RuleLoadError as e:\n    print('ERR', e)\n")
+    result = _run(
+        tmp_path,
+        "from qlint.linter.registry import Registry\n"
+        "from qlint.errors import RuleLoadError\n"
+        "try:\n    Registry.default()\nexcept RuleLoadError as e:\n    print('ERR', e)\n",
+    )
     assert result.returncode == 0, result.stderr
     assert "ERR" in result.stdout and "qlint_broken_plugin" in result.stdout
     assert "missing dependency foo" in result.stdout
@@ -131,8 +143,16 @@ def test_plugin_declared_in_the_working_directory_is_not_loaded(tmp_path, run_cl
     rules = run_cli("rules", "--format", "json", cwd=tmp_path)
     assert rules.returncode == 0, rules.stderr
     assert not marker.exists()
-    lint = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--select", "QL102",
-                   cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
+    lint = run_cli(
+        "examples.badnet:build",
+        "--input-shape",
+        "1,3,32,32",
+        "--no-trial",
+        "--select",
+        "QL102",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT)},
+    )
     assert lint.returncode in (0, 1), lint.stderr
     assert not marker.exists()
     # The same plugin installed where the user points PYTHONPATH is loaded (the test can fail).

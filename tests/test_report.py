@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 
@@ -19,16 +18,22 @@ def test_finding_is_frozen_and_rejects_non_json_data():
     with pytest.raises(Exception):
         finding.target = "other"
     with pytest.raises(Exception):
-        Finding(rule="QL101", name="x", severity="warning", target="t", message="m",
-                data={"bad": torch.zeros(1)})
+        Finding(rule="QL101", name="x", severity="warning", target="t", message="m", data={"bad": torch.zeros(1)})
     with pytest.raises(Exception):
-        Finding(rule="QL101", name="x", severity="warning", target="t", message="m",
-                data={"nan": float("nan")})
+        Finding(rule="QL101", name="x", severity="warning", target="t", message="m", data={"nan": float("nan")})
 
 
 def test_example_command_json_has_all_static_rules(run_cli, repo_root):
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--qconfig-mapping",
-                     "examples.badnet:qconfig_mapping", "--format", "json", cwd=repo_root)
+    result = run_cli(
+        "examples.badnet:build",
+        "--input-shape",
+        "1,3,32,32",
+        "--qconfig-mapping",
+        "examples.badnet:qconfig_mapping",
+        "--format",
+        "json",
+        cwd=repo_root,
+    )
     assert result.returncode == 1, result.stderr
     report = Report.model_validate_json(result.stdout)
     assert {"QL101", "QL102", "QL103", "QL104"} <= {f.rule for f in report.findings}
@@ -36,14 +41,25 @@ def test_example_command_json_has_all_static_rules(run_cli, repo_root):
     # the trial ran, and within each severity the findings are sorted by measured impact
     assert report.trial is not None and report.trial.converted and report.trial.output_sqnr_db is not None
     for severity in ("error", "warning", "info"):
-        gains = [f.impact.db for f in report.findings
-                 if f.severity.value == severity and f.impact is not None and f.impact.kind == "sqnr-gain"]
+        gains = [
+            f.impact.db
+            for f in report.findings
+            if f.severity.value == severity and f.impact is not None and f.impact.kind == "sqnr-gain"
+        ]
         assert gains == sorted(gains, reverse=True), (severity, gains)
 
 
 def test_text_output_table_and_summary(run_cli, repo_root):
-    result = run_cli("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial", "--qconfig-mapping",
-                     "examples.badnet:qconfig_mapping", "--show-qconfig", cwd=repo_root)
+    result = run_cli(
+        "examples.badnet:build",
+        "--input-shape",
+        "1,3,32,32",
+        "--no-trial",
+        "--qconfig-mapping",
+        "examples.badnet:qconfig_mapping",
+        "--show-qconfig",
+        cwd=repo_root,
+    )
     assert result.returncode == 1
     assert "Findings" in result.stdout and "unfused-pattern" in result.stdout
     assert "Resolved qconfig per node" in result.stdout

@@ -11,24 +11,25 @@ import torch.nn.functional as F
 from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-from qlint.errors import QlintError
 from qlint.advice.plan import Provenance, QuantPlan, Rewrite
 from qlint.advice.rewrite import apply_rewrites, find_rewrites, relative_error
+from qlint.errors import QlintError
 
 
 class SameConv2d(nn.Conv2d):
     """A conv subclass with a custom 'same' padding forward: traces to F.pad + F.conv2d."""
 
     def forward(self, x):
-        return F.conv2d(F.pad(x, (1, 1, 1, 1)), self.weight, self.bias, self.stride, (0, 0), self.dilation,
-                        self.groups)
+        return F.conv2d(F.pad(x, (1, 1, 1, 1)), self.weight, self.bias, self.stride, (0, 0), self.dilation, self.groups)
 
 
 class SameConvNet(nn.Module):
     def __init__(self, width=8, depth=3):
         super().__init__()
-        self.convs = nn.ModuleList([SameConv2d(3, width, 3, bias=False)] +
-                                   [SameConv2d(width, width, 3, bias=i % 2 == 0) for i in range(depth - 1)])
+        self.convs = nn.ModuleList(
+            [SameConv2d(3, width, 3, bias=False)]
+            + [SameConv2d(width, width, 3, bias=i % 2 == 0) for i in range(depth - 1)]
+        )
         self.bns = nn.ModuleList(nn.BatchNorm2d(width) for _ in range(depth))
         self.fc = nn.Linear(width, 4)
 
@@ -59,7 +60,7 @@ def make_same_conv_net(seed=0):
 
 
 def _sqnr(reference, other):
-    return 10 * math.log10(float((reference ** 2).sum()) / float(((reference - other) ** 2).sum()))
+    return 10 * math.log10(float((reference**2).sum()) / float(((reference - other) ** 2).sum()))
 
 
 def _ptq(model, calibration):
@@ -107,8 +108,9 @@ def test_fold_lifts_ptq_sqnr(data):
 
 def test_rewrite_refused_when_float_outputs_change(data):
     model = make_same_conv_net()
-    gm, applied = apply_rewrites(model, None, (data[0],), kinds=["fold_bn_into_functional_conv"],
-                                 max_relative_error=0.0)
+    gm, applied = apply_rewrites(
+        model, None, (data[0],), kinds=["fold_bn_into_functional_conv"], max_relative_error=0.0
+    )
     refused = [a for a in applied if not a.applied and a.max_relative_error and a.max_relative_error > 0]
     assert refused and all("float outputs changed" in a.reason for a in refused)
     assert sum(n.op == "call_module" and "bns" in str(n.target) for n in gm.graph.nodes) == len(refused)
@@ -116,8 +118,15 @@ def test_rewrite_refused_when_float_outputs_change(data):
 
 def test_view_to_reshape_and_plan_request(data):
     model = make_same_conv_net()
-    plan = QuantPlan(rewrites=[Rewrite(kind="fold_bn_into_functional_conv", modules=["convs.0", "bns.0"],
-                                       provenance=[Provenance(source="user", detail="test")])])
+    plan = QuantPlan(
+        rewrites=[
+            Rewrite(
+                kind="fold_bn_into_functional_conv",
+                modules=["convs.0", "bns.0"],
+                provenance=[Provenance(source="user", detail="test")],
+            )
+        ]
+    )
     gm, applied = apply_rewrites(model, plan, (data[0],))
     views = [a for a in applied if a.kind == "view_to_reshape"]
     assert views and views[0].applied
@@ -187,9 +196,14 @@ def test_fanout_duplication_keeps_float_and_unblocks_fusion(data):
         for batch in data:
             assert relative_error([model(batch)], [gm(batch)]) <= 1e-5
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
     # prepare_fx now fuses conv-bn(-relu): no BatchNorm survives in the converted graph
     def batch_norms(m):
-        return [name for name, sub in _ptq(m, data).named_modules() if "BatchNorm" in type(sub).__name__ or "BNReLU" in type(sub).__name__]
+        return [
+            name
+            for name, sub in _ptq(m, data).named_modules()
+            if "BatchNorm" in type(sub).__name__ or "BNReLU" in type(sub).__name__
+        ]
 
     assert batch_norms(fx.symbolic_trace(model)) == ["bn"]
     assert batch_norms(gm) == []

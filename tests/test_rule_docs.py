@@ -75,8 +75,13 @@ def test_option_parser_reads_bullets():
 
 
 def test_rules_json_lists_every_rule(repo_root):
-    result = subprocess.run([sys.executable, "-m", "qlint", "rules", "--format", "json"],
-                            cwd=repo_root, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "qlint", "rules", "--format", "json"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     listed = json.loads(result.stdout)
     registered = Registry.default().all()

@@ -16,9 +16,15 @@ for rule in RULES:
 def _lint(rule, example):
     mapping = example.qconfig_mapping() if example.qconfig_mapping else None
     calibration = example.calibration() if example.calibration else None
-    return qlint.lint(example.build(), example.inputs(), calibration=calibration,
-                      backend=example.backend, qconfig_mapping=mapping, select=[rule.code],
-                      options={rule.code: dict(example.options)} if example.options else None)
+    return qlint.lint(
+        example.build(),
+        example.inputs(),
+        calibration=calibration,
+        backend=example.backend,
+        qconfig_mapping=mapping,
+        select=[rule.code],
+        options={rule.code: dict(example.options)} if example.options else None,
+    )
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[r.code for r in RULES])
@@ -38,8 +44,9 @@ def test_rule_example(rule, example, is_valid):
     else:
         assert findings, f"{example.description}: expected a {rule.code} finding"
         # a finding about several layers lists them in data["layers"] (QL104)
-        targets = {f.target for f in findings} | {layer["target"] for f in findings
-                                                   for layer in f.data.get("layers", [])}
+        targets = {f.target for f in findings} | {
+            layer["target"] for f in findings for layer in f.data.get("layers", [])
+        }
         for expected in example.flagged:
             assert expected in targets, f"{example.description}: {expected} not in {targets}"
         for finding in findings:

@@ -38,8 +38,7 @@ class _RowsOnly(Rule):
 
     def check(self, ctx):
         for node in ctx.graph.by_kind("linear"):
-            yield LayerRow(name=node.display, kind=node.kind, rule=self.code, statistic="out", value=1.0,
-                           verdict="ok")
+            yield LayerRow(name=node.display, kind=node.kind, rule=self.code, statistic="out", value=1.0, verdict="ok")
 
 
 class _YieldsText(Rule):
@@ -78,8 +77,13 @@ def test_a_rule_yielding_anything_else_is_reported_as_crashed_and_contributes_no
 def test_data_rules_report_a_row_for_layers_that_do_not_fire():
     model = _model()
     batches = [torch.randn(16, 4) for _ in range(4)]
-    report = qlint.lint(model, (batches[0],), calibration=batches, select=["QL201", "QL202", "QL203"],
-                        calibration_options={"quiet": True})
+    report = qlint.lint(
+        model,
+        (batches[0],),
+        calibration=batches,
+        select=["QL201", "QL202", "QL203"],
+        calibration_options={"quiet": True},
+    )
     rows = {(row.name, row.rule) for row in report.layers}
     assert {("0", "QL201"), ("2", "QL201"), ("0", "QL202"), ("2", "QL203")} <= rows
     flagged = {(f.target, f.rule) for f in report.findings}

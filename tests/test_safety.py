@@ -1,8 +1,7 @@
 """Unpickling never runs a file's code unless the user passes --trust-pickle."""
 
-
-import torch.nn as nn
 import torch
+import torch.nn as nn
 
 
 class _CreatesFile:
@@ -32,8 +31,8 @@ def test_refused_without_trust_flag(run_cli, tmp_path):
 
 
 def test_python_api_refuses_too(tmp_path):
-    from qlint.errors import LoadError
     from qlint.core.load import load_model
+    from qlint.errors import LoadError
 
     model_path = tmp_path / "evil.pt"
     marker = tmp_path / "pwned.txt"
@@ -58,6 +57,8 @@ def test_full_module_loads_with_trust_flag(run_cli, tmp_path, repo_root):
     torch.save(build(), path)
     refused = run_cli(path, "--input-shape", "1,3,32,32", "--no-trial", cwd=repo_root)
     assert refused.returncode == 2 and "--trust-pickle" in refused.stderr
-    accepted = run_cli(path, "--trust-pickle", "--input-shape", "1,3,32,32", "--no-trial", "--format", "json", cwd=repo_root)
+    accepted = run_cli(
+        path, "--trust-pickle", "--input-shape", "1,3,32,32", "--no-trial", "--format", "json", cwd=repo_root
+    )
     assert accepted.returncode == 1, accepted.stderr
     assert '"QL102"' in accepted.stdout

@@ -8,15 +8,21 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from qlint.linter.docs import rule_info, rule_markdown
 from qlint.linter.findings import Finding, Notice, Report, RuleInfo, Severity, SkippedRule
 from qlint.linter.registry import Registry
 from qlint.render.extra import EXTRA_FORMATS
-from qlint.linter.docs import rule_info, rule_markdown
 from qlint.render.sarif import render_sarif, repository_url
 
 SCHEMA_PATH = Path(__file__).with_name("sarif-schema-2.1.0.json")
-BADNET = ("examples.badnet:build", "--input-shape", "1,3,32,32", "--no-trial",
-          "--qconfig-mapping", "examples.badnet:qconfig_mapping")
+BADNET = (
+    "examples.badnet:build",
+    "--input-shape",
+    "1,3,32,32",
+    "--no-trial",
+    "--qconfig-mapping",
+    "examples.badnet:qconfig_mapping",
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +34,36 @@ def validator():
 
 def _report(model: str = "models/net.pt2") -> Report:
     return Report(
-        qlint_version="0.1.0", torch_version="2.x", model=model, backend="x86", frontend="torch.export (.pt2)",
+        qlint_version="0.1.0",
+        torch_version="2.x",
+        model=model,
+        backend="x86",
+        frontend="torch.export (.pt2)",
         findings=[
-            Finding(rule="QL101", name="unfused-pattern", severity=Severity.ERROR, target="features.0",
-                    message="conv → bn stays unfused", data={"kind": "conv2d-batch_norm", "node": "features_0"}),
-            Finding(rule="QL103", name="qconfig", severity=Severity.WARNING, target="sigmoid",
-                    message="sigmoid observed", data={"kind": "fixed-qparams-observer", "node": "sigmoid"}),
-            Finding(rule="QL102", name="shared-module", severity=Severity.INFO, target="act",
-                    message="called twice", data={"kind": "multiple-calls", "node": "act"}),
+            Finding(
+                rule="QL101",
+                name="unfused-pattern",
+                severity=Severity.ERROR,
+                target="features.0",
+                message="conv → bn stays unfused",
+                data={"kind": "conv2d-batch_norm", "node": "features_0"},
+            ),
+            Finding(
+                rule="QL103",
+                name="qconfig",
+                severity=Severity.WARNING,
+                target="sigmoid",
+                message="sigmoid observed",
+                data={"kind": "fixed-qparams-observer", "node": "sigmoid"},
+            ),
+            Finding(
+                rule="QL102",
+                name="shared-module",
+                severity=Severity.INFO,
+                target="act",
+                message="called twice",
+                data={"kind": "multiple-calls", "node": "act"},
+            ),
         ],
         skipped=[SkippedRule(rule="QL102", name="shared-module", reason="no example inputs")],
         notices=[Notice(level=Severity.WARNING, message="calibrating on RANDOM batches")],
@@ -71,9 +99,14 @@ def test_driver_lists_the_rules_of_the_run_with_their_documentation():
 
 def test_rule_documentation_comes_from_the_report_not_the_registry(validator):
     # A report read back from JSON describes its rules itself, registered here or not.
-    unregistered = RuleInfo(code="XQ901", name="elsewhere", summary="A rule this process never loaded.",
-                            severity=Severity.WARNING, requires=["graph"],
-                            documentation="# XQ901 elsewhere\n\n## Why is this bad?\n\nIt is.\n")
+    unregistered = RuleInfo(
+        code="XQ901",
+        name="elsewhere",
+        summary="A rule this process never loaded.",
+        severity=Severity.WARNING,
+        requires=["graph"],
+        documentation="# XQ901 elsewhere\n\n## Why is this bad?\n\nIt is.\n",
+    )
     report = _report().model_copy(update={"rules": [unregistered]})
     document = json.loads(render_sarif(Report.model_validate_json(report.model_dump_json())))
     validator.validate(document)

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import CodeType
-from typing import Callable
 
 import pytest
+import qlint.rules
 import torch
 import torch.nn as nn
 from torch.ao.quantization import QConfigMapping, default_qconfig
 
 import qlint
-import qlint.rules
 from qlint.render.json import render_json
 from qlint.render.sarif import render_sarif
 from qlint.render.text import render_text
@@ -85,8 +85,7 @@ def _superlinear(small: Counter[CodeType], large: Counter[CodeType]) -> list[str
     for code, count in large.items():
         before = small.get(code, 0)
         if count > 1.5 * GROWTH * before + 200:
-            grown.append(f"{Path(code.co_filename).name}:{code.co_firstlineno} {code.co_name}: "
-                         f"{before} -> {count}")
+            grown.append(f"{Path(code.co_filename).name}:{code.co_firstlineno} {code.co_name}: {before} -> {count}")
     return grown
 
 
@@ -104,8 +103,10 @@ def _lint_and_render(blocks: int, **lint_options) -> Callable[[], object]:
 
 def _small_and_large(**lint_options) -> tuple[Counter[CodeType], Counter[CodeType]]:
     _lint_and_render(1, **lint_options)()  # first use imports modules and fills caches: not counted
-    return (_lines_per_function(_lint_and_render(SMALL, **lint_options)),
-            _lines_per_function(_lint_and_render(SMALL * GROWTH, **lint_options)))
+    return (
+        _lines_per_function(_lint_and_render(SMALL, **lint_options)),
+        _lines_per_function(_lint_and_render(SMALL * GROWTH, **lint_options)),
+    )
 
 
 def test_the_model_exercises_the_rules():
@@ -150,8 +151,11 @@ def test_the_guard_catches_an_all_pairs_scan():
     large = _lines_per_function(all_pairs(SMALL * GROWTH))
     assert _superlinear(small, large) == []  # it is not in qlint's files, so it is not counted
     # counted when it is: run it from a code object whose file name is qlint's
-    source = compile("def scan(names):\n    return sum(1 for a in names for b in names if b.startswith(a + '.'))\n",
-                     str(Path(OURS[0]) / "scan.py"), "exec")
+    source = compile(
+        "def scan(names):\n    return sum(1 for a in names for b in names if b.startswith(a + '.'))\n",
+        str(Path(OURS[0]) / "scan.py"),
+        "exec",
+    )
     namespace: dict = {}
     exec(source, namespace)
     names_small = [n for n, _ in Stack(SMALL).named_modules()]
@@ -172,8 +176,9 @@ def test_ql102_names_at_most_ten_call_sites_in_its_message():
 @pytest.mark.parametrize("blocks", [SMALL, SMALL * GROWTH])
 def test_ql102_used_modules_index_matches_a_full_scan(blocks):
     """The prefix index answers 'is this module used?' exactly as comparing every reference would."""
-    from qlint.linter.engine import analyse
     from qlint.rules.ql102_shared_module import _UsedModules
+
+    from qlint.linter.engine import analyse
 
     model = Stack(blocks).eval()
     graph = analyse(model, (torch.randn(4, 8),), "x86").graph
@@ -196,8 +201,9 @@ def test_every_rule_run_is_timed_and_a_slow_one_says_how_to_skip_it(monkeypatch)
 
     monkeypatch.setattr(engine, "SLOW_RULE_SECONDS", 0.0)
     mapping = QConfigMapping().set_global(default_qconfig)
-    report = qlint.lint(Stack(2).eval(), (torch.randn(4, 8),), select=["QL102", "QL105", "QL201"],
-                        qconfig_mapping=mapping)
+    report = qlint.lint(
+        Stack(2).eval(), (torch.randn(4, 8),), select=["QL102", "QL105", "QL201"], qconfig_mapping=mapping
+    )
     assert [t.stage for t in report.timings if t.stage.startswith("rule ")] == ["rule QL102", "rule QL105"]
     assert [s.rule for s in report.skipped] == ["QL201"]  # skipped rules do not run, so are not timed
     slow = [n.message for n in report.notices if " took " in n.message]

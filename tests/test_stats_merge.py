@@ -40,8 +40,9 @@ def stream_stats(batches, channel_axis=1, q=0.975, **kwargs) -> TensorStats:
     return reduce(lambda stats, batch: stats.merge(summarize_batch(batch, channel_axis, q, **kwargs)), batches, start)
 
 
-def assert_stats_equal(actual: TensorStats, expected: TensorStats, sum_rtol: float = 1e-12,
-                       ratio_scale: torch.Tensor | None = None) -> None:
+def assert_stats_equal(
+    actual: TensorStats, expected: TensorStats, sum_rtol: float = 1e-12, ratio_scale: torch.Tensor | None = None
+) -> None:
     """Counts, extrema and histograms bit-exact; float64 sums up to re-association.
 
     ``ratio_scale``: per channel, the sum of |per-batch ratio sums|. Percentile
@@ -130,8 +131,9 @@ def test_merged_halves_equal_concatenated_stream(stream, q):
     scale = sum(stream_stats([batch], q=q).percentile_ratio_sum.abs() for batch in batches)
     merged = stream_stats(batches[:split], q=q).merge(stream_stats(batches[split:], q=q))
     assert_stats_equal(merged, whole, ratio_scale=scale)
-    assert_stats_equal(stream_stats(batches[split:], q=q).merge(stream_stats(batches[:split], q=q)), whole,
-                       ratio_scale=scale)
+    assert_stats_equal(
+        stream_stats(batches[split:], q=q).merge(stream_stats(batches[:split], q=q)), whole, ratio_scale=scale
+    )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -109,8 +109,9 @@ def test_sampled_outlier_metric_stays_close_to_torch_on_large_batches():
     # channels a quantile between 1.64 and 2.26 instead of 1.96, the ratio -13 %..+19 %;
     # the mean over 5 independent batches stays within 10 % of torch's exact one.
     reference, stats = _run_both(_large_rows, 0.975)
-    torch.testing.assert_close(stats.average_percentile_ratio(), reference.average_percentile_ratio.double(),
-                               rtol=0.1, atol=0)
+    torch.testing.assert_close(
+        stats.average_percentile_ratio(), reference.average_percentile_ratio.double(), rtol=0.1, atol=0
+    )
     assert torch.equal(stats.channel_max, reference.max_val.double())
 
 

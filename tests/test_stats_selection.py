@@ -37,13 +37,16 @@ def test_exact_reference_matches_quantile_per_feature(shape, q):
     torch.testing.assert_close(stats.sum_of_squares, per_feature.double().square().sum(1), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("shape, axis", [((4, 16, 20, 20), 1), ((2, 64, 100), -1), ((1, 3, 10_000), 1),
-                                         ((4096, 8), 1), ((2, 16384), None)])
+@pytest.mark.parametrize(
+    "shape, axis", [((4, 16, 20, 20), 1), ((2, 64, 100), -1), ((1, 3, 10_000), 1), ((4096, 8), 1), ((2, 16384), None)]
+)
 def test_small_batches_get_the_exact_reference_by_default(shape, axis):
     batch = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).exp()
     assert batch.numel() <= EXACT_VALUES
-    assert torch.equal(summarize_batch(batch, axis).percentile_ratio_sum,
-                       summarize_batch(batch, axis, percentile_sample=None).percentile_ratio_sum)
+    assert torch.equal(
+        summarize_batch(batch, axis).percentile_ratio_sum,
+        summarize_batch(batch, axis, percentile_sample=None).percentile_ratio_sum,
+    )
 
 
 def _reference_levels(batch: torch.Tensor, channel_axis: int, q: float) -> torch.Tensor:
@@ -131,6 +134,11 @@ def test_lint_releases_the_thread_work_buffers():
     summarize_batch(conv_input, 1, 0.975, scratch=thread_scratch_buffers())  # a channel-major copy
     assert thread_scratch_buffers().nbytes > 0
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
-    qlint.lint(model, (conv_input,), calibration=[conv_input, conv_input], select=["QL203"],
-               calibration_options={"quiet": True})
+    qlint.lint(
+        model,
+        (conv_input,),
+        calibration=[conv_input, conv_input],
+        select=["QL203"],
+        calibration_options={"quiet": True},
+    )
     assert thread_scratch_buffers().nbytes == 0

@@ -133,8 +133,11 @@ def test_inserted_observers_allocate_their_buffers_before_calibration():
     model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU(), torch.nn.Linear(20, 7))
     traced = torch.fx.symbolic_trace(model)
     torch.fx.passes.shape_prop.ShapeProp(traced).propagate(torch.randn(5, 12))
-    points = [ObservationPoint("_0", "input", 0, -1), ObservationPoint("_2", "input", 0, -1),
-              ObservationPoint("_2", "output", 0, None)]
+    points = [
+        ObservationPoint("_0", "input", 0, -1),
+        ObservationPoint("_2", "input", 0, -1),
+        ObservationPoint("_2", "output", 0, None),
+    ]
     observed, observers, skipped = insert_observers(traced, points)
     assert not skipped
     widths = {point: observer._running.channels for point, observer in observers.items()}

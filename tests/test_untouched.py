@@ -9,14 +9,19 @@ from tests import models
 
 
 def _snapshot(model):
-    return ({k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
-            {name: m.training for name, m in model.named_modules()},
-            {name: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
-             for name, m in model.named_modules()})
+    return (
+        {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
+        {name: m.training for name, m in model.named_modules()},
+        {
+            name: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
+            for name, m in model.named_modules()
+        },
+    )
 
 
-@pytest.mark.parametrize("factory,train", [(build, False), (models.gated_nested_train, True),
-                                           (models.residual_functional, False)])
+@pytest.mark.parametrize(
+    "factory,train", [(build, False), (models.gated_nested_train, True), (models.residual_functional, False)]
+)
 def test_lint_leaves_model_untouched(factory, train):
     model = factory()
     model.train(train)
@@ -29,8 +34,9 @@ def test_lint_leaves_model_untouched(factory, train):
     param_ids = {k: id(v) for k, v in model.named_parameters()}
 
     calibration = [torch.randn_like(x) * (k + 1) for k in range(3)]
-    report = qlint.lint(model, (x,), calibration=calibration,
-                        qconfig_mapping=qconfig_mapping() if factory is build else None)
+    report = qlint.lint(
+        model, (x,), calibration=calibration, qconfig_mapping=qconfig_mapping() if factory is build else None
+    )
     assert not [s for s in report.skipped if s.rule.startswith("QL2")]  # data rules really ran
     assert report.findings  # it really analysed the model
 

@@ -54,8 +54,9 @@ def test_greedy_pruning_drops_useless_decision(report):
 
 def test_target_fallback_keeps_layers_float(data):
     calibration, eval_data = data
-    result = verify(make_same_conv_net(), None, calibration, eval_data, target_sqnr=150.0, prune=False,
-                    max_sensitivity_trials=3)
+    result = verify(
+        make_same_conv_net(), None, calibration, eval_data, target_sqnr=150.0, prune=False, max_sensitivity_trials=3
+    )
     assert len(result.kept_float) >= 1
     assert result.target_met is False
     assert result.plan.sqnr_db > result.requested.sqnr_db
@@ -105,8 +106,16 @@ def cli_files(tmp_path, data, useless_plan):
 
 
 def test_cli_verify_text_and_json(run_cli, cli_files, repo_root):
-    args = ["verify", f"{cli_files}/netmod.py:build", "--plan", "plan.json", "--calibration", "cal.pt",
-            "--eval-data", "eval.pt"]
+    args = [
+        "verify",
+        f"{cli_files}/netmod.py:build",
+        "--plan",
+        "plan.json",
+        "--calibration",
+        "cal.pt",
+        "--eval-data",
+        "eval.pt",
+    ]
     text = run_cli(*args, cwd=cli_files)
     assert text.returncode == 0, text.stderr
     assert "default mapping" in text.stdout and "verified plan" in text.stdout and "output SQNR" in text.stdout
@@ -122,8 +131,20 @@ def test_cli_verify_text_and_json(run_cli, cli_files, repo_root):
 
 def test_cli_no_scheme_search_flag(run_cli, cli_files, report):
     assert any(d.kind == "scheme" for d in report.decisions)  # on by default, same model, plan and data
-    result = run_cli("verify", f"{cli_files}/netmod.py:build", "--plan", "plan.json", "--calibration", "cal.pt",
-                     "--eval-data", "eval.pt", "--no-scheme-search", "--format", "json", cwd=cli_files)
+    result = run_cli(
+        "verify",
+        f"{cli_files}/netmod.py:build",
+        "--plan",
+        "plan.json",
+        "--calibration",
+        "cal.pt",
+        "--eval-data",
+        "eval.pt",
+        "--no-scheme-search",
+        "--format",
+        "json",
+        cwd=cli_files,
+    )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["decisions"] and not any(d["kind"] == "scheme" for d in payload["decisions"])
@@ -135,11 +156,13 @@ def test_cli_verify_takes_data_functions_like_lint(run_cli, cli_files):
         "import torch\n"
         "def calibration():\n    return torch.load('cal.pt', weights_only=True)\n"
         "def held_out():\n    return torch.load('eval.pt', weights_only=True)\n"
-        "def broken():\n    raise RuntimeError('no data today')\n")
+        "def broken():\n    raise RuntimeError('no data today')\n"
+    )
     common = ["verify", f"{cli_files}/netmod.py:build", "--plan", "plan.json", "--format", "json"]
     from_files = run_cli(*common, "--calibration", "cal.pt", "--eval-data", "eval.pt", cwd=cli_files)
-    from_functions = run_cli(*common, "--calibration", "batches.py:calibration", "--eval-data",
-                             "batches.py:held_out", cwd=cli_files)
+    from_functions = run_cli(
+        *common, "--calibration", "batches.py:calibration", "--eval-data", "batches.py:held_out", cwd=cli_files
+    )
     assert from_functions.returncode == 0, from_functions.stderr
     assert json.loads(from_functions.stdout)["plan"] == json.loads(from_files.stdout)["plan"]
     broken = run_cli(*common, "--calibration", "batches.py:broken", "--eval-data", "eval.pt", cwd=cli_files)
@@ -148,8 +171,17 @@ def test_cli_verify_takes_data_functions_like_lint(run_cli, cli_files):
 
 
 def test_cli_verify_errors_exit_2(run_cli, cli_files):
-    missing = run_cli("verify", f"{cli_files}/netmod.py:build", "--plan", "nope.json", "--calibration",
-                      "cal.pt", "--eval-data", "eval.pt", cwd=cli_files)
+    missing = run_cli(
+        "verify",
+        f"{cli_files}/netmod.py:build",
+        "--plan",
+        "nope.json",
+        "--calibration",
+        "cal.pt",
+        "--eval-data",
+        "eval.pt",
+        cwd=cli_files,
+    )
     assert missing.returncode == 2 and "nope.json" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
     no_data = run_cli("verify", f"{cli_files}/netmod.py:build", "--calibration", "cal.pt", cwd=cli_files)
@@ -157,8 +189,19 @@ def test_cli_verify_errors_exit_2(run_cli, cli_files):
 
 
 def test_cli_fix_writes_pt2_pt_and_qconfig(run_cli, cli_files):
-    result = run_cli("fix", f"{cli_files}/netmod.py:build", "--plan", "plan.json", "--input-shape", "2,3,12,12",
-                     "--output", "fixed.pt2", "--emit-qconfig", "q.py", cwd=cli_files)
+    result = run_cli(
+        "fix",
+        f"{cli_files}/netmod.py:build",
+        "--plan",
+        "plan.json",
+        "--input-shape",
+        "2,3,12,12",
+        "--output",
+        "fixed.pt2",
+        "--emit-qconfig",
+        "q.py",
+        cwd=cli_files,
+    )
     assert result.returncode == 0, result.stderr
     assert "3 rewrite" in result.stdout or "4 rewrite" in result.stdout
     program = torch.export.load(str(cli_files / "fixed.pt2"))
@@ -166,13 +209,15 @@ def test_cli_fix_writes_pt2_pt_and_qconfig(run_cli, cli_files):
     with torch.no_grad():
         assert torch.allclose(program.module()(x), make_same_conv_net()(x), rtol=1e-4, atol=1e-5)
     assert "build_qconfig_mapping" in (cli_files / "q.py").read_text()
-    pt = run_cli("fix", f"{cli_files}/netmod.py:build", "--input-shape", "2,3,12,12", "--output", "fixed.pt",
-                 cwd=cli_files)
+    pt = run_cli(
+        "fix", f"{cli_files}/netmod.py:build", "--input-shape", "2,3,12,12", "--output", "fixed.pt", cwd=cli_files
+    )
     assert pt.returncode == 0, pt.stderr
     saved = torch.load(cli_files / "fixed.pt", weights_only=True)
     assert "convs.0.qlint_folded_bias" in saved["state_dict"] and "reshape" in saved["code"]
-    bad = run_cli("fix", f"{cli_files}/netmod.py:build", "--input-shape", "2,3,12,12", "--output", "x.onnx",
-                  cwd=cli_files)
+    bad = run_cli(
+        "fix", f"{cli_files}/netmod.py:build", "--input-shape", "2,3,12,12", "--output", "x.onnx", cwd=cli_files
+    )
     assert bad.returncode == 2 and ".pt2" in bad.stderr
     no_inputs = run_cli("fix", f"{cli_files}/netmod.py:build", "--output", "y.pt2", cwd=cli_files)
     assert no_inputs.returncode == 2 and "example inputs" in no_inputs.stderr
@@ -195,8 +240,13 @@ def test_a_plan_that_loses_to_the_default_as_a_whole_is_replaced_by_it():
 
     batches = list(calibration_batches())
     # the rules' own suggestions, as before lint measured them (the trial would drop some)
-    report = qlint.lint(build(), (batches[0],), calibration=batches, calibration_options={"quiet": True},
-                        trial_options={"enabled": False})
+    report = qlint.lint(
+        build(),
+        (batches[0],),
+        calibration=batches,
+        calibration_options={"quiet": True},
+        trial_options={"enabled": False},
+    )
     result = verify(build(), plan_from_report(report), batches, batches)
     restart = [d for d in result.decisions if d.kind == "plan"]
     assert restart and restart[0].sqnr_with_db < restart[0].sqnr_without_db

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Final, Literal, Optional
+from typing import Any, Final, Literal
 
 from pydantic import ValidationError, model_validator
 from torch.ao.quantization import QConfigMapping
@@ -33,8 +33,16 @@ from qlint.advice.pt2e import to_pt2e_quantizer
 from qlint.errors import ConfigError
 from qlint.linter.findings import Report
 from qlint.linter.mapping import qconfig_mapping
-from qlint.linter.suggestions import (ActivationSpec, EqualizationPair, ModuleDecision, Provenance, Rewrite,
-                                      Suggestions, WeightSpec, backend_defaults)
+from qlint.linter.suggestions import (
+    ActivationSpec,
+    EqualizationPair,
+    ModuleDecision,
+    Provenance,
+    Rewrite,
+    Suggestions,
+    WeightSpec,
+    backend_defaults,
+)
 from qlint.render.literal import printable
 
 PLAN_TYPE: Final = "qlint.QuantPlan"
@@ -63,13 +71,13 @@ class QuantPlan(Suggestions):
                 raise PlanFormatError(f"bad plan schema_version {version!r}: expected an integer >= 1")
             if version > SCHEMA_VERSION:
                 raise PlanFormatError(
-                    f"plan schema_version {version} is newer than this qlint reads ({SCHEMA_VERSION}); "
-                    "upgrade qlint")
+                    f"plan schema_version {version} is newer than this qlint reads ({SCHEMA_VERSION}); upgrade qlint"
+                )
         return data
 
     # --- reading ------------------------------------------------------------------------
     @classmethod
-    def from_json(cls, text: str) -> "QuantPlan":
+    def from_json(cls, text: str) -> QuantPlan:
         """Parse a plan, turning every problem into a one-line PlanFormatError."""
         try:
             raw = json.loads(text)
@@ -88,7 +96,7 @@ class QuantPlan(Suggestions):
             raise PlanFormatError(f"bad plan at {where}: {first.get('msg')}") from error
 
     @classmethod
-    def load(cls, path: str) -> "QuantPlan":
+    def load(cls, path: str) -> QuantPlan:
         try:
             text = Path(path).read_text()
         except OSError as error:
@@ -111,9 +119,11 @@ class QuantPlan(Suggestions):
 
     def pretty(self) -> str:
         """A human-readable summary (``qlint plan show``)."""
-        lines = [f"QuantPlan (schema {self.schema_version}) for {self.model or 'model'} on {self.backend}",
-                 f"  global activation: {self.activation.describe()}",
-                 f"  global weight:     {self.weight.describe()}"]
+        lines = [
+            f"QuantPlan (schema {self.schema_version}) for {self.model or 'model'} on {self.backend}",
+            f"  global activation: {self.activation.describe()}",
+            f"  global weight:     {self.weight.describe()}",
+        ]
         if self.modules:
             lines.append("  modules:")
             for d in self.modules:
@@ -138,7 +148,8 @@ class QuantPlan(Suggestions):
 
 # --- building plans ----------------------------------------------------------------------
 
-def default_plan(backend: str = "x86", model: Optional[str] = None) -> QuantPlan:
+
+def default_plan(backend: str = "x86", model: str | None = None) -> QuantPlan:
     activation, weight = backend_defaults(backend)
     return QuantPlan(backend=backend, model=model, activation=activation, weight=weight)
 
@@ -148,5 +159,15 @@ def plan_from_report(report: Report) -> QuantPlan:
     return QuantPlan(**dict(report.suggestions()))
 
 
-__all__ = ["ActivationSpec", "EqualizationPair", "ModuleDecision", "PlanFormatError", "Provenance", "QuantPlan",
-           "Rewrite", "WeightSpec", "default_plan", "plan_from_report"]
+__all__ = [
+    "ActivationSpec",
+    "EqualizationPair",
+    "ModuleDecision",
+    "PlanFormatError",
+    "Provenance",
+    "QuantPlan",
+    "Rewrite",
+    "WeightSpec",
+    "default_plan",
+    "plan_from_report",
+]

@@ -20,16 +20,21 @@ _X86_FAMILY = ("x86", "fbgemm", "onednn")
 def to_pt2e_quantizer(plan: Suggestions) -> Any:
     try:
         from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-            X86InductorQuantizer, get_default_x86_inductor_quantization_config)
+            X86InductorQuantizer,
+            get_default_x86_inductor_quantization_config,
+        )
     except ImportError as error:
         raise ConfigError("pt2e export needs torchao: pip install 'qlint[pt2e]'") from error
     if plan.backend not in _X86_FAMILY:
-        raise ConfigError(f"pt2e export supports the {', '.join(_X86_FAMILY)} backends; for "
-                          f"{plan.backend} use ExecuTorch's XNNPACKQuantizer with the plan's decisions")
+        raise ConfigError(
+            f"pt2e export supports the {', '.join(_X86_FAMILY)} backends; for "
+            f"{plan.backend} use ExecuTorch's XNNPACKQuantizer with the plan's decisions"
+        )
 
     def config(dynamic: bool = False):
         return get_default_x86_inductor_quantization_config(
-            is_dynamic=dynamic, reduce_range=bool(plan.activation.reduce_range))
+            is_dynamic=dynamic, reduce_range=bool(plan.activation.reduce_range)
+        )
 
     quantizer = X86InductorQuantizer()
     quantizer.set_global(config())

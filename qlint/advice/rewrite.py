@@ -31,7 +31,8 @@ otherwise it is refused and recorded with the reason.
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence, cast
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -49,8 +50,12 @@ DEFAULT_MAX_RELATIVE_ERROR = 1e-5
 
 _FUNCTIONAL_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_FANOUT_PRODUCERS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d,
-                     nn.Linear: nn.BatchNorm1d}
+_FANOUT_PRODUCERS = {
+    nn.Conv1d: nn.BatchNorm1d,
+    nn.Conv2d: nn.BatchNorm2d,
+    nn.Conv3d: nn.BatchNorm3d,
+    nn.Linear: nn.BatchNorm1d,
+}
 FANOUT_SUFFIX = "_qlint_fanout"
 
 
@@ -64,8 +69,8 @@ class AppliedRewrite(BaseModel):
     nodes: list[str]
     applied: bool
     requested_by_plan: bool = False
-    max_relative_error: Optional[float] = None
-    reason: Optional[str] = None
+    max_relative_error: float | None = None
+    reason: str | None = None
 
 
 class _Candidate:
@@ -109,8 +114,13 @@ def find_rewrites(gm: fx.GraphModule) -> list[_Candidate]:
                 continue
             if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
                 continue
-            found.append(_Candidate("fold_bn_into_functional_conv",
-                                    [_owner_name(str(weight.target)), str(node.target)], [conv.name, node.name]))
+            found.append(
+                _Candidate(
+                    "fold_bn_into_functional_conv",
+                    [_owner_name(str(weight.target)), str(node.target)],
+                    [conv.name, node.name],
+                )
+            )
         fanout = _fanout_candidate(gm, modules, node)
         if fanout is not None:
             found.append(fanout)
@@ -121,7 +131,7 @@ def find_rewrites(gm: fx.GraphModule) -> list[_Candidate]:
     return found
 
 
-def _fanout_candidate(gm: fx.GraphModule, modules: dict[str, nn.Module], node: fx.Node) -> Optional[_Candidate]:
+def _fanout_candidate(gm: fx.GraphModule, modules: dict[str, nn.Module], node: fx.Node) -> _Candidate | None:
     """A Conv/Linear module call feeding an eval-mode BN module plus other consumers."""
     if node.op != "call_module":
         return None
@@ -129,8 +139,16 @@ def _fanout_candidate(gm: fx.GraphModule, modules: dict[str, nn.Module], node: f
     bn_type = next((b for p, b in _FANOUT_PRODUCERS.items() if type(producer) is p), None)
     if bn_type is None or producer is None or len(node.users) < 2:
         return None
-    bns = [u for u in node.users if u.op == "call_module" and isinstance(modules.get(str(u.target)), bn_type)
-           and u.args and u.args[0] is node and len(u.args) == 1 and not u.kwargs]
+    bns = [
+        u
+        for u in node.users
+        if u.op == "call_module"
+        and isinstance(modules.get(str(u.target)), bn_type)
+        and u.args
+        and u.args[0] is node
+        and len(u.args) == 1
+        and not u.kwargs
+    ]
     if len(bns) != 1:
         return None
     bn = modules[str(bns[0].target)]
@@ -214,8 +232,12 @@ def _checked(record: dict[str, Any], error: float, max_relative_error: float) ->
     """A rewrite is kept only if float outputs stay within ``max_relative_error``."""
     if error <= max_relative_error:
         return AppliedRewrite(**record, applied=True, max_relative_error=error)
-    return AppliedRewrite(**record, applied=False, max_relative_error=min(error, 1e30),
-                          reason=f"float outputs changed by {error:.3g} (> {max_relative_error:g})")
+    return AppliedRewrite(
+        **record,
+        applied=False,
+        max_relative_error=min(error, 1e30),
+        reason=f"float outputs changed by {error:.3g} (> {max_relative_error:g})",
+    )
 
 
 def _outputs(gm: nn.Module, inputs: Sequence[Any]) -> list[torch.Tensor]:
@@ -254,10 +276,15 @@ def _requested(plan: Any, candidate: _Candidate) -> bool:
     return False
 
 
-def apply_rewrites(graph_module: nn.Module, plan: Any = None, example_inputs: Sequence[Any] = (), *,
-                   kinds: Optional[Sequence[str]] = None, skip: Sequence[str] = (),
-                   max_relative_error: float = DEFAULT_MAX_RELATIVE_ERROR,
-                   ) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+def apply_rewrites(
+    graph_module: nn.Module,
+    plan: Any = None,
+    example_inputs: Sequence[Any] = (),
+    *,
+    kinds: Sequence[str] | None = None,
+    skip: Sequence[str] = (),
+    max_relative_error: float = DEFAULT_MAX_RELATIVE_ERROR,
+) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
     """Rewrite a copy of ``graph_module``; returns (rewritten copy, every rewrite tried).
 
     ``graph_module`` may be any traceable nn.Module (it is symbolically traced first).
@@ -281,16 +308,19 @@ def apply_rewrites(graph_module: nn.Module, plan: Any = None, example_inputs: Se
         if rewrite_key(candidate.kind, candidate.nodes) in skip:
             continue
         trial = copy.deepcopy(current)
-        record = dict(kind=candidate.kind, modules=candidate.modules, nodes=candidate.nodes,
-                      requested_by_plan=_requested(plan, candidate))
+        record = dict(
+            kind=candidate.kind,
+            modules=candidate.modules,
+            nodes=candidate.nodes,
+            requested_by_plan=_requested(plan, candidate),
+        )
         try:
             _APPLY[candidate.kind](trial, candidate)
             trial.graph.lint()
             trial.recompile()
             error = relative_error(reference, _outputs(trial, example_inputs))
         except Exception as failure:  # a rewrite that breaks the graph is refused, not fatal
-            applied.append(AppliedRewrite(**record, applied=False,
-                                          reason=f"{type(failure).__name__}: {failure}"[:300]))
+            applied.append(AppliedRewrite(**record, applied=False, reason=f"{type(failure).__name__}: {failure}"[:300]))
             continue
         outcome = _checked(record, error, max_relative_error)
         applied.append(outcome)
@@ -307,7 +337,7 @@ _EQ_PREVIOUS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.Bat
 _EQ_NEXT = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def _equalization_path(gm: fx.GraphModule, module: str) -> Optional[tuple[fx.Node, fx.Node]]:
+def _equalization_path(gm: fx.GraphModule, module: str) -> tuple[fx.Node, fx.Node] | None:
     """(previous, next) call_module nodes with only ReLUs between them and no other consumer."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) == module]
     if len(nodes) != 1 or not isinstance(gm.get_submodule(module), _EQ_NEXT):
@@ -372,9 +402,13 @@ def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequ
         cast(torch.Tensor, following.weight).div_(scale.reshape((1, -1) + (1,) * (weight.dim() - 2)))
 
 
-def apply_equalization(graph_module: fx.GraphModule, modules: Sequence[str], batches: Sequence[Any], *,
-                       max_relative_error: float = DEFAULT_MAX_RELATIVE_ERROR,
-                       ) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+def apply_equalization(
+    graph_module: fx.GraphModule,
+    modules: Sequence[str],
+    batches: Sequence[Any],
+    *,
+    max_relative_error: float = DEFAULT_MAX_RELATIVE_ERROR,
+) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
     """Input-weight equalization realized as a float-preserving rescale (cross-layer equalization).
 
     For each module (a Linear/Conv), the input channels are balanced against the weight
@@ -393,14 +427,25 @@ def apply_equalization(graph_module: fx.GraphModule, modules: Sequence[str], bat
     for module in modules:
         path = _equalization_path(current, module)
         if path is None:
-            applied.append(AppliedRewrite(kind="equalize", modules=[module], nodes=[], applied=False,
-                                          requested_by_plan=True,
-                                          reason="no foldable previous Linear/Conv/norm (through ReLU only)"))
+            applied.append(
+                AppliedRewrite(
+                    kind="equalize",
+                    modules=[module],
+                    nodes=[],
+                    applied=False,
+                    requested_by_plan=True,
+                    reason="no foldable previous Linear/Conv/norm (through ReLU only)",
+                )
+            )
             continue
         trial = copy.deepcopy(current)
         previous, nxt = (next(n for n in trial.graph.nodes if n.name == p.name) for p in path)
-        record = dict(kind="equalize", modules=[str(previous.target), module], nodes=[previous.name, nxt.name],
-                      requested_by_plan=True)
+        record = dict(
+            kind="equalize",
+            modules=[str(previous.target), module],
+            nodes=[previous.name, nxt.name],
+            requested_by_plan=True,
+        )
         _equalize(trial, previous, nxt, batches)
         error = relative_error(reference, _outputs(trial, example))
         outcome = _checked(record, error, max_relative_error)
@@ -410,5 +455,13 @@ def apply_equalization(graph_module: fx.GraphModule, modules: Sequence[str], bat
     return current, applied
 
 
-__all__ = ["AppliedRewrite", "apply_equalization", "apply_rewrites", "find_rewrites", "rewrite_key", "relative_error", "DEFAULT_MAX_RELATIVE_ERROR",
-           "FANOUT_SUFFIX"]
+__all__ = [
+    "AppliedRewrite",
+    "apply_equalization",
+    "apply_rewrites",
+    "find_rewrites",
+    "rewrite_key",
+    "relative_error",
+    "DEFAULT_MAX_RELATIVE_ERROR",
+    "FANOUT_SUFFIX",
+]

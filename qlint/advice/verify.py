@@ -28,17 +28,26 @@ pass separate held-out data to a second ``verify`` call for an unbiased estimate
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.nn as nn
 
-from qlint.core.preserve import preserved_state
 from qlint.advice.plan import Provenance, QuantPlan, Rewrite, default_plan
 from qlint.advice.rewrite import AppliedRewrite, rewrite_key
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, RunResult, VerifyReport
 from qlint.advice.verify_search import float_fallback, scheme_search
-from qlint.advice.verify_session import (SQNR_TOLERANCE_DB, Quantized, Session, VerifyError, batch_list,
-                                         conv_linear_coverage, conv_linear_modules, state_dict_bytes)
+from qlint.advice.verify_session import (
+    SQNR_TOLERANCE_DB,
+    Quantized,
+    Session,
+    VerifyError,
+    batch_list,
+    conv_linear_coverage,
+    conv_linear_modules,
+    state_dict_bytes,
+)
+from qlint.core.preserve import preserved_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +63,9 @@ class _Decision:
         if self.kind == "module":
             return plan.model_copy(update={"modules": [d for d in plan.modules if d.fqn != self.target]}), list(skip)
         if self.kind == "equalization":
-            return plan.model_copy(update={
-                "equalization": [p for p in plan.equalization if p.module != self.target]}), list(skip)
+            return plan.model_copy(
+                update={"equalization": [p for p in plan.equalization if p.module != self.target]}
+            ), list(skip)
         return plan, [*skip, self.target]
 
 
@@ -63,13 +73,21 @@ def _decisions(plan: QuantPlan, applied: Sequence[AppliedRewrite]) -> list[_Deci
     """Every decision of the plan, in the order pruning tries them."""
     decisions = [_Decision("module", d.fqn, d.describe()) for d in plan.modules]
     decisions += [_Decision("equalization", pair.module) for pair in plan.equalization]
-    decisions += [_Decision("rewrite", rewrite_key(r.kind, r.nodes), ", ".join(r.modules))
-                  for r in applied if r.applied and r.kind != "equalize"]
+    decisions += [
+        _Decision("rewrite", rewrite_key(r.kind, r.nodes), ", ".join(r.modules))
+        for r in applied
+        if r.applied and r.kind != "equalize"
+    ]
     return decisions
 
 
-def _prune(session: Session, plan: QuantPlan, applied: Sequence[AppliedRewrite],
-           outcomes: list[DecisionOutcome], notes: list[str]) -> tuple[QuantPlan, list[str], float]:
+def _prune(
+    session: Session,
+    plan: QuantPlan,
+    applied: Sequence[AppliedRewrite],
+    outcomes: list[DecisionOutcome],
+    notes: list[str],
+) -> tuple[QuantPlan, list[str], float]:
     """Drop every decision whose removal does not lower SQNR (greedy, one pass), then fall
     back to the backend default when the pruned plan as a whole loses to it.
 
@@ -80,9 +98,16 @@ def _prune(session: Session, plan: QuantPlan, applied: Sequence[AppliedRewrite],
         trial, trial_skip = decision.removed_from(plan, skip)
         without = session.plan_sqnr(trial, trial_skip)
         drop = without >= best - SQNR_TOLERANCE_DB
-        outcomes.append(DecisionOutcome(kind=decision.kind, target=decision.target, kept=not drop,
-                                        sqnr_with_db=round(best, 4), sqnr_without_db=round(without, 4),
-                                        detail=decision.detail))
+        outcomes.append(
+            DecisionOutcome(
+                kind=decision.kind,
+                target=decision.target,
+                kept=not drop,
+                sqnr_with_db=round(best, 4),
+                sqnr_without_db=round(without, 4),
+                detail=decision.detail,
+            )
+        )
         if drop:
             plan, skip, best = trial, trial_skip, max(best, without)
     # Every kept decision helps given the others, yet decisions interact: together they
@@ -91,27 +116,44 @@ def _prune(session: Session, plan: QuantPlan, applied: Sequence[AppliedRewrite],
     fresh = default_plan(plan.backend).model_copy(update={"model": plan.model})
     fresh_sqnr = session.plan_sqnr(fresh, skip_all)
     if best < fresh_sqnr - SQNR_TOLERANCE_DB:
-        outcomes.append(DecisionOutcome(kind="plan", target="every remaining decision", kept=False,
-                                        sqnr_with_db=round(best, 4), sqnr_without_db=round(fresh_sqnr, 4),
-                                        detail="together they lose to the backend default"))
-        notes.append(f"the pruned plan ({best:.2f} dB) lost to the backend default ({fresh_sqnr:.2f} dB): "
-                     "verify continued from the default")
+        outcomes.append(
+            DecisionOutcome(
+                kind="plan",
+                target="every remaining decision",
+                kept=False,
+                sqnr_with_db=round(best, 4),
+                sqnr_without_db=round(fresh_sqnr, 4),
+                detail="together they lose to the backend default",
+            )
+        )
+        notes.append(
+            f"the pruned plan ({best:.2f} dB) lost to the backend default ({fresh_sqnr:.2f} dB): "
+            "verify continued from the default"
+        )
         return fresh, skip_all, fresh_sqnr
     return plan, skip, best
 
 
-def _layers(session: Session, default: tuple[RunResult, Quantized], verified: tuple[RunResult, Quantized]
-            ) -> list[LayerComparison]:
+def _layers(
+    session: Session, default: tuple[RunResult, Quantized], verified: tuple[RunResult, Quantized]
+) -> list[LayerComparison]:
     """Per conv/linear layer: activation SQNR and int8-ness under the default and the verified plan."""
     fqns = conv_linear_modules(session.traced)
     (default_result, default_q), (plan_result, plan_q) = default, verified
     default_layers = session.layer_sqnr(default_q, fqns)
     plan_layers = session.layer_sqnr(plan_q, fqns)
     default_float, plan_float = set(default_result.float_modules), set(plan_result.float_modules)
-    return [LayerComparison(fqn=f, kind=type(session.traced.get_submodule(f)).__name__,
-                            default_sqnr_db=default_layers.get(f), plan_sqnr_db=plan_layers.get(f),
-                            default_int8=f not in default_float, plan_int8=f not in plan_float)
-            for f in fqns]
+    return [
+        LayerComparison(
+            fqn=f,
+            kind=type(session.traced.get_submodule(f)).__name__,
+            default_sqnr_db=default_layers.get(f),
+            plan_sqnr_db=plan_layers.get(f),
+            default_int8=f not in default_float,
+            plan_int8=f not in plan_float,
+        )
+        for f in fqns
+    ]
 
 
 def _record_rewrites(plan: QuantPlan, applied: Sequence[AppliedRewrite]) -> QuantPlan:
@@ -119,21 +161,42 @@ def _record_rewrites(plan: QuantPlan, applied: Sequence[AppliedRewrite]) -> Quan
     rewrites = list(plan.rewrites)
     for a in applied:
         if a.applied and not a.requested_by_plan:
-            rewrites.append(Rewrite(kind=a.kind, modules=list(a.modules), params={"nodes": list(a.nodes)},
-                                    provenance=[Provenance(source="measurement", metric="float relative error",
-                                                           value=a.max_relative_error or 0.0,
-                                                           detail="detected by qlint.advice.rewrite")]))
+            rewrites.append(
+                Rewrite(
+                    kind=a.kind,
+                    modules=list(a.modules),
+                    params={"nodes": list(a.nodes)},
+                    provenance=[
+                        Provenance(
+                            source="measurement",
+                            metric="float relative error",
+                            value=a.max_relative_error or 0.0,
+                            detail="detected by qlint.advice.rewrite",
+                        )
+                    ],
+                )
+            )
     return plan.model_copy(update={"rewrites": rewrites})
 
 
 # --------------------------------------------------------------------------------- API
-def verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_data: Any, *,
-           backend: Optional[str] = None, target_sqnr: Optional[float] = None,
-           eval_fn: Optional[Callable[[nn.Module, Any], float]] = None,
-           equalization_qconfig: Any = None, prune: bool = True,
-           max_float_fraction: float = 1.0, max_sensitivity_trials: int = 12,
-           search_schemes: bool = True, max_scheme_trials: int = 24,
-           model_name: Optional[str] = None) -> VerifyReport:
+def verify(
+    model: nn.Module,
+    plan: QuantPlan | None,
+    calibration: Any,
+    eval_data: Any,
+    *,
+    backend: str | None = None,
+    target_sqnr: float | None = None,
+    eval_fn: Callable[[nn.Module, Any], float] | None = None,
+    equalization_qconfig: Any = None,
+    prune: bool = True,
+    max_float_fraction: float = 1.0,
+    max_sensitivity_trials: int = 12,
+    search_schemes: bool = True,
+    max_scheme_trials: int = 24,
+    model_name: str | None = None,
+) -> VerifyReport:
     """Quantize ``model`` with the backend default and with ``plan``; measure, prune, search, fall back.
 
     ``calibration`` and ``eval_data`` are iterables of batches (a tensor, a tuple of
@@ -151,24 +214,54 @@ def verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_d
         raise VerifyError(f"expected an nn.Module, got {type(model).__name__}")
     # verify runs forward only on copies of the model; the guard gives back RNG, logging and attributes.
     with preserved_state(model, watch_parameters=False):
-        return _verify(model, plan, calibration, eval_data, backend=backend, target_sqnr=target_sqnr,
-                       eval_fn=eval_fn, equalization_qconfig=equalization_qconfig, prune=prune,
-                       max_float_fraction=max_float_fraction, max_sensitivity_trials=max_sensitivity_trials,
-                       search_schemes=search_schemes, max_scheme_trials=max_scheme_trials, model_name=model_name)
+        return _verify(
+            model,
+            plan,
+            calibration,
+            eval_data,
+            backend=backend,
+            target_sqnr=target_sqnr,
+            eval_fn=eval_fn,
+            equalization_qconfig=equalization_qconfig,
+            prune=prune,
+            max_float_fraction=max_float_fraction,
+            max_sensitivity_trials=max_sensitivity_trials,
+            search_schemes=search_schemes,
+            max_scheme_trials=max_scheme_trials,
+            model_name=model_name,
+        )
 
 
-def _verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_data: Any, *,
-            backend: Optional[str], target_sqnr: Optional[float],
-            eval_fn: Optional[Callable[[nn.Module, Any], float]], equalization_qconfig: Any, prune: bool,
-            max_float_fraction: float, max_sensitivity_trials: int, search_schemes: bool,
-            max_scheme_trials: int, model_name: Optional[str]) -> VerifyReport:
+def _verify(
+    model: nn.Module,
+    plan: QuantPlan | None,
+    calibration: Any,
+    eval_data: Any,
+    *,
+    backend: str | None,
+    target_sqnr: float | None,
+    eval_fn: Callable[[nn.Module, Any], float] | None,
+    equalization_qconfig: Any,
+    prune: bool,
+    max_float_fraction: float,
+    max_sensitivity_trials: int,
+    search_schemes: bool,
+    max_scheme_trials: int,
+    model_name: str | None,
+) -> VerifyReport:
     plan = plan if plan is not None else default_plan(backend or "x86")
     backend = backend or plan.backend
     if backend != plan.backend:
         plan = plan.model_copy(update={"backend": backend})
     notes: list[str] = []
-    session = Session(model, batch_list(calibration, "calibration"), batch_list(eval_data, "eval"), backend,
-                      equalization_qconfig, eval_fn)
+    session = Session(
+        model,
+        batch_list(calibration, "calibration"),
+        batch_list(eval_data, "eval"),
+        backend,
+        equalization_qconfig,
+        eval_fn,
+    )
     float_metric = float(eval_fn(session.model, session.eval_data)) if eval_fn is not None else None
 
     # 1. measure the backend default and the plan as given
@@ -186,15 +279,21 @@ def _verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_
     # 3. scheme search, then the target-SQNR fallback (qlint/advice/verify_search.py)
     if search_schemes:
         frozen = [] if prune else [d.fqn for d in plan.modules]  # --no-prune: plan decisions stay as given
-        current, best, tried = scheme_search(session, current, best, skip, max_trials=max_scheme_trials,
-                                             frozen=frozen)
+        current, best, tried = scheme_search(session, current, best, skip, max_trials=max_scheme_trials, frozen=frozen)
         outcomes += tried
     kept_float: list[str] = []
-    target_met: Optional[bool] = None
+    target_met: bool | None = None
     if target_sqnr is not None:
         current, best, kept_float, tried, note = float_fallback(
-            session, current, best, skip, target_sqnr=target_sqnr, max_float_fraction=max_float_fraction,
-            max_trials=max_sensitivity_trials, total_layers=default[0].total_layers)
+            session,
+            current,
+            best,
+            skip,
+            target_sqnr=target_sqnr,
+            max_float_fraction=max_float_fraction,
+            max_trials=max_sensitivity_trials,
+            total_layers=default[0].total_layers,
+        )
         outcomes += tried
         target_met = best >= target_sqnr
         notes += [note] if note else []
@@ -203,18 +302,41 @@ def _verify(model: nn.Module, plan: Optional[QuantPlan], calibration: Any, eval_
     final_gm, final_applied = session.rewritten(current, skip)
     verified = session.measure("verified plan", final_gm, current)
     kept_keys = {rewrite_key(a.kind, a.nodes) for a in final_applied if a.applied}
-    rewrites_report = [a if (rewrite_key(a.kind, a.nodes) in kept_keys or not a.applied)
-                       else a.model_copy(update={"applied": False, "reason": "pruned: did not raise SQNR"})
-                       for a in applied]
+    rewrites_report = [
+        a
+        if (rewrite_key(a.kind, a.nodes) in kept_keys or not a.applied)
+        else a.model_copy(update={"applied": False, "reason": "pruned: did not raise SQNR"})
+        for a in applied
+    ]
     return VerifyReport(
-        backend=backend, model=model_name or plan.model or type(model).__name__,
-        eval_batches=len(session.eval_data), calibration_batches=len(session.calibration),
-        target_sqnr_db=target_sqnr, target_met=target_met, float_metric=float_metric,
-        default=default[0], requested=requested, plan=verified[0], layers=_layers(session, default, verified),
-        decisions=outcomes, rewrites=rewrites_report, kept_float=kept_float,
+        backend=backend,
+        model=model_name or plan.model or type(model).__name__,
+        eval_batches=len(session.eval_data),
+        calibration_batches=len(session.calibration),
+        target_sqnr_db=target_sqnr,
+        target_met=target_met,
+        float_metric=float_metric,
+        default=default[0],
+        requested=requested,
+        plan=verified[0],
+        layers=_layers(session, default, verified),
+        decisions=outcomes,
+        rewrites=rewrites_report,
+        kept_float=kept_float,
         float_layer_fraction=round(1.0 - verified[0].int8_fraction, 4),
-        verified_plan=_record_rewrites(current, rewrites_report), notes=notes)
+        verified_plan=_record_rewrites(current, rewrites_report),
+        notes=notes,
+    )
 
 
-__all__ = ["VerifyReport", "RunResult", "LayerComparison", "DecisionOutcome", "VerifyError", "verify",
-           "conv_linear_coverage", "state_dict_bytes", "SQNR_TOLERANCE_DB"]
+__all__ = [
+    "VerifyReport",
+    "RunResult",
+    "LayerComparison",
+    "DecisionOutcome",
+    "VerifyError",
+    "verify",
+    "conv_linear_coverage",
+    "state_dict_bytes",
+    "SQNR_TOLERANCE_DB",
+]

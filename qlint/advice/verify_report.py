@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from qlint.advice.plan import QuantPlan
@@ -23,25 +21,25 @@ class RunResult(_Model):
     total_layers: int = Field(description="all conv+linear ops in the converted graph")
     int8_fraction: float
     size_bytes: int
-    metric: Optional[float] = None
+    metric: float | None = None
     float_modules: list[str] = Field(default_factory=list, description="conv/linear modules left float")
 
 
 class LayerComparison(_Model):
     fqn: str
     kind: str
-    default_sqnr_db: Optional[float] = None
-    plan_sqnr_db: Optional[float] = None
-    default_int8: Optional[bool] = None
-    plan_int8: Optional[bool] = None
+    default_sqnr_db: float | None = None
+    plan_sqnr_db: float | None = None
+    default_int8: bool | None = None
+    plan_int8: bool | None = None
 
 
 class DecisionOutcome(_Model):
     kind: str  # module | equalization | rewrite | plan | scheme | keep_float
     target: str
     kept: bool
-    sqnr_with_db: Optional[float] = None
-    sqnr_without_db: Optional[float] = None
+    sqnr_with_db: float | None = None
+    sqnr_without_db: float | None = None
     detail: str = ""
 
 
@@ -50,12 +48,12 @@ class VerifyReport(_Model):
 
     type: str = "qlint.VerifyReport"
     backend: str
-    model: Optional[str] = None
+    model: str | None = None
     eval_batches: int
     calibration_batches: int
-    target_sqnr_db: Optional[float] = None
-    target_met: Optional[bool] = None
-    float_metric: Optional[float] = None
+    target_sqnr_db: float | None = None
+    target_met: bool | None = None
+    float_metric: float | None = None
     default: RunResult
     requested: RunResult = Field(description="the plan as given (after its rewrites), before pruning")
     plan: RunResult = Field(description="the verified plan")

@@ -20,7 +20,7 @@ Every trial is recorded as a :class:`~qlint.advice.verify.DecisionOutcome` (kind
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch.fx as fx
 
@@ -36,8 +36,10 @@ _DYNAMIC_KINDS = ("linear",)
 
 
 def _dynamic_int8(backend: str, kind: str) -> bool:
-    return any(o.is_dynamic and o.input_dtype == "torch.quint8" and o.weight_dtype == "torch.qint8"
-               for o in backend_info(backend).dtype_options(kind))
+    return any(
+        o.is_dynamic and o.input_dtype == "torch.quint8" and o.weight_dtype == "torch.qint8"
+        for o in backend_info(backend).dtype_options(kind)
+    )
 
 
 def scheme_candidates(gm: fx.GraphModule, plan: QuantPlan, backend: str, frozen: Sequence[str] = ()) -> list[str]:
@@ -63,8 +65,9 @@ def _with_mode(plan: QuantPlan, fqn: str, mode: str, provenance: Provenance) -> 
     """``plan`` with ``fqn`` run ``mode``; an existing decision keeps its weight spec and its history."""
     old = plan.decision(fqn)
     if old is None:
-        return plan.model_copy(update={"modules": [*plan.modules, ModuleDecision(
-            fqn=fqn, mode=mode, provenance=[provenance])]})
+        return plan.model_copy(
+            update={"modules": [*plan.modules, ModuleDecision(fqn=fqn, mode=mode, provenance=[provenance])]}
+        )
     new = old.model_copy(update={"mode": mode, "provenance": [*old.provenance, provenance]})
     return plan.model_copy(update={"modules": [new if d.fqn == fqn else d for d in plan.modules]})
 
@@ -74,14 +77,19 @@ def _flipped(plan: QuantPlan, fqns: Sequence[str], gain: float) -> QuantPlan:
     for fqn in fqns:
         mode = "static" if _mode(plan, fqn) == "dynamic" else "dynamic"
         what = mode if len(fqns) == 1 else f"{mode} together with {len(fqns) - 1} other Linear(s)"
-        provenance = Provenance(source="measurement", metric=f"output SQNR gain (dB) when {what}",
-                                value=round(gain, 4), detail="qlint verify scheme search")
+        provenance = Provenance(
+            source="measurement",
+            metric=f"output SQNR gain (dB) when {what}",
+            value=round(gain, 4),
+            detail="qlint verify scheme search",
+        )
         plan = _with_mode(plan, fqn, mode, provenance)
     return plan
 
 
-def scheme_search(session: Session, plan: QuantPlan, best: float, skip: Sequence[str], *,
-                  max_trials: int, frozen: Sequence[str] = ()) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
+def scheme_search(
+    session: Session, plan: QuantPlan, best: float, skip: Sequence[str], *, max_trials: int, frozen: Sequence[str] = ()
+) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
     """Static <-> dynamic flips of Linear layers; returns (plan, its SQNR, one outcome per trial).
 
     A flip is kept when it raises output SQNR by more than ``SQNR_TOLERANCE_DB`` *and* does
@@ -129,9 +137,16 @@ def scheme_search(session: Session, plan: QuantPlan, best: float, skip: Sequence
         detail = f"{before} -> {'static' if before == 'dynamic' else 'dynamic'}{note}"
         if trial_int8 < int8:
             detail += f"; int8 conv+linear {int8} -> {trial_int8}"
-        outcomes.append(DecisionOutcome(kind="scheme", target=", ".join(fqns), kept=keep,
-                                        sqnr_with_db=round(value, 4), sqnr_without_db=round(best, 4),
-                                        detail=detail))
+        outcomes.append(
+            DecisionOutcome(
+                kind="scheme",
+                target=", ".join(fqns),
+                kept=keep,
+                sqnr_with_db=round(value, 4),
+                sqnr_without_db=round(best, 4),
+                detail=detail,
+            )
+        )
         if keep:
             plan, best, int8 = _flipped(plan, fqns, value - best), value, trial_int8
         return keep
@@ -168,16 +183,28 @@ def _fallback_candidates(gm: fx.GraphModule) -> list[str]:
 
 
 def _keep_float(plan: QuantPlan, fqn: str, gain: float) -> QuantPlan:
-    provenance = Provenance(source="measurement", metric="output SQNR gain (dB) when kept float",
-                            value=round(gain, 4), detail="qlint verify target-SQNR fallback")
+    provenance = Provenance(
+        source="measurement",
+        metric="output SQNR gain (dB) when kept float",
+        value=round(gain, 4),
+        detail="qlint verify target-SQNR fallback",
+    )
     modules = [d for d in plan.modules if d.fqn != fqn]
     modules.append(ModuleDecision(fqn=fqn, quantize=False, provenance=[provenance]))
     return plan.model_copy(update={"modules": modules})
 
 
-def float_fallback(session: Session, plan: QuantPlan, best: float, skip: Sequence[str], *,
-                   target_sqnr: float, max_float_fraction: float, max_trials: int, total_layers: int
-                   ) -> tuple[QuantPlan, float, list[str], list[DecisionOutcome], Optional[str]]:
+def float_fallback(
+    session: Session,
+    plan: QuantPlan,
+    best: float,
+    skip: Sequence[str],
+    *,
+    target_sqnr: float,
+    max_float_fraction: float,
+    max_trials: int,
+    total_layers: int,
+) -> tuple[QuantPlan, float, list[str], list[DecisionOutcome], str | None]:
     """Keep the most sensitive layers float until ``target_sqnr`` is met.
 
     Returns (plan, its SQNR, layers kept float, outcomes, a note when the target is missed).
@@ -188,8 +215,9 @@ def float_fallback(session: Session, plan: QuantPlan, best: float, skip: Sequenc
     outcomes: list[DecisionOutcome] = []
     kept_float: list[str] = []
     conv_linear = set(conv_linear_modules(session.traced)) | set(functional_owners(session.traced))
-    candidates = [f for f in _fallback_candidates(session.traced)
-                  if (decision := plan.decision(f)) is None or decision.quantize]
+    candidates = [
+        f for f in _fallback_candidates(session.traced) if (decision := plan.decision(f)) is None or decision.quantize
+    ]
     budget = int(math.floor(max_float_fraction * max(1, total_layers) + 1e-9))
     if best < target_sqnr and candidates:
         if len(candidates) > max_trials:
@@ -206,17 +234,26 @@ def float_fallback(session: Session, plan: QuantPlan, best: float, skip: Sequenc
                 continue
             trial = _keep_float(plan, fqn, gains[fqn])
             value = session.plan_sqnr(trial, skip)
-            outcomes.append(DecisionOutcome(kind="keep_float", target=fqn, kept=value > best,
-                                            sqnr_with_db=round(value, 4), sqnr_without_db=round(best, 4),
-                                            detail=f"alone: {gains[fqn]:+.2f} dB"))
+            outcomes.append(
+                DecisionOutcome(
+                    kind="keep_float",
+                    target=fqn,
+                    kept=value > best,
+                    sqnr_with_db=round(value, 4),
+                    sqnr_without_db=round(best, 4),
+                    detail=f"alone: {gains[fqn]:+.2f} dB",
+                )
+            )
             if value > best:
                 plan, best = trial, value
                 kept_float.append(fqn)
                 used += int(costs)
     note = None
     if best < target_sqnr:
-        note = (f"target {target_sqnr:g} dB not reached: best {best:.2f} dB with {len(kept_float)} "
-                f"layer(s) kept float (conv/linear budget {budget})")
+        note = (
+            f"target {target_sqnr:g} dB not reached: best {best:.2f} dB with {len(kept_float)} "
+            f"layer(s) kept float (conv/linear budget {budget})"
+        )
     return plan, best, kept_float, outcomes, note
 
 

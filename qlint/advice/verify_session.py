@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
-from typing import Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -25,8 +26,14 @@ from qlint.advice.verify_report import RunResult
 from qlint.core.backends import backend_config
 from qlint.core.batches import as_call, batches_of, call_model
 from qlint.core.nested import first_float, float_tensors
-from qlint.core.ops import (CONV_OR_LINEAR_KINDS, TRANSPOSED_CONV_KINDS, function_kind, function_op,
-                            module_kind, quantized_form)
+from qlint.core.ops import (
+    CONV_OR_LINEAR_KINDS,
+    TRANSPOSED_CONV_KINDS,
+    function_kind,
+    function_op,
+    module_kind,
+    quantized_form,
+)
 from qlint.core.sqnr import SQNR_CAP_DB, SqnrSums
 from qlint.core.trace import symbolic_graph
 from qlint.errors import ConfigError, QlintError, TraceError
@@ -85,8 +92,7 @@ def conv_linear_coverage(converted: fx.GraphModule) -> tuple[int, int, list[str]
 
 def conv_linear_modules(model: nn.Module) -> list[str]:
     """Every conv and linear module of ``model``, by fqn."""
-    return [name for name, module in model.named_modules()
-            if name and module_kind(module) in CONV_OR_LINEAR_KINDS]
+    return [name for name, module in model.named_modules() if name and module_kind(module) in CONV_OR_LINEAR_KINDS]
 
 
 def functional_owners(gm: fx.GraphModule) -> list[str]:
@@ -115,8 +121,15 @@ def _first_line(error: BaseException) -> str:
 class Session:
     """Shared state of one verify call: float model, data, and a cache of measured plans."""
 
-    def __init__(self, model: nn.Module, calibration: list[Any], eval_data: list[Any], backend: str,
-                 equalization_qconfig: Any, eval_fn: Optional[Callable[[nn.Module, Any], float]]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        calibration: list[Any],
+        eval_data: list[Any],
+        backend: str,
+        equalization_qconfig: Any,
+        eval_fn: Callable[[nn.Module, Any], float] | None,
+    ) -> None:
         self.model = copy.deepcopy(model).eval()
         self.calibration, self.eval_data = calibration, eval_data
         self.backend, self.equalization_qconfig, self.eval_fn = backend, equalization_qconfig, eval_fn
@@ -141,7 +154,7 @@ class Session:
             applied = applied + equalized
         return gm, applied
 
-    def quantize(self, gm: nn.Module, plan: Optional[QuantPlan]) -> Quantized:
+    def quantize(self, gm: nn.Module, plan: QuantPlan | None) -> Quantized:
         mapping = plan.to_qconfig_mapping() if plan is not None else get_default_qconfig_mapping(self.backend)
         for name, module in gm.named_modules():  # a fan-out copy follows its original's decision
             origin = getattr(module, "qlint_fanout_of", None)
@@ -152,8 +165,9 @@ class Session:
             equalization = plan.to_equalization_mapping(self.equalization_qconfig)
         try:
             kwargs: dict[str, Any] = {"_equalization_config": equalization} if equalization is not None else {}
-            prepared = prepare_fx(copy.deepcopy(gm).eval(), mapping, self.example,
-                                  backend_config=backend_config(self.backend), **kwargs)
+            prepared = prepare_fx(
+                copy.deepcopy(gm).eval(), mapping, self.example, backend_config=backend_config(self.backend), **kwargs
+            )
             for batch in self.calibration:
                 self.run(prepared, batch)
             converted = convert_fx(copy.deepcopy(prepared), backend_config=backend_config(self.backend))
@@ -174,19 +188,25 @@ class Session:
             try:
                 sums.add(reference, outputs)
             except ValueError as error:
-                raise VerifyError(f"the quantized model's outputs do not match the float model's: {error}") \
-                    from error
+                raise VerifyError(f"the quantized model's outputs do not match the float model's: {error}") from error
         value = sums.sqnr_db()
         return SQNR_CAP_DB if value is None else value
 
-    def measure(self, label: str, gm: nn.Module, plan: Optional[QuantPlan]) -> tuple[RunResult, Quantized]:
+    def measure(self, label: str, gm: nn.Module, plan: QuantPlan | None) -> tuple[RunResult, Quantized]:
         q = self.quantize(gm, plan)
         sqnr = self.output_sqnr(q.converted)
         int8, total, floats = conv_linear_coverage(q.converted)
         metric = float(self.eval_fn(q.converted, self.eval_data)) if self.eval_fn is not None else None
-        result = RunResult(label=label, sqnr_db=round(sqnr, 4), int8_layers=int8, total_layers=total,
-                           int8_fraction=round(int8 / total, 4) if total else 1.0,
-                           size_bytes=state_dict_bytes(q.converted), metric=metric, float_modules=floats)
+        result = RunResult(
+            label=label,
+            sqnr_db=round(sqnr, 4),
+            int8_layers=int8,
+            total_layers=total,
+            int8_fraction=round(int8 / total, 4) if total else 1.0,
+            size_bytes=state_dict_bytes(q.converted),
+            metric=metric,
+            float_modules=floats,
+        )
         return result, q
 
     def plan_point(self, plan: QuantPlan, skip_rewrites: Sequence[str] = ()) -> tuple[float, int]:
@@ -205,7 +225,7 @@ class Session:
         """Activation SQNR per module fqn: prepared (float + observers) vs converted outputs."""
         fqns = list(fqns)
         sums: dict[str, SqnrSums] = {}
-        captured: dict[tuple[str, str], Optional[torch.Tensor]] = {}
+        captured: dict[tuple[str, str], torch.Tensor | None] = {}
         handles = []
         for side, model in (("float", q.prepared), ("quant", q.converted)):
             for fqn in fqns:

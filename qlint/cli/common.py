@@ -8,8 +8,8 @@ import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
 
 from qlint.errors import ConfigError, QlintError
 
@@ -33,7 +33,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{message} (see '{self.prog} --help')")
 
-    def exit(self, status: int = 0, message: Optional[str] = None) -> None:  # type: ignore[override]
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
         if message:
             sys.stderr.write(message)
         raise ParserExit(status)
@@ -50,7 +50,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def split_list(values: Optional[Sequence[str]]) -> Optional[list[str]]:
+def split_list(values: Sequence[str] | None) -> list[str] | None:
     """Repeated and comma-separated flag values as one list (None when none were given)."""
     if not values:
         return None
@@ -93,7 +93,7 @@ def _silence_stdout() -> None:
         pass  # fd 1 may not exist at all; there is then nothing left to flush either
 
 
-def terminal_width(to_stdout: bool = True) -> Optional[int]:
+def terminal_width(to_stdout: bool = True) -> int | None:
     """The width tables should fit: ``COLUMNS`` when set, else the terminal's when stdout is
     one; None for a pipe or a file (tables then keep their natural width)."""
     columns = os.environ.get("COLUMNS", "").strip()
@@ -114,8 +114,7 @@ def _same_file(a: Path, b: Path) -> bool:
     return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
 
 
-def refuse_overwriting_inputs(outputs: Iterable[tuple[str, Optional[str]]],
-                              inputs: Iterable[Optional[str]]) -> None:
+def refuse_overwriting_inputs(outputs: Iterable[tuple[str, str | None]], inputs: Iterable[str | None]) -> None:
     """ConfigError when an output flag names a file this run reads (the model, its weights...)."""
     from qlint.core.load import is_factory_spec
 
@@ -125,5 +124,6 @@ def refuse_overwriting_inputs(outputs: Iterable[tuple[str, Optional[str]]],
             continue
         for source in input_paths:
             if _same_file(Path(output), source):
-                raise ConfigError(f"{flag} {output} is an input of this run ({source}); "
-                                  "refusing to overwrite it: choose another path")
+                raise ConfigError(
+                    f"{flag} {output} is an input of this run ({source}); refusing to overwrite it: choose another path"
+                )

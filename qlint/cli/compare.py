@@ -10,14 +10,19 @@ import argparse
 import io
 import sys
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from qlint.cli.common import (positive_int, refuse_overwriting_inputs, terminal_width, user_output_to_stderr,
-                              write_stdout)
+from qlint.cli.common import (
+    positive_int,
+    refuse_overwriting_inputs,
+    terminal_width,
+    user_output_to_stderr,
+    write_stdout,
+)
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
@@ -29,7 +34,6 @@ from qlint.render.literal import printable
 from qlint.render.text import literal, make_console
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
-
 
 
 def load_model_arg(spec: str, trust_pickle: bool = False) -> torch.nn.Module:
@@ -48,27 +52,51 @@ def load_data_arg(spec: str) -> Any:
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("float_model", metavar="FLOAT", help="float model: package.module:factory")
-    parser.add_argument("quantized_model", metavar="QUANT",
-                        help="quantized counterpart (prepared, FX-converted, dynamic or eager): package.module:factory")
-    parser.add_argument("--calibration", metavar="DATA", required=True,
-                        help="batches to compare on: a .pt file holding a list of batches (or one tensor), "
-                             "or package.module:factory returning an iterable of batches")
+    parser.add_argument(
+        "quantized_model",
+        metavar="QUANT",
+        help="quantized counterpart (prepared, FX-converted, dynamic or eager): package.module:factory",
+    )
+    parser.add_argument(
+        "--calibration",
+        metavar="DATA",
+        required=True,
+        help="batches to compare on: a .pt file holding a list of batches (or one tensor), "
+        "or package.module:factory returning an iterable of batches",
+    )
     parser.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="stdout format")
-    parser.add_argument("--badcases", metavar="N", type=int, default=0,
-                        help="find the N worst inputs per metric, save them and compare on them alone")
+    parser.add_argument(
+        "--badcases",
+        metavar="N",
+        type=int,
+        default=0,
+        help="find the N worst inputs per metric, save them and compare on them alone",
+    )
     parser.add_argument("--badcases-path", metavar="PATH", default="badcases.pt", help="where --badcases saves")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: propagated,shadow")
-    parser.add_argument("--sqnr-threshold", type=float, default=DEFAULT_SQNR_THRESHOLD_DB,
-                        help="QL301 threshold for a layer's local activation SQNR, dB")
-    parser.add_argument("--weight-sqnr-threshold", type=float, default=DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
-                        help="QL301 threshold for weight SQNR, dB")
-    parser.add_argument("--sensitivity", action="store_true",
-                        help="rank layers by sensitivity (re-quantizes FLOAT with FX PTQ for --backend)")
+    parser.add_argument(
+        "--sqnr-threshold",
+        type=float,
+        default=DEFAULT_SQNR_THRESHOLD_DB,
+        help="QL301 threshold for a layer's local activation SQNR, dB",
+    )
+    parser.add_argument(
+        "--weight-sqnr-threshold",
+        type=float,
+        default=DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
+        help="QL301 threshold for weight SQNR, dB",
+    )
+    parser.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="rank layers by sensitivity (re-quantizes FLOAT with FX PTQ for --backend)",
+    )
     parser.add_argument("--backend", default="x86", help="quantization backend for --sensitivity")
     parser.add_argument("--max-batches", type=positive_int, default=None, help="use at most this many batches")
-    parser.add_argument("--trust-pickle", action="store_true",
-                        help="trust the model files (.pt or .pt2): allows code from them to run")
+    parser.add_argument(
+        "--trust-pickle", action="store_true", help="trust the model files (.pt or .pt2): allows code from them to run"
+    )
     return parser
 
 
@@ -77,14 +105,20 @@ def layer_table(report: Report) -> Table:
     for column in ("layer", "kind", "weight dB", "propagated dB", "shadow dB", "cosine", "RMSE/scale"):
         table.add_column(column, justify="left" if column in ("layer", "kind") else "right")
 
-    def number(value: Optional[float], digits: int = 1) -> str:
+    def number(value: float | None, digits: int = 1) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
     for row in report.compare_rows():
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
-        table.add_row(literal(row.name), literal(row.kind or ""), number(row.weight_sqnr),
-                      number(row.sqnr_propagated), number(row.sqnr_shadow), number(row.cosine, 5),
-                      number(summary.get("rmse_over_scale"), 2))
+        table.add_row(
+            literal(row.name),
+            literal(row.kind or ""),
+            number(row.weight_sqnr),
+            number(row.sqnr_propagated),
+            number(row.sqnr_shadow),
+            number(row.cosine, 5),
+            number(summary.get("rmse_over_scale"), 2),
+        )
     return table
 
 
@@ -111,7 +145,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     refuse_overwriting_inputs(outputs, [args.float_model, args.quantized_model, args.calibration])
 
 
-def run_compare(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> int:
+def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     """Run the comparison; 0 clean, 1 findings, 2 unusable arguments."""
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     try:
@@ -130,8 +164,12 @@ def run_compare(args: argparse.Namespace, stdout: Optional[TextIO] = None) -> in
         console = make_console(buffer, color=None if to_terminal else False, width=width or 140)
         print_text(report, console)
         if ranking:
-            console.print(literal("sensitivity (most sensitive first): " + ", ".join(
-                f"{row.name} {row.score:.2e}" for row in ranking[:10])))
+            console.print(
+                literal(
+                    "sensitivity (most sensitive first): "
+                    + ", ".join(f"{row.name} {row.score:.2e}" for row in ranking[:10])
+                )
+            )
         if badcase_report is not None:
             console.print(literal("On the worst inputs only:", "bold"))
             print_text(badcase_report, console)
@@ -153,37 +191,58 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
     if iter(data) is data:
         data = list(data)  # several passes follow (compare, histograms, badcases)
     try:
-        report = compare(float_model, quantized_model, data, modes=modes, sqnr_threshold=args.sqnr_threshold,
-                         weight_sqnr_threshold=args.weight_sqnr_threshold, max_batches=args.max_batches,
-                         model_name=args.float_model, backend=args.backend)
+        report = compare(
+            float_model,
+            quantized_model,
+            data,
+            modes=modes,
+            sqnr_threshold=args.sqnr_threshold,
+            weight_sqnr_threshold=args.weight_sqnr_threshold,
+            max_batches=args.max_batches,
+            model_name=args.float_model,
+            backend=args.backend,
+        )
     except ValueError as error:
         raise ConfigError(str(error)) from error
     ranking = None
     if args.sensitivity:
         # Rank the layers of the quantized model the user gave: its shadow errors are the real ones.
-        ranking = sensitivity_rows(float_model, data, args.backend, max_batches=args.max_batches,
-                                   quantized_model=quantized_model)
+        ranking = sensitivity_rows(
+            float_model, data, args.backend, max_batches=args.max_batches, quantized_model=quantized_model
+        )
     badcase_report = None
     if args.badcases > 0:
         badcases = find_badcases(float_model, quantized_model, data, top=args.badcases, max_batches=args.max_batches)
         saved = badcases.save(args.badcases_path)
-        badcase_report = compare_badcases(float_model, quantized_model, badcases, modes=modes,
-                                          sqnr_threshold=args.sqnr_threshold)
+        badcase_report = compare_badcases(
+            float_model, quantized_model, badcases, modes=modes, sqnr_threshold=args.sqnr_threshold
+        )
         # JSON stdout carries one Report; the bad-case comparison goes next to the samples.
         saved.with_suffix(".report.json").write_text(badcase_report.model_dump_json(indent=2))
         worst = badcases.worst("cosine")
-        report = report.model_copy(update={"notices": report.notices + [Notice(message=(
-            f"saved the {args.badcases} worst inputs per metric of {badcases.samples_seen} to {saved}; "
-            f"lowest output cosine {worst[0].value:.5f} (sample {worst[0].index})" if worst else
-            f"saved bad cases to {saved}"))]})
+        report = report.model_copy(
+            update={
+                "notices": report.notices
+                + [
+                    Notice(
+                        message=(
+                            f"saved the {args.badcases} worst inputs per metric of {badcases.samples_seen} to {saved}; "
+                            f"lowest output cosine {worst[0].value:.5f} (sample {worst[0].index})"
+                            if worst
+                            else f"saved bad cases to {saved}"
+                        )
+                    )
+                ]
+            }
+        )
     if args.html:
-        histograms = activation_histograms(float_model, quantized_model, data, report, worst_layers(report, 4),
-                                           max_batches=args.max_batches)
+        histograms = activation_histograms(
+            float_model, quantized_model, data, report, worst_layers(report, 4), max_batches=args.max_batches
+        )
         html = Path(args.html)
         try:
             html.parent.mkdir(parents=True, exist_ok=True)
-            write_html(report, html, sensitivity=ranking, histograms=histograms,
-                       sqnr_threshold=args.sqnr_threshold)
+            write_html(report, html, sensitivity=ranking, histograms=histograms, sqnr_threshold=args.sqnr_threshold)
         except OSError as error:
             raise QlintError(f"cannot write --html {args.html}: {error.strerror or error}") from error
     return report, ranking, badcase_report

@@ -5,16 +5,29 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from qlint.cli.common import (EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS, refuse_overwriting_inputs,
-                              terminal_width, user_output_to_stderr, write_stdout)
+from qlint.cli.common import (
+    EXIT_CLEAN,
+    EXIT_ERROR,
+    EXIT_FINDINGS,
+    refuse_overwriting_inputs,
+    terminal_width,
+    user_output_to_stderr,
+    write_stdout,
+)
 from qlint.cli.options import ModelOptions, check_rule_options, resolve_options
-from qlint.core.load import (random_calibration, load_batches, load_example_inputs, load_model, parse_input_shape,
-                             resolve_object)
+from qlint.core.exported_batch import fit_calibration
+from qlint.core.load import (
+    load_batches,
+    load_example_inputs,
+    load_model,
+    parse_input_shape,
+    random_calibration,
+    resolve_object,
+)
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
-from qlint.core.exported_batch import fit_calibration
 from qlint.linter.settings import ConfigFinder
 from qlint.render.literal import printable
 
@@ -41,10 +54,13 @@ def run_lint(args: argparse.Namespace) -> int:
 def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
     if options.output_format not in ("text", "json", "sarif", "github"):
         raise ConfigError(f"unknown format {options.output_format!r}")
-    refuse_overwriting_inputs([("--output", args.output), ("--emit-plan", args.emit_plan),
-                               ("--emit-qconfig", args.emit_qconfig)], options.input_files() + [options.baseline])
-    refuse_overwriting_inputs([("--write-baseline", options.baseline if args.write_baseline else None)],
-                              options.input_files())
+    refuse_overwriting_inputs(
+        [("--output", args.output), ("--emit-plan", args.emit_plan), ("--emit-qconfig", args.emit_qconfig)],
+        options.input_files() + [options.baseline],
+    )
+    refuse_overwriting_inputs(
+        [("--write-baseline", options.baseline if args.write_baseline else None)], options.input_files()
+    )
     if args.write_baseline and not options.baseline:
         raise ConfigError("--write-baseline needs --baseline FILE")
     from qlint.linter.engine import lint
@@ -60,12 +76,21 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
         calibration, fitted = fit_calibration(calibration, loaded.exported_program)  # static export batch
         if fitted:
             calibration_notices = [*calibration_notices, Notice(message=fitted)]
-        report = lint(loaded.module, example, calibration=calibration, backend=options.backend,
-                      qconfig_mapping=mapping, select=options.select, ignore=options.ignore,
-                      options=options.rule_options, model_name=options.spec, registry=registry,
-                      exported_program=loaded.exported_program,
-                      calibration_options={"quiet": args.quiet, "num_batches": options.num_batches},
-                      trial_options=options.trial)
+        report = lint(
+            loaded.module,
+            example,
+            calibration=calibration,
+            backend=options.backend,
+            qconfig_mapping=mapping,
+            select=options.select,
+            ignore=options.ignore,
+            options=options.rule_options,
+            model_name=options.spec,
+            registry=registry,
+            exported_program=loaded.exported_program,
+            calibration_options={"quiet": args.quiet, "num_batches": options.num_batches},
+            trial_options=options.trial,
+        )
     if calibration_notices:
         report = report.model_copy(update={"notices": list(calibration_notices) + list(report.notices)})
     report = _apply_baseline(report, options.baseline, args.write_baseline)
@@ -79,8 +104,11 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
         # The other rules' findings are out; the run still failed: the analysis is incomplete.
         first = crashed[0]
         more = f" (and {len(crashed) - 1} more)" if len(crashed) > 1 else ""
-        print(f"qlint: error: {printable(options.spec)}: analysis incomplete: {first.rule} {first.name} "
-              f"{printable(first.reason)}{more}", file=sys.stderr)
+        print(
+            f"qlint: error: {printable(options.spec)}: analysis incomplete: {first.rule} {first.name} "
+            f"{printable(first.reason)}{more}",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     if args.write_baseline:
         return EXIT_CLEAN  # the findings were just accepted
@@ -102,13 +130,15 @@ def _calibration(args: argparse.Namespace, options: ModelOptions, example: Any):
         return None, []
     if not example:
         raise ConfigError("--random-calibration needs example inputs (--input-shape or --example-inputs)")
-    notice = Notice(level=Severity.WARNING,
-                    message=f"calibrating on {args.random_calibration} RANDOM batches: data-rule verdicts "
-                            "describe random inputs, not your data")
+    notice = Notice(
+        level=Severity.WARNING,
+        message=f"calibrating on {args.random_calibration} RANDOM batches: data-rule verdicts "
+        "describe random inputs, not your data",
+    )
     return random_calibration(example, args.random_calibration), [notice]
 
 
-def _apply_baseline(report: Report, baseline: Optional[str], write: bool) -> Report:
+def _apply_baseline(report: Report, baseline: str | None, write: bool) -> Report:
     if not baseline:
         return report
     from qlint.linter.baseline import filter_new, write_baseline
@@ -116,8 +146,10 @@ def _apply_baseline(report: Report, baseline: Optional[str], write: bool) -> Rep
     if write:
         write_baseline(report, baseline)
         count = len(report.findings)
-        print(f"qlint: recorded {count} finding{'s' if count != 1 else ''} in baseline {printable(baseline)}",
-              file=sys.stderr)
+        print(
+            f"qlint: recorded {count} finding{'s' if count != 1 else ''} in baseline {printable(baseline)}",
+            file=sys.stderr,
+        )
         return report
     return filter_new(report, baseline)
 
@@ -129,8 +161,13 @@ def _emit(report: Report, output_format: str, args: argparse.Namespace) -> None:
     renderer = FORMATS.get(output_format) or EXTRA_FORMATS[output_format]
     if output_format == "text":
         to_terminal = args.output is None and sys.stdout is not None and sys.stdout.isatty()
-        text = renderer(report, color=None if to_terminal else False, show_qconfig=args.show_qconfig,
-                        quiet=args.quiet, width=terminal_width(to_stdout=args.output is None))
+        text = renderer(
+            report,
+            color=None if to_terminal else False,
+            show_qconfig=args.show_qconfig,
+            quiet=args.quiet,
+            width=terminal_width(to_stdout=args.output is None),
+        )
     else:
         text = renderer(report)
     if args.output:

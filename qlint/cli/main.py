@@ -1,12 +1,12 @@
 """The ``qlint`` command line.
 
-    qlint MODEL [options]        lint a model (exit 0 clean, 1 findings, 2 usage/load error)
-    qlint rule CODE              print one rule's documentation
-    qlint rules [--format json]  list every rule
-    qlint compare FLOAT QUANT    per-layer float vs quantized comparison
-    qlint verify MODEL ...       default mapping vs a plan, measured
-    qlint fix MODEL ...          apply a plan's float-preserving rewrites
-    qlint plan show|qconfig|check PLAN.json
+qlint MODEL [options]        lint a model (exit 0 clean, 1 findings, 2 usage/load error)
+qlint rule CODE              print one rule's documentation
+qlint rules [--format json]  list every rule
+qlint compare FLOAT QUANT    per-layer float vs quantized comparison
+qlint verify MODEL ...       default mapping vs a plan, measured
+qlint fix MODEL ...          apply a plan's float-preserving rewrites
+qlint plan show|qconfig|check PLAN.json
 """
 
 from __future__ import annotations
@@ -14,11 +14,19 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
-from qlint.cli.common import (EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS, Parser, ParserExit, positive_int,
-                              terminal_width, write_stdout)
+from qlint.cli.common import (
+    EXIT_CLEAN,
+    EXIT_ERROR,
+    EXIT_FINDINGS,
+    Parser,
+    ParserExit,
+    positive_int,
+    terminal_width,
+    write_stdout,
+)
 from qlint.core.backends import BACKENDS
 from qlint.errors import QlintError
 from qlint.render.literal import printable
@@ -38,23 +46,37 @@ COMMAND_SUMMARIES = {
 
 def build_lint_parser() -> argparse.ArgumentParser:
     epilog = "other commands (each has --help):\n" + "\n".join(f"  {line}" for line in COMMAND_SUMMARIES.values())
-    parser = Parser(prog="qlint", description="Lint a PyTorch model for quantization problems.",
-                    epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="+",
-                        help="one or more .pt2 / .pt / .pth files, or package.module:factory")
-    parser.add_argument("--input-shape", action="append", metavar="SHAPE[:DTYPE]",
-                        help="example input shape such as 1,3,224,224 (repeat for several inputs)")
+    parser = Parser(
+        prog="qlint",
+        description="Lint a PyTorch model for quantization problems.",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", nargs="+", help="one or more .pt2 / .pt / .pth files, or package.module:factory")
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="SHAPE[:DTYPE]",
+        help="example input shape such as 1,3,224,224 (repeat for several inputs)",
+    )
     parser.add_argument("--example-inputs", metavar="FILE", help="a tensor or tuple of tensors (weights_only)")
     parser.add_argument("--weights", metavar="FILE", help="state_dict for a module:factory model")
-    parser.add_argument("--trust-pickle", action="store_true",
-                        help="trust the model file: unpickle a whole .pt module, load a .pt2's pickled or "
-                             "compiled members (runs code from the file)")
-    parser.add_argument("--trust-config", action="store_true",
-                        help="allow [tool.qlint] settings that import and run code from the repository "
-                             "(qconfig-mapping, module:function calibration)")
+    parser.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="trust the model file: unpickle a whole .pt module, load a .pt2's pickled or "
+        "compiled members (runs code from the file)",
+    )
+    parser.add_argument(
+        "--trust-config",
+        action="store_true",
+        help="allow [tool.qlint] settings that import and run code from the repository "
+        "(qconfig-mapping, module:function calibration)",
+    )
     parser.add_argument("--backend", choices=BACKENDS)
-    parser.add_argument("--qconfig-mapping", metavar="MODULE:ATTR",
-                        help="your QConfigMapping (or a function returning one)")
+    parser.add_argument(
+        "--qconfig-mapping", metavar="MODULE:ATTR", help="your QConfigMapping (or a function returning one)"
+    )
     parser.add_argument("--select", action="append", metavar="CODES", help="rule codes, prefixes or names")
     parser.add_argument("--ignore", action="append", metavar="CODES", help="rule codes, prefixes or names")
     parser.add_argument("--format", choices=("text", "json", "sarif", "github"))
@@ -63,31 +85,46 @@ def build_lint_parser() -> argparse.ArgumentParser:
     parser.add_argument("--show-qconfig", action="store_true", help="print the resolved qconfig per node")
     parser.add_argument("--calibration", metavar="FILE_OR_DIR", help="calibration batches (weights_only)")
     parser.add_argument("--num-batches", type=positive_int, metavar="N", help="use at most N calibration batches")
-    parser.add_argument("--random-calibration", type=positive_int, metavar="N",
-                        help="calibrate on N random batches shaped like the example inputs (a warning)")
-    parser.add_argument("--no-trial", action="store_true",
-                        help="skip the trial quantization (prepare/calibrate/convert on a copy) that "
-                             "measures each finding's impact; findings keep their rule's severity")
-    parser.add_argument("--min-impact", type=float, metavar="DB",
-                        help="a warning whose measured impact is below DB (output SQNR) becomes info "
-                             "(default 0.5)")
-    parser.add_argument("--fix-trials", type=int, metavar="N",
-                        help="trials spent measuring findings' fixes (default 12)")
+    parser.add_argument(
+        "--random-calibration",
+        type=positive_int,
+        metavar="N",
+        help="calibrate on N random batches shaped like the example inputs (a warning)",
+    )
+    parser.add_argument(
+        "--no-trial",
+        action="store_true",
+        help="skip the trial quantization (prepare/calibrate/convert on a copy) that "
+        "measures each finding's impact; findings keep their rule's severity",
+    )
+    parser.add_argument(
+        "--min-impact",
+        type=float,
+        metavar="DB",
+        help="a warning whose measured impact is below DB (output SQNR) becomes info (default 0.5)",
+    )
+    parser.add_argument(
+        "--fix-trials", type=int, metavar="N", help="trials spent measuring findings' fixes (default 12)"
+    )
     parser.add_argument("--baseline", metavar="FILE", help="report only findings not recorded in FILE")
-    parser.add_argument("--write-baseline", action="store_true",
-                        help="record current findings in --baseline and exit 0")
+    parser.add_argument(
+        "--write-baseline", action="store_true", help="record current findings in --baseline and exit 0"
+    )
     parser.add_argument("--emit-plan", metavar="FILE", help="write the quantization plan (JSON)")
     parser.add_argument("--emit-qconfig", metavar="FILE", help="write a Python file building the QConfigMapping")
-    parser.add_argument("--config", metavar="PYPROJECT",
-                        help="settings file (default: the nearest pyproject.toml with [tool.qlint], "
-                             "searched from each model's folder)")
-    parser.add_argument("--quiet", "-q", action="store_true",
-                        help="findings and the summary only: no tables, no progress")
+    parser.add_argument(
+        "--config",
+        metavar="PYPROJECT",
+        help="settings file (default: the nearest pyproject.toml with [tool.qlint], searched from each model's folder)",
+    )
+    parser.add_argument(
+        "--quiet", "-q", action="store_true", help="findings and the summary only: no tables, no progress"
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args_list
     if not debug:
@@ -112,12 +149,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exit_request:
         # qlint itself never raises SystemExit (argparse's exits are ParserExit): the model's
         # code or a rule plugin called sys.exit(), and the analysis did not finish.
-        return _fail(f"the model's code or a plugin called sys.exit({exit_request.code!r}); "
-                     "the analysis did not finish", debug)
+        return _fail(
+            f"the model's code or a plugin called sys.exit({exit_request.code!r}); the analysis did not finish", debug
+        )
     except Exception as error:  # anything else is still reported in one line, not a traceback
         lines = str(error).strip().splitlines()
-        return _fail(f"internal error: {type(error).__name__}: {lines[0] if lines else ''} "
-                     "(run with --debug for details)", debug)
+        return _fail(
+            f"internal error: {type(error).__name__}: {lines[0] if lines else ''} (run with --debug for details)", debug
+        )
 
 
 def _fail(message: str, debug: bool) -> int:
@@ -133,8 +172,14 @@ def _commands() -> dict[str, Callable[[list[str]], int]]:
     from qlint.cli.plan import plan_command
     from qlint.cli.verify import fix_command, verify_command
 
-    return {"rule": _cmd_rule, "rules": _cmd_rules, "compare": _cmd_compare,
-            "verify": verify_command, "fix": fix_command, "plan": plan_command}
+    return {
+        "rule": _cmd_rule,
+        "rules": _cmd_rules,
+        "compare": _cmd_compare,
+        "verify": verify_command,
+        "fix": fix_command,
+        "plan": plan_command,
+    }
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -185,9 +230,17 @@ def _cmd_rules(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     rules = Registry.default().all()
     if args.format == "json":
-        payload = [{"code": r.code, "name": r.name, "summary": r.summary, "severity": r.severity.value,
-                    "requires": sorted(n.value for n in r.requires),
-                    "options": r.Options.model_json_schema().get("properties", {})} for r in rules]
+        payload = [
+            {
+                "code": r.code,
+                "name": r.name,
+                "summary": r.summary,
+                "severity": r.severity.value,
+                "requires": sorted(n.value for n in r.requires),
+                "options": r.Options.model_json_schema().get("properties", {}),
+            }
+            for r in rules
+        ]
         write_stdout(json.dumps(payload, indent=2) + "\n")
         return EXIT_CLEAN
     from rich.table import Table
@@ -198,9 +251,18 @@ def _cmd_rules(argv: list[str]) -> int:
     for column in ("Code", "Name", "Severity", "Needs", "Summary"):
         table.add_column(column)
     for rule in rules:
-        table.add_row(*(literal(cell) for cell in (rule.code, rule.name, rule.severity.value,
-                                                   ", ".join(sorted(n.value for n in rule.requires)),
-                                                   rule.summary)))
+        table.add_row(
+            *(
+                literal(cell)
+                for cell in (
+                    rule.code,
+                    rule.name,
+                    rule.severity.value,
+                    ", ".join(sorted(n.value for n in rule.requires)),
+                    rule.summary,
+                )
+            )
+        )
     buffer = io.StringIO()
     to_terminal = sys.stdout is not None and sys.stdout.isatty()
     make_console(buffer, color=None if to_terminal else False, width=terminal_width() or 140).print(table)

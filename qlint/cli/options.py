@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from qlint.cli.common import split_list
 from qlint.core.load import is_factory_spec
@@ -30,22 +30,27 @@ class ModelOptions:
     backend: str
     output_format: str
     fail_on: Severity
-    weights: Optional[str]
-    example_inputs_file: Optional[str]
-    input_shapes: Optional[list[str]]
-    qconfig_mapping: Optional[str]
-    select: Optional[list[str]]
+    weights: str | None
+    example_inputs_file: str | None
+    input_shapes: list[str] | None
+    qconfig_mapping: str | None
+    select: list[str] | None
     ignore: list[str]
     rule_options: dict[str, dict[str, Any]]
-    calibration: Optional[str]
-    num_batches: Optional[int]
-    baseline: Optional[str]
+    calibration: str | None
+    num_batches: int | None
+    baseline: str | None
     trial: dict[str, Any] = dataclasses.field(default_factory=dict)  # TrialOptions fields
 
     def input_files(self) -> list[str]:
         """Every file this run reads, but the baseline (outputs must not overwrite them)."""
-        candidates = [self.spec, self.weights, self.example_inputs_file, self.calibration,
-                      str(self.config.source) if self.config.source else None]
+        candidates = [
+            self.spec,
+            self.weights,
+            self.example_inputs_file,
+            self.calibration,
+            str(self.config.source) if self.config.source else None,
+        ]
         return [c for c in candidates if c]
 
 
@@ -53,16 +58,18 @@ def _first(*values: Any) -> Any:
     return next((value for value in values if value is not None), None)
 
 
-def _refuse_code(config: Config, key: str, value: str, entry: Optional[FileSettings]) -> None:
+def _refuse_code(config: Config, key: str, value: str, entry: FileSettings | None) -> None:
     where = f"[[tool.qlint.files]] path = {entry.path!r}:" if entry is not None else "[tool.qlint]"
     raise ConfigError(
         f"{config.source}: {where} {key} = {value!r} would import and run code from this repository; "
         f"if you trust it, pass --trust-config (in pre-commit: args: [--trust-config]), "
-        f"or give --{key} on the command line")
+        f"or give --{key} on the command line"
+    )
 
 
-def _code_setting(config: Config, key: str, value: Optional[str], entry: Optional[FileSettings],
-                  trusted: bool, always_code: bool) -> Optional[str]:
+def _code_setting(
+    config: Config, key: str, value: str | None, entry: FileSettings | None, trusted: bool, always_code: bool
+) -> str | None:
     """A setting that may name code: refused unless trusted; a file.py path made relative."""
     if value is None:
         return None
@@ -93,15 +100,26 @@ def resolve_options(args: argparse.Namespace, spec: str, config: Config) -> Mode
         mapping = args.qconfig_mapping
     else:
         key_entry = entry if per_file("qconfig_mapping") is not None else None
-        mapping = _code_setting(config, "qconfig-mapping", _first(per_file("qconfig_mapping"),
-                                                                  settings.qconfig_mapping),
-                                key_entry, trusted, always_code=True)
+        mapping = _code_setting(
+            config,
+            "qconfig-mapping",
+            _first(per_file("qconfig_mapping"), settings.qconfig_mapping),
+            key_entry,
+            trusted,
+            always_code=True,
+        )
     if args.calibration is not None:
         calibration = args.calibration
     else:
         key_entry = entry if per_file("calibration") is not None else None
-        calibration = _code_setting(config, "calibration", _first(per_file("calibration"), settings.calibration),
-                                    key_entry, trusted, always_code=False)
+        calibration = _code_setting(
+            config,
+            "calibration",
+            _first(per_file("calibration"), settings.calibration),
+            key_entry,
+            trusted,
+            always_code=False,
+        )
 
     file_weights = per_file("weights")
     file_examples = per_file("example_inputs")
@@ -115,12 +133,14 @@ def resolve_options(args: argparse.Namespace, spec: str, config: Config) -> Mode
             shapes = settings.input_shape
     baseline = args.baseline or (config.path(settings.baseline) if settings.baseline else None)
     return ModelOptions(
-        spec=spec, config=config,
+        spec=spec,
+        config=config,
         backend=_first(args.backend, per_file("backend"), settings.backend),
         output_format=args.format or settings.format,
         fail_on=Severity(args.fail_on or settings.fail_on),
         weights=_first(args.weights, config.path(file_weights) if file_weights else None),
-        example_inputs_file=example_file, input_shapes=shapes,
+        example_inputs_file=example_file,
+        input_shapes=shapes,
         qconfig_mapping=mapping,
         select=split_list(args.select) or settings.select,
         ignore=(split_list(args.ignore) or []) + list(settings.ignore),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional
 
 from qlint.advice.plan import QuantPlan, plan_from_report
 from qlint.cli.common import Parser, refuse_overwriting_inputs, write_stdout
@@ -27,7 +26,7 @@ def _write(path: str, text: str) -> None:
         raise QlintError(f"cannot write {path}: {error.strerror}") from error
 
 
-def emit_plan_outputs(report: Report, plan_path: Optional[str], qconfig_path: Optional[str]) -> QuantPlan:
+def emit_plan_outputs(report: Report, plan_path: str | None, qconfig_path: str | None) -> QuantPlan:
     """Write ``report.plan()`` as JSON to plan_path and/or its Python mapping to qconfig_path."""
     plan = plan_from_report(report)
     if plan_path:
@@ -65,6 +64,8 @@ def plan_command(argv: list[str]) -> int:
             write_stdout(text)
     else:
         plan.to_qconfig_mapping()  # also checks backend support (e.g. int16)
-        write_stdout(f"{printable(args.plan)}: valid qlint plan (schema {plan.schema_version}, "
-                     f"backend {plan.backend}, {len(plan.modules)} module decisions)\n")
+        write_stdout(
+            f"{printable(args.plan)}: valid qlint plan (schema {plan.schema_version}, "
+            f"backend {plan.backend}, {len(plan.modules)} module decisions)\n"
+        )
     return 0

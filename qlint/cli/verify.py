@@ -17,10 +17,9 @@ import argparse
 import io
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from qlint.cli.common import (Parser, refuse_overwriting_inputs, terminal_width,
-                              user_output_to_stderr, write_stdout)
+from qlint.cli.common import Parser, refuse_overwriting_inputs, terminal_width, user_output_to_stderr, write_stdout
 from qlint.core.backends import BACKENDS
 from qlint.errors import ConfigError, QlintError
 from qlint.render.literal import printable
@@ -29,8 +28,9 @@ from qlint.render.literal import printable
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a .pt2 / .pt file, or package.module:factory")
     parser.add_argument("--weights", metavar="FILE", help="state_dict for a module:factory model")
-    parser.add_argument("--trust-pickle", action="store_true",
-                        help="trust the model file (.pt or .pt2): allows code from it to run")
+    parser.add_argument(
+        "--trust-pickle", action="store_true", help="trust the model file (.pt or .pt2): allows code from it to run"
+    )
     parser.add_argument("--plan", metavar="PLAN.json", help="a qlint plan (default: the backend defaults)")
     parser.add_argument("--input-shape", action="append", metavar="SHAPE[:DTYPE]")
     parser.add_argument("--example-inputs", metavar="FILE")
@@ -39,13 +39,13 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from qlint.core.load import load_example_inputs, load_model, parse_input_shape
     from qlint.advice.plan import QuantPlan, default_plan
+    from qlint.core.load import load_example_inputs, load_model, parse_input_shape
 
     loaded = load_model(args.model, weights=args.weights, trust_pickle=args.trust_pickle)
     plan = QuantPlan.load(args.plan) if args.plan else default_plan(args.backend or "x86", model=loaded.name)
     if args.example_inputs:
-        example: Optional[tuple[Any, ...]] = load_example_inputs(args.example_inputs)
+        example: tuple[Any, ...] | None = load_example_inputs(args.example_inputs)
     elif args.input_shape:
         example = tuple(parse_input_shape(s) for s in args.input_shape)
     else:
@@ -62,44 +62,65 @@ def _write_text(path: str, text: str) -> None:
 
 # ------------------------------------------------------------------------------ verify
 def _verify_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="qlint verify", description="Quantize with the backend default and with a plan; "
-                                                      "compare SQNR, int8 coverage and size side by side.")
+    parser = Parser(
+        prog="qlint verify",
+        description="Quantize with the backend default and with a plan; "
+        "compare SQNR, int8 coverage and size side by side.",
+    )
     _model_arguments(parser)
-    parser.add_argument("--calibration", required=True, metavar="DATA",
-                        help="FILE_OR_DIR of saved batches, or module:function returning them")
+    parser.add_argument(
+        "--calibration",
+        required=True,
+        metavar="DATA",
+        help="FILE_OR_DIR of saved batches, or module:function returning them",
+    )
     parser.add_argument("--eval-data", required=True, metavar="DATA", help="held-out batches (same forms)")
     parser.add_argument("--target-sqnr", type=float, metavar="DB")
-    parser.add_argument("--max-float-fraction", type=float, default=0.1, metavar="F",
-                        help="at most this fraction of conv+linear layers kept float (default 0.1)")
+    parser.add_argument(
+        "--max-float-fraction",
+        type=float,
+        default=0.1,
+        metavar="F",
+        help="at most this fraction of conv+linear layers kept float (default 0.1)",
+    )
     parser.add_argument("--no-prune", action="store_true", help="keep every plan decision")
-    parser.add_argument("--no-scheme-search", action="store_true",
-                        help="do not try Linear layers static <-> dynamic (on by default)")
-    parser.add_argument("--max-scheme-trials", type=int, default=24, metavar="N",
-                        help="at most N trial quantizations in the scheme search (default 24)")
+    parser.add_argument(
+        "--no-scheme-search", action="store_true", help="do not try Linear layers static <-> dynamic (on by default)"
+    )
+    parser.add_argument(
+        "--max-scheme-trials",
+        type=int,
+        default=24,
+        metavar="N",
+        help="at most N trial quantizations in the scheme search (default 24)",
+    )
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the report to FILE")
     parser.add_argument("--emit-plan", metavar="FILE", help="write the verified plan (JSON)")
     return parser
 
 
-def _fmt(value: Optional[float], suffix: str = " dB") -> str:
+def _fmt(value: float | None, suffix: str = " dB") -> str:
     return "-" if value is None else f"{value:.2f}{suffix}"
 
 
-def render_verify(report: Any, width: Optional[int] = 120) -> str:
+def render_verify(report: Any, width: int | None = 120) -> str:
     from rich.table import Table
 
     from qlint.render.text import literal, make_console
 
     buffer = io.StringIO()
     console = make_console(buffer, color=False, width=width or 120)
-    table = Table(title=literal(f"qlint verify: {report.model} on {report.backend} "
-                                f"({report.eval_batches} eval batches)"))
+    table = Table(
+        title=literal(f"qlint verify: {report.model} on {report.backend} ({report.eval_batches} eval batches)")
+    )
     for column in ("", "default mapping", "plan as given", "verified plan"):
         table.add_column(column, justify="right" if column else "left")
-    rows = [("output SQNR", lambda r: _fmt(r.sqnr_db)),
-            ("conv+linear int8", lambda r: f"{r.int8_layers}/{r.total_layers} ({r.int8_fraction:.0%})"),
-            ("size", lambda r: f"{r.size_bytes / 1024:.1f} KiB")]
+    rows = [
+        ("output SQNR", lambda r: _fmt(r.sqnr_db)),
+        ("conv+linear int8", lambda r: f"{r.int8_layers}/{r.total_layers} ({r.int8_fraction:.0%})"),
+        ("size", lambda r: f"{r.size_bytes / 1024:.1f} KiB"),
+    ]
     if report.default.metric is not None:
         rows.append(("metric", lambda r: f"{r.metric:.4g}"))
     for label, get in rows:
@@ -108,8 +129,13 @@ def render_verify(report: Any, width: Optional[int] = 120) -> str:
     for column in ("layer", "kind", "default", "plan", "plan int8"):
         layers.add_column(column)
     for row in report.layers:
-        layers.add_row(literal(row.fqn), literal(row.kind), _fmt(row.default_sqnr_db), _fmt(row.plan_sqnr_db),
-                       "yes" if row.plan_int8 else "FLOAT")
+        layers.add_row(
+            literal(row.fqn),
+            literal(row.kind),
+            _fmt(row.default_sqnr_db),
+            _fmt(row.plan_sqnr_db),
+            "yes" if row.plan_int8 else "FLOAT",
+        )
     console.print(table)
     if report.layers:
         console.print(layers)
@@ -120,11 +146,15 @@ def render_verify(report: Any, width: Optional[int] = 120) -> str:
         lines.append(f"target {report.target_sqnr_db:g} dB: {'met' if report.target_met else 'NOT met'}")
     for d in report.decisions:
         if d.kind == "scheme":  # a trial: "with" is the SQNR after the flip, "without" before it
-            lines.append(f"  {'kept    ' if d.kept else 'rejected'} scheme {printable(d.target)} ({d.detail}): "
-                         f"{_fmt(d.sqnr_with_db)} after, {_fmt(d.sqnr_without_db)} before")
+            lines.append(
+                f"  {'kept    ' if d.kept else 'rejected'} scheme {printable(d.target)} ({d.detail}): "
+                f"{_fmt(d.sqnr_with_db)} after, {_fmt(d.sqnr_without_db)} before"
+            )
             continue
-        lines.append(f"  {'kept   ' if d.kept else 'dropped'} {d.kind} {printable(d.target)}: "
-                     f"{_fmt(d.sqnr_with_db)} with, {_fmt(d.sqnr_without_db)} without")
+        lines.append(
+            f"  {'kept   ' if d.kept else 'dropped'} {d.kind} {printable(d.target)}: "
+            f"{_fmt(d.sqnr_with_db)} with, {_fmt(d.sqnr_without_db)} without"
+        )
     lines += [f"note: {printable(n)}" for n in report.notes]
     return "\n".join(lines) + "\n"
 
@@ -133,9 +163,10 @@ def verify_command(argv: list[str]) -> int:
     args = _verify_parser().parse_args(argv)
     if args.max_scheme_trials < 0:
         raise ConfigError(f"--max-scheme-trials must be >= 0, got {args.max_scheme_trials}")
-    refuse_overwriting_inputs([("--output", args.output), ("--emit-plan", args.emit_plan)],
-                              [args.model, args.weights, args.plan, args.example_inputs, args.calibration,
-                               args.eval_data])
+    refuse_overwriting_inputs(
+        [("--output", args.output), ("--emit-plan", args.emit_plan)],
+        [args.model, args.weights, args.plan, args.example_inputs, args.calibration, args.eval_data],
+    )
     from qlint.advice.verify import verify
     from qlint.core.load import load_batches
 
@@ -145,12 +176,23 @@ def verify_command(argv: list[str]) -> int:
         eval_data = load_batches(args.eval_data)
         if args.backend:
             plan = plan.model_copy(update={"backend": args.backend})
-        report = verify(loaded.module, plan, calibration, eval_data, target_sqnr=args.target_sqnr,
-                        prune=not args.no_prune, max_float_fraction=args.max_float_fraction,
-                        search_schemes=not args.no_scheme_search, max_scheme_trials=args.max_scheme_trials,
-                        model_name=loaded.name)
-    text = (report.model_dump_json(indent=2) + "\n" if args.format == "json"
-            else render_verify(report, width=terminal_width(to_stdout=args.output is None)))
+        report = verify(
+            loaded.module,
+            plan,
+            calibration,
+            eval_data,
+            target_sqnr=args.target_sqnr,
+            prune=not args.no_prune,
+            max_float_fraction=args.max_float_fraction,
+            search_schemes=not args.no_scheme_search,
+            max_scheme_trials=args.max_scheme_trials,
+            model_name=loaded.name,
+        )
+    text = (
+        report.model_dump_json(indent=2) + "\n"
+        if args.format == "json"
+        else render_verify(report, width=terminal_width(to_stdout=args.output is None))
+    )
     if args.emit_plan:
         _write_text(args.emit_plan, report.verified_plan.model_dump_json(indent=2) + "\n")
     if args.output:
@@ -176,8 +218,10 @@ def fix_command(argv: list[str]) -> int:
     out = Path(args.output)
     if out.suffix not in (".pt2", ".pt"):
         raise ConfigError(f"--output must end in .pt2 (torch.export) or .pt (GraphModule state), got {out.name}")
-    refuse_overwriting_inputs([("--output", args.output), ("--emit-qconfig", args.emit_qconfig)],
-                              [args.model, args.weights, args.plan, args.example_inputs])
+    refuse_overwriting_inputs(
+        [("--output", args.output), ("--emit-qconfig", args.emit_qconfig)],
+        [args.model, args.weights, args.plan, args.example_inputs],
+    )
     with user_output_to_stderr():
         loaded, plan, example = _load(args)
         if not example:
@@ -202,8 +246,10 @@ def _save_fixed(gm: Any, plan: Any, example: Any, out: Path) -> None:
             program = torch.export.export(gm, tuple(example))
             torch.export.save(program, str(out))
         except Exception as error:  # export failures come in many types
-            raise QlintError(f"cannot export the rewritten model: {type(error).__name__}: "
-                             f"{str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}") from error
+            raise QlintError(
+                f"cannot export the rewritten model: {type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+            ) from error
         return
     payload = {"state_dict": gm.state_dict(), "code": gm.code, "plan": plan.model_dump_json()}
     try:

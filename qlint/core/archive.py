@@ -24,7 +24,7 @@ import json
 import os
 import re
 import zipfile
-from typing import Any, BinaryIO, NoReturn, Optional
+from typing import Any, BinaryIO, NoReturn
 
 import torch
 
@@ -63,7 +63,8 @@ def check_unpacked_size(archive: zipfile.ZipFile, packed_bytes: int, label: str)
         f"{label}: refused: it would unpack to {_size(total)}, more than {_size(limit)} "
         f"({MAX_EXPANSION_RATIO}x its {_size(packed_bytes)} + {_size(EXPANSION_ALLOWANCE_BYTES)}, "
         f"at most {_size(MAX_UNPACKED_BYTES)}); member {worst.filename} expands "
-        f"{_size(worst.compress_size)} to {_size(worst.file_size)}")
+        f"{_size(worst.compress_size)} to {_size(worst.file_size)}"
+    )
 
 
 def check_zip_file(path: os.PathLike, label: str) -> None:
@@ -85,8 +86,9 @@ def inspect_pt2(handle: BinaryIO, label: str, *, trust: bool) -> None:
     try:
         archive = zipfile.ZipFile(handle)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
-        raise LoadError(f"{label} is not a valid .pt2 archive (truncated or not written by "
-                        f"torch.export.save): {error}") from error
+        raise LoadError(
+            f"{label} is not a valid .pt2 archive (truncated or not written by torch.export.save): {error}"
+        ) from error
     with archive:
         check_unpacked_size(archive, packed, label)
         _ArchiveReview(archive, label, trust).run()
@@ -110,7 +112,7 @@ class _ArchiveReview:
         if self.trust:
             return  # torch reads it as it is, older layouts included
         self.root = self._root()
-        self.names = {info.filename[len(self.root):]: info for info in self.archive.infolist() if not info.is_dir()}
+        self.names = {info.filename[len(self.root) :]: info for info in self.archive.infolist() if not info.is_dir()}
         for name in self.names:
             if name.startswith(_AOTI_DIR):
                 self._fail(name, "is AOTInductor compiled code, which torch would load as native code")
@@ -121,10 +123,12 @@ class _ArchiveReview:
             if not name.endswith(".json"):
                 self._fail(name, "is not a serialized program (models/ holds only .json files)")
         if f"{_MODELS_DIR}model.json" not in self.names:
-            raise LoadError(f"{self.label} holds no exported program ({self.root}models/model.json); "
-                            "save one with torch.export.save")
+            raise LoadError(
+                f"{self.label} holds no exported program ({self.root}models/model.json); "
+                "save one with torch.export.save"
+            )
         for name in models:
-            self._review_model(name[len(_MODELS_DIR):-len(".json")], name)
+            self._review_model(name[len(_MODELS_DIR) : -len(".json")], name)
 
     # ------------------------------------------------------------------ structure
     def _root(self) -> str:
@@ -140,13 +144,16 @@ class _ArchiveReview:
                 raise LoadError(f"{self.label}: refused: member {info.filename} appears twice")
             seen.add(folded)
             if not info.filename.startswith(root):  # e.g. the pre-2.8 layout, which torch unpickles
-                raise LoadError(f"{self.label}: refused: member {info.filename} lies outside the archive "
-                                f"folder {root} (not the layout torch.export.save writes)" + TRUST_HINT)
+                raise LoadError(
+                    f"{self.label}: refused: member {info.filename} lies outside the archive "
+                    f"folder {root} (not the layout torch.export.save writes)" + TRUST_HINT
+                )
         return root
 
     def _fail(self, name: str, reason: str, needs_trust: bool = True) -> NoReturn:
-        raise LoadError(f"{self.label}: refused member {self.root}{name}: {reason}"
-                        + (TRUST_HINT if needs_trust else ""))
+        raise LoadError(
+            f"{self.label}: refused member {self.root}{name}: {reason}" + (TRUST_HINT if needs_trust else "")
+        )
 
     def _read(self, name: str) -> bytes:
         try:
@@ -192,9 +199,13 @@ class _ArchiveReview:
         path_name = entry["path_name"]
         member = folder + path_name
         if folder == _CONSTANTS_DIR and not path_name.startswith(_TENSOR_CONSTANT_PREFIX):
-            kind = ("an opaque Python object (torch would pickle.loads it)" if path_name.startswith("opaque_obj_")
-                    else "a TorchScript object (torch would unpickle it)" if path_name.startswith("custom_obj_")
-                    else f"of unknown kind {path_name!r}")
+            kind = (
+                "an opaque Python object (torch would pickle.loads it)"
+                if path_name.startswith("opaque_obj_")
+                else "a TorchScript object (torch would unpickle it)"
+                if path_name.startswith("custom_obj_")
+                else f"of unknown kind {path_name!r}"
+            )
             self._fail(member if member in self.names else config_name, f"constant {fqn!r} is {kind}")
         if entry.get("use_pickle"):
             if member not in self.names:
@@ -207,8 +218,9 @@ class _ArchiveReview:
         declared = _declared_elements(sizes)
         if info is not None and info.file_size == 0 and declared is not None and declared > 0:
             # torch allocates torch.zeros(sizes) for an empty record: a terabyte from nothing
-            self._fail(member, f"{what} {fqn!r} stores no bytes but declares shape {_shape_text(sizes)}",
-                       needs_trust=False)
+            self._fail(
+                member, f"{what} {fqn!r} stores no bytes but declares shape {_shape_text(sizes)}", needs_trust=False
+            )
 
     def _weights_only(self, name: str, what: str, expect: tuple[type, ...]) -> None:
         """torch would read this member with ``weights_only=False`` (or fall back to it): it must
@@ -220,14 +232,16 @@ class _ArchiveReview:
         try:
             value = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as error:  # any failure makes torch retry with weights_only=False
-            self._fail(name, f"{what} cannot be loaded as plain tensors ({_unpickling_reason(error)}); "
-                             "torch would unpickle it with weights_only=False, which can run code from the file")
+            self._fail(
+                name,
+                f"{what} cannot be loaded as plain tensors ({_unpickling_reason(error)}); "
+                "torch would unpickle it with weights_only=False, which can run code from the file",
+            )
         if not isinstance(value, expect):
-            self._fail(name, f"{what} is a {type(value).__name__}, not what torch stores there",
-                       needs_trust=False)
+            self._fail(name, f"{what} is a {type(value).__name__}, not what torch stores there", needs_trust=False)
 
 
-def _declared_elements(sizes: Any) -> Optional[int]:
+def _declared_elements(sizes: Any) -> int | None:
     if not isinstance(sizes, list):
         return None
     count = 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.ao.quantization.quantize_fx  # noqa: F401  (loads backend_config helpers torch needs)
@@ -38,14 +38,14 @@ _LOWERING_FUSIONS = (("add", "relu"),)
 class DTypeSupport:
     """One accepted dtype combination for an op, with the constraints the backend imposes."""
 
-    input_dtype: Optional[str]
-    output_dtype: Optional[str]
-    weight_dtype: Optional[str]
+    input_dtype: str | None
+    output_dtype: str | None
+    weight_dtype: str | None
     is_dynamic: bool
-    input_quant_min: Optional[int] = None
-    input_quant_max: Optional[int] = None
-    weight_quant_min: Optional[int] = None
-    weight_quant_max: Optional[int] = None
+    input_quant_min: int | None = None
+    input_quant_max: int | None = None
+    weight_quant_min: int | None = None
+    weight_quant_max: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class BackendInfo:
         return self.dtypes.get(kind, ())
 
 
-def _kind_of_pattern_element(element: Any) -> Optional[str]:
+def _kind_of_pattern_element(element: Any) -> str | None:
     if isinstance(element, type) and issubclass(element, torch.nn.Module):
         try:
             return module_kind(element.__new__(element))
@@ -81,7 +81,7 @@ def _kind_of_pattern_element(element: Any) -> Optional[str]:
     return None
 
 
-def _pattern_kinds(pattern: Any) -> Optional[tuple[str, ...]]:
+def _pattern_kinds(pattern: Any) -> tuple[str, ...] | None:
     elements = pattern if isinstance(pattern, tuple) else (pattern,)
     kinds = tuple(_kind_of_pattern_element(e) for e in elements)
     if any(k is None or ":" in k for k in kinds):
@@ -90,11 +90,10 @@ def _pattern_kinds(pattern: Any) -> Optional[tuple[str, ...]]:
 
 
 def _describe(dtype_config: Any) -> DTypeSupport:
-    def bounds(constraint: Any) -> tuple[Optional[int], Optional[int]]:
+    def bounds(constraint: Any) -> tuple[int | None, int | None]:
         if constraint is None:
             return None, None
-        return (getattr(constraint, "quant_min_lower_bound", None),
-                getattr(constraint, "quant_max_upper_bound", None))
+        return (getattr(constraint, "quant_min_lower_bound", None), getattr(constraint, "quant_max_upper_bound", None))
 
     in_min, in_max = bounds(getattr(dtype_config, "input_dtype_with_constraints", None))
     w_min, w_max = bounds(getattr(dtype_config, "weight_dtype_with_constraints", None))
@@ -104,8 +103,10 @@ def _describe(dtype_config: Any) -> DTypeSupport:
         output_dtype=as_text(dtype_config.output_dtype),
         weight_dtype=as_text(dtype_config.weight_dtype),
         is_dynamic=bool(dtype_config.is_dynamic),
-        input_quant_min=in_min, input_quant_max=in_max,
-        weight_quant_min=w_min, weight_quant_max=w_max,
+        input_quant_min=in_min,
+        input_quant_max=in_max,
+        weight_quant_min=w_min,
+        weight_quant_max=w_max,
     )
 
 
@@ -116,7 +117,7 @@ def backend_config(name: str) -> BackendConfig:
     return _GETTERS[name]()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def backend_info(name: str) -> BackendInfo:
     config = backend_config(name)
     fusable: set[tuple[str, ...]] = set(_LOWERING_FUSIONS)
@@ -134,9 +135,9 @@ def backend_info(name: str) -> BackendInfo:
                 if described not in bucket:
                     bucket.append(described)
     weighted_static = frozenset(
-        kind for kind, options in dtypes.items()
-        if kind in ("conv1d", "conv2d", "conv3d", "linear")
-        and any(o.weight_dtype == "torch.qint8" for o in options)
+        kind
+        for kind, options in dtypes.items()
+        if kind in ("conv1d", "conv2d", "conv3d", "linear") and any(o.weight_dtype == "torch.qint8" for o in options)
     )
     return BackendInfo(
         name=name,

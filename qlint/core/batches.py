@@ -7,7 +7,8 @@ one batch.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -20,8 +21,9 @@ class BatchError(QlintError):
     """A batch is not a tensor, a tuple of inputs or a mapping of keyword inputs."""
 
 
-def as_call(batch: Any, device: Optional[torch.device] = None,
-            what: str = "a batch") -> tuple[tuple[Any, ...], dict[str, Any]]:
+def as_call(
+    batch: Any, device: torch.device | None = None, what: str = "a batch"
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``batch`` as ``(args, kwargs)`` holding copies of its tensors, on ``device`` when one is given.
 
     The copies are the model's own: one that writes its input in place (``x.mul_(2)``,
@@ -35,8 +37,11 @@ def as_call(batch: Any, device: Optional[torch.device] = None,
     elif isinstance(batch, Mapping):
         args, kwargs = (), {str(key): value for key, value in batch.items()}
     else:
-        raise BatchError(f"{what} is a {type(batch).__name__}; expected a tensor, a tuple of tensors "
-                         "(positional inputs) or a dict (keyword inputs)")
+        raise BatchError(
+            f"{what} is a {type(batch).__name__}; expected a tensor, a tuple of tensors "
+            "(positional inputs) or a dict (keyword inputs)"
+        )
+
     def own(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone() if device is None else tensor.to(device, copy=True)
 
@@ -69,7 +74,7 @@ def batches_of(data: Any, what: str = "data") -> Iterator[Any]:
     yield from iterator
 
 
-def batch_count(data: Any) -> Optional[int]:
+def batch_count(data: Any) -> int | None:
     """How many batches ``data`` holds, when it can say without being read."""
     if isinstance(data, (torch.Tensor, Mapping)):
         return 1

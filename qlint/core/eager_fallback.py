@@ -29,26 +29,34 @@ import dataclasses
 import inspect
 import operator
 import re
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from qlint.errors import TraceError
-from qlint.core.nested import tensors_in
-from qlint.core.preserve import cloned
 from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.core.intent import CallDescription, function_candidates
+from qlint.core.nested import tensors_in
 from qlint.core.ops import FUNCTION_KINDS, WEIGHTED_KINDS, function_kind, method_kind, module_kind
+from qlint.core.preserve import cloned
+from qlint.errors import TraceError
 
 FRONTEND_EAGER = "eager-hooks"
 
 _DUNDER = {
-    "__add__": operator.add, "__radd__": operator.add, "__iadd__": operator.iadd,
-    "__mul__": operator.mul, "__rmul__": operator.mul, "__imul__": operator.imul,
-    "__sub__": operator.sub, "__rsub__": operator.sub, "__truediv__": operator.truediv,
-    "__matmul__": operator.matmul, "__getitem__": operator.getitem,
+    "__add__": operator.add,
+    "__radd__": operator.add,
+    "__iadd__": operator.iadd,
+    "__mul__": operator.mul,
+    "__rmul__": operator.mul,
+    "__imul__": operator.imul,
+    "__sub__": operator.sub,
+    "__rsub__": operator.sub,
+    "__truediv__": operator.truediv,
+    "__matmul__": operator.matmul,
+    "__getitem__": operator.getitem,
 }
 
 
@@ -64,7 +72,7 @@ def is_leaf(module: nn.Module) -> bool:
     return not any(True for _ in module.children())
 
 
-def _info(tensor: Optional[torch.Tensor]) -> Optional[TensorInfo]:
+def _info(tensor: torch.Tensor | None) -> TensorInfo | None:
     if tensor is None:
         return None
     return TensorInfo(tuple(int(d) for d in tensor.shape), str(tensor.dtype))
@@ -77,13 +85,13 @@ class _Record:
     kind: str
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
-    module: Optional[str] = None
-    module_obj: Optional[nn.Module] = None
+    module: str | None = None
+    module_obj: nn.Module | None = None
     scope: str = ""
-    scope_type: Optional[type] = None
+    scope_type: type | None = None
     raw: Any = None
-    weight: Optional[str] = None
-    bias: Optional[str] = None
+    weight: str | None = None
+    bias: str | None = None
 
 
 class _Recorder(TorchFunctionMode):
@@ -132,8 +140,16 @@ class _Recorder(TorchFunctionMode):
             op, raw, kind = "function", func, function_kind(func)
         inputs = tensors_in((args, kwargs))
         scope, scope_type = self.scopes[-1]
-        record = _Record(self.unique(getattr(raw, "__name__", None) or str(raw)), op, kind,
-                         inputs, outputs, scope=scope, scope_type=scope_type, raw=raw)
+        record = _Record(
+            self.unique(getattr(raw, "__name__", None) or str(raw)),
+            op,
+            kind,
+            inputs,
+            outputs,
+            scope=scope,
+            scope_type=scope_type,
+            raw=raw,
+        )
         if kind in WEIGHTED_KINDS or kind == "batch_norm":
             params = [a for a in inputs if id(a) in self.param_names]
             record.weight = self.param_names[id(params[0])] if params else None
@@ -168,13 +184,22 @@ class _Recorder(TorchFunctionMode):
             scope, scope_type = self.scopes[-1]
             weight = getattr(mod, "weight", None)
             bias = getattr(mod, "bias", None)
-            self.produce(_Record(
-                self.unique(fqn.replace(".", "_")), "module", module_kind(mod),
-                tensors_in((args, kwargs)), tensors_in(output), module=fqn, module_obj=mod,
-                scope=fqn.rpartition(".")[0], scope_type=scope_type,
-                weight=f"{fqn}.weight" if isinstance(weight, torch.Tensor) else None,
-                bias=f"{fqn}.bias" if isinstance(bias, torch.Tensor) else None,
-                raw=cls))
+            self.produce(
+                _Record(
+                    self.unique(fqn.replace(".", "_")),
+                    "module",
+                    module_kind(mod),
+                    tensors_in((args, kwargs)),
+                    tensors_in(output),
+                    module=fqn,
+                    module_obj=mod,
+                    scope=fqn.rpartition(".")[0],
+                    scope_type=scope_type,
+                    weight=f"{fqn}.weight" if isinstance(weight, torch.Tensor) else None,
+                    bias=f"{fqn}.bias" if isinstance(bias, torch.Tensor) else None,
+                    raw=cls,
+                )
+            )
             return None
 
         return pre, post
@@ -182,8 +207,11 @@ class _Recorder(TorchFunctionMode):
 
 def _input_names(model: nn.Module, count: int) -> list[str]:
     try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p.name
+            for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         params = []
     names = params[:count]
@@ -210,8 +238,10 @@ def _record_run(model: nn.Module, example_inputs: Sequence[Any]) -> _Recorder:
         raise
     except Exception as error:  # the model itself failed on these inputs
         text = str(error).strip().splitlines()
-        raise TraceError(f"eager fallback: the model failed on the example inputs: "
-                         f"{type(error).__name__}: {text[0] if text else ''}"[:400]) from error
+        raise TraceError(
+            f"eager fallback: the model failed on the example inputs: "
+            f"{type(error).__name__}: {text[0] if text else ''}"[:400]
+        ) from error
     finally:
         for handle in handles:
             handle.remove()
@@ -241,15 +271,22 @@ def _module_inventory(model: nn.Module) -> dict[str, ModuleInfo]:
             continue
         cls = type(module)
         inventory[fqn] = ModuleInfo(
-            fqn=fqn, type_name=f"{cls.__module__}.{cls.__qualname__}", kind=module_kind(module),
-            is_leaf=not any(True for _ in module.children()), training=module.training,
-            has_parameters=any(True for _ in module.parameters(recurse=False)))
+            fqn=fqn,
+            type_name=f"{cls.__module__}.{cls.__qualname__}",
+            kind=module_kind(module),
+            is_leaf=not any(True for _ in module.children()),
+            training=module.training,
+            has_parameters=any(True for _ in module.parameters(recurse=False)),
+        )
     return inventory
 
 
-def eager_analysis(model: nn.Module, example_inputs: Optional[Sequence[Any]],
-                   resolve: Callable[[CallDescription, Any, OpNode], Any],
-                   copy_model: bool = True) -> tuple[ModelGraph, list[str]]:
+def eager_analysis(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | None,
+    resolve: Callable[[CallDescription, Any, OpNode], Any],
+    copy_model: bool = True,
+) -> tuple[ModelGraph, list[str]]:
     """(graph, notes): the graph of one forward pass and what it could not see."""
     if not example_inputs:
         raise TraceError("the eager fallback needs example inputs: pass --input-shape or --example-inputs")
@@ -286,8 +323,13 @@ def eager_analysis(model: nn.Module, example_inputs: Optional[Sequence[Any]],
 
 def _op_node(record: _Record, resolve) -> OpNode:
     if record.op == "input":
-        return OpNode(name=record.name, kind="input", op="input",
-                      output=_info(record.outputs[0]) if record.outputs else None, target=record.name)
+        return OpNode(
+            name=record.name,
+            kind="input",
+            op="input",
+            output=_info(record.outputs[0]) if record.outputs else None,
+            target=record.name,
+        )
     if record.op == "output":
         return OpNode(name="output", kind="output", op="output", target="output")
     inputs = tuple(_info(t) for t in record.inputs)
@@ -296,18 +338,36 @@ def _op_node(record: _Record, resolve) -> OpNode:
         if record.module_obj is None:
             raise ValueError(f"module record {record.name} lost its module")
         cls = type(record.module_obj)
-        info = OpNode(name=record.name, kind=record.kind, op="module", module=record.module,
-                      module_type=f"{cls.__module__}.{cls.__qualname__}", scope=record.scope,
-                      weight=record.weight, bias=record.bias, inputs=inputs, output=output,
-                      training=record.module_obj.training, target=record.module or "")
+        info = OpNode(
+            name=record.name,
+            kind=record.kind,
+            op="module",
+            module=record.module,
+            module_type=f"{cls.__module__}.{cls.__qualname__}",
+            scope=record.scope,
+            weight=record.weight,
+            bias=record.bias,
+            inputs=inputs,
+            output=output,
+            training=record.module_obj.training,
+            target=record.module or "",
+        )
         call = CallDescription(True, (cls,), record.module or "", None)
     else:
         training = None
-        info = OpNode(name=record.name, kind=record.kind, op=record.op, scope=record.scope,
-                      weight=record.weight, bias=record.bias, inputs=inputs, output=output,
-                      training=training, target=getattr(record.raw, "__name__", str(record.raw)))
-        call = CallDescription(False, function_candidates(record.kind, record.raw), record.scope,
-                               record.scope_type)
+        info = OpNode(
+            name=record.name,
+            kind=record.kind,
+            op=record.op,
+            scope=record.scope,
+            weight=record.weight,
+            bias=record.bias,
+            inputs=inputs,
+            output=output,
+            training=training,
+            target=getattr(record.raw, "__name__", str(record.raw)),
+        )
+        call = CallDescription(False, function_candidates(record.kind, record.raw), record.scope, record.scope_type)
     return dataclasses.replace(info, qconfig=resolve(call, None, info))
 
 
@@ -319,17 +379,21 @@ def eager_notices(unlinked: int = 0, dropped: int = 0) -> list[str]:
         "are invisible",
     ]
     if unlinked:
-        notes.append(f"eager-hooks: {unlinked} op input(s) came from code the hooks cannot see "
-                     "(functional ops outside torch, Python arithmetic, constants): edges into them "
-                     "are missing, so pattern rules may miss problems there")
+        notes.append(
+            f"eager-hooks: {unlinked} op input(s) came from code the hooks cannot see "
+            "(functional ops outside torch, Python arithmetic, constants): edges into them "
+            "are missing, so pattern rules may miss problems there"
+        )
     if dropped:
-        notes.append(f"eager-hooks: {dropped} tensor op(s) that fed only control flow or dead code "
-                     "were left out of the graph")
+        notes.append(
+            f"eager-hooks: {dropped} tensor op(s) that fed only control flow or dead code were left out of the graph"
+        )
     return notes
 
 
-def eager_graph(model: nn.Module, example_inputs: Optional[Sequence[Any]],
-                resolve: Callable[[CallDescription, Any, OpNode], Any]) -> ModelGraph:
+def eager_graph(
+    model: nn.Module, example_inputs: Sequence[Any] | None, resolve: Callable[[CallDescription, Any, OpNode], Any]
+) -> ModelGraph:
     """A ModelGraph (frontend ``"eager-hooks"``) from one hooked forward pass of a copy of ``model``.
 
     ``resolve(call, None, op_node)`` gives each op's qconfig, as for GraphBuilder (the fx.Node

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -25,10 +25,10 @@ class ExportedInput:
     """One tensor input of an exported program: its name and each dimension (None: dynamic)."""
 
     name: str
-    dims: tuple[Optional[int], ...]
+    dims: tuple[int | None, ...]
 
 
-def exported_inputs(program: Any) -> Optional[tuple[ExportedInput, ...]]:
+def exported_inputs(program: Any) -> tuple[ExportedInput, ...] | None:
     """The program's user inputs in call order; None unless every one is a tensor."""
     from torch.export.graph_signature import InputKind
 
@@ -45,7 +45,7 @@ def exported_inputs(program: Any) -> Optional[tuple[ExportedInput, ...]]:
     return tuple(found) or None
 
 
-def fit_calibration(calibration: Any, program: Any) -> tuple[Any, Optional[str]]:
+def fit_calibration(calibration: Any, program: Any) -> tuple[Any, str | None]:
     """``calibration`` shaped for ``program``: unchanged when it fits, re-chunked to the exported
     batch size when only the batch dimension differs (with the notice text to show), else LoadError."""
     if program is None or calibration is None or isinstance(calibration, Mapping):
@@ -68,19 +68,24 @@ def fit_calibration(calibration: Any, program: Any) -> tuple[Any, Optional[str]]
     rows = _rows_if_rechunked(first, 0, inputs, batch_size)
     notice = None
     if rows is not None:
-        notice = (f"calibration batches of {rows} samples are re-chunked into batches of {batch_size}: "
-                  f"{_fixed_text(inputs, batch_size)}; a last partial batch, if any, is left out. "
-                  + _EXPORT_HINT.format(name=inputs[0].name))
+        notice = (
+            f"calibration batches of {rows} samples are re-chunked into batches of {batch_size}: "
+            f"{_fixed_text(inputs, batch_size)}; a last partial batch, if any, is left out. "
+            + _EXPORT_HINT.format(name=inputs[0].name)
+        )
     return _rechunk(stream, inputs, batch_size), notice  # one pass, like the stream it reads
 
 
 _NOTHING = object()
-_EXPORT_HINT = ("To calibrate on other batch sizes, export with dynamic_shapes, e.g. "
-                "torch.export.export(model, args, dynamic_shapes={{'{name}': {{0: torch.export.Dim('batch')}}}})")
+_EXPORT_HINT = (
+    "To calibrate on other batch sizes, export with dynamic_shapes, e.g. "
+    "torch.export.export(model, args, dynamic_shapes={{'{name}': {{0: torch.export.Dim('batch')}}}})"
+)
 
 
-def _fit_sequence(batches: Sequence[Any], inputs: tuple[ExportedInput, ...],
-                  batch_size: Optional[int]) -> tuple[Any, Optional[str]]:
+def _fit_sequence(
+    batches: Sequence[Any], inputs: tuple[ExportedInput, ...], batch_size: int | None
+) -> tuple[Any, str | None]:
     counts = []
     for number, batch in enumerate(batches):
         tensors = _as_tensors(batch, inputs)
@@ -95,18 +100,20 @@ def _fit_sequence(batches: Sequence[Any], inputs: tuple[ExportedInput, ...],
         raise _too_few(total, inputs, batch_size)
     left_out = total % batch_size
     sizes = ", ".join(str(size) for size in sorted(set(counts)))
-    notice = (f"calibration batches of {sizes} samples were re-chunked into {total // batch_size} batches of "
-              f"{batch_size}: {_fixed_text(inputs, batch_size)}"
-              + (f"; the last {left_out} samples were left out" if left_out else "")
-              + ". " + _EXPORT_HINT.format(name=inputs[0].name))
+    notice = (
+        f"calibration batches of {sizes} samples were re-chunked into {total // batch_size} batches of "
+        f"{batch_size}: {_fixed_text(inputs, batch_size)}"
+        + (f"; the last {left_out} samples were left out" if left_out else "")
+        + ". "
+        + _EXPORT_HINT.format(name=inputs[0].name)
+    )
     return _Fitted(batches, inputs, batch_size, total // batch_size), notice
 
 
 class _Fitted:
     """A sequence of batches re-chunked to the exported batch size; re-iterable, with a length."""
 
-    def __init__(self, source: Sequence[Any], inputs: tuple[ExportedInput, ...], batch_size: int,
-                 length: int) -> None:
+    def __init__(self, source: Sequence[Any], inputs: tuple[ExportedInput, ...], batch_size: int, length: int) -> None:
         self._source = source
         self._inputs = inputs
         self._batch_size = batch_size
@@ -119,8 +126,7 @@ class _Fitted:
         return self._length
 
 
-def _rechunk(source: Iterable[Any], inputs: tuple[ExportedInput, ...],
-             batch_size: Optional[int]) -> Iterator[Any]:
+def _rechunk(source: Iterable[Any], inputs: tuple[ExportedInput, ...], batch_size: int | None) -> Iterator[Any]:
     pending: list[tuple[torch.Tensor, ...]] = []
     pending_rows = emitted = 0
     for number, batch in enumerate(source):
@@ -145,12 +151,15 @@ def _rechunk(source: Iterable[Any], inputs: tuple[ExportedInput, ...],
 
 
 def _too_few(total: int, inputs: tuple[ExportedInput, ...], batch_size: int) -> LoadError:
-    return LoadError(f"calibration holds {total} samples, fewer than the batch size the exported program "
-                     f"fixed ({_fixed_text(inputs, batch_size)}); " + _EXPORT_HINT.format(name=inputs[0].name))
+    return LoadError(
+        f"calibration holds {total} samples, fewer than the batch size the exported program "
+        f"fixed ({_fixed_text(inputs, batch_size)}); " + _EXPORT_HINT.format(name=inputs[0].name)
+    )
 
 
-def _rows_if_rechunked(batch: Any, number: int, inputs: tuple[ExportedInput, ...],
-                       batch_size: Optional[int]) -> Optional[int]:
+def _rows_if_rechunked(
+    batch: Any, number: int, inputs: tuple[ExportedInput, ...], batch_size: int | None
+) -> int | None:
     """None when ``batch`` fits (or is not a tuple of tensors); its row count when only the batch
     dimension differs and can be re-chunked; LoadError for any other fixed dimension."""
     tensors = _as_tensors(batch, inputs)
@@ -159,9 +168,11 @@ def _rows_if_rechunked(batch: Any, number: int, inputs: tuple[ExportedInput, ...
     mismatched = []
     for tensor, spec in zip(tensors, inputs):
         if tensor.dim() != len(spec.dims):
-            raise LoadError(f"calibration batch {number}: input '{spec.name}' has {tensor.dim()} dimensions "
-                            f"(shape {tuple(tensor.shape)}), the exported program takes {len(spec.dims)} "
-                            f"(shape {_dims_text(spec.dims)})")
+            raise LoadError(
+                f"calibration batch {number}: input '{spec.name}' has {tensor.dim()} dimensions "
+                f"(shape {tuple(tensor.shape)}), the exported program takes {len(spec.dims)} "
+                f"(shape {_dims_text(spec.dims)})"
+            )
         for dim, (got, fixed) in enumerate(zip(tensor.shape, spec.dims)):
             if fixed is not None and got != fixed:
                 mismatched.append((spec, dim, fixed, got))
@@ -174,11 +185,12 @@ def _rows_if_rechunked(batch: Any, number: int, inputs: tuple[ExportedInput, ...
             f"calibration batch {number} does not fit the exported program: the export fixed dimension {dim} "
             f"of input '{spec.name}' to {fixed}, the batch has {got} (shape {_dims_text(spec.dims)} expected). "
             f"Export with dynamic_shapes to accept other sizes, e.g. torch.export.export(model, args, "
-            f"dynamic_shapes={{'{spec.name}': {{{dim}: torch.export.Dim.AUTO}}}})")
+            f"dynamic_shapes={{'{spec.name}': {{{dim}: torch.export.Dim.AUTO}}}})"
+        )
     return int(tensors[0].shape[0])
 
 
-def _as_tensors(batch: Any, inputs: tuple[ExportedInput, ...]) -> Optional[tuple[torch.Tensor, ...]]:
+def _as_tensors(batch: Any, inputs: tuple[ExportedInput, ...]) -> tuple[torch.Tensor, ...] | None:
     if isinstance(batch, torch.Tensor):
         tensors: tuple[Any, ...] = (batch,)
     elif isinstance(batch, (tuple, list)):
@@ -190,7 +202,7 @@ def _as_tensors(batch: Any, inputs: tuple[ExportedInput, ...]) -> Optional[tuple
     return tensors
 
 
-def _fixed_batch_size(inputs: tuple[ExportedInput, ...]) -> Optional[int]:
+def _fixed_batch_size(inputs: tuple[ExportedInput, ...]) -> int | None:
     """The batch size every input fixed, when they all fixed the same one."""
     sizes = {spec.dims[0] if spec.dims else None for spec in inputs}
     if len(sizes) != 1:
@@ -199,10 +211,10 @@ def _fixed_batch_size(inputs: tuple[ExportedInput, ...]) -> Optional[int]:
     return size
 
 
-def _fixed_text(inputs: tuple[ExportedInput, ...], batch_size: Optional[int]) -> str:
+def _fixed_text(inputs: tuple[ExportedInput, ...], batch_size: int | None) -> str:
     names = ", ".join(f"'{spec.name}'" for spec in inputs)
     return f"the exported program fixes dimension 0 of {names} to {batch_size}"
 
 
-def _dims_text(dims: tuple[Optional[int], ...]) -> str:
+def _dims_text(dims: tuple[int | None, ...]) -> str:
     return "(" + ", ".join("*" if d is None else str(d) for d in dims) + ")"

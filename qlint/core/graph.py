@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 
 from qlint.core.intent import NodeQConfig
-
 
 _COMPUTING = ("module", "function", "method")  # OpNode.op values that compute something
 
@@ -43,16 +43,16 @@ class OpNode:
     name: str
     kind: str
     op: str  # "module", "function", "method", "input", "output", "constant"
-    module: Optional[str] = None  # fqn of the module that computes this op
-    module_type: Optional[str] = None
+    module: str | None = None  # fqn of the module that computes this op
+    module_type: str | None = None
     scope: str = ""  # fqn of the module whose forward contains the call
-    weight: Optional[str] = None  # fqn of the weight parameter
-    bias: Optional[str] = None
-    inputs: tuple[Optional[TensorInfo], ...] = ()
-    output: Optional[TensorInfo] = None
-    training: Optional[bool] = None
-    qconfig: Optional[NodeQConfig] = None
-    observed_output: Optional[NodeQConfig] = None  # from an inserted observer, if prepared
+    weight: str | None = None  # fqn of the weight parameter
+    bias: str | None = None
+    inputs: tuple[TensorInfo | None, ...] = ()
+    output: TensorInfo | None = None
+    training: bool | None = None
+    qconfig: NodeQConfig | None = None
+    observed_output: NodeQConfig | None = None  # from an inserted observer, if prepared
     target: str = ""  # the raw target, for messages
 
     @property
@@ -128,9 +128,7 @@ class ModelGraph:
 
     def producers(self, name: str) -> list[OpNode]:
         """Input nodes of ``name``, ordered by argument position."""
-        preds = sorted(
-            self._dag.predecessors(name), key=lambda p: min(self._dag.edges[p, name]["indices"])
-        )
+        preds = sorted(self._dag.predecessors(name), key=lambda p: min(self._dag.edges[p, name]["indices"]))
         return [self.node(p) for p in preds]
 
     def consumers(self, name: str) -> list[OpNode]:
@@ -150,7 +148,7 @@ class ModelGraph:
         """Every op that a call of module ``fqn`` produced, in execution order."""
         return list(self._call_sites.get(fqn, ()))
 
-    def parameter(self, fqn: str) -> Optional[Any]:
+    def parameter(self, fqn: str) -> Any | None:
         """A detached view of a weight or bias tensor; rules must not modify it."""
         tensor = self._parameters.get(fqn)
         return None if tensor is None else tensor.detach()

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.ao.quantization import QConfig, QConfigMapping, get_default_qconfig_mapping
@@ -31,13 +32,13 @@ class ObserverSpec:
 
     observer: str  # class name, e.g. HistogramObserver
     dtype: str  # e.g. torch.quint8
-    qscheme: Optional[str]  # e.g. torch.per_tensor_affine
-    quant_min: Optional[int]
-    quant_max: Optional[int]
+    qscheme: str | None  # e.g. torch.per_tensor_affine
+    quant_min: int | None
+    quant_max: int | None
     reduce_range: bool
-    ch_axis: Optional[int]
-    fixed_scale: Optional[float] = None
-    fixed_zero_point: Optional[int] = None
+    ch_axis: int | None
+    fixed_scale: float | None = None
+    fixed_zero_point: int | None = None
 
     @property
     def is_float(self) -> bool:
@@ -53,28 +54,38 @@ class ObserverSpec:
 
     def qparams_key(self) -> tuple[Any, ...]:
         """Two tensors with equal keys get compatible qparams from their observers."""
-        return (self.observer, self.dtype, self.qscheme, self.quant_min, self.quant_max,
-                self.reduce_range, self.fixed_scale, self.fixed_zero_point)
+        return (
+            self.observer,
+            self.dtype,
+            self.qscheme,
+            self.quant_min,
+            self.quant_max,
+            self.reduce_range,
+            self.fixed_scale,
+            self.fixed_zero_point,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class NodeQConfig:
     """The resolved intent for one op: its activation and weight observers, or none."""
 
-    activation: Optional[ObserverSpec]
-    weight: Optional[ObserverSpec]
+    activation: ObserverSpec | None
+    weight: ObserverSpec | None
     source: str  # where it came from: "global", "object_type", "module_name", ...
     is_dynamic: bool = False
-    qconfig: Optional[QConfig] = dataclasses.field(default=None, compare=False, repr=False)
+    qconfig: QConfig | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def quantized(self) -> bool:
-        return self.activation is not None and not self.activation.is_float or (
-            self.is_dynamic and self.weight is not None
+        return (
+            self.activation is not None
+            and not self.activation.is_float
+            or (self.is_dynamic and self.weight is not None)
         )
 
 
-def describe_observer(observer_or_factory: Any) -> Optional[ObserverSpec]:
+def describe_observer(observer_or_factory: Any) -> ObserverSpec | None:
     """Summarise an observer instance or factory (what QConfig stores) without running it."""
     if observer_or_factory is None:
         return None
@@ -102,25 +113,24 @@ def describe_observer(observer_or_factory: Any) -> Optional[ObserverSpec]:
         quant_min=None if quant_min is None else int(quant_min),
         quant_max=None if quant_max is None else int(quant_max),
         reduce_range=reduce_range,
-        ch_axis=int(ch_axis) if isinstance(ch_axis, int) and qscheme is not None
-        and "per_channel" in str(qscheme) else None,
+        ch_axis=int(ch_axis)
+        if isinstance(ch_axis, int) and qscheme is not None and "per_channel" in str(qscheme)
+        else None,
         fixed_scale=float(scale.flatten()[0]) if fixed and torch.is_tensor(scale) else None,
         fixed_zero_point=int(observer.zero_point.flatten()[0]) if fixed else None,
     )
 
 
-def node_qconfig(qconfig: Optional[QConfig], source: str) -> Optional[NodeQConfig]:
+def node_qconfig(qconfig: QConfig | None, source: str) -> NodeQConfig | None:
     if qconfig is None:
         return None
     activation = describe_observer(qconfig.activation)
     weight = describe_observer(qconfig.weight)
-    is_dynamic = bool(activation is not None and getattr(
-        _instantiate(qconfig.activation), "is_dynamic", False))
+    is_dynamic = bool(activation is not None and getattr(_instantiate(qconfig.activation), "is_dynamic", False))
     # PlaceholderObserver(dtype=float) activations mean "weight-only / dynamic".
     if activation is not None and activation.is_float and weight is not None and not weight.is_float:
         is_dynamic = True
-    return NodeQConfig(activation=activation, weight=weight, source=source,
-                       is_dynamic=is_dynamic, qconfig=qconfig)
+    return NodeQConfig(activation=activation, weight=weight, source=source, is_dynamic=is_dynamic, qconfig=qconfig)
 
 
 class NodeQConfigCache:
@@ -131,9 +141,9 @@ class NodeQConfigCache:
     with a small constant. Holding the qconfig keeps its id from being reused."""
 
     def __init__(self) -> None:
-        self._described: dict[tuple[int, str], tuple[QConfig, Optional[NodeQConfig]]] = {}
+        self._described: dict[tuple[int, str], tuple[QConfig, NodeQConfig | None]] = {}
 
-    def get(self, qconfig: Optional[QConfig], source: str) -> Optional[NodeQConfig]:
+    def get(self, qconfig: QConfig | None, source: str) -> NodeQConfig | None:
         if qconfig is None:
             return None
         key = (id(qconfig), source)
@@ -161,7 +171,7 @@ class CallDescription:
     is_module_call: bool
     object_types: tuple[Any, ...]  # module class, or candidate function objects/method names
     module_path: str  # the module's fqn for module calls, the enclosing scope otherwise
-    scope_type: Optional[type]  # type of the enclosing module, for function calls
+    scope_type: type | None  # type of the enclosing module, for function calls
 
 
 class QConfigResolver:
@@ -171,7 +181,7 @@ class QConfigResolver:
         self.mapping = mapping
         self._order_counters: dict[tuple[str, Any], int] = {}
 
-    def resolve(self, call: CallDescription) -> tuple[Optional[QConfig], str]:
+    def resolve(self, call: CallDescription) -> tuple[QConfig | None, str]:
         mapping = self.mapping
         qconfig, source = mapping.global_qconfig, "global"
         if call.is_module_call:
@@ -184,8 +194,9 @@ class QConfigResolver:
         qconfig, source = self._adjust_for_module(call.scope_type, call.module_path, qconfig, source)
         for candidate in call.object_types:
             key = (call.module_path, candidate)
-            if any(k[0] == call.module_path and k[1] is candidate
-                   for k in mapping.module_name_object_type_order_qconfigs):
+            if any(
+                k[0] == call.module_path and k[1] is candidate for k in mapping.module_name_object_type_order_qconfigs
+            ):
                 index = self._order_counters.get(key, 0)
                 self._order_counters[key] = index + 1
                 full = (call.module_path, candidate, index)
@@ -193,8 +204,9 @@ class QConfigResolver:
                     return mapping.module_name_object_type_order_qconfigs[full], "module_name_object_type_order"
         return qconfig, source
 
-    def _adjust_for_module(self, module_type: Optional[type], module_path: str,
-                           fallback: Optional[QConfig], source: str) -> tuple[Optional[QConfig], str]:
+    def _adjust_for_module(
+        self, module_type: type | None, module_path: str, fallback: QConfig | None, source: str
+    ) -> tuple[QConfig | None, str]:
         mapping = self.mapping
         if module_type is not None and module_type in mapping.object_type_qconfigs:
             fallback, source = mapping.object_type_qconfigs[module_type], "object_type"
@@ -210,7 +222,7 @@ class QConfigResolver:
         return fallback, source
 
 
-def import_type(qualified_name: str) -> Optional[type]:
+def import_type(qualified_name: str) -> type | None:
     """Resolve 'torch.nn.modules.conv.Conv2d' to the class; only torch's own classes, and only
     from modules already imported: the name may come from an untrusted archive."""
     if not qualified_name.startswith("torch."):
@@ -257,7 +269,7 @@ def load_mapping_object(obj: Any, backend: str) -> QConfigMapping:
     raise TypeError(f"expected a QConfigMapping, got {type(obj).__name__}")
 
 
-def iter_mapping_qconfigs(mapping: QConfigMapping) -> Iterable[tuple[str, Optional[QConfig]]]:
+def iter_mapping_qconfigs(mapping: QConfigMapping) -> Iterable[tuple[str, QConfig | None]]:
     yield "global", mapping.global_qconfig
     for key, qc in mapping.object_type_qconfigs.items():
         yield f"object_type {getattr(key, '__name__', key)}", qc

@@ -25,8 +25,9 @@ import stat
 import sys
 import warnings
 import zipfile
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -41,7 +42,7 @@ MODEL_SUFFIXES = (".pt2", ".pt", ".pth", ".ckpt", ".bin")
 class LoadedModel:
     module: nn.Module
     name: str
-    example_inputs: Optional[tuple[Any, ...]] = None
+    example_inputs: tuple[Any, ...] | None = None
     exported_program: Any = None  # torch.export.ExportedProgram for .pt2 files
 
 
@@ -105,8 +106,10 @@ def _load_batch_file(file: Path) -> list[Any]:
         batches = list(data)
         for number, batch in enumerate(batches):
             if not _is_batch(batch):
-                raise LoadError(f"calibration file {file}: item {number} is a {type(batch).__name__}; "
-                                "expected a tensor, a tuple of tensors or a dict")
+                raise LoadError(
+                    f"calibration file {file}: item {number} is a {type(batch).__name__}; "
+                    "expected a tensor, a tuple of tensors or a dict"
+                )
         return batches
     raise LoadError(f"calibration file {file} holds a {type(data).__name__}; expected a tensor or a list of batches")
 
@@ -119,7 +122,7 @@ def _is_batch(value: Any) -> bool:
     return isinstance(value, Mapping)
 
 
-def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> "RandomBatches":
+def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> RandomBatches:
     """``n`` random batches shaped like ``example_inputs`` (standard normal floats; ints kept in range),
     made one at a time as they are used."""
     if n <= 0:
@@ -153,14 +156,15 @@ class RandomBatches(Sequence[tuple[Any, ...]]):
                 batch.append(torch.randn(value.shape, generator=generator, dtype=value.dtype))
             elif isinstance(value, torch.Tensor) and value.dtype != torch.bool and value.numel():
                 low, high = int(value.min()), int(value.max()) + 1
-                batch.append(torch.randint(low, max(high, low + 1), value.shape, generator=generator,
-                                           dtype=value.dtype))
+                batch.append(
+                    torch.randint(low, max(high, low + 1), value.shape, generator=generator, dtype=value.dtype)
+                )
             else:
                 batch.append(value)
         return tuple(batch)
 
 
-def load_model(spec: str, *, weights: Optional[str] = None, trust_pickle: bool = False) -> LoadedModel:
+def load_model(spec: str, *, weights: str | None = None, trust_pickle: bool = False) -> LoadedModel:
     if is_factory_spec(spec):
         module = build_from_factory(spec)
         if weights is not None:
@@ -237,7 +241,7 @@ def _load_pt2(path: Path, trust_pickle: bool) -> LoadedModel:
     with handle:
         inspect_pt2(handle, str(path), trust=trust_pickle)
         try:
-            with _quiet_torch(), (user_import_path() if trust_pickle else contextlib.nullcontext()):
+            with _quiet_torch(), user_import_path() if trust_pickle else contextlib.nullcontext():
                 program = torch.export.load(handle)
                 module = program.module()  # builds (execs) the program's guard code
         except Exception as error:  # torch raises many types for corrupt archives
@@ -289,8 +293,11 @@ def _load_trusted(path: Path) -> Any:
 
 def _looks_like_state_dict(obj: Any) -> bool:
     inner = _unwrap_state_dict(obj)
-    return isinstance(inner, dict) and bool(inner) and all(
-        isinstance(k, str) and torch.is_tensor(v) for k, v in inner.items())
+    return (
+        isinstance(inner, dict)
+        and bool(inner)
+        and all(isinstance(k, str) and torch.is_tensor(v) for k, v in inner.items())
+    )
 
 
 def _unwrap_state_dict(obj: Any) -> Any:
@@ -380,13 +387,22 @@ def _preview(keys: Sequence[str]) -> str:
 
 # An example input qlint makes up itself: 2**28 elements is 1 GiB of float32, far beyond
 # any one example; a typo such as 1,3,2240,2240000 must not allocate until the machine dies.
-MAX_INPUT_ELEMENTS = 2 ** 28
+MAX_INPUT_ELEMENTS = 2**28
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "long": torch.int64,
-    "int32": torch.int32, "int": torch.int32, "bool": torch.bool, "uint8": torch.uint8,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "long": torch.int64,
+    "int32": torch.int32,
+    "int": torch.int32,
+    "bool": torch.bool,
+    "uint8": torch.uint8,
 }
 
 
@@ -402,8 +418,10 @@ def parse_input_shape(text: str) -> torch.Tensor:
         raise LoadError(f"bad --input-shape {text!r}: dimensions must be positive integers")
     elements = math.prod(shape)
     if elements > MAX_INPUT_ELEMENTS:
-        raise LoadError(f"--input-shape {text!r} has {elements:.3g} elements, more than qlint generates "
-                        f"({MAX_INPUT_ELEMENTS:.3g}); pass a real input with --example-inputs FILE")
+        raise LoadError(
+            f"--input-shape {text!r} has {elements:.3g} elements, more than qlint generates "
+            f"({MAX_INPUT_ELEMENTS:.3g}); pass a real input with --example-inputs FILE"
+        )
     dtype = _DTYPES.get(dtype_text.strip().lower() or "float32")
     if dtype is None:
         raise LoadError(f"bad dtype in --input-shape {text!r}; use one of {', '.join(sorted(_DTYPES))}")

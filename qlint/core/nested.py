@@ -7,7 +7,8 @@ of the leaves (depth first, dict values in insertion order).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,7 +35,7 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return leaves_of_type(value, torch.Tensor)
 
 
-def first_tensor(value: Any) -> Optional[torch.Tensor]:
+def first_tensor(value: Any) -> torch.Tensor | None:
     """The first tensor in ``value``: an LSTM's ``(output, (h, c))`` gives ``output``."""
     stack = [value]
     while stack:
@@ -48,7 +49,7 @@ def first_tensor(value: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def as_float(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def as_float(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """The float values a tensor stands for: dequantized, detached; None for integer tensors."""
     if tensor is None:
         return None
@@ -57,7 +58,7 @@ def as_float(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return tensor.detach() if tensor.is_floating_point() else None
 
 
-def first_float(value: Any) -> Optional[torch.Tensor]:
+def first_float(value: Any) -> torch.Tensor | None:
     """The float values of the first tensor in ``value``; None when it is not floating-point.
 
     A layer's output is compared on its first tensor: an LSTM's sequence output is what

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -79,9 +80,12 @@ MODULE_KINDS: list[tuple[type, str]] = [
 
 # Function targets, keyed by the callable itself. Method calls are keyed by name below.
 FUNCTION_KINDS: dict[Any, str] = {
-    F.conv1d: "conv1d", torch.conv1d: "conv1d",
-    F.conv2d: "conv2d", torch.conv2d: "conv2d",
-    F.conv3d: "conv3d", torch.conv3d: "conv3d",
+    F.conv1d: "conv1d",
+    torch.conv1d: "conv1d",
+    F.conv2d: "conv2d",
+    torch.conv2d: "conv2d",
+    F.conv3d: "conv3d",
+    torch.conv3d: "conv3d",
     F.conv_transpose1d: "conv_transpose1d",
     F.conv_transpose2d: "conv_transpose2d",
     F.conv_transpose3d: "conv_transpose3d",
@@ -90,7 +94,10 @@ FUNCTION_KINDS: dict[Any, str] = {
     F.layer_norm: "layer_norm",
     F.group_norm: "group_norm",
     F.instance_norm: "instance_norm",
-    F.relu: "relu", torch.relu: "relu", F.relu_: "relu", torch.relu_: "relu",
+    F.relu: "relu",
+    torch.relu: "relu",
+    F.relu_: "relu",
+    torch.relu_: "relu",
     F.relu6: "relu6",
     F.leaky_relu: "leaky_relu",
     F.elu: "elu",
@@ -99,102 +106,257 @@ FUNCTION_KINDS: dict[Any, str] = {
     F.hardswish: "hardswish",
     F.hardsigmoid: "hardsigmoid",
     F.hardtanh: "hardtanh",
-    F.sigmoid: "sigmoid", torch.sigmoid: "sigmoid",
-    F.tanh: "tanh", torch.tanh: "tanh",
-    F.softmax: "softmax", torch.softmax: "softmax",
+    F.sigmoid: "sigmoid",
+    torch.sigmoid: "sigmoid",
+    F.tanh: "tanh",
+    torch.tanh: "tanh",
+    F.softmax: "softmax",
+    torch.softmax: "softmax",
     F.log_softmax: "log_softmax",
     F.embedding: "embedding",
-    F.max_pool1d: "max_pool", F.max_pool2d: "max_pool", F.max_pool3d: "max_pool",
-    F.avg_pool1d: "avg_pool", F.avg_pool2d: "avg_pool", F.avg_pool3d: "avg_pool",
-    F.adaptive_avg_pool1d: "adaptive_avg_pool", F.adaptive_avg_pool2d: "adaptive_avg_pool",
+    F.max_pool1d: "max_pool",
+    F.max_pool2d: "max_pool",
+    F.max_pool3d: "max_pool",
+    F.avg_pool1d: "avg_pool",
+    F.avg_pool2d: "avg_pool",
+    F.avg_pool3d: "avg_pool",
+    F.adaptive_avg_pool1d: "adaptive_avg_pool",
+    F.adaptive_avg_pool2d: "adaptive_avg_pool",
     F.adaptive_avg_pool3d: "adaptive_avg_pool",
     F.dropout: "dropout",
     F.interpolate: "upsample",
     F.scaled_dot_product_attention: "sdpa",
-    torch.add: "add", operator.add: "add", operator.iadd: "add",
-    torch.sub: "sub", operator.sub: "sub",
-    torch.mul: "mul", operator.mul: "mul", operator.imul: "mul",
-    torch.div: "div", operator.truediv: "div",
-    torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "matmul", torch.mm: "matmul",
-    torch.cat: "cat", torch.concat: "cat", torch.stack: "stack",
-    torch.flatten: "flatten", torch.reshape: "reshape",
-    torch.transpose: "transpose", torch.permute: "permute",
-    torch.mean: "mean", torch.sum: "sum",
+    torch.add: "add",
+    operator.add: "add",
+    operator.iadd: "add",
+    torch.sub: "sub",
+    operator.sub: "sub",
+    torch.mul: "mul",
+    operator.mul: "mul",
+    operator.imul: "mul",
+    torch.div: "div",
+    operator.truediv: "div",
+    torch.matmul: "matmul",
+    operator.matmul: "matmul",
+    torch.bmm: "matmul",
+    torch.mm: "matmul",
+    torch.cat: "cat",
+    torch.concat: "cat",
+    torch.stack: "stack",
+    torch.flatten: "flatten",
+    torch.reshape: "reshape",
+    torch.transpose: "transpose",
+    torch.permute: "permute",
+    torch.mean: "mean",
+    torch.sum: "sum",
     torch.clamp: "clamp",
     operator.getitem: "getitem",
 }
 
 METHOD_KINDS: dict[str, str] = {
-    "relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid",
-    "tanh": "tanh", "tanh_": "tanh", "softmax": "softmax", "hardsigmoid": "hardsigmoid",
-    "add": "add", "add_": "add", "mul": "mul", "mul_": "mul", "sub": "sub", "div": "div",
-    "matmul": "matmul", "bmm": "matmul", "view": "view", "reshape": "reshape",
-    "flatten": "flatten", "transpose": "transpose", "permute": "permute",
-    "contiguous": "contiguous", "mean": "mean", "sum": "sum", "size": "size",
-    "clamp": "clamp", "chunk": "chunk", "split": "split", "unsqueeze": "unsqueeze",
-    "squeeze": "squeeze", "expand": "expand", "repeat": "repeat", "float": "to",
-    "to": "to", "dequantize": "dequantize",
+    "relu": "relu",
+    "relu_": "relu",
+    "sigmoid": "sigmoid",
+    "sigmoid_": "sigmoid",
+    "tanh": "tanh",
+    "tanh_": "tanh",
+    "softmax": "softmax",
+    "hardsigmoid": "hardsigmoid",
+    "add": "add",
+    "add_": "add",
+    "mul": "mul",
+    "mul_": "mul",
+    "sub": "sub",
+    "div": "div",
+    "matmul": "matmul",
+    "bmm": "matmul",
+    "view": "view",
+    "reshape": "reshape",
+    "flatten": "flatten",
+    "transpose": "transpose",
+    "permute": "permute",
+    "contiguous": "contiguous",
+    "mean": "mean",
+    "sum": "sum",
+    "size": "size",
+    "clamp": "clamp",
+    "chunk": "chunk",
+    "split": "split",
+    "unsqueeze": "unsqueeze",
+    "squeeze": "squeeze",
+    "expand": "expand",
+    "repeat": "repeat",
+    "float": "to",
+    "to": "to",
+    "dequantize": "dequantize",
 }
 
 # aten overload packets, keyed by packet name ("conv2d" for aten.conv2d.default).
 _ATEN_KINDS: dict[str, str] = {
-    "conv1d": "conv1d", "conv2d": "conv2d", "conv3d": "conv3d",
-    "conv_transpose1d": "conv_transpose1d", "conv_transpose2d": "conv_transpose2d",
-    "conv_transpose3d": "conv_transpose3d", "convolution": "conv",
-    "linear": "linear", "addmm": "linear",
-    "batch_norm": "batch_norm", "_native_batch_norm_legit_no_training": "batch_norm",
-    "_native_batch_norm_legit": "batch_norm", "native_batch_norm": "batch_norm",
+    "conv1d": "conv1d",
+    "conv2d": "conv2d",
+    "conv3d": "conv3d",
+    "conv_transpose1d": "conv_transpose1d",
+    "conv_transpose2d": "conv_transpose2d",
+    "conv_transpose3d": "conv_transpose3d",
+    "convolution": "conv",
+    "linear": "linear",
+    "addmm": "linear",
+    "batch_norm": "batch_norm",
+    "_native_batch_norm_legit_no_training": "batch_norm",
+    "_native_batch_norm_legit": "batch_norm",
+    "native_batch_norm": "batch_norm",
     "_native_batch_norm_legit_functional": "batch_norm",
-    "layer_norm": "layer_norm", "native_layer_norm": "layer_norm", "group_norm": "group_norm",
+    "layer_norm": "layer_norm",
+    "native_layer_norm": "layer_norm",
+    "group_norm": "group_norm",
     "instance_norm": "instance_norm",
-    "relu": "relu", "relu_": "relu", "relu6": "relu6", "hardtanh": "hardtanh",
-    "hardtanh_": "hardtanh", "leaky_relu": "leaky_relu", "elu": "elu", "gelu": "gelu",
-    "silu": "silu", "silu_": "silu", "hardswish": "hardswish", "hardswish_": "hardswish",
-    "hardsigmoid": "hardsigmoid", "hardsigmoid_": "hardsigmoid",
-    "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh", "tanh_": "tanh",
-    "softmax": "softmax", "_softmax": "softmax", "log_softmax": "log_softmax",
-    "lstm": "lstm", "gru": "gru", "rnn_tanh": "rnn", "rnn_relu": "rnn",
-    "embedding": "embedding", "embedding_bag": "embedding_bag",
-    "max_pool1d": "max_pool", "max_pool2d": "max_pool", "max_pool3d": "max_pool",
+    "relu": "relu",
+    "relu_": "relu",
+    "relu6": "relu6",
+    "hardtanh": "hardtanh",
+    "hardtanh_": "hardtanh",
+    "leaky_relu": "leaky_relu",
+    "elu": "elu",
+    "gelu": "gelu",
+    "silu": "silu",
+    "silu_": "silu",
+    "hardswish": "hardswish",
+    "hardswish_": "hardswish",
+    "hardsigmoid": "hardsigmoid",
+    "hardsigmoid_": "hardsigmoid",
+    "sigmoid": "sigmoid",
+    "sigmoid_": "sigmoid",
+    "tanh": "tanh",
+    "tanh_": "tanh",
+    "softmax": "softmax",
+    "_softmax": "softmax",
+    "log_softmax": "log_softmax",
+    "lstm": "lstm",
+    "gru": "gru",
+    "rnn_tanh": "rnn",
+    "rnn_relu": "rnn",
+    "embedding": "embedding",
+    "embedding_bag": "embedding_bag",
+    "max_pool1d": "max_pool",
+    "max_pool2d": "max_pool",
+    "max_pool3d": "max_pool",
     "max_pool2d_with_indices": "max_pool",
-    "avg_pool1d": "avg_pool", "avg_pool2d": "avg_pool", "avg_pool3d": "avg_pool",
-    "adaptive_avg_pool1d": "adaptive_avg_pool", "adaptive_avg_pool2d": "adaptive_avg_pool",
-    "adaptive_avg_pool3d": "adaptive_avg_pool", "mean": "mean", "sum": "sum",
-    "dropout": "dropout", "add": "add", "add_": "add", "sub": "sub", "mul": "mul",
-    "mul_": "mul", "div": "div", "matmul": "matmul", "bmm": "matmul", "mm": "matmul",
-    "cat": "cat", "concat": "cat", "stack": "stack", "flatten": "flatten",
-    "view": "view", "reshape": "reshape", "_unsafe_view": "view", "permute": "permute",
-    "transpose": "transpose", "t": "transpose", "clamp": "clamp", "getitem": "getitem",
-    "scaled_dot_product_attention": "sdpa", "upsample_nearest2d": "upsample",
-    "upsample_bilinear2d": "upsample", "contiguous": "contiguous", "size": "size",
-    "sym_size": "size", "unsqueeze": "unsqueeze", "squeeze": "squeeze",
-    "expand": "expand", "split": "split", "chunk": "chunk", "dequantize": "dequantize",
+    "avg_pool1d": "avg_pool",
+    "avg_pool2d": "avg_pool",
+    "avg_pool3d": "avg_pool",
+    "adaptive_avg_pool1d": "adaptive_avg_pool",
+    "adaptive_avg_pool2d": "adaptive_avg_pool",
+    "adaptive_avg_pool3d": "adaptive_avg_pool",
+    "mean": "mean",
+    "sum": "sum",
+    "dropout": "dropout",
+    "add": "add",
+    "add_": "add",
+    "sub": "sub",
+    "mul": "mul",
+    "mul_": "mul",
+    "div": "div",
+    "matmul": "matmul",
+    "bmm": "matmul",
+    "mm": "matmul",
+    "cat": "cat",
+    "concat": "cat",
+    "stack": "stack",
+    "flatten": "flatten",
+    "view": "view",
+    "reshape": "reshape",
+    "_unsafe_view": "view",
+    "permute": "permute",
+    "transpose": "transpose",
+    "t": "transpose",
+    "clamp": "clamp",
+    "getitem": "getitem",
+    "scaled_dot_product_attention": "sdpa",
+    "upsample_nearest2d": "upsample",
+    "upsample_bilinear2d": "upsample",
+    "contiguous": "contiguous",
+    "size": "size",
+    "sym_size": "size",
+    "unsqueeze": "unsqueeze",
+    "squeeze": "squeeze",
+    "expand": "expand",
+    "split": "split",
+    "chunk": "chunk",
+    "dequantize": "dequantize",
 }
 
 # Kinds whose output is computed from a weight; the layers quantization cares most about.
-WEIGHTED_KINDS = frozenset({
-    "conv1d", "conv2d", "conv3d", "conv", "conv_transpose1d", "conv_transpose2d",
-    "conv_transpose3d", "linear", "bilinear", "lstm", "gru", "rnn", "lstm_cell",
-    "gru_cell", "rnn_cell", "embedding", "embedding_bag", "multihead_attention",
-})
+WEIGHTED_KINDS = frozenset(
+    {
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "linear",
+        "bilinear",
+        "lstm",
+        "gru",
+        "rnn",
+        "lstm_cell",
+        "gru_cell",
+        "rnn_cell",
+        "embedding",
+        "embedding_bag",
+        "multihead_attention",
+    }
+)
 CONV_KINDS = frozenset({"conv1d", "conv2d", "conv3d", "conv"})
 CONV_OR_LINEAR_KINDS = CONV_KINDS | {"linear"}
 TRANSPOSED_CONV_KINDS = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
 NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm"})
-ACTIVATION_KINDS = frozenset({
-    "relu", "relu6", "leaky_relu", "prelu", "elu", "celu", "gelu", "silu", "mish", "hardswish",
-    "hardsigmoid", "hardtanh", "sigmoid", "tanh", "softmax",
-})
+ACTIVATION_KINDS = frozenset(
+    {
+        "relu",
+        "relu6",
+        "leaky_relu",
+        "prelu",
+        "elu",
+        "celu",
+        "gelu",
+        "silu",
+        "mish",
+        "hardswish",
+        "hardsigmoid",
+        "hardtanh",
+        "sigmoid",
+        "tanh",
+        "softmax",
+    }
+)
 # What a float model and its quantized twin are compared on, layer by layer.
 LAYER_KINDS = (WEIGHTED_KINDS - {"bilinear", "multihead_attention"}) | NORM_KINDS | ACTIVATION_KINDS
 # Ops whose output range is fixed by the math; backends quantize them with fixed qparams.
 FIXED_QPARAMS_KINDS = frozenset({"sigmoid", "tanh", "hardsigmoid", "softmax"})
 # Ops that neither compute nor change values; they never need their own qparams.
-SHAPE_KINDS = frozenset({
-    "view", "reshape", "flatten", "transpose", "permute", "contiguous", "size",
-    "unsqueeze", "squeeze", "expand", "getitem", "chunk", "split", "dropout",
-    "identity", "to",
-})
+SHAPE_KINDS = frozenset(
+    {
+        "view",
+        "reshape",
+        "flatten",
+        "transpose",
+        "permute",
+        "contiguous",
+        "size",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "getitem",
+        "chunk",
+        "split",
+        "dropout",
+        "identity",
+        "to",
+    }
+)
 
 
 def module_kind(module: nn.Module) -> str:
@@ -220,11 +382,15 @@ def module_kind(module: nn.Module) -> str:
 
 _KIND_OF_CLASS_NAME = {cls.__name__: kind for cls, kind in reversed(MODULE_KINDS)}
 # torch.ao.nn names fused modules after their leading op (ConvBnReLU2d, LinearReLU, BNReLU2d).
-_FUSED_PREFIXES = (("ConvTranspose", "conv_transpose"), ("Conv", "conv"), ("Linear", "linear"),
-                   ("BNReLU", "batch_norm"))
+_FUSED_PREFIXES = (
+    ("ConvTranspose", "conv_transpose"),
+    ("Conv", "conv"),
+    ("Linear", "linear"),
+    ("BNReLU", "batch_norm"),
+)
 
 
-def _kind_from_class_name(name: str) -> Optional[str]:
+def _kind_from_class_name(name: str) -> str | None:
     """The kind of a torch.ao.nn class (quantized, QAT, fused) from its name; None when unknown.
 
     Names decide because quantized classes do not always derive from their float class
@@ -250,7 +416,7 @@ def _float_counterpart(cls: type) -> type:
     return cls
 
 
-def layer_kind(module: nn.Module) -> Optional[str]:
+def layer_kind(module: nn.Module) -> str | None:
     """The kind of a torch layer (float, QAT, fused or quantized); None for anything else.
 
     Containers, observers, stubs, weight holders and the user's own classes are not layers."""
@@ -266,8 +432,8 @@ def fuses_relu(module: nn.Module) -> bool:
     return kind is not None and kind not in ACTIVATION_KINDS and "ReLU" in type(module).__name__
 
 
-def quantized_form(module: nn.Module) -> Optional[str]:
-    """"static" or "dynamic" for torch's quantized modules; None for float, QAT and observed ones."""
+def quantized_form(module: nn.Module) -> str | None:
+    """ "static" or "dynamic" for torch's quantized modules; None for float, QAT and observed ones."""
     path = type(module).__module__
     if not path.startswith(("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
         return None
@@ -314,7 +480,7 @@ def method_kind(name: str) -> str:
 _ATEN_NAMESPACES = ("aten", "quantized_decomposed", "prims")
 
 
-def _op_name(target: Any) -> tuple[Optional[str], Optional[str]]:
+def _op_name(target: Any) -> tuple[str | None, str | None]:
     """(namespace, packet name) of a torch op: aten.conv2d.default → ("aten", "conv2d").
 
     Duck-typed so that no private torch module is needed: an overload names its

@@ -34,8 +34,8 @@ import logging
 import random
 import sys
 import threading
-from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -89,8 +89,9 @@ class _KeptModule:
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module, self.name, self.cls = module, name, type(module)
         self.attributes = dict(module.__dict__)
-        self.containers = {key: _shallow_copy(value) for key, value in self.attributes.items()
-                           if isinstance(value, (dict, list, set))}
+        self.containers = {
+            key: _shallow_copy(value) for key, value in self.attributes.items() if isinstance(value, (dict, list, set))
+        }
 
     def restore(self) -> None:
         if type(self.module) is not self.cls:  # a lazy module becomes its cls_to_become
@@ -146,7 +147,7 @@ def stored_proxies(*models: nn.Module) -> list[str]:
 
 
 # --- tensors ------------------------------------------------------------------------------
-def _storage_key(tensor: torch.Tensor) -> Optional[int]:
+def _storage_key(tensor: torch.Tensor) -> int | None:
     try:
         return tensor.untyped_storage().data_ptr()
     except Exception:  # no storage: lazy, sparse, fake or meta tensors; nothing to watch
@@ -154,9 +155,14 @@ def _storage_key(tensor: torch.Tensor) -> Optional[int]:
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
-            and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
-            and _storage_key(a) == _storage_key(b))
+    return (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and _storage_key(a) == _storage_key(b)
+    )
 
 
 class _KeptTensor:
@@ -170,7 +176,7 @@ class _KeptTensor:
         self.key = _storage_key(self.alias)
         self.version = tensor._version
         self.requires_grad = tensor.requires_grad
-        self.values: Optional[torch.Tensor] = None
+        self.values: torch.Tensor | None = None
         if copy_now:
             self.keep_values()
 
@@ -210,10 +216,25 @@ def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --- watching for writes ------------------------------------------------------------------
 # In-place methods whose trailing underscore changes metadata only, never values.
 _METADATA_ONLY = frozenset({"requires_grad_"})
-_INPLACE_DUNDERS = frozenset({
-    "__setitem__", "__set__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-    "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
-})
+_INPLACE_DUNDERS = frozenset(
+    {
+        "__setitem__",
+        "__set__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__imatmul__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+    }
+)
 # Handing the memory to another library: whatever it does next is out of sight.
 _EXPORTS = frozenset({"numpy", "__array__", "__dlpack__"})
 # torch.nn.functional calls that write arguments other than the first: (arguments, condition).
@@ -232,10 +253,13 @@ class _Writes:
 
     def __init__(self, func: Any) -> None:
         name = getattr(func, "__name__", "").split(".", 1)[0]  # aten overloads: "add_.Tensor"
-        self.first = (name.endswith("_") and not name.endswith("__") and name not in _METADATA_ONLY) \
-            or name in _INPLACE_DUNDERS or name in _EXPORTS
+        self.first = (
+            (name.endswith("_") and not name.endswith("__") and name not in _METADATA_ONLY)
+            or name in _INPLACE_DUNDERS
+            or name in _EXPORTS
+        )
         try:
-            self.signature: Optional[inspect.Signature] = inspect.signature(func)
+            self.signature: inspect.Signature | None = inspect.signature(func)
         except (TypeError, ValueError, RuntimeError):  # builtins without a Python signature
             self.signature = None
         parameters = list(self.signature.parameters) if self.signature is not None else []
@@ -259,8 +283,11 @@ class _Writes:
             return _tensors(self.first_argument(args, kwargs))
         written = _tensors(kwargs.get("out")) if kwargs else []
         if self.inplace_at is not None:
-            flag = kwargs["inplace"] if "inplace" in kwargs else (
-                args[self.inplace_at] if len(args) > self.inplace_at else False)
+            flag = (
+                kwargs["inplace"]
+                if "inplace" in kwargs
+                else (args[self.inplace_at] if len(args) > self.inplace_at else False)
+            )
             if flag is True:
                 written += _tensors(self.first_argument(args, kwargs))
         if self.arguments is not None and self.signature is not None:
@@ -386,7 +413,7 @@ class preserved_state:
     def add_handle(self, handle: Any) -> None:
         self.handles.append(handle)
 
-    def __enter__(self) -> "preserved_state":
+    def __enter__(self) -> preserved_state:
         self.process = _ProcessState()
         self.modules: list[_KeptModule] = []
         self.tensors: list[_KeptTensor] = []
@@ -422,5 +449,5 @@ class preserved_state:
         if unseen and exc_type is None:
             raise StateError(
                 f"the model's forward wrote {', '.join(unseen[:3])}{', ...' if len(unseen) > 3 else ''} in place "
-                "in a way qlint could not see (outside torch's Python API), so qlint could not put it back")
-
+                "in a way qlint could not see (outside torch's Python API), so qlint could not put it back"
+            )

@@ -16,7 +16,8 @@ import json
 import re
 import sys
 import types
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -24,44 +25,167 @@ import torch
 OP_NAMESPACES = frozenset({"aten", "prims", "quantized", "quantized_decomposed"})
 # Higher-order ops that only run the program's own subgraphs. Left out on purpose: those that
 # call native code, TorchScript objects, arbitrary Python callables or print.
-HIGHER_ORDER_OPS = frozenset({
-    "associative_scan", "auto_functionalized", "auto_functionalized_v2", "cond", "flex_attention",
-    "flex_attention_backward", "hints_wrapper", "invoke_subgraph", "map_impl", "out_dtype", "scan",
-    "tag_activation_checkpoint", "while_loop", "while_loop_stack_output", "with_effects", "wrap",
-    "wrap_with_autocast", "wrap_with_set_grad_enabled", "_export_tracepoint",
-})
+HIGHER_ORDER_OPS = frozenset(
+    {
+        "associative_scan",
+        "auto_functionalized",
+        "auto_functionalized_v2",
+        "cond",
+        "flex_attention",
+        "flex_attention_backward",
+        "hints_wrapper",
+        "invoke_subgraph",
+        "map_impl",
+        "out_dtype",
+        "scan",
+        "tag_activation_checkpoint",
+        "while_loop",
+        "while_loop_stack_output",
+        "with_effects",
+        "wrap",
+        "wrap_with_autocast",
+        "wrap_with_set_grad_enabled",
+        "_export_tracepoint",
+    }
+)
 # Symbolic-shape arithmetic torch serializes as module.name (its _SYM_OPS, plus getitem).
 BUILTIN_TARGETS = frozenset(
-    [f"_operator.{name}" for name in ("getitem", "add", "and_", "eq", "floordiv", "ge", "gt", "le",
-                                      "lshift", "lt", "mod", "mul", "ne", "neg", "not_", "or_", "pos",
-                                      "pow", "rshift", "sub", "truediv", "abs")]
+    [
+        f"_operator.{name}"
+        for name in (
+            "getitem",
+            "add",
+            "and_",
+            "eq",
+            "floordiv",
+            "ge",
+            "gt",
+            "le",
+            "lshift",
+            "lt",
+            "mod",
+            "mul",
+            "ne",
+            "neg",
+            "not_",
+            "or_",
+            "pos",
+            "pow",
+            "rshift",
+            "sub",
+            "truediv",
+            "abs",
+        )
+    ]
     + ["math.trunc", "math.ceil", "math.floor"]
-    + [f"torch.{name}" for name in ("sym_float", "sym_int", "sym_ite", "sym_max", "sym_min", "sym_not",
-                                    "sym_sqrt", "_sym_sqrt", "sym_sum")])
+    + [
+        f"torch.{name}"
+        for name in (
+            "sym_float",
+            "sym_int",
+            "sym_ite",
+            "sym_max",
+            "sym_min",
+            "sym_not",
+            "sym_sqrt",
+            "_sym_sqrt",
+            "sym_sum",
+        )
+    ]
+)
 _OP_PATTERN = re.compile(r"torch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 _NUMBER_TEXT = re.compile(r"[-+]?[0-9]*\.?[0-9]*(?:[eE][-+]?[0-9]+)?")
 
 # sympy (and torch.utils._sympy) constructors the shape expressions are printed with.
-SYMPY_FUNCTIONS = frozenset({
-    "Symbol", "Integer", "Float", "Rational", "Add", "Mul", "Pow", "Max", "Min", "Abs", "Mod", "Eq", "Ne",
-    "Lt", "Le", "Gt", "Ge", "StrictLessThan", "StrictGreaterThan", "LessThan", "GreaterThan",
-    "Equality", "Unequality", "And", "Or", "Not", "Piecewise", "ExprCondPair", "floor", "ceiling", "sqrt",
-    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv",
-    "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv", "TrueDiv",
-    "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal",
-    "ToFloat", "Identity", "cast_symbool_to_symint_guardless",
-    # Python builtins the guard printer uses; pure on numbers
-    "max", "min", "abs", "int", "float", "round", "bool",
-})
+SYMPY_FUNCTIONS = frozenset(
+    {
+        "Symbol",
+        "Integer",
+        "Float",
+        "Rational",
+        "Add",
+        "Mul",
+        "Pow",
+        "Max",
+        "Min",
+        "Abs",
+        "Mod",
+        "Eq",
+        "Ne",
+        "Lt",
+        "Le",
+        "Gt",
+        "Ge",
+        "StrictLessThan",
+        "StrictGreaterThan",
+        "LessThan",
+        "GreaterThan",
+        "Equality",
+        "Unequality",
+        "And",
+        "Or",
+        "Not",
+        "Piecewise",
+        "ExprCondPair",
+        "floor",
+        "ceiling",
+        "sqrt",
+        "FloorDiv",
+        "ModularIndexing",
+        "Where",
+        "PythonMod",
+        "CleanDiv",
+        "CeilToInt",
+        "FloorToInt",
+        "CeilDiv",
+        "LShift",
+        "RShift",
+        "PowByNatural",
+        "FloatPow",
+        "FloatTrueDiv",
+        "IntTrueDiv",
+        "TrueDiv",
+        "IsNonOverlappingAndDenseIndicator",
+        "TruncToFloat",
+        "TruncToInt",
+        "RoundToInt",
+        "RoundDecimal",
+        "ToFloat",
+        "Identity",
+        "cast_symbool_to_symint_guardless",
+        # Python builtins the guard printer uses; pure on numbers
+        "max",
+        "min",
+        "abs",
+        "int",
+        "float",
+        "round",
+        "bool",
+    }
+)
 _SYMPY_FUNCTION_PREFIXES = ("OpaqueUnaryFn_", "BitwiseFn_")
-_SYMPY_KEYWORDS = frozenset({"integer", "positive", "negative", "nonnegative", "nonpositive", "real",
-                             "finite", "infinite", "zero", "rational", "commutative", "extended_real",
-                             "precision", "evaluate"})
+_SYMPY_KEYWORDS = frozenset(
+    {
+        "integer",
+        "positive",
+        "negative",
+        "nonnegative",
+        "nonpositive",
+        "real",
+        "finite",
+        "infinite",
+        "zero",
+        "rational",
+        "commutative",
+        "extended_real",
+        "precision",
+        "evaluate",
+    }
+)
 _GUARD_ATTRIBUTES = {
     "math": frozenset({"floor", "ceil", "trunc", "isnan", "isinf", "sqrt", "inf", "nan"}),
-    "torch": frozenset({"sym_float", "sym_int", "sym_ite", "sym_max", "sym_min", "sym_not", "sym_sqrt",
-                        "sym_sum"}),
+    "torch": frozenset({"sym_float", "sym_int", "sym_ite", "sym_max", "sym_min", "sym_not", "sym_sqrt", "sym_sum"}),
 }
 _TENSOR_QUERIES = frozenset({"size", "stride", "storage_offset"})
 _OPERATOR_NODES = (ast.operator, ast.unaryop, ast.cmpop, ast.boolop, ast.expr_context)
@@ -69,10 +193,10 @@ _ARITHMETIC_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Bo
 _NODE_TARGET = "\0node target"  # not a JSON key torch writes: marks a graph node's operator
 MAX_EXPRESSION_CHARS = 100_000
 MAX_EXPONENT = 64  # sympy evaluates integer powers eagerly: 10**10**12 would never finish
-MAX_INTEGER = 2 ** 64
+MAX_INTEGER = 2**64
 
 
-def review_program(document: Any) -> Optional[str]:
+def review_program(document: Any) -> str | None:
     """Why the serialized program would run code or import modules it names; None when it is plain."""
     if not isinstance(document, dict):
         return "is not a serialized exported program"
@@ -103,7 +227,7 @@ def _walk(document: Any) -> Iterator[tuple[str, Any]]:
             pending.extend(v for v in item if isinstance(v, (dict, list)))
 
 
-def _value_problem(key: str, value: Any) -> Optional[str]:
+def _value_problem(key: str, value: Any) -> str | None:
     if key in (_NODE_TARGET, "as_operator"):
         return target_problem(value)
     if key == "expr_str":
@@ -116,7 +240,7 @@ def _value_problem(key: str, value: Any) -> Optional[str]:
     return None
 
 
-def target_problem(target: Any) -> Optional[str]:
+def target_problem(target: Any) -> str | None:
     if not isinstance(target, str):
         return f"has an operator that is not a name ({type(target).__name__})"
     if target in BUILTIN_TARGETS:
@@ -128,11 +252,13 @@ def target_problem(target: Any) -> Optional[str]:
             return None
         if namespace == "higher_order" and overload is None and op in HIGHER_ORDER_OPS:
             return None
-    return (f"calls operator {_quote(target)}, which is not a plain torch op "
-            "(resolving it could import modules or run code)")
+    return (
+        f"calls operator {_quote(target)}, which is not a plain torch op "
+        "(resolving it could import modules or run code)"
+    )
 
 
-def metadata_problem(metadata: dict) -> Optional[str]:
+def metadata_problem(metadata: dict) -> str | None:
     """Module types in ``nn_module_stack`` stay text in torch and are only looked up among loaded
     modules by qlint (:func:`resolve_loaded_name`); source functions are resolved by torch."""
     source_fns = metadata.get("source_fn_stack")
@@ -144,13 +270,15 @@ def metadata_problem(metadata: dict) -> Optional[str]:
     return None
 
 
-def _source_function_problem(name: str) -> Optional[str]:
+def _source_function_problem(name: str) -> str | None:
     """torch resolves these like operators (getattr from torch, operator or math); other names stay text."""
     if name.startswith("torch.ops."):
         return target_problem(name)
     if name.startswith("torch") and lookup_imports(name):
-        return (f"records source function {_quote(name)}, whose lookup would import a torch module "
-                "(qlint does not import what an archive names)")
+        return (
+            f"records source function {_quote(name)}, whose lookup would import a torch module "
+            "(qlint does not import what an archive names)"
+        )
     if name.startswith(("#", "_operator", "math")) and name not in BUILTIN_TARGETS:
         return f"records source function {_quote(name)}, which is not a plain torch op"
     return None
@@ -191,7 +319,7 @@ def resolve_loaded_name(qualified_name: str) -> Any:
     return None
 
 
-def treespec_problem(text: str) -> Optional[str]:
+def treespec_problem(text: str) -> str | None:
     """torch rebuilds a defaultdict spec by importing its factory's module, and any context
     holding an ``__enum__`` by importing the enum's module: only builtins may be named."""
     try:
@@ -222,7 +350,7 @@ def treespec_problem(text: str) -> Optional[str]:
     return None
 
 
-def expression_problem(text: Any, *, guard: bool) -> Optional[str]:
+def expression_problem(text: Any, *, guard: bool) -> str | None:
     """Why ``text`` is more than arithmetic on shapes; None when it is only that.
 
     Shape expressions go through sympy's ``eval``; guard code is ``exec``'d by torch. Both
@@ -248,7 +376,7 @@ def expression_problem(text: Any, *, guard: bool) -> Optional[str]:
     return None
 
 
-def _node_problem(node: ast.AST, guard: bool) -> Optional[str]:
+def _node_problem(node: ast.AST, guard: bool) -> str | None:
     if isinstance(node, _OPERATOR_NODES) or isinstance(node, _ARITHMETIC_NODES):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
             return _exponent_problem(node.right)
@@ -269,14 +397,15 @@ def _node_problem(node: ast.AST, guard: bool) -> Optional[str]:
         return _attribute_problem(node)
     if guard and isinstance(node, ast.Subscript):
         key = node.slice
-        if isinstance(key, ast.Constant) and (isinstance(key.value, int) or (
-                isinstance(key.value, str) and _IDENTIFIER.fullmatch(key.value))):
+        if isinstance(key, ast.Constant) and (
+            isinstance(key.value, int) or (isinstance(key.value, str) and _IDENTIFIER.fullmatch(key.value))
+        ):
             return None
         return "indexes with something other than a name or a number"
     return f"contains Python syntax {type(node).__name__}"
 
 
-def _constant_problem(value: Any) -> Optional[str]:
+def _constant_problem(value: Any) -> str | None:
     if isinstance(value, bool) or value is None or isinstance(value, float):
         return None
     if isinstance(value, int):
@@ -286,7 +415,7 @@ def _constant_problem(value: Any) -> Optional[str]:
     return f"holds the literal {value!r}"
 
 
-def _exponent_problem(exponent: ast.AST) -> Optional[str]:
+def _exponent_problem(exponent: ast.AST) -> str | None:
     if isinstance(exponent, ast.Call) and exponent.args:
         exponent = exponent.args[0]  # Integer(n)
     if isinstance(exponent, ast.UnaryOp):
@@ -300,7 +429,7 @@ def _exponent_problem(exponent: ast.AST) -> Optional[str]:
     return None
 
 
-def _call_problem(node: ast.Call, guard: bool) -> Optional[str]:
+def _call_problem(node: ast.Call, guard: bool) -> str | None:
     func = node.func
     if isinstance(func, ast.Name):
         if func.id in SYMPY_FUNCTIONS or func.id.startswith(_SYMPY_FUNCTION_PREFIXES):
@@ -316,7 +445,7 @@ def _call_problem(node: ast.Call, guard: bool) -> Optional[str]:
     return f"calls {ast.unparse(func)[:80]!r}"
 
 
-def _attribute_problem(node: ast.Attribute) -> Optional[str]:
+def _attribute_problem(node: ast.Attribute) -> str | None:
     if node.attr in _TENSOR_QUERIES:
         return None
     if isinstance(node.value, ast.Name) and node.attr in _GUARD_ATTRIBUTES.get(node.value.id, ()):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 from qlint.core.nested import float_tensors
 
@@ -49,8 +49,7 @@ class SqnrSums:
         """
         references, approximations = float_tensors(reference), float_tensors(approximation)
         if len(references) != len(approximations):
-            raise ValueError(f"the values hold {len(references)} and {len(approximations)} "
-                             "floating-point tensors")
+            raise ValueError(f"the values hold {len(references)} and {len(approximations)} floating-point tensors")
         for x, y in zip(references, approximations):
             if x.numel() != y.numel():
                 raise ValueError(f"cannot compare tensors of {x.numel()} and {y.numel()} elements")
@@ -59,14 +58,14 @@ class SqnrSums:
             self.noise_power += float(((x64 - y64) ** 2).sum())
             self.pairs += 1
 
-    def sqnr_db(self) -> Optional[float]:
+    def sqnr_db(self) -> float | None:
         """The SQNR of everything added; None before any pair."""
         if self.pairs == 0:
             return None
         return sqnr_db_from_powers(self.signal_power, self.noise_power)
 
 
-def sqnr_db(reference: Any, approximation: Any) -> Optional[float]:
+def sqnr_db(reference: Any, approximation: Any) -> float | None:
     """SQNR (dB) of ``approximation`` against ``reference``: tensors or nested outputs alike.
 
     None when there is no floating-point tensor to compare."""

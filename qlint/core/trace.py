@@ -14,18 +14,19 @@ import dataclasses
 import io
 import logging
 import warnings
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
 
-from qlint.errors import StateError, TraceError
 from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.core.intent import CallDescription, NodeQConfig
 from qlint.core.ops import MODULE_KINDS, function_kind, method_kind, module_kind
 from qlint.core.preserve import cloned, preserved_state, stored_proxies
+from qlint.errors import StateError, TraceError
 
 FRONTEND_SYMBOLIC = "fx.symbolic_trace"
 FRONTEND_GRAPH_MODULE = "fx.GraphModule"
@@ -53,8 +54,7 @@ class Traced:
     notes: tuple[str, ...] = ()
 
 
-def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
-          exported_program: Any = None) -> Traced:
+def trace(model: nn.Module, example_inputs: Sequence[Any] | None, exported_program: Any = None) -> Traced:
     """Trace ``model`` (borrowed: it is left as it was) to a GraphModule."""
     if exported_program is not None:
         return Traced(exported_program.module(), FRONTEND_PT2, exported=True)
@@ -77,8 +77,7 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]],
             exported_module = program.module()
     except Exception as export_error:  # both front ends failed: report both reasons
         raise TraceError(
-            f"cannot trace the model: symbolic_trace failed ({first}); "
-            f"torch.export failed ({_one_line(export_error)})"
+            f"cannot trace the model: symbolic_trace failed ({first}); torch.export failed ({_one_line(export_error)})"
         ) from export_error
     note = f"symbolic_trace failed ({first}); used torch.export(strict=False)"
     return Traced(exported_module, FRONTEND_EXPORT, exported=True, notes=(note,))
@@ -100,15 +99,16 @@ def symbolic_graph(model: nn.Module) -> fx.GraphModule:
             tracer = LeafTracer()
             graph = tracer.trace(model)
             # GraphModule generates Python from the graph, which fails on module names no code can spell
-            traced: Optional[fx.GraphModule] = fx.GraphModule(tracer.root, graph, type(model).__name__)
-            failure: Optional[Exception] = None
+            traced: fx.GraphModule | None = fx.GraphModule(tracer.root, graph, type(model).__name__)
+            failure: Exception | None = None
         except Exception as error:  # user code fails symbolic tracing in many ways
             traced, failure, reason = None, error, _one_line(error)
         stored = stored_proxies(model)
     if stored:
         raise StateError(
             f"the model's forward stores a traced value (a torch.fx Proxy) in {stored[0]!r}: state kept "
-            "across calls cannot be traced; qlint put the attribute back. Keep such state out of forward")
+            "across calls cannot be traced; qlint put the attribute back. Keep such state out of forward"
+        )
     if traced is None:
         raise TraceError(reason) from failure
     return traced
@@ -141,7 +141,7 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-def propagate_shapes(traced: Traced, example_inputs: Optional[Sequence[Any]]) -> Optional[str]:
+def propagate_shapes(traced: Traced, example_inputs: Sequence[Any] | None) -> str | None:
     """Fill tensor metadata on every node; returns a notice when it could not."""
     if traced.exported or not example_inputs:
         return None if traced.exported else "no example inputs: shapes are unknown"
@@ -172,7 +172,7 @@ class _ShapeRecorder(fx.Interpreter):
         return result
 
 
-def _tensor_info(node: fx.Node) -> Optional[TensorInfo]:
+def _tensor_info(node: fx.Node) -> TensorInfo | None:
     meta = node.meta.get("tensor_meta")
     if meta is not None and hasattr(meta, "shape"):
         return TensorInfo(tuple(int(d) for d in meta.shape), str(meta.dtype))
@@ -194,7 +194,7 @@ for _cls, _kind in MODULE_KINDS:
 class _Owner:
     path: str
     type_name: str
-    cls: Optional[type]
+    cls: type | None
 
 
 def _stack(node: fx.Node) -> list[_Owner]:
@@ -242,17 +242,16 @@ class GraphBuilder:
         parameters.update({k: v for k, v in self.gm.named_buffers() if k.endswith("running_var")})
         return ModelGraph(nodes, edges, modules, self.traced.frontend, parameters)
 
-    def _resolve_fold(self, arg: fx.Node) -> Optional[fx.Node]:
+    def _resolve_fold(self, arg: fx.Node) -> fx.Node | None:
         seen = 0
         while arg in self._folded and seen < 64:
             arg = self._folded[arg]
             seen += 1
         return arg
 
-    def _convert(self, node: fx.Node) -> Optional[OpNode]:
+    def _convert(self, node: fx.Node) -> OpNode | None:
         if node.op == "placeholder":
-            return OpNode(name=node.name, kind="input", op="input", output=_tensor_info(node),
-                          target=str(node.target))
+            return OpNode(name=node.name, kind="input", op="input", output=_tensor_info(node), target=str(node.target))
         if node.op == "output":
             return OpNode(name=node.name, kind="output", op="output", target="output")
         if node.op == "get_attr":
@@ -263,7 +262,7 @@ class GraphBuilder:
             return self._convert_function_call(node)
         return None
 
-    def _convert_module_call(self, node: fx.Node) -> Optional[OpNode]:
+    def _convert_module_call(self, node: fx.Node) -> OpNode | None:
         target = str(node.target)
         if target.startswith("_guards"):
             return None
@@ -278,11 +277,18 @@ class GraphBuilder:
         cls = type(module)
         weight, bias = _module_weight_refs(module, target)
         info = OpNode(
-            name=node.name, kind=kind, op="module", module=target,
+            name=node.name,
+            kind=kind,
+            op="module",
+            module=target,
             module_type=f"{cls.__module__}.{cls.__qualname__}",
-            scope=target.rpartition(".")[0], weight=weight, bias=bias,
+            scope=target.rpartition(".")[0],
+            weight=weight,
+            bias=bias,
             inputs=tuple(_tensor_info(a) for a in _flat_args(node)),
-            output=_tensor_info(node), training=module.training, target=target,
+            output=_tensor_info(node),
+            training=module.training,
+            target=target,
         )
         info = dataclasses.replace(info, observed_output=self._observed(node))
         call = CallDescription(True, (cls,), target, None)
@@ -300,7 +306,7 @@ class GraphBuilder:
             op, raw = "function", node.target
         owners = _stack(node)
         owner = owners[-1] if owners else None
-        owning_module: Optional[_Owner] = None
+        owning_module: _Owner | None = None
         if owner is not None and owner.cls is not None and _kind_of_class(owner.cls) == kind:
             owning_module = owner
         elif owner is not None and owner.cls is None and self.traced.exported:
@@ -308,13 +314,17 @@ class GraphBuilder:
         weight, bias = self._weight_refs(node, kind)
         training = self._training_flag(node, kind, owning_module)
         info = OpNode(
-            name=node.name, kind=kind, op=op,
+            name=node.name,
+            kind=kind,
+            op=op,
             module=owning_module.path if owning_module else None,
             module_type=owning_module.type_name if owning_module else None,
             scope=owner.path if owner else "",
-            weight=weight, bias=bias,
+            weight=weight,
+            bias=bias,
             inputs=tuple(_tensor_info(a) for a in _flat_args(node)),
-            output=_tensor_info(node), training=training,
+            output=_tensor_info(node),
+            training=training,
             target=getattr(raw, "__name__", str(raw)),
         )
         from qlint.core.intent import function_candidates
@@ -327,14 +337,15 @@ class GraphBuilder:
         else:
             scope_owner = owners[-1] if owners else None
             call = CallDescription(
-                False, function_candidates(kind, raw),
+                False,
+                function_candidates(kind, raw),
                 scope_owner.path if scope_owner else "",
                 scope_owner.cls if scope_owner else None,
             )
         info = dataclasses.replace(info, observed_output=self._observed(node))
         return dataclasses.replace(info, qconfig=self.resolve(call, node, info))
 
-    def _observed(self, node: fx.Node) -> Optional[NodeQConfig]:
+    def _observed(self, node: fx.Node) -> NodeQConfig | None:
         observer = None
         for user in node.users:
             if user.op == "call_module":
@@ -348,12 +359,12 @@ class GraphBuilder:
 
         return NodeQConfig(activation=describe_observer(observer), weight=None, source="prepared")
 
-    def _weight_refs(self, node: fx.Node, kind: str) -> tuple[Optional[str], Optional[str]]:
+    def _weight_refs(self, node: fx.Node, kind: str) -> tuple[str | None, str | None]:
         from qlint.core.ops import WEIGHTED_KINDS
 
         if kind not in WEIGHTED_KINDS and kind != "batch_norm":
             return None, None
-        refs: list[Optional[str]] = []
+        refs: list[str | None] = []
         for position in (1, 2):
             arg = node.args[position] if len(node.args) > position else None
             if arg is None:
@@ -362,7 +373,7 @@ class GraphBuilder:
             refs.append(str(arg.target) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None)
         return refs[0], refs[1]
 
-    def _training_flag(self, node: fx.Node, kind: str, owner: Optional[_Owner]) -> Optional[bool]:
+    def _training_flag(self, node: fx.Node, kind: str, owner: _Owner | None) -> bool | None:
         if kind != "batch_norm":
             return None
         if self.traced.exported:
@@ -387,19 +398,25 @@ class GraphBuilder:
                 continue
             cls = type(module)
             inventory[fqn] = ModuleInfo(
-                fqn=fqn, type_name=f"{cls.__module__}.{cls.__qualname__}",
-                kind=module_kind(module), is_leaf=not any(True for _ in module.children()),
+                fqn=fqn,
+                type_name=f"{cls.__module__}.{cls.__qualname__}",
+                kind=module_kind(module),
+                is_leaf=not any(True for _ in module.children()),
                 training=module.training,
                 has_parameters=any(True for _ in module.parameters(recurse=False)),
             )
         return inventory
 
 
-def _module_weight_refs(module: nn.Module, target: str) -> tuple[Optional[str], Optional[str]]:
+def _module_weight_refs(module: nn.Module, target: str) -> tuple[str | None, str | None]:
     """Weight and bias fqns; a fused intrinsic module (ConvReLU2d…) keeps them in item 0."""
     owner, prefix = module, target
-    if not isinstance(getattr(module, "weight", None), torch.Tensor) and isinstance(module, nn.Sequential) \
-            and type(module).__module__.startswith("torch.ao.nn.intrinsic") and len(module) > 0:
+    if (
+        not isinstance(getattr(module, "weight", None), torch.Tensor)
+        and isinstance(module, nn.Sequential)
+        and type(module).__module__.startswith("torch.ao.nn.intrinsic")
+        and len(module) > 0
+    ):
         owner, prefix = module[0], f"{target}.0"
     weight = f"{prefix}.weight" if isinstance(getattr(owner, "weight", None), torch.Tensor) else None
     bias = f"{prefix}.bias" if isinstance(getattr(owner, "bias", None), torch.Tensor) else None
@@ -412,14 +429,14 @@ def _flat_args(node: fx.Node) -> list[fx.Node]:
     return [n for n in leaves_of_type((node.args, node.kwargs), fx.Node) if n.op != "get_attr"]
 
 
-def _kind_of_class(cls: type) -> Optional[str]:
+def _kind_of_class(cls: type) -> str | None:
     for base, kind in MODULE_KINDS:
         if issubclass(cls, base):
             return kind
     return None
 
 
-def _kind_from_type_name(type_name: str) -> Optional[str]:
+def _kind_from_type_name(type_name: str) -> str | None:
     short = type_name.rpartition(".")[2]
     for base, kind in MODULE_KINDS:
         if base.__name__ == short:
@@ -436,14 +453,16 @@ def is_lazy_model(model: nn.Module) -> bool:
     return any(is_lazy(tensor) for tensor in [*model.parameters(), *model.buffers()])
 
 
-def initialized_copy(model: nn.Module, example_inputs: Optional[Sequence[Any]]) -> nn.Module:
+def initialized_copy(model: nn.Module, example_inputs: Sequence[Any] | None) -> nn.Module:
     """A copy whose lazy modules took their shapes from one forward pass on the example inputs.
 
     Initializing the user's model would change it; uninitialized parameters hold no memory,
     so copying a lazy model costs little."""
     if not example_inputs:
-        raise TraceError("the model has lazy modules (e.g. nn.LazyLinear) whose shapes come from a first "
-                         "forward pass: pass --input-shape or --example-inputs")
+        raise TraceError(
+            "the model has lazy modules (e.g. nn.LazyLinear) whose shapes come from a first "
+            "forward pass: pass --input-shape or --example-inputs"
+        )
     working = private_copy(model)
     modes = [(module, module.training) for module in working.modules()]
     working.eval()  # no BN statistics or observer updates: only the shapes are wanted

@@ -15,7 +15,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
@@ -26,15 +26,26 @@ BASELINE_VERSION = 1
 def baseline_payload(report: Report) -> dict[str, Any]:
     entries: dict[str, dict[str, Any]] = {}
     for finding in report.findings:
-        entries.setdefault(finding.fingerprint(), {
-            "rule": finding.rule, "name": finding.name, "target": finding.target,
-            "kind": str(finding.data.get("kind", "")), "severity": finding.severity.value,
-        })
-    return {"version": BASELINE_VERSION, "tool": "qlint", "qlint_version": report.qlint_version,
-            "model": report.model, "fingerprints": dict(sorted(entries.items()))}
+        entries.setdefault(
+            finding.fingerprint(),
+            {
+                "rule": finding.rule,
+                "name": finding.name,
+                "target": finding.target,
+                "kind": str(finding.data.get("kind", "")),
+                "severity": finding.severity.value,
+            },
+        )
+    return {
+        "version": BASELINE_VERSION,
+        "tool": "qlint",
+        "qlint_version": report.qlint_version,
+        "model": report.model,
+        "fingerprints": dict(sorted(entries.items())),
+    }
 
 
-def write_baseline(report: Report, path: Union[str, Path]) -> None:
+def write_baseline(report: Report, path: str | Path) -> None:
     """Record every current finding in ``path`` (atomically: a crash leaves the old file)."""
     target = Path(path)
     text = json.dumps(baseline_payload(report), indent=2, ensure_ascii=False) + "\n"
@@ -52,7 +63,7 @@ def write_baseline(report: Report, path: Union[str, Path]) -> None:
         raise QlintError(f"cannot write baseline {path}: {error.strerror or error}") from error
 
 
-def read_baseline(path: Union[str, Path]) -> set[str]:
+def read_baseline(path: str | Path) -> set[str]:
     """The fingerprints recorded in ``path``; a missing or corrupt file is a ConfigError."""
     source = Path(path)
     try:
@@ -64,16 +75,20 @@ def read_baseline(path: Union[str, Path]) -> set[str]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(f"baseline {path} is not valid JSON (line {error.lineno}): {error.msg}; "
-                          "rewrite it with --write-baseline") from error
+        raise ConfigError(
+            f"baseline {path} is not valid JSON (line {error.lineno}): {error.msg}; rewrite it with --write-baseline"
+        ) from error
     except RecursionError as error:  # json's decoder recurses once per nesting level
-        raise ConfigError(f"baseline {path} is nested too deeply to be a qlint baseline; "
-                          "rewrite it with --write-baseline") from error
+        raise ConfigError(
+            f"baseline {path} is nested too deeply to be a qlint baseline; rewrite it with --write-baseline"
+        ) from error
     if not isinstance(data, dict):
         raise ConfigError(f"baseline {path} is not a qlint baseline (expected a JSON object)")
     if data.get("version") != BASELINE_VERSION:
-        raise ConfigError(f"baseline {path} has version {data.get('version')!r}; this qlint reads "
-                          f"version {BASELINE_VERSION}: rewrite it with --write-baseline")
+        raise ConfigError(
+            f"baseline {path} has version {data.get('version')!r}; this qlint reads "
+            f"version {BASELINE_VERSION}: rewrite it with --write-baseline"
+        )
     fingerprints = data.get("fingerprints")
     if isinstance(fingerprints, list):
         keys = fingerprints
@@ -86,7 +101,7 @@ def read_baseline(path: Union[str, Path]) -> set[str]:
     return set(keys)
 
 
-def filter_new(report: Report, path: Union[str, Path]) -> Report:
+def filter_new(report: Report, path: str | Path) -> Report:
     """``report`` with findings recorded in the baseline removed, plus a notice saying how many."""
     known = read_baseline(path)
     kept = [f for f in report.findings if f.fingerprint() not in known]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from torch.ao.quantization import QConfigMapping
 
@@ -23,17 +24,17 @@ class LintContext:
     graph: ModelGraph
     backend: BackendInfo
     intent: str
-    qconfig_mapping: Optional[QConfigMapping]
-    example_inputs: Optional[tuple[Any, ...]] = None
+    qconfig_mapping: QConfigMapping | None
+    example_inputs: tuple[Any, ...] | None = None
     statistics: Any = None  # calibration statistics view, when calibration data was given
     model_name: str = "model"
     # Each call returns a fresh deep copy of the traced model, for rules that must run it
     # (e.g. a trial prepare/convert); the user's model is never handed out.
-    model_factory: Optional[Callable[[], Any]] = None
+    model_factory: Callable[[], Any] | None = None
     # The trial quantization (qlint.measure.trial), when example inputs allowed one;
     # trial_skipped says why not.
-    trial: Optional[TrialResult] = None
-    trial_bench: Optional[TrialBench] = None  # for rules that measure their own fix (QL106)
+    trial: TrialResult | None = None
+    trial_bench: TrialBench | None = None  # for rules that measure their own fix (QL106)
     trial_skipped: str = "no trial quantization was run"
 
     @property

@@ -42,5 +42,11 @@ def rule_markdown(rule: type[Rule]) -> str:
 
 def rule_info(rule: type[Rule]) -> RuleInfo:
     """What a report records about a rule of its run."""
-    return RuleInfo(code=rule.code, name=rule.name, summary=rule.summary, severity=rule.severity,
-                    requires=sorted(n.value for n in rule.requires), documentation=rule_markdown(rule))
+    return RuleInfo(
+        code=rule.code,
+        name=rule.name,
+        summary=rule.summary,
+        severity=rule.severity,
+        requires=sorted(n.value for n in rule.requires),
+        documentation=rule_markdown(rule),
+    )

@@ -4,30 +4,38 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 
-from qlint.version import __version__
 from qlint.core.backends import BACKENDS, backend_info
-from qlint.linter.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
-from qlint.errors import ConfigError, QlintError, TraceError
-from qlint.linter.findings import Finding, LayerRow, Notice, Report, Severity, SkippedRule, Timing
 from qlint.core.graph import ModelGraph, OpNode
-from qlint.core.intent import (CallDescription, NodeQConfig, NodeQConfigCache, QConfigResolver,
-                               default_mapping, describe_observer, load_mapping_object)
+from qlint.core.intent import (
+    CallDescription,
+    NodeQConfig,
+    NodeQConfigCache,
+    QConfigResolver,
+    default_mapping,
+    describe_observer,
+    load_mapping_object,
+)
 from qlint.core.ops import module_kind
 from qlint.core.preserve import preserved_state
+from qlint.core.trace import GraphBuilder, Traced, initialized_copy, is_lazy_model, propagate_shapes, trace
+from qlint.errors import ConfigError, QlintError, TraceError
+from qlint.linter.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
 from qlint.linter.docs import rule_info
+from qlint.linter.findings import Finding, LayerRow, Notice, Report, Severity, SkippedRule, Timing
 from qlint.linter.impact import ImpactMeter, with_impacts
-from qlint.linter.trial_stage import TrialOptions, summary, trial_bench, trial_blocker
 from qlint.linter.qconfig_table import qconfig_rows
 from qlint.linter.registry import Registry
 from qlint.linter.rule import Need, Rule
-from qlint.core.trace import GraphBuilder, Traced, initialized_copy, is_lazy_model, propagate_shapes, trace
+from qlint.linter.trial_stage import TrialOptions, summary, trial_bench, trial_blocker
+from qlint.version import __version__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +43,20 @@ class Analysis:
     """What every later stage shares: the traced GraphModule, its graph and the intent."""
 
     graph: ModelGraph
-    traced: Optional[Traced]  # None when only the eager-hooks fallback could see the model
+    traced: Traced | None  # None when only the eager-hooks fallback could see the model
     intent: str
-    qconfig_mapping: Optional[QConfigMapping]
+    qconfig_mapping: QConfigMapping | None
     notices: tuple[Notice, ...]
-    model: Optional[nn.Module] = None  # the user's model, borrowed (a lazy one: an initialized copy)
+    model: nn.Module | None = None  # the user's model, borrowed (a lazy one: an initialized copy)
 
 
-def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: str,
-            qconfig_mapping: Any = None, exported_program: Any = None) -> Analysis:
+def analyse(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | None,
+    backend: str,
+    qconfig_mapping: Any = None,
+    exported_program: Any = None,
+) -> Analysis:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(model, nn.Module):
@@ -54,8 +67,12 @@ def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: 
     working, notices = model, []
     if is_lazy_model(model):  # initializing the user's lazy modules would change them
         working = initialized_copy(model, example_inputs)
-        notices.append(Notice(message="the model has lazy modules: qlint analysed a copy initialized by one "
-                                      "forward pass on the example inputs; the model itself stays uninitialized"))
+        notices.append(
+            Notice(
+                message="the model has lazy modules: qlint analysed a copy initialized by one "
+                "forward pass on the example inputs; the model itself stays uninitialized"
+            )
+        )
     try:
         traced = trace(working, example_inputs, exported_program)
     except TraceError as error:
@@ -71,8 +88,9 @@ def analyse(model: nn.Module, example_inputs: Optional[Sequence[Any]], backend: 
     return Analysis(graph, traced, intent, mapping, tuple(notices), working)
 
 
-def _eager_fallback(working: nn.Module, example_inputs: Sequence[Any], backend: str,
-                    user_mapping: Any, error: TraceError) -> Analysis:
+def _eager_fallback(
+    working: nn.Module, example_inputs: Sequence[Any], backend: str, user_mapping: Any, error: TraceError
+) -> Analysis:
     """Neither tracer could read the model: build the graph from one hooked eager run."""
     from qlint.core.eager_fallback import eager_analysis
 
@@ -85,8 +103,13 @@ def _eager_fallback(working: nn.Module, example_inputs: Sequence[Any], backend: 
         intent, resolve = INTENT_DEFAULT, _mapping_resolver(mapping)
     with preserved_state(working):  # its hooks, BN statistics and attributes come back before the rules run
         graph, notes = eager_analysis(working, example_inputs, resolve, copy_model=False)
-    notices = [Notice(level=Severity.WARNING, message=f"{error}; analysed with eager forward hooks "
-                      "instead: only leaf modules and the branch taken on the example inputs are seen")]
+    notices = [
+        Notice(
+            level=Severity.WARNING,
+            message=f"{error}; analysed with eager forward hooks "
+            "instead: only leaf modules and the branch taken on the example inputs are seen",
+        )
+    ]
     notices += [Notice(level=Severity.WARNING, message=note) for note in notes]
     return Analysis(graph, None, intent, mapping, tuple(notices), working)
 
@@ -110,7 +133,7 @@ def _mapping_resolver(mapping: QConfigMapping):
     resolver = QConfigResolver(mapping)
     described = NodeQConfigCache()
 
-    def resolve(call: CallDescription, _node: fx.Node, _info: OpNode) -> Optional[NodeQConfig]:
+    def resolve(call: CallDescription, _node: fx.Node, _info: OpNode) -> NodeQConfig | None:
         qconfig, source = resolver.resolve(call)
         return described.get(qconfig, source)
 
@@ -129,7 +152,7 @@ def _has_observer_nodes(gm: fx.GraphModule) -> bool:
 
 
 def _prepared_resolver(gm: fx.GraphModule):
-    def resolve(call: CallDescription, _node: fx.Node, info: OpNode) -> Optional[NodeQConfig]:
+    def resolve(call: CallDescription, _node: fx.Node, info: OpNode) -> NodeQConfig | None:
         weight = None
         if info.module is not None:
             module = gm.get_submodule(info.module)
@@ -163,7 +186,7 @@ def _eager_resolver(model: nn.Module):
 
     described = NodeQConfigCache()
 
-    def resolve(call: CallDescription, _node: fx.Node, _info: OpNode) -> Optional[NodeQConfig]:
+    def resolve(call: CallDescription, _node: fx.Node, _info: OpNode) -> NodeQConfig | None:
         return described.get(qconfig_of(call.module_path), "module .qconfig")
 
     return resolve
@@ -202,14 +225,26 @@ def run_rules(ctx: LintContext, rules: Iterable[Rule], *, has_statistics: bool):
             seconds = time.perf_counter() - began
             timings.append(Timing(stage=f"rule {rule.code}", seconds=seconds))
             if seconds >= SLOW_RULE_SECONDS:
-                notices.append(Notice(message=(
-                    f"{rule.code} ({rule.name}) took {seconds:.1f} s; to skip it, pass --ignore {rule.code} "
-                    f"or add it to `ignore` under [tool.qlint]")))
+                notices.append(
+                    Notice(
+                        message=(
+                            f"{rule.code} ({rule.name}) took {seconds:.1f} s; to skip it, pass --ignore {rule.code} "
+                            f"or add it to `ignore` under [tool.qlint]"
+                        )
+                    )
+                )
         findings.extend(r for r in results if isinstance(r, Finding))
         rows.extend(r for r in results if isinstance(r, LayerRow))
-    findings.sort(key=lambda f: (-f.severity.rank, f.rule, ctx.graph.position(f.data["node"])
-                                 if isinstance(f.data.get("node"), str) and f.data["node"] in ctx.graph
-                                 else 0, f.target))
+    findings.sort(
+        key=lambda f: (
+            -f.severity.rank,
+            f.rule,
+            ctx.graph.position(f.data["node"])
+            if isinstance(f.data.get("node"), str) and f.data["node"] in ctx.graph
+            else 0,
+            f.target,
+        )
+    )
     order = {node.display: i for i, node in reversed(list(enumerate(ctx.graph.nodes())))}
     rows.sort(key=lambda r: (order.get(r.name, len(order)), r.rule or ""))
     return findings, rows, skipped, notices, timings
@@ -235,7 +270,7 @@ def _copier(graph_module: fx.GraphModule):
     return lambda: copy.deepcopy(graph_module)
 
 
-def _missing_needs(rule: Rule, ctx: LintContext, has_statistics: bool) -> Optional[str]:
+def _missing_needs(rule: Rule, ctx: LintContext, has_statistics: bool) -> str | None:
     if Need.EXAMPLE_INPUTS in rule.requires and not ctx.example_inputs:
         return "no example inputs (pass --input-shape or --example-inputs)"
     if Need.MODEL in rule.requires and ctx.model_factory is None:
@@ -243,8 +278,10 @@ def _missing_needs(rule: Rule, ctx: LintContext, has_statistics: bool) -> Option
     if Need.TRIAL in rule.requires and ctx.trial is None:
         return ctx.trial_skipped or "no trial quantization was run"
     if Need.STATISTICS in rule.requires and not has_statistics:
-        return ("no calibration data: pass --calibration FILE_OR_DIR or module:function "
-                "(or --random-calibration N to run on random data)")
+        return (
+            "no calibration data: pass --calibration FILE_OR_DIR or module:function "
+            "(or --random-calibration N to run on random data)"
+        )
     return None
 
 
@@ -261,12 +298,22 @@ def instantiate_rules(classes: Iterable[type[Rule]], options: Mapping[str, Mappi
     return rules
 
 
-def lint(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None, calibration: Any = None,
-         backend: str = "x86", qconfig_mapping: Any = None, select: Optional[Iterable[str]] = None,
-         ignore: Optional[Iterable[str]] = None, *, options: Optional[Mapping[str, Mapping[str, Any]]] = None,
-         model_name: Optional[str] = None, exported_program: Any = None,
-         registry: Optional[Registry] = None, calibration_options: Any = None,
-         trial_options: Any = None) -> Report:
+def lint(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | None = None,
+    calibration: Any = None,
+    backend: str = "x86",
+    qconfig_mapping: Any = None,
+    select: Iterable[str] | None = None,
+    ignore: Iterable[str] | None = None,
+    *,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    model_name: str | None = None,
+    exported_program: Any = None,
+    registry: Registry | None = None,
+    calibration_options: Any = None,
+    trial_options: Any = None,
+) -> Report:
     """Lint ``model`` for quantization problems; the model itself is never modified.
 
     With example inputs, a trial quantization (prepare_fx, calibration, convert_fx on a
@@ -285,12 +332,34 @@ def lint(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None, calib
     # Each stage that runs forward (tracing, shapes, eager fallback, calibration) opens a
     # guard that also watches parameters; this one gives back everything else at the end.
     with preserved_state(model, watch_parameters=False):
-        return _lint(model, example, calibration, backend, qconfig_mapping, rules, model_name,
-                     exported_program, calibration_options, trial, start)
+        return _lint(
+            model,
+            example,
+            calibration,
+            backend,
+            qconfig_mapping,
+            rules,
+            model_name,
+            exported_program,
+            calibration_options,
+            trial,
+            start,
+        )
 
 
-def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rules, model_name,
-          exported_program, calibration_options, trial_options: TrialOptions, start) -> Report:
+def _lint(
+    model: nn.Module,
+    example,
+    calibration,
+    backend,
+    qconfig_mapping,
+    rules,
+    model_name,
+    exported_program,
+    calibration_options,
+    trial_options: TrialOptions,
+    start,
+) -> Report:
     timings: list[Timing] = []
     analysis = analyse(model, example, backend, qconfig_mapping, exported_program)
     timings.append(Timing(stage="trace", seconds=time.perf_counter() - start))
@@ -300,8 +369,7 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
         from qlint.linter.calibration import collect_statistics
 
         stage = time.perf_counter()
-        statistics, calibration_notices = collect_statistics(
-            analysis, rules, calibration, calibration_options)
+        statistics, calibration_notices = collect_statistics(analysis, rules, calibration, calibration_options)
         notices.extend(calibration_notices)
         timings.append(Timing(stage="calibrate", seconds=time.perf_counter() - stage))
     bench, trial = None, None
@@ -311,14 +379,21 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
         bench = trial_bench(analysis, example, calibration, backend, trial_options)
         trial = bench.run(analysis.qconfig_mapping)
         timings.append(Timing(stage="trial", seconds=time.perf_counter() - stage))
-    ctx = LintContext(graph=analysis.graph, backend=backend_info(backend), intent=analysis.intent,
-                      qconfig_mapping=analysis.qconfig_mapping, example_inputs=example,
-                      statistics=statistics, model_name=model_name or type(model).__name__,
-                      model_factory=_copier(analysis.traced.graph_module) if analysis.traced else None,
-                      trial=trial, trial_bench=bench, trial_skipped=blocker or "")
+    ctx = LintContext(
+        graph=analysis.graph,
+        backend=backend_info(backend),
+        intent=analysis.intent,
+        qconfig_mapping=analysis.qconfig_mapping,
+        example_inputs=example,
+        statistics=statistics,
+        model_name=model_name or type(model).__name__,
+        model_factory=_copier(analysis.traced.graph_module) if analysis.traced else None,
+        trial=trial,
+        trial_bench=bench,
+        trial_skipped=blocker or "",
+    )
     stage = time.perf_counter()
-    findings, layers, skipped, rule_notices, rule_timings = run_rules(
-        ctx, rules, has_statistics=statistics is not None)
+    findings, layers, skipped, rule_notices, rule_timings = run_rules(ctx, rules, has_statistics=statistics is not None)
     notices.extend(rule_notices)
     timings.append(Timing(stage="rules", seconds=time.perf_counter() - stage))
     timings.extend(rule_timings)
@@ -329,16 +404,25 @@ def _lint(model: nn.Module, example, calibration, backend, qconfig_mapping, rule
         if trial.converted and analysis.traced is not None and analysis.qconfig_mapping is not None:
             stage = time.perf_counter()
             modules = frozenset(name for name, _ in analysis.traced.graph_module.named_modules() if name)
-            meter = ImpactMeter(bench, trial, analysis.qconfig_mapping, modules, trial_options,
-                                _nodes_of_modules(analysis.graph))
+            meter = ImpactMeter(
+                bench, trial, analysis.qconfig_mapping, modules, trial_options, _nodes_of_modules(analysis.graph)
+            )
             findings, fixed = with_impacts(findings, meter)
             timings.append(Timing(stage="impact", seconds=time.perf_counter() - stage))
         trial_summary = summary(bench, trial, fixed_sqnr_db=fixed, fix_trials=meter.trials if meter else 0)
     timings.append(Timing(stage="total", seconds=time.perf_counter() - start))
     return Report(
-        qlint_version=__version__, torch_version=torch.__version__,
-        model=ctx.model_name, backend=backend, frontend=analysis.graph.frontend,
-        findings=findings, skipped=skipped, notices=notices, timings=timings,
-        layers=layers, qconfig_table=qconfig_rows(analysis.graph),
-        rules=[rule_info(type(rule)) for rule in rules], trial=trial_summary,
+        qlint_version=__version__,
+        torch_version=torch.__version__,
+        model=ctx.model_name,
+        backend=backend,
+        frontend=analysis.graph.frontend,
+        findings=findings,
+        skipped=skipped,
+        notices=notices,
+        timings=timings,
+        layers=layers,
+        qconfig_table=qconfig_rows(analysis.graph),
+        rules=[rule_info(type(rule)) for rule in rules],
+        trial=trial_summary,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch.ao.quantization import QConfigMapping
@@ -28,7 +28,7 @@ class Severity(str, enum.Enum):
     def rank(self) -> int:
         return _SEVERITY_RANK[self]
 
-    def at_least(self, other: "Severity") -> bool:
+    def at_least(self, other: Severity) -> bool:
         return self.rank >= other.rank
 
 
@@ -64,8 +64,8 @@ class Impact(_Frozen):
     basis: ImpactBasis
     kind: Literal["sqnr-gain", "coverage", "diagnosis"] = "sqnr-gain"
     int8_ops_gained: int = 0
-    base_sqnr_db: Optional[float] = Field(default=None, description="Output SQNR of the trial as intended.")
-    fixed_sqnr_db: Optional[float] = Field(default=None, description="Output SQNR with the fix applied.")
+    base_sqnr_db: float | None = Field(default=None, description="Output SQNR of the trial as intended.")
+    fixed_sqnr_db: float | None = Field(default=None, description="Output SQNR with the fix applied.")
     detail: str = ""
 
 
@@ -78,10 +78,10 @@ class Finding(_Frozen):
     target: str = Field(description="Module fqn, or node name for functional ops.")
     message: str = Field(description="What is wrong, why it matters, and the fix.")
     data: dict[str, Any] = Field(default_factory=dict, description="JSON-able evidence.")
-    suggestion: Optional[dict[str, Any]] = Field(
+    suggestion: dict[str, Any] | None = Field(
         default=None, description="Machine-readable fix, consumed when building a plan."
     )
-    impact: Optional[Impact] = Field(default=None, description="The measured cost of the finding.")
+    impact: Impact | None = Field(default=None, description="The measured cost of the finding.")
 
     @field_validator("data", "suggestion")
     @classmethod
@@ -98,8 +98,9 @@ class Finding(_Frozen):
 
     def provenance(self) -> Provenance:
         """This finding as the reason for a plan decision."""
-        return Provenance(source="finding", rule=self.rule, target=self.target,
-                          fingerprint=self.fingerprint(), detail=self.name)
+        return Provenance(
+            source="finding", rule=self.rule, target=self.target, fingerprint=self.fingerprint(), detail=self.name
+        )
 
 
 class SkippedRule(_Frozen):
@@ -125,7 +126,7 @@ class _Row(_Frozen):
     """One row of a per-layer table: a layer (module fqn or node name), its op kind, evidence."""
 
     name: str
-    kind: Optional[str] = None
+    kind: str | None = None
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("extra")
@@ -138,25 +139,25 @@ class _Row(_Frozen):
 class LayerRow(_Row):
     """One row of a data rule's per-layer table: the statistic it measured on one layer."""
 
-    rule: Optional[str] = None
-    statistic: Optional[str] = None
-    value: Optional[float] = None
-    verdict: Optional[str] = None
+    rule: str | None = None
+    statistic: str | None = None
+    value: float | None = None
+    verdict: str | None = None
     table: Literal["lint"] = "lint"
 
 
 class CompareRow(_Row):
     """One row of ``qlint compare``: the error one matched layer shows, float vs quantized (dB)."""
 
-    weight_sqnr: Optional[float] = None
-    sqnr_propagated: Optional[float] = None
-    sqnr_shadow: Optional[float] = None
-    cosine: Optional[float] = None
+    weight_sqnr: float | None = None
+    sqnr_propagated: float | None = None
+    sqnr_shadow: float | None = None
+    cosine: float | None = None
     table: Literal["compare"] = "compare"
 
 
 # A report's per-layer rows; ``table`` says which table a row belongs to.
-Row = Annotated[Union[LayerRow, CompareRow], Field(discriminator="table")]
+Row = Annotated[LayerRow | CompareRow, Field(discriminator="table")]
 
 
 class RuleInfo(_Frozen):
@@ -177,13 +178,13 @@ class QConfigRow(_Frozen):
     target: str
     kind: str
     quantized: bool
-    input_dtype: Optional[str] = None
-    output_dtype: Optional[str] = None
-    weight_dtype: Optional[str] = None
-    activation_observer: Optional[str] = None
-    weight_observer: Optional[str] = None
-    weight_qscheme: Optional[str] = None
-    ch_axis: Optional[int] = None
+    input_dtype: str | None = None
+    output_dtype: str | None = None
+    weight_dtype: str | None = None
+    activation_observer: str | None = None
+    weight_observer: str | None = None
+    weight_qscheme: str | None = None
+    ch_axis: int | None = None
 
 
 class TrialSummary(_Frozen):
@@ -193,13 +194,13 @@ class TrialSummary(_Frozen):
     calibrated_on: str
     evaluated_on: str
     converted: bool
-    failed_stage: Optional[str] = None
-    output_sqnr_db: Optional[float] = None
+    failed_stage: str | None = None
+    output_sqnr_db: float | None = None
     int8_ops: int = 0
     weighted_ops: int = 0
     float_layers: list[str] = Field(default_factory=list)
-    fixed_sqnr_db: Optional[float] = Field(default=None, description="Output SQNR with every warning's fix.")
-    recoverable_db: Optional[float] = Field(default=None, description="fixed_sqnr_db - output_sqnr_db.")
+    fixed_sqnr_db: float | None = Field(default=None, description="Output SQNR with every warning's fix.")
+    recoverable_db: float | None = Field(default=None, description="fixed_sqnr_db - output_sqnr_db.")
     fix_trials: int = 0
     seconds: float = 0.0
 
@@ -217,7 +218,7 @@ class Report(_Frozen):
     layers: list[Row] = Field(default_factory=list)
     qconfig_table: list[QConfigRow] = Field(default_factory=list)
     rules: list[RuleInfo] = Field(default_factory=list, description="The rules of this run, ran or skipped.")
-    trial: Optional[TrialSummary] = Field(default=None, description="The trial quantization, when one ran.")
+    trial: TrialSummary | None = Field(default=None, description="The trial quantization, when one ran.")
 
     def lint_rows(self) -> list[LayerRow]:
         return [row for row in self.layers if isinstance(row, LayerRow)]
@@ -227,8 +228,9 @@ class Report(_Frozen):
 
     def suggestions(self) -> Suggestions:
         """What the findings ask for, as typed decisions (qlint.advice.plan makes a plan file of them)."""
-        return collect_suggestions(self.backend, self.model,
-                                   ((f.suggestion, f.provenance()) for f in self.findings if f.suggestion))
+        return collect_suggestions(
+            self.backend, self.model, ((f.suggestion, f.provenance()) for f in self.findings if f.suggestion)
+        )
 
     def qconfig_mapping(self) -> QConfigMapping:
         """The QConfigMapping the findings call for: the backend default with their suggestions applied."""
@@ -237,7 +239,7 @@ class Report(_Frozen):
     def by_rule(self, code: str) -> list[Finding]:
         return [f for f in self.findings if f.rule == code or f.name == code]
 
-    def worst_severity(self) -> Optional[Severity]:
+    def worst_severity(self) -> Severity | None:
         if not self.findings:
             return None
         return max((f.severity for f in self.findings), key=lambda s: s.rank)

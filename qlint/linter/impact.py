@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 from torch.ao.quantization import QConfigMapping
 
@@ -37,7 +37,7 @@ from qlint.measure.trial import TrialBench, TrialResult
 _MAX_ESTIMATE_DB = 20.0
 
 
-def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str) -> Optional[QConfigMapping]:
+def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str) -> QConfigMapping | None:
     """``base`` with the findings' qconfig changes; None when a fix is not a qconfig change."""
     suggested = [(f.suggestion, f.provenance()) for f in findings if f.suggestion]
     if not suggested:
@@ -52,7 +52,7 @@ def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str)
     return mapping
 
 
-def keep_float_mapping(base: QConfigMapping, target: str, modules: frozenset[str]) -> Optional[QConfigMapping]:
+def keep_float_mapping(base: QConfigMapping, target: str, modules: frozenset[str]) -> QConfigMapping | None:
     if target not in modules:
         return None
     mapping = copy.deepcopy(base)
@@ -60,7 +60,7 @@ def keep_float_mapping(base: QConfigMapping, target: str, modules: frozenset[str
     return mapping
 
 
-def local_error_estimate(result: TrialResult, target: str, aliases: Sequence[str] = ()) -> Optional[Impact]:
+def local_error_estimate(result: TrialResult, target: str, aliases: Sequence[str] = ()) -> Impact | None:
     """Output SQNR gained if ``target``'s own error vanished, assuming relative noise carries
     through the rest of the model unchanged: 10*log10(N_out / (N_out - N_layer)).
 
@@ -82,24 +82,33 @@ def local_error_estimate(result: TrialResult, target: str, aliases: Sequence[str
     layer_noise = noise_power_ratio(layer_db)
     remaining = max(at_output - layer_noise, at_output * 10 ** (-_MAX_ESTIMATE_DB / 10))
     db = 10 * math.log10(at_output / remaining)
-    detail = (f"the layer's own error is {layer_db:.1f} dB SQNR (shadow)" if own is not None else
-              f"the error at the layer's output is {layer_db:.1f} dB SQNR (propagated: an upper bound)")
+    detail = (
+        f"the layer's own error is {layer_db:.1f} dB SQNR (shadow)"
+        if own is not None
+        else f"the error at the layer's output is {layer_db:.1f} dB SQNR (propagated: an upper bound)"
+    )
     return Impact(db=round(db, 3), basis="local-error", base_sqnr_db=round(result.output_sqnr_db, 3), detail=detail)
 
 
 class ImpactMeter:
     """Measures findings against one trial bench, spending at most ``max_fix_trials`` trials."""
 
-    def __init__(self, bench: TrialBench, result: TrialResult, base_mapping: QConfigMapping,
-                 modules: frozenset[str], options: TrialOptions,
-                 aliases: Optional[Mapping[str, Sequence[str]]] = None) -> None:
+    def __init__(
+        self,
+        bench: TrialBench,
+        result: TrialResult,
+        base_mapping: QConfigMapping,
+        modules: frozenset[str],
+        options: TrialOptions,
+        aliases: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
         self.bench, self.result, self.base, self.modules = bench, result, base_mapping, modules
         self.options = options
         self.aliases = aliases or {}  # module fqn -> the graph nodes it computes
         self.trials = 0
-        self._measured: dict[str, Optional[float]] = {}
+        self._measured: dict[str, float | None] = {}
 
-    def _sqnr(self, key: str, mapping: QConfigMapping) -> Optional[float]:
+    def _sqnr(self, key: str, mapping: QConfigMapping) -> float | None:
         if key not in self._measured:
             self.trials += 1
             self._measured[key] = self.bench.output_sqnr(mapping)
@@ -108,7 +117,7 @@ class ImpactMeter:
     def _budget_left(self, key: str) -> bool:
         return key in self._measured or self.trials < self.options.max_fix_trials
 
-    def impact(self, finding: Finding) -> Optional[Impact]:
+    def impact(self, finding: Finding) -> Impact | None:
         base = self.result.output_sqnr_db
         if base is None:
             return None
@@ -118,37 +127,47 @@ class ImpactMeter:
             if self._budget_left(key):
                 value = self._sqnr(key, fixed)
                 if value is not None:
-                    return Impact(db=round(value - base, 3), basis="fix-trial", base_sqnr_db=round(base, 3),
-                                  fixed_sqnr_db=round(value, 3), detail="the finding's fix applied in a trial")
+                    return Impact(
+                        db=round(value - base, 3),
+                        basis="fix-trial",
+                        base_sqnr_db=round(base, 3),
+                        fixed_sqnr_db=round(value, 3),
+                        detail="the finding's fix applied in a trial",
+                    )
         kept = keep_float_mapping(self.base, finding.target, self.modules)
         key = f"float:{finding.target}"
         if kept is not None and self._budget_left(key):
             value = self._sqnr(key, kept)
             if value is not None:
-                return Impact(db=round(value - base, 3), basis="keep-float-trial", base_sqnr_db=round(base, 3),
-                              fixed_sqnr_db=round(value, 3),
-                              detail=f"{finding.target} kept float in a trial: the most a fix of it recovers")
+                return Impact(
+                    db=round(value - base, 3),
+                    basis="keep-float-trial",
+                    base_sqnr_db=round(base, 3),
+                    fixed_sqnr_db=round(value, 3),
+                    detail=f"{finding.target} kept float in a trial: the most a fix of it recovers",
+                )
         return self.estimate(finding.target)
 
-    def estimate(self, target: str) -> Optional[Impact]:
+    def estimate(self, target: str) -> Impact | None:
         return local_error_estimate(self.result, target, self.aliases.get(target, ()))
 
-    def combined(self, findings: Sequence[Finding]) -> Optional[float]:
+    def combined(self, findings: Sequence[Finding]) -> float | None:
         """Output SQNR with every given finding's qconfig fix applied at once (one trial)."""
-        mapping = fix_mapping(self.base, [f for f in findings if fix_mapping(self.base, [f], self.bench.backend)],
-                              self.bench.backend)
+        mapping = fix_mapping(
+            self.base, [f for f in findings if fix_mapping(self.base, [f], self.bench.backend)], self.bench.backend
+        )
         if mapping is None:
             return None
         key = "all:" + json.dumps([f.suggestion for f in findings], sort_keys=True)
         return self._sqnr(key, mapping)
 
 
-def _order_key(meter: "ImpactMeter", finding: Finding) -> tuple[int, float]:
+def _order_key(meter: ImpactMeter, finding: Finding) -> tuple[int, float]:
     estimate = meter.estimate(finding.target)
     return (-finding.severity.rank, -(estimate.db if estimate else 0.0))
 
 
-def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[Finding], Optional[float]]:
+def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[Finding], float | None]:
     """Findings with their impact measured, below-threshold ones made info, sorted by impact;
     and the output SQNR with every kept warning's fix (None when none is a qconfig change)."""
     threshold = meter.options.min_impact_db
@@ -163,14 +182,23 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
     for index in range(len(findings)):
         finding = measured[index]
         impact = finding.impact
-        if (finding.severity is not Severity.INFO and impact is not None and impact.kind == "sqnr-gain"
-                and impact.db < threshold):
-            note = (f" Measured impact {impact.db:+.2f} dB ({impact.basis}) is below the "
-                    f"{threshold:g} dB threshold, so this is info.")
+        if (
+            finding.severity is not Severity.INFO
+            and impact is not None
+            and impact.kind == "sqnr-gain"
+            and impact.db < threshold
+        ):
+            note = (
+                f" Measured impact {impact.db:+.2f} dB ({impact.basis}) is below the "
+                f"{threshold:g} dB threshold, so this is info."
+            )
             finding = finding.model_copy(update={"severity": Severity.INFO, "message": finding.message + note})
         result.append(finding)
-    kept = [f for f in result if f.severity is not Severity.INFO and f.impact is not None
-            and f.impact.kind == "sqnr-gain" and f.impact.db > 0]
+    kept = [
+        f
+        for f in result
+        if f.severity is not Severity.INFO and f.impact is not None and f.impact.kind == "sqnr-gain" and f.impact.db > 0
+    ]
     fixed = meter.combined(kept) if kept else None
     result.sort(key=lambda f: (-f.severity.rank, _impact_rank(f)))
     return result, fixed

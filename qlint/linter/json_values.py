@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 
 def check_json_able(value: Any, path: str = "data") -> None:
@@ -38,7 +38,7 @@ def json_float(value: Any) -> Any:
     return value
 
 
-def finite_or_none(value: Any) -> Optional[float]:
+def finite_or_none(value: Any) -> float | None:
     """``value`` as a float when finite, else None."""
     value = float(value)
     return value if math.isfinite(value) else None

@@ -9,7 +9,7 @@ returns.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.ao.quantization import QConfig, QConfigMapping, get_default_qconfig_mapping
@@ -62,13 +62,22 @@ class PercentileObserver(MinMaxObserver):
         return f"percentile={self.percentile}, " + super().extra_repr()
 
 
-OBSERVERS = {cls.__name__: cls for cls in (
-    FixedQParamsObserver, HistogramObserver, MinMaxObserver, MovingAverageMinMaxObserver,
-    MovingAveragePerChannelMinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver,
-    PercentileObserver)}
+OBSERVERS = {
+    cls.__name__: cls
+    for cls in (
+        FixedQParamsObserver,
+        HistogramObserver,
+        MinMaxObserver,
+        MovingAverageMinMaxObserver,
+        MovingAveragePerChannelMinMaxObserver,
+        PerChannelMinMaxObserver,
+        PlaceholderObserver,
+        PercentileObserver,
+    )
+}
 
 _TORCH_DTYPES = {"quint8": torch.quint8, "qint8": torch.qint8, "int16": torch.int16}
-_INT16_RANGE = (-(2 ** 15), 2 ** 15 - 1)
+_INT16_RANGE = (-(2**15), 2**15 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +118,14 @@ def _check_backend_dtype(backend: str, dtype: str, side: str) -> None:
         return
     info = backend_info(backend)
     field = "input_dtype" if side == "activation" else "weight_dtype"
-    supported = any(getattr(o, field) in ("torch.int16", "torch.qint16")
-                    for options in info.dtypes.values() for o in options)
+    supported = any(
+        getattr(o, field) in ("torch.int16", "torch.qint16") for options in info.dtypes.values() for o in options
+    )
     if not supported:
-        raise ConfigError(f"the plan asks for int16 {side}s, but the {backend} backend has no int16 "
-                          f"{side} kernels; use 8-bit for this backend")
+        raise ConfigError(
+            f"the plan asks for int16 {side}s, but the {backend} backend has no int16 "
+            f"{side} kernels; use 8-bit for this backend"
+        )
 
 
 def activation_recipe(spec: ActivationSpec, backend: str) -> ObserverRecipe:
@@ -170,27 +182,28 @@ def weight_recipe(spec: WeightSpec, backend: str) -> ObserverRecipe:
 
 
 _DYNAMIC_ACTIVATION = ObserverRecipe(
-    "PlaceholderObserver",
-    (("dtype", torch.quint8), ("quant_min", 0), ("quant_max", 255), ("is_dynamic", True)))
+    "PlaceholderObserver", (("dtype", torch.quint8), ("quant_min", 0), ("quant_max", 255), ("is_dynamic", True))
+)
 
 
-def global_recipe(suggestions: Suggestions) -> Optional[QConfigRecipe]:
+def global_recipe(suggestions: Suggestions) -> QConfigRecipe | None:
     """The global QConfig, or None when the globals are the backend's defaults."""
     if (suggestions.activation, suggestions.weight) == backend_defaults(suggestions.backend):
         return None
-    return QConfigRecipe(activation_recipe(suggestions.activation, suggestions.backend),
-                         weight_recipe(suggestions.weight, suggestions.backend))
+    return QConfigRecipe(
+        activation_recipe(suggestions.activation, suggestions.backend),
+        weight_recipe(suggestions.weight, suggestions.backend),
+    )
 
 
-def module_recipe(suggestions: Suggestions, decision: ModuleDecision) -> Optional[QConfigRecipe]:
+def module_recipe(suggestions: Suggestions, decision: ModuleDecision) -> QConfigRecipe | None:
     """The QConfig for one module; None means keep it float."""
     if not decision.quantize:
         return None
     weight = weight_recipe(decision.weight or suggestions.weight, suggestions.backend)
     if decision.mode == "dynamic":
         return QConfigRecipe(_DYNAMIC_ACTIVATION, weight)
-    return QConfigRecipe(activation_recipe(decision.activation or suggestions.activation, suggestions.backend),
-                         weight)
+    return QConfigRecipe(activation_recipe(decision.activation or suggestions.activation, suggestions.backend), weight)
 
 
 def qconfig_mapping(suggestions: Suggestions) -> QConfigMapping:

@@ -19,9 +19,9 @@ import os
 import pkgutil
 import site
 import sysconfig
+from collections.abc import Iterable
 from importlib.metadata import Distribution, EntryPoint, entry_points
 from pathlib import Path
-from typing import Iterable, Optional
 
 from qlint.errors import ConfigError, RuleLoadError
 from qlint.linter.rule import Rule, validate_rule_class
@@ -47,8 +47,9 @@ def builtin_rule_classes() -> list[type[Rule]]:
         try:
             module = importlib.import_module(f"{package.__name__}.{info.name}")
         except Exception as error:  # a broken rule file must not look like a crash elsewhere
-            raise RuleLoadError(f"built-in rule module {info.name} failed to import: "
-                                f"{type(error).__name__}: {error}") from error
+            raise RuleLoadError(
+                f"built-in rule module {info.name} failed to import: {type(error).__name__}: {error}"
+            ) from error
         classes.extend(_rules_in_module(module))
     return classes
 
@@ -65,7 +66,7 @@ def _installation_folders() -> set[str]:
     return resolved
 
 
-def _installed(dist: Optional[Distribution], folders: set[str]) -> bool:
+def _installed(dist: Distribution | None, folders: set[str]) -> bool:
     if dist is None:
         return False
     location = Path(str(dist.locate_file(""))).resolve()
@@ -90,8 +91,7 @@ def plugin_rule_classes() -> list[type[Rule]]:
             loaded = ep.load()
         except Exception as error:  # a broken plugin must not look like a qlint crash
             raise RuleLoadError(
-                f"rule plugin {ep.name!r} from package {package!r} failed to import: "
-                f"{type(error).__name__}: {error}"
+                f"rule plugin {ep.name!r} from package {package!r} failed to import: {type(error).__name__}: {error}"
             ) from error
         candidates = [loaded] if inspect.isclass(loaded) else _rules_in_module(loaded)
         for cls in candidates:
@@ -115,7 +115,7 @@ class Registry:
             self._by_code[cls.code] = cls
 
     @classmethod
-    def default(cls, include_plugins: bool = True) -> "Registry":
+    def default(cls, include_plugins: bool = True) -> Registry:
         classes = builtin_rule_classes()
         if include_plugins:
             classes += plugin_rule_classes()
@@ -131,8 +131,7 @@ class Registry:
                 return cls
         raise ConfigError(f"unknown rule {code_or_name!r}; run 'qlint rules' to list them")
 
-    def select(self, select: Optional[Iterable[str]] = None,
-               ignore: Optional[Iterable[str]] = None) -> list[type[Rule]]:
+    def select(self, select: Iterable[str] | None = None, ignore: Iterable[str] | None = None) -> list[type[Rule]]:
         """Selectors are codes (QL101), prefixes (QL1, QL), names, or ALL."""
         chosen = self.all() if not select else self._match_all(select)
         dropped = {c.code for c in self._match_all(ignore or ())}
@@ -144,8 +143,13 @@ class Registry:
             selector = raw.strip()
             if not selector:
                 continue
-            hits = [c for c in self.all() if selector.upper() == "ALL" or c.name == selector.lower()
-                    or c.code.upper().startswith(selector.upper())]
+            hits = [
+                c
+                for c in self.all()
+                if selector.upper() == "ALL"
+                or c.name == selector.lower()
+                or c.code.upper().startswith(selector.upper())
+            ]
             if not hits:
                 raise ConfigError(f"unknown rule selector {raw!r}; run 'qlint rules' to list them")
             for c in hits:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -74,9 +75,9 @@ class Example:
     description: str
     build: Callable[[], Any]
     inputs: Callable[[], tuple[Any, ...]]
-    qconfig_mapping: Optional[Callable[[], Any]] = None
+    qconfig_mapping: Callable[[], Any] | None = None
     backend: str = "x86"
-    calibration: Optional[Callable[[], Sequence[Any]]] = None
+    calibration: Callable[[], Sequence[Any]] | None = None
     flagged: tuple[str, ...] = ()
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -94,19 +95,34 @@ class Rule:
     VALID: ClassVar[Sequence[Example]] = ()
     INVALID: ClassVar[Sequence[Example]] = ()
 
-    def __init__(self, options: Optional[RuleOptions] = None) -> None:
+    def __init__(self, options: RuleOptions | None = None) -> None:
         self.options = options if options is not None else self.Options()
 
-    def check(self, ctx: "LintContext") -> Iterable[Finding | LayerRow]:
+    def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         """Yield findings. Data rules also yield one ``LayerRow`` per layer they measured
         (whether it fires or not): the report's per-layer table."""
         raise NotImplementedError
 
-    def finding(self, target: str, message: str, *, data: Optional[dict[str, Any]] = None,
-                suggestion: Optional[dict[str, Any]] = None,
-                severity: Optional[Severity] = None, impact: Optional[Impact] = None) -> Finding:
-        return Finding(rule=self.code, name=self.name, severity=severity or self.severity,
-                       target=target, message=message, data=data or {}, suggestion=suggestion, impact=impact)
+    def finding(
+        self,
+        target: str,
+        message: str,
+        *,
+        data: dict[str, Any] | None = None,
+        suggestion: dict[str, Any] | None = None,
+        severity: Severity | None = None,
+        impact: Impact | None = None,
+    ) -> Finding:
+        return Finding(
+            rule=self.code,
+            name=self.name,
+            severity=severity or self.severity,
+            target=target,
+            message=message,
+            data=data or {},
+            suggestion=suggestion,
+            impact=impact,
+        )
 
     @classmethod
     def examples(cls) -> tuple[Sequence[Example], Sequence[Example]]:
@@ -129,7 +145,7 @@ def parse_doc_sections(doc: str) -> dict[str, str]:
 
     text = inspect.cleandoc(doc)
     sections: dict[str, str] = {}
-    current: Optional[str] = None
+    current: str | None = None
     lines: list[str] = []
     for line in text.splitlines():
         heading = re.match(r"^##\s+(.+?)\s*$", line)

@@ -28,7 +28,7 @@ import fnmatch
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
@@ -47,29 +47,29 @@ class _Strict(BaseModel):
 
 class FileSettings(_Strict):
     path: str
-    input_shape: Optional[list[str]] = Field(None, alias="input-shape")
-    example_inputs: Optional[str] = Field(None, alias="example-inputs")
-    weights: Optional[str] = None
-    calibration: Optional[str] = None
-    num_batches: Optional[PositiveInt] = Field(None, alias="num-batches")
-    backend: Optional[str] = None
-    qconfig_mapping: Optional[str] = Field(None, alias="qconfig-mapping")
+    input_shape: list[str] | None = Field(None, alias="input-shape")
+    example_inputs: str | None = Field(None, alias="example-inputs")
+    weights: str | None = None
+    calibration: str | None = None
+    num_batches: PositiveInt | None = Field(None, alias="num-batches")
+    backend: str | None = None
+    qconfig_mapping: str | None = Field(None, alias="qconfig-mapping")
 
 
 class Settings(_Strict):
     backend: str = "x86"
-    select: Optional[list[str]] = None
+    select: list[str] | None = None
     ignore: list[str] = Field(default_factory=list)
     fail_on: Literal["error", "warning", "info"] = Field("warning", alias="fail-on")
     format: Literal["text", "json", "sarif", "github"] = "text"
-    input_shape: Optional[list[str]] = Field(None, alias="input-shape")
-    qconfig_mapping: Optional[str] = Field(None, alias="qconfig-mapping")
-    calibration: Optional[str] = None
-    num_batches: Optional[PositiveInt] = Field(None, alias="num-batches")
-    baseline: Optional[str] = None
+    input_shape: list[str] | None = Field(None, alias="input-shape")
+    qconfig_mapping: str | None = Field(None, alias="qconfig-mapping")
+    calibration: str | None = None
+    num_batches: PositiveInt | None = Field(None, alias="num-batches")
+    baseline: str | None = None
     trial: bool = True
-    min_impact_db: Optional[float] = Field(None, alias="min-impact-db", ge=0)
-    max_fix_trials: Optional[int] = Field(None, alias="max-fix-trials", ge=0)
+    min_impact_db: float | None = Field(None, alias="min-impact-db", ge=0)
+    max_fix_trials: int | None = Field(None, alias="max-fix-trials", ge=0)
     rules: dict[str, dict[str, Any]] = Field(default_factory=dict)
     files: list[FileSettings] = Field(default_factory=list)
 
@@ -79,7 +79,7 @@ class Config:
     """Settings and the pyproject.toml they came from (``source`` None: the defaults)."""
 
     settings: Settings
-    source: Optional[Path] = None
+    source: Path | None = None
 
     @property
     def root(self) -> Path:
@@ -100,7 +100,7 @@ class Config:
             return f"{self.path(module_part)}:{attr}" if module_part.endswith(".py") else value
         return self.path(value)
 
-    def for_file(self, model_spec: str) -> Optional[FileSettings]:
+    def for_file(self, model_spec: str) -> FileSettings | None:
         """The last [[tool.qlint.files]] entry whose path (or glob) matches the model."""
         candidates = [Path(model_spec).as_posix()]
         if self.source is not None and not is_factory_spec(model_spec):
@@ -112,8 +112,10 @@ class Config:
         match = None
         for entry in self.settings.files:
             pattern = Path(entry.path).as_posix()
-            if any(candidate == pattern or fnmatch.fnmatch(candidate, pattern)
-                   or candidate.endswith("/" + pattern) for candidate in candidates):
+            if any(
+                candidate == pattern or fnmatch.fnmatch(candidate, pattern) or candidate.endswith("/" + pattern)
+                for candidate in candidates
+            ):
                 match = entry
         return match
 
@@ -129,12 +131,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is nested too deeply to read") from error
 
 
-def _qlint_table(data: dict[str, Any]) -> Optional[Any]:
+def _qlint_table(data: dict[str, Any]) -> Any | None:
     tool = data.get("tool")
     return tool.get("qlint") if isinstance(tool, dict) else None
 
 
-def find_config(start: Path) -> Optional[Path]:
+def find_config(start: Path) -> Path | None:
     """The nearest pyproject.toml with a ``[tool.qlint]`` table, from ``start`` upwards."""
     start = Path(os.path.abspath(start))
     for directory in (start, *start.parents):
@@ -144,7 +146,7 @@ def find_config(start: Path) -> Optional[Path]:
     return None
 
 
-def load_config(path: Optional[Path]) -> Config:
+def load_config(path: Path | None) -> Config:
     if path is None:
         return Config(Settings())
     if not path.is_file():
@@ -165,9 +167,9 @@ def load_config(path: Optional[Path]) -> Config:
 class ConfigFinder:
     """The Config for each model: ``--config FILE`` for all, else discovered per model folder."""
 
-    def __init__(self, explicit: Optional[str] = None) -> None:
+    def __init__(self, explicit: str | None = None) -> None:
         self._explicit = load_config(Path(explicit)) if explicit else None
-        self._loaded: dict[Optional[Path], Config] = {}
+        self._loaded: dict[Path | None, Config] = {}
 
     def for_model(self, model_spec: str) -> Config:
         if self._explicit is not None:
@@ -177,4 +179,3 @@ class ConfigFinder:
         if source not in self._loaded:
             self._loaded[source] = load_config(source)
         return self._loaded[source]
-

@@ -10,7 +10,8 @@ decisions, equalization pairs, float-preserving rewrites), each recording its
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -39,12 +40,12 @@ class Provenance(_Frozen):
     """Why a decision is in the plan."""
 
     source: Literal["finding", "measurement", "user", "backend-default"] = "finding"
-    rule: Optional[str] = Field(default=None, description="Rule code, e.g. QL104, for findings.")
-    target: Optional[str] = Field(default=None, description="The finding's target (module fqn or node).")
-    fingerprint: Optional[str] = None
-    metric: Optional[str] = Field(default=None, description="For measurements: what was measured.")
-    value: Optional[float] = None
-    detail: Optional[str] = None
+    rule: str | None = Field(default=None, description="Rule code, e.g. QL104, for findings.")
+    target: str | None = Field(default=None, description="The finding's target (module fqn or node).")
+    fingerprint: str | None = None
+    metric: str | None = Field(default=None, description="For measurements: what was measured.")
+    value: float | None = None
+    detail: str | None = None
 
     def describe(self) -> str:
         if self.source == "finding":
@@ -62,16 +63,16 @@ class ActivationSpec(_Frozen):
     dtype: ActivationDType = "quint8"
     symmetric: bool = False
     reduce_range: bool = False
-    quant_min: Optional[int] = None
-    quant_max: Optional[int] = None
-    averaging_constant: Optional[float] = Field(default=None, gt=0, le=1)
-    bins: Optional[int] = Field(default=None, gt=0)
-    percentile: Optional[float] = Field(default=None, gt=50, le=100)
-    scale: Optional[float] = Field(default=None, gt=0)
-    zero_point: Optional[int] = None
+    quant_min: int | None = None
+    quant_max: int | None = None
+    averaging_constant: float | None = Field(default=None, gt=0, le=1)
+    bins: int | None = Field(default=None, gt=0)
+    percentile: float | None = Field(default=None, gt=50, le=100)
+    scale: float | None = Field(default=None, gt=0)
+    zero_point: int | None = None
 
     @model_validator(mode="after")
-    def _params_fit_kind(self) -> "ActivationSpec":
+    def _params_fit_kind(self) -> ActivationSpec:
         for kind, names in _KIND_PARAMS.items():
             if kind != self.observer:
                 stray = [n for n in names if getattr(self, n) is not None]
@@ -85,7 +86,7 @@ class ActivationSpec(_Frozen):
             raise ValueError("quant_min must be below quant_max")
         return self
 
-    def changed(self, **changes: Any) -> "ActivationSpec":
+    def changed(self, **changes: Any) -> ActivationSpec:
         """A copy with ``changes``; switching observer kind drops the old kind's parameters."""
         data = self.model_dump()
         if "observer" in changes and changes["observer"] != self.observer:
@@ -115,11 +116,11 @@ class WeightSpec(_Frozen):
     symmetric: bool = True
     ch_axis: int = 0
     observer: Literal["minmax", "moving_average"] = "minmax"
-    quant_min: Optional[int] = None
-    quant_max: Optional[int] = None
+    quant_min: int | None = None
+    quant_max: int | None = None
 
     @model_validator(mode="after")
-    def _range(self) -> "WeightSpec":
+    def _range(self) -> WeightSpec:
         if (self.quant_min is None) != (self.quant_max is None):
             raise ValueError("give both quant_min and quant_max, or neither")
         return self
@@ -140,8 +141,8 @@ class ModuleDecision(_Frozen):
     fqn: str = Field(min_length=1)
     quantize: bool = True
     mode: Literal["static", "dynamic"] = "static"
-    activation: Optional[ActivationSpec] = None
-    weight: Optional[WeightSpec] = None
+    activation: ActivationSpec | None = None
+    weight: WeightSpec | None = None
     provenance: list[Provenance] = Field(min_length=1)
 
     def describe(self) -> str:
@@ -159,15 +160,14 @@ class EqualizationPair(_Frozen):
     """Input-weight equalization of ``module`` (scaling the output of ``previous`` inversely)."""
 
     module: str = Field(min_length=1)
-    previous: Optional[str] = None
+    previous: str | None = None
     provenance: list[Provenance] = Field(min_length=1)
 
 
 class Rewrite(_Frozen):
     """A float-preserving model change to make before quantizing (not applied by the exporter)."""
 
-    kind: Literal["fuse", "fold_bn_into_functional_conv", "split_module", "remove_module",
-                  "view_to_reshape"]
+    kind: Literal["fuse", "fold_bn_into_functional_conv", "split_module", "remove_module", "view_to_reshape"]
     modules: list[str] = Field(min_length=1)
     params: dict[str, Any] = Field(default_factory=dict)
     provenance: list[Provenance] = Field(min_length=1)
@@ -183,7 +183,7 @@ class Suggestions(_Frozen):
     """Global defaults plus per-module decisions, equalization pairs and rewrites."""
 
     backend: Literal["x86", "fbgemm", "qnnpack", "onednn"] = "x86"
-    model: Optional[str] = None
+    model: str | None = None
     activation: ActivationSpec = Field(default_factory=ActivationSpec)
     weight: WeightSpec = Field(default_factory=WeightSpec)
     modules: list[ModuleDecision] = Field(default_factory=list)
@@ -192,7 +192,7 @@ class Suggestions(_Frozen):
     notes: list[str] = Field(default_factory=list, description="Suggestions the plan could not express.")
 
     @model_validator(mode="after")
-    def _unique_modules(self) -> "Suggestions":
+    def _unique_modules(self) -> Suggestions:
         seen: set[str] = set()
         for decision in self.modules:
             if decision.fqn in seen:
@@ -200,7 +200,7 @@ class Suggestions(_Frozen):
             seen.add(decision.fqn)
         return self
 
-    def decision(self, fqn: str) -> Optional[ModuleDecision]:
+    def decision(self, fqn: str) -> ModuleDecision | None:
         return next((d for d in self.modules if d.fqn == fqn), None)
 
     def effective_activation(self, fqn: str) -> ActivationSpec:
@@ -234,13 +234,13 @@ _OBSERVER_KINDS = {
 }
 
 
-def _observer_kind(name: Any) -> Optional[str]:
+def _observer_kind(name: Any) -> str | None:
     if not isinstance(name, str):
         return None
     return _OBSERVER_KINDS.get(name.rsplit(".", 1)[-1])
 
 
-def _dtype(name: Any, allowed: Iterable[str]) -> Optional[str]:
+def _dtype(name: Any, allowed: Iterable[str]) -> str | None:
     if not isinstance(name, str):
         return None
     short = name.rsplit(".", 1)[-1]
@@ -251,7 +251,7 @@ def _dtype(name: Any, allowed: Iterable[str]) -> Optional[str]:
 class _Builder:
     """Collects per-module changes from many suggestions, then freezes them."""
 
-    def __init__(self, backend: str, model: Optional[str]) -> None:
+    def __init__(self, backend: str, model: str | None) -> None:
         self.backend, self.model = backend, model
         self.activation, self.weight = backend_defaults(backend)
         self.modules: dict[str, dict[str, Any]] = {}
@@ -275,13 +275,27 @@ class _Builder:
             weight = self.weight.model_copy(update=entry["weight"]) if entry["weight"] else None
             if weight is not None:
                 weight = WeightSpec(**weight.model_dump())  # re-validate
-            decisions.append(ModuleDecision(
-                fqn=fqn, quantize=entry.get("quantize", True), mode=entry.get("mode", "static"),
-                activation=activation, weight=weight, provenance=entry["provenance"]))
+            decisions.append(
+                ModuleDecision(
+                    fqn=fqn,
+                    quantize=entry.get("quantize", True),
+                    mode=entry.get("mode", "static"),
+                    activation=activation,
+                    weight=weight,
+                    provenance=entry["provenance"],
+                )
+            )
         pairs = [EqualizationPair(**e) for e in self.equalization.values()]
-        return Suggestions(backend=self.backend, model=self.model, activation=self.activation,
-                           weight=self.weight, modules=decisions, equalization=pairs,
-                           rewrites=self.rewrites, notes=self.notes)
+        return Suggestions(
+            backend=self.backend,
+            model=self.model,
+            activation=self.activation,
+            weight=self.weight,
+            modules=decisions,
+            equalization=pairs,
+            rewrites=self.rewrites,
+            notes=self.notes,
+        )
 
 
 def _targets(s: Mapping[str, Any], source: Provenance) -> list[str]:
@@ -302,8 +316,13 @@ def _apply_set_qconfig(b: _Builder, source: Provenance, s: Mapping[str, Any]) ->
         kind = _observer_kind(s.get("activation")) or _observer_kind(s.get("observer"))
         act = entry["activation"]
         if kind == "fixed":
-            act.update(observer="fixed", scale=float(s["scale"]), zero_point=int(s["zero_point"]),
-                       symmetric=False, reduce_range=False)
+            act.update(
+                observer="fixed",
+                scale=float(s["scale"]),
+                zero_point=int(s["zero_point"]),
+                symmetric=False,
+                reduce_range=False,
+            )
             dtype = _dtype(s.get("dtype"), ("quint8", "qint8"))
             if dtype:
                 act["dtype"] = dtype
@@ -366,17 +385,30 @@ def _apply(b: _Builder, s: Mapping[str, Any], source: Provenance) -> None:
         blockers = s.get("blockers") or []
         pattern = s.get("pattern") or []
         kind: Literal["fuse", "fold_bn_into_functional_conv"] = (
-            "fold_bn_into_functional_conv" if "functional-op" in blockers and "batch_norm" in pattern else "fuse")
-        b.rewrites.append(Rewrite(kind=kind, modules=[str(m) for m in s.get("modules") or [target]],
-                                  params={"pattern": list(pattern), "blockers": list(blockers)},
-                                  provenance=[source]))
+            "fold_bn_into_functional_conv" if "functional-op" in blockers and "batch_norm" in pattern else "fuse"
+        )
+        b.rewrites.append(
+            Rewrite(
+                kind=kind,
+                modules=[str(m) for m in s.get("modules") or [target]],
+                params={"pattern": list(pattern), "blockers": list(blockers)},
+                provenance=[source],
+            )
+        )
     elif action in ("split_module", "remove_module"):
         params = {"copies": s["copies"]} if isinstance(s.get("copies"), int) else {}
-        b.rewrites.append(Rewrite(kind=action, modules=[str(s.get("module") or target)], params=params,
-                                  provenance=[source]))
+        b.rewrites.append(
+            Rewrite(kind=action, modules=[str(s.get("module") or target)], params=params, provenance=[source])
+        )
     elif action == "rewrite" and s.get("kind") == "view_to_reshape":
-        b.rewrites.append(Rewrite(kind="view_to_reshape", modules=[str(s.get("node") or target)],
-                                  params={"node": str(s.get("node") or target)}, provenance=[source]))
+        b.rewrites.append(
+            Rewrite(
+                kind="view_to_reshape",
+                modules=[str(s.get("node") or target)],
+                params={"node": str(s.get("node") or target)},
+                provenance=[source],
+            )
+        )
     elif action == "set_qconfig":
         _apply_set_qconfig(b, source, s)
     elif action == "set_weight_observer":
@@ -396,8 +428,9 @@ def _apply(b: _Builder, s: Mapping[str, Any], source: Provenance) -> None:
         b.note(source, f"suggestion {action!r} is not expressible in a plan")
 
 
-def collect_suggestions(backend: str, model: Optional[str],
-                        suggested: Iterable[tuple[Mapping[str, Any], Provenance]]) -> Suggestions:
+def collect_suggestions(
+    backend: str, model: str | None, suggested: Iterable[tuple[Mapping[str, Any], Provenance]]
+) -> Suggestions:
     """Backend defaults plus each (suggestion, where it came from), in order."""
     builder = _Builder(backend, model)
     for suggestion, source in suggested:

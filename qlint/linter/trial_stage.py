@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pydantic import Field
 
@@ -27,13 +28,19 @@ class TrialOptions(RuleOptions):
 
     enabled: bool = Field(True, description="Run the trial quantization (needs example inputs).")
     batches: int = Field(16, gt=0, description="Calibration batches each trial calibrates on.")
-    min_impact_db: float = Field(0.5, ge=0, description=(
-        "A warning or error whose measured impact is below this (dB of output SQNR) becomes info."))
-    max_fix_trials: int = Field(12, ge=0, description=(
-        "Trials spent measuring findings' fixes; beyond these, impact is estimated from local error."))
+    min_impact_db: float = Field(
+        0.5,
+        ge=0,
+        description=("A warning or error whose measured impact is below this (dB of output SQNR) becomes info."),
+    )
+    max_fix_trials: int = Field(
+        12,
+        ge=0,
+        description=("Trials spent measuring findings' fixes; beyond these, impact is estimated from local error."),
+    )
 
     @classmethod
-    def of(cls, options: Union[None, "TrialOptions", Mapping[str, Any]]) -> "TrialOptions":
+    def of(cls, options: None | TrialOptions | Mapping[str, Any]) -> TrialOptions:
         if options is None:
             return cls()
         if isinstance(options, TrialOptions):
@@ -45,7 +52,7 @@ class TrialOptions(RuleOptions):
             raise ConfigError(f"bad trial options: {'; '.join(line.strip() for line in detail[1:3])}") from error
 
 
-def trial_blocker(analysis: Any, example: Optional[Sequence[Any]], options: TrialOptions) -> Optional[str]:
+def trial_blocker(analysis: Any, example: Sequence[Any] | None, options: TrialOptions) -> str | None:
     """Why no trial can run for this analysis; None when one can."""
     if not options.enabled:
         return "the trial quantization is turned off"
@@ -54,14 +61,16 @@ def trial_blocker(analysis: Any, example: Optional[Sequence[Any]], options: Tria
     if analysis.traced is None:
         return "the model could not be traced with torch.fx, so prepare_fx cannot quantize it"
     if analysis.graph.frontend.startswith("torch.export"):
-        return ("the model is an exported (aten) graph; prepare_fx quantizes nn.Modules "
-                "(for .pt2 models use the pt2e flow, or lint the nn.Module)")
+        return (
+            "the model is an exported (aten) graph; prepare_fx quantizes nn.Modules "
+            "(for .pt2 models use the pt2e flow, or lint the nn.Module)"
+        )
     if analysis.intent not in (INTENT_DEFAULT, INTENT_MAPPING) or analysis.qconfig_mapping is None:
         return f"the quantization intent is a {analysis.intent}, not a QConfigMapping prepare_fx can take"
     return None
 
 
-def _calibration_batches(calibration: Any, count: int) -> Optional[list[Any]]:
+def _calibration_batches(calibration: Any, count: int) -> list[Any] | None:
     """The first ``count`` batches, unless reading them would use up a one-shot iterator."""
     if calibration is None:
         return None
@@ -76,8 +85,9 @@ def _calibration_batches(calibration: Any, count: int) -> Optional[list[Any]]:
     return list(itertools.islice(batches_of(calibration, "calibration data"), count)) or None
 
 
-def trial_bench(analysis: Any, example: Sequence[Any], calibration: Any, backend: str,
-                options: TrialOptions) -> TrialBench:
+def trial_bench(
+    analysis: Any, example: Sequence[Any], calibration: Any, backend: str, options: TrialOptions
+) -> TrialBench:
     """Calibrate on calibration batches and evaluate on later ones it did not calibrate on;
     with a single batch, or none, say that calibration and evaluation share data."""
     graph_module = analysis.traced.graph_module
@@ -97,22 +107,27 @@ def trial_bench(analysis: Any, example: Sequence[Any], calibration: Any, backend
         why = "" if calibration is None else " (the calibration data is a one-shot iterator)"
         calibrated_on = f"the example inputs{why}"
         evaluated_on = "the example inputs (the data it was calibrated on)"
-    return TrialBench(lambda: copy.deepcopy(graph_module), backend, calibration_batches, evaluation,
-                      calibrated_on, evaluated_on)
+    return TrialBench(
+        lambda: copy.deepcopy(graph_module), backend, calibration_batches, evaluation, calibrated_on, evaluated_on
+    )
 
 
-def summary(bench: TrialBench, result: TrialResult, *, fixed_sqnr_db: Optional[float], fix_trials: int
-            ) -> TrialSummary:
+def summary(bench: TrialBench, result: TrialResult, *, fixed_sqnr_db: float | None, fix_trials: int) -> TrialSummary:
     recoverable = None
     if fixed_sqnr_db is not None and result.output_sqnr_db is not None:
         recoverable = round(fixed_sqnr_db - result.output_sqnr_db, 3)
     return TrialSummary(
-        backend=result.backend, calibrated_on=result.calibrated_on, evaluated_on=result.evaluated_on,
-        converted=result.converted, failed_stage=result.failure.stage if result.failure else None,
+        backend=result.backend,
+        calibrated_on=result.calibrated_on,
+        evaluated_on=result.evaluated_on,
+        converted=result.converted,
+        failed_stage=result.failure.stage if result.failure else None,
         output_sqnr_db=None if result.output_sqnr_db is None else round(result.output_sqnr_db, 3),
-        int8_ops=result.int8_ops, weighted_ops=result.weighted_ops,
+        int8_ops=result.int8_ops,
+        weighted_ops=result.weighted_ops,
         float_layers=[layer.target for layer in result.float_layers],
         fixed_sqnr_db=None if fixed_sqnr_db is None else round(fixed_sqnr_db, 3),
-        recoverable_db=recoverable, fix_trials=fix_trials, seconds=round(bench.seconds, 3))
-
-
+        recoverable_db=recoverable,
+        fix_trials=fix_trials,
+        seconds=round(bench.seconds, 3),
+    )

@@ -28,7 +28,8 @@ even when a batch raises, and each model gets its own copy of every batch.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.fx
@@ -36,10 +37,10 @@ from torch import nn
 from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 from torch.func import functional_call
 
-from qlint.measure.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
 from qlint.core.batches import as_call
-from qlint.core.preserve import preserved_state
 from qlint.core.nested import first_float, first_tensor, map_tensors
+from qlint.core.preserve import preserved_state
+from qlint.measure.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
 from qlint.measure.metrics import quantization_scale
 from qlint.measure.quantizers import FrozenQuantizer, apply_input_spec, frozen_quantizer, input_spec
 from qlint.measure.weights import simulated_weight_parameters
@@ -55,8 +56,12 @@ class _NodeTap(torch.fx.Interpreter):
     without touching the modules.
     """
 
-    def __init__(self, graph_module: torch.fx.GraphModule, callbacks: dict[str, Callable[[Any], Any]],
-                 module_overrides: Optional[dict[str, Callable[..., Any]]] = None):
+    def __init__(
+        self,
+        graph_module: torch.fx.GraphModule,
+        callbacks: dict[str, Callable[[Any], Any]],
+        module_overrides: dict[str, Callable[..., Any]] | None = None,
+    ):
         super().__init__(graph_module, garbage_collect_values=True)
         self.callbacks = callbacks
         self.module_overrides = module_overrides or {}
@@ -79,12 +84,12 @@ class _NodeTap(torch.fx.Interpreter):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
-            positional = list(args) + [kwargs[name] for name in self.placeholders[len(args):] if name in kwargs]
+            positional = list(args) + [kwargs[name] for name in self.placeholders[len(args) :] if name in kwargs]
             return self.run(*positional)
         return self.run(*args)
 
 
-Callback = Callable[[LayerMatch, torch.Tensor, torch.Tensor, Optional[float]], None]
+Callback = Callable[[LayerMatch, torch.Tensor, torch.Tensor, float | None], None]
 
 
 class PairedRunner:
@@ -104,9 +109,9 @@ class PairedRunner:
         propagated: bool = True,
         shadow: bool = True,
         isolated: bool = False,
-        on_propagated: Optional[Callback] = None,
-        on_shadow: Optional[Callback] = None,
-        on_isolated: Optional[Callback] = None,
+        on_propagated: Callback | None = None,
+        on_shadow: Callback | None = None,
+        on_isolated: Callback | None = None,
         float_grad: bool = False,
         capture: bool = True,
     ):
@@ -134,7 +139,7 @@ class PairedRunner:
         self.simulated_weights: dict[str, dict[str, torch.Tensor]] = {}
 
     # -- setup ----------------------------------------------------------
-    def __enter__(self) -> "PairedRunner":
+    def __enter__(self) -> PairedRunner:
         self.guard.__enter__()
         try:
             # Observers update their statistics on every call and fake-quants may re-estimate
@@ -165,11 +170,13 @@ class PairedRunner:
             self._install_float(layer, float_node_callbacks)
             self._install_quant(layer, quant_node_callbacks)
         self.float_runner = self._runner(self.float_model, self.match.float_graph, float_node_callbacks)
-        self.quant_runner = self._runner(self.quantized_model, self.match.quant_graph, quant_node_callbacks,
-                                         self.quant_overrides)
+        self.quant_runner = self._runner(
+            self.quantized_model, self.match.quant_graph, quant_node_callbacks, self.quant_overrides
+        )
 
-    def _runner(self, model: nn.Module, graph: Optional[torch.fx.GraphModule], callbacks: dict,
-                overrides: Optional[dict] = None) -> Callable:
+    def _runner(
+        self, model: nn.Module, graph: torch.fx.GraphModule | None, callbacks: dict, overrides: dict | None = None
+    ) -> Callable:
         if not callbacks and not overrides:
             return model
         if graph is None:
@@ -185,19 +192,24 @@ class PairedRunner:
         """
         in_graph = self.match.quant_graph is not None
         quantizer_names = {
-            name for layer in self.match.layers
-            for name in (layer.quant_input_quantizer, layer.quant_output_quantizer) if name
+            name
+            for layer in self.match.layers
+            for name in (layer.quant_input_quantizer, layer.quant_output_quantizer)
+            if name
         }
         if self.match.quant_graph is not None:
             quantizer_names |= {
-                str(node.target) for node in self.match.quant_graph.graph.nodes
-                if node.op == "call_module" and isinstance(self.quant_modules.get(str(node.target)), (ObserverBase, FakeQuantizeBase))
+                str(node.target)
+                for node in self.match.quant_graph.graph.nodes
+                if node.op == "call_module"
+                and isinstance(self.quant_modules.get(str(node.target)), (ObserverBase, FakeQuantizeBase))
             }
         else:
             # Eager prepare() attaches activation observers as `<module>.activation_post_process`
             # and calls them from a forward hook; a FakeQuantize's own inner observer is not one.
             quantizer_names |= {
-                name for name, module in self.quant_modules.items()
+                name
+                for name, module in self.quant_modules.items()
                 if name.rpartition(".")[2] == "activation_post_process"
                 and isinstance(module, (ObserverBase, FakeQuantizeBase))
                 and not isinstance(self.quant_modules.get(name.rpartition(".")[0]), FakeQuantizeBase)
@@ -221,8 +233,9 @@ class PairedRunner:
             self.simulated_weights[layer.name] = parameters
             if in_graph:
                 # functional_call goes through module.__call__, so capture hooks still fire.
-                self.quant_overrides[layer.quant_site.name] = (
-                    lambda args, kwargs, m=module, p=parameters: functional_call(m, p, args, kwargs))
+                self.quant_overrides[layer.quant_site.name] = lambda args, kwargs, m=module, p=parameters: (
+                    functional_call(m, p, args, kwargs)
+                )
             else:
                 self._hook(module, self._weight_simulation_hook(parameters))
 
@@ -241,6 +254,7 @@ class PairedRunner:
                 return functional_call(module, parameters, args)
             finally:
                 self.simulating = False
+
         return hook
 
     def _install_float(self, layer: LayerMatch, node_callbacks: dict) -> None:
@@ -252,9 +266,13 @@ class PairedRunner:
         else:
             self._hook(self.float_modules[layer.float_exit.name], lambda module, args, output: keep_output(output))
         if self.isolated and layer.is_module:
+
             def keep_input(module, args, kwargs):
                 if not self.in_own_call:
-                    self.float_inputs[layer.name].append((map_tensors(args, _float_copy), map_tensors(kwargs, _float_copy)))
+                    self.float_inputs[layer.name].append(
+                        (map_tensors(args, _float_copy), map_tensors(kwargs, _float_copy))
+                    )
+
             self._hook(self.float_modules[layer.float_entry.name], keep_input, pre=True)
 
     def _keep_float_output(self, layer: LayerMatch, value: Any) -> Any:
@@ -294,20 +312,24 @@ class PairedRunner:
                 value = frozen_call(args, kwargs)
                 compare_output(value)
                 return value
+
             self.quant_overrides[exit_name] = quantize_and_compare
         elif layer.quant_site.kind == NODE_SITE and exit_name is None:
             node_callbacks[layer.quant_site.name] = compare_output
         else:
-            self._hook(self.quant_modules[exit_name or layer.quant_site.name], lambda m, a, output: compare_output(output))
+            self._hook(
+                self.quant_modules[exit_name or layer.quant_site.name], lambda m, a, output: compare_output(output)
+            )
         if layer.quant_site.kind == MODULE_SITE and (self.shadow or self.isolated):
+
             def keep_input(module, args, kwargs):
                 if self.in_own_call:
                     return
                 if self.shadow:  # dequantized or copied now: an in-place layer may change its input
-                    self.quant_inputs[layer.name] = (map_tensors(args, _float_copy),
-                                                     map_tensors(kwargs, _float_copy))
+                    self.quant_inputs[layer.name] = (map_tensors(args, _float_copy), map_tensors(kwargs, _float_copy))
                 if self.isolated:
                     self.input_specs[layer.name] = input_spec(args)
+
             self._hook(self.quant_modules[layer.quant_site.name], keep_input, pre=True)
 
     @property
@@ -315,14 +337,14 @@ class PairedRunner:
         return self.replaying or self.simulating
 
     @staticmethod
-    def float_value(layer: LayerMatch, raw: Any) -> Optional[torch.Tensor]:
+    def float_value(layer: LayerMatch, raw: Any) -> torch.Tensor | None:
         """The float value to compare: the stored output, with the fused ReLU applied if needed."""
         tensor = first_float(raw)
         if tensor is not None and layer.float_exit_relu:
             tensor = torch.relu(tensor)
         return tensor
 
-    def _frozen_scale(self, layer: LayerMatch) -> Optional[float]:
+    def _frozen_scale(self, layer: LayerMatch) -> float | None:
         frozen = self.frozen.get(layer.quant_output_quantizer or "")
         return frozen.scale if frozen is not None else None
 
@@ -346,7 +368,7 @@ class PairedRunner:
                 self._run_isolated()
         return float_output, quant_output
 
-    def _run_shadow(self, layer: LayerMatch, quantized: torch.Tensor, scale: Optional[float]) -> None:
+    def _run_shadow(self, layer: LayerMatch, quantized: torch.Tensor, scale: float | None) -> None:
         """torch NS's shadow: the float layer run on the quantized layer's (dequantized) input.
 
         Both sides then start from the same input, so the difference is the error
@@ -396,7 +418,9 @@ class PairedRunner:
                 quantized = first_float(value)
                 reference = self.float_value(layer, outputs[call_index])
                 if quantized is not None and reference is not None and quantized.shape == reference.shape:
-                    self.on_isolated(layer, reference, quantized, quantization_scale(value) or self._frozen_scale(layer))
+                    self.on_isolated(
+                        layer, reference, quantized, quantization_scale(value) or self._frozen_scale(layer)
+                    )
 
     def _isolated_inputs(self, layer: LayerMatch, args: tuple, spec: Any) -> tuple:
         if layer.quant_input_quantizer in self.frozen and args:

@@ -10,7 +10,7 @@ recurrent and attention op left in float with its reason.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal
 
 import torch.fx as fx
 import torch.nn as nn
@@ -39,7 +39,7 @@ class FloatLayer:
         return max(1, len(self.inner))
 
 
-def _explicitly_float(mapping: Optional[QConfigMapping], fqn: str, module: nn.Module) -> bool:
+def _explicitly_float(mapping: QConfigMapping | None, fqn: str, module: nn.Module) -> bool:
     """The mapping itself asks for float here (a None qconfig by name, prefix or type)."""
     if mapping is None:
         return False
@@ -56,11 +56,10 @@ def _explicitly_float(mapping: Optional[QConfigMapping], fqn: str, module: nn.Mo
 
 
 def _inner_layers(module: nn.Module) -> tuple[str, ...]:
-    return tuple(name for name, inner in module.named_modules()
-                 if name and module_kind(inner) in COUNTED_KINDS)
+    return tuple(name for name, inner in module.named_modules() if name and module_kind(inner) in COUNTED_KINDS)
 
 
-def float_layers(converted: fx.GraphModule, mapping: Optional[QConfigMapping] = None) -> list[FloatLayer]:
+def float_layers(converted: fx.GraphModule, mapping: QConfigMapping | None = None) -> list[FloatLayer]:
     """Every weighted op of ``converted`` that runs in float, in graph order, with its reason."""
     found: list[FloatLayer] = []
     for node in converted.graph.nodes:
@@ -76,7 +75,7 @@ def float_layers(converted: fx.GraphModule, mapping: Optional[QConfigMapping] = 
     return found
 
 
-def _module_fallback(fqn: str, module: nn.Module, mapping: Optional[QConfigMapping]) -> Optional[FloatLayer]:
+def _module_fallback(fqn: str, module: nn.Module, mapping: QConfigMapping | None) -> FloatLayer | None:
     kind = module_kind(module)
     if kind in COUNTED_KINDS:
         if quantized_form(module) is not None:

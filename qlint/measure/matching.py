@@ -15,8 +15,8 @@ and by their occurrence order.  Whatever is left is paired in graph order.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional, Mapping
 
 import torch
 import torch.fx
@@ -60,9 +60,9 @@ class LayerMatch:
     absorbed: list[str] = field(default_factory=list)
     # Float modules run after float_entry, in order, to reach float_exit (BN, ReLU fused on the quantized side).
     float_chain: list[str] = field(default_factory=list)
-    folded_batch_norm: Optional[str] = None  # float BN fqn folded into the quantized weight
-    quant_input_quantizer: Optional[str] = None  # observer/fake-quant fqn feeding the layer
-    quant_output_quantizer: Optional[str] = None  # observer/fake-quant fqn after the layer
+    folded_batch_norm: str | None = None  # float BN fqn folded into the quantized weight
+    quant_input_quantizer: str | None = None  # observer/fake-quant fqn feeding the layer
+    quant_output_quantizer: str | None = None  # observer/fake-quant fqn after the layer
     predecessors: list[str] = field(default_factory=list)
 
     @property
@@ -76,8 +76,8 @@ class MatchResult:
     counterpart: CounterpartKind
     unmatched_float: list[str]
     unmatched_quantized: list[str]
-    float_graph: Optional[torch.fx.GraphModule]
-    quant_graph: Optional[torch.fx.GraphModule]
+    float_graph: torch.fx.GraphModule | None
+    quant_graph: torch.fx.GraphModule | None
     notes: list[str]
 
     def by_name(self) -> dict[str, LayerMatch]:
@@ -86,17 +86,37 @@ class MatchResult:
 
 # --- what counts as a layer ---------------------------------------------------
 # Functional ops worth a row of their own, by op kind.
-_COMPARED_FUNCTIONAL_KINDS = frozenset({
-    "add", "mul", "cat", "matmul", "linear", "conv1d", "conv2d", "conv3d", "relu", "relu6", "hardswish",
-    "sigmoid", "tanh", "gelu", "silu", "leaky_relu", "elu", "hardtanh", "layer_norm", "softmax",
-})
+_COMPARED_FUNCTIONAL_KINDS = frozenset(
+    {
+        "add",
+        "mul",
+        "cat",
+        "matmul",
+        "linear",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "relu",
+        "relu6",
+        "hardswish",
+        "sigmoid",
+        "tanh",
+        "gelu",
+        "silu",
+        "leaky_relu",
+        "elu",
+        "hardtanh",
+        "layer_norm",
+        "softmax",
+    }
+)
 
 
-def _is_quantizer(module: Optional[nn.Module]) -> bool:
+def _is_quantizer(module: nn.Module | None) -> bool:
     return isinstance(module, (ObserverBase, FakeQuantizeBase))
 
 
-def functional_kind(node: torch.fx.Node) -> tuple[Optional[str], bool]:
+def functional_kind(node: torch.fx.Node) -> tuple[str | None, bool]:
     """(kind, fuses_relu) for a call_function / call_method node worth comparing, else (None, False)."""
     if node.op == "call_method":
         op = FunctionOp(method_kind(str(node.target)))
@@ -165,12 +185,13 @@ def float_layer_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {
         fqn: module
         for fqn, module in model.named_modules()
-        if fqn and layer_kind(module) is not None
+        if fqn
+        and layer_kind(module) is not None
         and not any(layer_kind(child) is not None for child in module.children())
     }
 
 
-def trace_or_none(model: nn.Module, notes: list[str], label: str) -> Optional[torch.fx.GraphModule]:
+def trace_or_none(model: nn.Module, notes: list[str], label: str) -> torch.fx.GraphModule | None:
     """The model's FX graph (see :func:`qlint.core.trace.symbolic_graph`); None when it has none.
 
     A traced float model shares its submodules with the original (tracing
@@ -188,8 +209,9 @@ def _missing_or_identity(model_modules: dict[str, nn.Module], fqn: str) -> bool:
     return module is None or isinstance(module, nn.Identity)
 
 
-def _nearest_layer_ancestors(node: torch.fx.Node, layer_of: dict[torch.fx.Node, str],
-                             through: Optional[str] = None) -> frozenset[str]:
+def _nearest_layer_ancestors(
+    node: torch.fx.Node, layer_of: dict[torch.fx.Node, str], through: str | None = None
+) -> frozenset[str]:
     """The layers nearest upstream of ``node``; the nodes of layer ``through`` are walked past."""
     found: set[str] = set()
     stack, seen = list(node.all_input_nodes), set()
@@ -223,7 +245,8 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchRes
     # Float module layers in forward order: graph order when traced, else registration order.
     if float_graph is not None:
         float_nodes = [
-            node for node in float_graph.graph.nodes
+            node
+            for node in float_graph.graph.nodes
             if node.op == "call_module" and layer_kind(float_modules.get(str(node.target), nn.Identity())) is not None
         ]
         float_order: list[str] = []
@@ -244,12 +267,17 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchRes
         if kind is None:
             raise ValueError(f"{fqn} is not a layer: only layer modules are matched")
         layer = LayerMatch(
-            name=fqn, kind=kind, float_entry=Site(MODULE_SITE, fqn),
-            float_exit=Site(MODULE_SITE, fqn), quant_site=Site(MODULE_SITE, quant_fqn),
-            quant_class=type(quant_module).__name__, matched_by=matched_by,
+            name=fqn,
+            kind=kind,
+            float_entry=Site(MODULE_SITE, fqn),
+            float_exit=Site(MODULE_SITE, fqn),
+            quant_site=Site(MODULE_SITE, quant_fqn),
+            quant_class=type(quant_module).__name__,
+            matched_by=matched_by,
         )
-        _absorb_fused_followers(layer, quant_module, float_modules, quant_modules,
-                                node_of_fqn.get(fqn), float_order, absorbed)
+        _absorb_fused_followers(
+            layer, quant_module, float_modules, quant_modules, node_of_fqn.get(fqn), float_order, absorbed
+        )
         layers[fqn] = layer
 
     unmatched_float: list[str] = []
@@ -268,8 +296,14 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchRes
         if fqn in absorbed:
             continue
         kind = layer_kind(float_modules[fqn])
-        candidate = next((q for q in leftover_quant if layer_kind(quant_layers[q]) == kind
-                          and _missing_or_identity(float_modules, q)), None)
+        candidate = next(
+            (
+                q
+                for q in leftover_quant
+                if layer_kind(quant_layers[q]) == kind and _missing_or_identity(float_modules, q)
+            ),
+            None,
+        )
         if candidate is None:
             continue
         leftover_quant.remove(candidate)
@@ -286,8 +320,13 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchRes
     ordered = _forward_order(layers, float_graph, float_order)
     _attach_predecessors(ordered, float_graph)
     return MatchResult(
-        layers=ordered, counterpart=counterpart, unmatched_float=unmatched_float,
-        unmatched_quantized=leftover_quant, float_graph=float_graph, quant_graph=quant_graph, notes=notes,
+        layers=ordered,
+        counterpart=counterpart,
+        unmatched_float=unmatched_float,
+        unmatched_quantized=leftover_quant,
+        float_graph=float_graph,
+        quant_graph=quant_graph,
+        notes=notes,
     )
 
 
@@ -295,14 +334,26 @@ def _absorb_fused_followers(layer, quant_module, float_modules, quant_modules, n
     """Move the float comparison point past BN/ReLU that the quantized layer fused in."""
     wants_relu = fuses_relu(quant_module)
     if layer.kind.startswith(("conv", "linear")) or layer.kind == "batch_norm":
-        followers = _graph_followers(node, float_modules) if node is not None else _order_followers(
-            layer.name, float_order, float_modules)
+        followers = (
+            _graph_followers(node, float_modules)
+            if node is not None
+            else _order_followers(layer.name, float_order, float_modules)
+        )
         for follower_kind, follower in followers:
             is_module = isinstance(follower, str)
-            if follower_kind == "batch_norm" and layer.kind != "batch_norm" and is_module \
-                    and _missing_or_identity(quant_modules, follower) and layer.folded_batch_norm is None:
+            if (
+                follower_kind == "batch_norm"
+                and layer.kind != "batch_norm"
+                and is_module
+                and _missing_or_identity(quant_modules, follower)
+                and layer.folded_batch_norm is None
+            ):
                 layer.folded_batch_norm = follower
-            elif follower_kind == "relu" and wants_relu and (not is_module or _missing_or_identity(quant_modules, follower)):
+            elif (
+                follower_kind == "relu"
+                and wants_relu
+                and (not is_module or _missing_or_identity(quant_modules, follower))
+            ):
                 wants_relu = False
             else:
                 break
@@ -341,7 +392,7 @@ def _graph_followers(node: torch.fx.Node, float_modules) -> list:
 
 def _order_followers(fqn: str, float_order: list[str], float_modules) -> list:
     index = float_order.index(fqn)
-    return [(layer_kind(float_modules[name]), name) for name in float_order[index + 1: index + 3]]
+    return [(layer_kind(float_modules[name]), name) for name in float_order[index + 1 : index + 3]]
 
 
 def _match_functional(float_graph, quant_graph, layers, float_modules, quant_modules) -> set[str]:
@@ -389,9 +440,13 @@ def _match_functional(float_graph, quant_graph, layers, float_modules, quant_mod
             continue
         quant_node, fused = quant_keys[key]
         layer = LayerMatch(
-            name=float_node.name, kind=key[0], float_entry=Site(NODE_SITE, float_node.name),
-            float_exit=Site(NODE_SITE, float_node.name), quant_site=Site(NODE_SITE, quant_node.name),
-            quant_class=str(getattr(quant_node.target, "__name__", quant_node.target)), matched_by="signature",
+            name=float_node.name,
+            kind=key[0],
+            float_entry=Site(NODE_SITE, float_node.name),
+            float_exit=Site(NODE_SITE, float_node.name),
+            quant_site=Site(NODE_SITE, quant_node.name),
+            quant_class=str(getattr(quant_node.target, "__name__", quant_node.target)),
+            matched_by="signature",
         )
         if fused and len(float_node.users) == 1:
             follower = next(iter(float_node.users))
@@ -418,8 +473,13 @@ def _attach_quantizers(quant_graph, layers, quant_modules) -> None:
             node = named_nodes.get(layer.quant_site.name)
         if node is None:
             continue
-        if layer.quant_site.kind == MODULE_SITE and node.args and isinstance(node.args[0], torch.fx.Node) \
-                and node.args[0].op == "call_module" and _is_quantizer(quant_modules.get(str(node.args[0].target))):
+        if (
+            layer.quant_site.kind == MODULE_SITE
+            and node.args
+            and isinstance(node.args[0], torch.fx.Node)
+            and node.args[0].op == "call_module"
+            and _is_quantizer(quant_modules.get(str(node.args[0].target)))
+        ):
             layer.quant_input_quantizer = str(node.args[0].target)
         for user in node.users:
             if user.op == "call_module" and _is_quantizer(quant_modules.get(str(user.target))):
@@ -467,7 +527,15 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
 
 
 __all__ = [
-    "CounterpartKind", "LayerMatch", "MatchResult", "Site", "MODULE_SITE", "NODE_SITE",
-    "match_layers", "functional_kind", "detect_counterpart",
-    "quantized_layer_modules", "float_layer_modules",
+    "CounterpartKind",
+    "LayerMatch",
+    "MatchResult",
+    "Site",
+    "MODULE_SITE",
+    "NODE_SITE",
+    "match_layers",
+    "functional_kind",
+    "detect_counterpart",
+    "quantized_layer_modules",
+    "float_layer_modules",
 ]

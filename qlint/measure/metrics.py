@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ from qlint.core.sqnr import sqnr_db as pair_sqnr_db
 UNIFORM_ROUNDING_RMSE_OVER_SCALE = 1.0 / math.sqrt(12.0)
 
 
-def quantization_scale(value: Any) -> Optional[float]:
+def quantization_scale(value: Any) -> float | None:
     """The per-tensor scale of the first tensor in ``value`` when it is quantized, else None."""
     tensor = first_tensor(value)
     if tensor is not None and tensor.is_quantized:
@@ -60,7 +60,7 @@ class PairwiseErrorStats:
     scale_count: int = 0
     nonfinite_values: int = 0
 
-    def update(self, reference: torch.Tensor, quantized: torch.Tensor, scale: Optional[float] = None) -> None:
+    def update(self, reference: torch.Tensor, quantized: torch.Tensor, scale: float | None = None) -> None:
         """Fold one pair in.  ``scale`` is the quantized tensor's step, when known."""
         if reference.is_quantized:
             reference = reference.dequantize()
@@ -69,9 +69,7 @@ class PairwiseErrorStats:
                 scale = quantization_scale(quantized)
             quantized = quantized.dequantize()
         if reference.numel() != quantized.numel():
-            raise ValueError(
-                f"cannot compare tensors of {reference.numel()} and {quantized.numel()} elements"
-            )
+            raise ValueError(f"cannot compare tensors of {reference.numel()} and {quantized.numel()} elements")
         x = reference.detach().reshape(-1).float()
         y = quantized.detach().reshape(-1).float()
         if self._fold(x, y, scale) is None:
@@ -80,7 +78,7 @@ class PairwiseErrorStats:
             self.nonfinite_values += int((~finite).sum())
             self._fold(x[finite], y[finite], scale)
 
-    def _fold(self, x: torch.Tensor, y: torch.Tensor, scale: Optional[float]) -> Optional[bool]:
+    def _fold(self, x: torch.Tensor, y: torch.Tensor, scale: float | None) -> bool | None:
         """Add one pair's sums; None (and nothing added) when a sum is not finite."""
         if x.numel() == 0:
             return True
@@ -116,12 +114,12 @@ class PairwiseErrorStats:
     def empty(self) -> bool:
         return self.count == 0
 
-    def sqnr_db(self) -> Optional[float]:
+    def sqnr_db(self) -> float | None:
         if self.empty:
             return None
         return sqnr_db_from_powers(self.signal_power, self.noise_power)
 
-    def cosine(self) -> Optional[float]:
+    def cosine(self) -> float | None:
         if self.empty:
             return None
         norms = math.sqrt(self.signal_power) * math.sqrt(self.quantized_power)
@@ -130,7 +128,7 @@ class PairwiseErrorStats:
             return 1.0 if self.noise_power == 0.0 else 0.0
         return max(-1.0, min(1.0, self.cross_power / norms))
 
-    def normalized_l2(self) -> Optional[float]:
+    def normalized_l2(self) -> float | None:
         """||x - y|| / ||x|| over the stream (torch ns's normalized L2 error)."""
         if self.empty:
             return None
@@ -138,22 +136,22 @@ class PairwiseErrorStats:
             return 0.0 if self.noise_power == 0.0 else None
         return math.sqrt(self.noise_power / self.signal_power)
 
-    def rmse(self) -> Optional[float]:
+    def rmse(self) -> float | None:
         if self.empty:
             return None
         return math.sqrt(self.noise_power / self.count)
 
-    def mean_abs_error(self) -> Optional[float]:
+    def mean_abs_error(self) -> float | None:
         if self.empty:
             return None
         return self.abs_error_sum / self.count
 
-    def mean_scale(self) -> Optional[float]:
+    def mean_scale(self) -> float | None:
         if self.scale_count == 0:
             return None
         return self.scale_sum / self.scale_count
 
-    def rmse_over_scale(self) -> Optional[float]:
+    def rmse_over_scale(self) -> float | None:
         """RMSE in units of the quantization step; ~0.289 is pure rounding error."""
         rmse, scale = self.rmse(), self.mean_scale()
         if rmse is None or scale is None:

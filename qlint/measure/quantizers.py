@@ -9,8 +9,9 @@ float tensor can be put on the same grid (the isolated run of ``PairedRunner``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -24,13 +25,13 @@ class FrozenQuantizer:
     """Fake-quantization with fixed qparams; ``scale`` is the per-tensor step (None per channel)."""
 
     function: Callable[[torch.Tensor], torch.Tensor]
-    scale: Optional[float]
+    scale: float | None
 
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
         return self.function(value)
 
 
-def frozen_quantizer(module: nn.Module) -> Optional[FrozenQuantizer]:
+def frozen_quantizer(module: nn.Module) -> FrozenQuantizer | None:
     """Fake-quantize with the qparams ``module`` holds now (observer or fake-quant).
 
     PTQ observers only watch values; freezing them into a fake-quant shows the
@@ -62,7 +63,8 @@ def frozen_quantizer(module: nn.Module) -> Optional[FrozenQuantizer]:
     axis = int(cast(int, module.ch_axis))
     return FrozenQuantizer(
         lambda x: torch.fake_quantize_per_channel_affine(
-            x, scale.float(), zero_point.to(torch.int32), axis, quant_min, quant_max),
+            x, scale.float(), zero_point.to(torch.int32), axis, quant_min, quant_max
+        ),
         None,
     )
 

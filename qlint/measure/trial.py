@@ -25,7 +25,8 @@ import dataclasses
 import io
 import time
 import warnings
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -45,7 +46,12 @@ from qlint.measure.matching import match_layers
 from qlint.measure.metrics import PairwiseErrorStats
 
 STAGE_FLOAT, STAGE_PREPARE, STAGE_CALIBRATE, STAGE_CONVERT, STAGE_RUN = (
-    "float run", "prepare_fx", "calibration", "convert_fx", "quantized run")
+    "float run",
+    "prepare_fx",
+    "calibration",
+    "convert_fx",
+    "quantized run",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +60,7 @@ class TrialFailure:
 
     stage: str
     error: BaseException
-    model: Optional[nn.Module]
+    model: nn.Module | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +69,8 @@ class LayerError:
 
     name: str  # float module fqn, or node name for functional ops
     kind: str
-    shadow_db: Optional[float]  # the error the layer adds on the input it really gets
-    propagated_db: Optional[float]  # the error at its output, everything upstream included
+    shadow_db: float | None  # the error the layer adds on the input it really gets
+    propagated_db: float | None  # the error at its output, everything upstream included
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,24 +78,24 @@ class TrialResult:
     backend: str
     calibrated_on: str  # "calibration data (12 batches)" or "the example inputs"
     evaluated_on: str
-    failure: Optional[TrialFailure] = None
-    output_sqnr_db: Optional[float] = None
+    failure: TrialFailure | None = None
+    output_sqnr_db: float | None = None
     layers: tuple[LayerError, ...] = ()
     activation_sqnr_db: tuple[tuple[str, float], ...] = ()  # (observed node, SQNR under its observer)
     float_layers: tuple[FloatLayer, ...] = ()
     int8_ops: int = 0  # conv/linear/recurrent/attention ops running in int8 ...
     weighted_ops: int = 0  # ... out of all of them (a tracer leaf counts each layer inside)
     seconds: float = 0.0
-    model: Optional[nn.Module] = None  # the converted model (the full trial only)
+    model: nn.Module | None = None  # the converted model (the full trial only)
 
     @property
     def converted(self) -> bool:
         return self.failure is None
 
-    def layer(self, name: str) -> Optional[LayerError]:
+    def layer(self, name: str) -> LayerError | None:
         return next((layer for layer in self.layers if layer.name == name), None)
 
-    def activation(self, node: str) -> Optional[float]:
+    def activation(self, node: str) -> float | None:
         return next((value for name, value in self.activation_sqnr_db if name == node), None)
 
 
@@ -120,14 +126,20 @@ def _quiet() -> Iterator[None]:
 class TrialStepError(Exception):
     """A step of prepare → calibrate → convert → run failed."""
 
-    def __init__(self, stage: str, error: BaseException, model: Optional[nn.Module]) -> None:
+    def __init__(self, stage: str, error: BaseException, model: nn.Module | None) -> None:
         super().__init__(f"{stage}: {error}")
         self.failure = TrialFailure(stage, error, model)
 
 
-def quantize_fx(model: nn.Module, mapping: QConfigMapping, backend: str, calibration: Sequence[Any],
-                *, prepare_kwargs: Optional[dict[str, Any]] = None, keep_prepared: bool = False
-                ) -> tuple[fx.GraphModule, Optional[fx.GraphModule]]:
+def quantize_fx(
+    model: nn.Module,
+    mapping: QConfigMapping,
+    backend: str,
+    calibration: Sequence[Any],
+    *,
+    prepare_kwargs: dict[str, Any] | None = None,
+    keep_prepared: bool = False,
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """prepare_fx → run ``calibration`` → convert_fx on ``model`` itself (pass a copy).
 
     Returns (converted, prepared): prepared only with ``keep_prepared`` (a copy is kept,
@@ -156,20 +168,28 @@ class TrialBench:
 
     ``model_factory`` returns a fresh private copy of the float model on every call."""
 
-    def __init__(self, model_factory: Callable[[], nn.Module], backend: str, calibration: Sequence[Any],
-                 evaluation: Sequence[Any], calibrated_on: str, evaluated_on: str) -> None:
+    def __init__(
+        self,
+        model_factory: Callable[[], nn.Module],
+        backend: str,
+        calibration: Sequence[Any],
+        evaluation: Sequence[Any],
+        calibrated_on: str,
+        evaluated_on: str,
+    ) -> None:
         self.model_factory, self.backend = model_factory, backend
         self.calibration, self.evaluation = list(calibration), list(evaluation)
         self.calibrated_on, self.evaluated_on = calibrated_on, evaluated_on
-        self._reference: Optional[list[Any]] = None
+        self._reference: list[Any] | None = None
         self.seconds = 0.0  # time spent in trials, all of them
 
-    def variant(self, model_factory: Callable[[], nn.Module]) -> "TrialBench":
+    def variant(self, model_factory: Callable[[], nn.Module]) -> TrialBench:
         """The same data, another float model (a changed copy): its trials compare with its own outputs."""
-        return TrialBench(model_factory, self.backend, self.calibration, self.evaluation, self.calibrated_on,
-                          self.evaluated_on)
+        return TrialBench(
+            model_factory, self.backend, self.calibration, self.evaluation, self.calibrated_on, self.evaluated_on
+        )
 
-    def float_sqnr_of(self, model: nn.Module) -> Optional[float]:
+    def float_sqnr_of(self, model: nn.Module) -> float | None:
         """SQNR of another float model's outputs against this bench's float model (how much a
         float change changes the outputs; 200 dB when it changes nothing)."""
         with _quiet():
@@ -203,8 +223,9 @@ class TrialBench:
             except Exception as error:
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, float_model))
             try:
-                converted, prepared = quantize_fx(self.model_factory(), mapping, self.backend, self.calibration,
-                                                  keep_prepared=measure_layers)
+                converted, prepared = quantize_fx(
+                    self.model_factory(), mapping, self.backend, self.calibration, keep_prepared=measure_layers
+                )
             except TrialStepError as step:
                 return dataclasses.replace(base, failure=step.failure)
             try:
@@ -213,20 +234,21 @@ class TrialBench:
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_RUN, error, converted))
             fallbacks = float_layers(converted, mapping)
             int8, total = int8_coverage(converted, fallbacks)
-            base = dataclasses.replace(base, output_sqnr_db=output, float_layers=tuple(fallbacks),
-                                       int8_ops=int8, weighted_ops=total)
+            base = dataclasses.replace(
+                base, output_sqnr_db=output, float_layers=tuple(fallbacks), int8_ops=int8, weighted_ops=total
+            )
             if not measure_layers or prepared is None:
                 return base
             layers = self._layer_errors(float_model, converted)
             activations = activation_sqnr(prepared, converted, self.evaluation)
         return dataclasses.replace(base, layers=layers, activation_sqnr_db=activations, model=converted)
 
-    def output_sqnr(self, mapping: QConfigMapping) -> Optional[float]:
+    def output_sqnr(self, mapping: QConfigMapping) -> float | None:
         """Output SQNR of the model converted under ``mapping``; None when the trial fails."""
         result = self.run(mapping, measure_layers=False)
         return result.output_sqnr_db
 
-    def sqnr_of(self, model: nn.Module) -> Optional[float]:
+    def sqnr_of(self, model: nn.Module) -> float | None:
         """Output SQNR of any model (a changed copy of the converted one) on the evaluation data."""
         began = time.perf_counter()
         try:
@@ -235,7 +257,7 @@ class TrialBench:
         finally:
             self.seconds += time.perf_counter() - began
 
-    def _output_sqnr(self, converted: nn.Module, reference: list[Any]) -> Optional[float]:
+    def _output_sqnr(self, converted: nn.Module, reference: list[Any]) -> float | None:
         sums = SqnrSums()
         for batch, expected in zip(self.evaluation, reference):
             sums.add(expected, call_model(converted, batch))
@@ -246,9 +268,12 @@ class TrialBench:
         shadow = {layer.name: PairwiseErrorStats() for layer in match.layers}
         propagated = {layer.name: PairwiseErrorStats() for layer in match.layers}
         runner = PairedRunner(
-            float_model, converted, match,
+            float_model,
+            converted,
+            match,
             on_propagated=lambda layer, ref, q, scale: propagated[layer.name].update(ref, q, scale),
-            on_shadow=lambda layer, ref, q, scale: shadow[layer.name].update(ref, q, scale))
+            on_shadow=lambda layer, ref, q, scale: shadow[layer.name].update(ref, q, scale),
+        )
         with runner:
             for _ in runner.run(self.evaluation):
                 pass
@@ -283,7 +308,9 @@ def converted_qparams(converted: fx.GraphModule) -> dict[str, tuple[float, int]]
             source = node.args[0]
             name = source.name if isinstance(source, fx.Node) else name
             scale, zero_point = _attr_value(converted, node.args[1]), _attr_value(converted, node.args[2])
-        elif node.op == "call_function" and str(getattr(node.target, "__module__", "")).startswith("torch._ops.quantized"):
+        elif node.op == "call_function" and str(getattr(node.target, "__module__", "")).startswith(
+            "torch._ops.quantized"
+        ):
             attrs = [arg for arg in node.args if isinstance(arg, fx.Node) and arg.op == "get_attr"]
             scales = [a for a in attrs if "scale" in str(a.target)]
             points = [a for a in attrs if "zero_point" in str(a.target)]
@@ -300,8 +327,9 @@ def converted_qparams(converted: fx.GraphModule) -> dict[str, tuple[float, int]]
 _DTYPE_RANGE = {torch.quint8: (0, 255), torch.qint8: (-128, 127)}
 
 
-def activation_sqnr(prepared: fx.GraphModule, converted: fx.GraphModule,
-                    batches: Sequence[Any]) -> tuple[tuple[str, float], ...]:
+def activation_sqnr(
+    prepared: fx.GraphModule, converted: fx.GraphModule, batches: Sequence[Any]
+) -> tuple[tuple[str, float], ...]:
     """Per observed activation, the SQNR of the float tensor rounded and clipped with the
     qparams the converted model runs with: (name of the observed node, dB).
 
@@ -333,11 +361,13 @@ def activation_sqnr(prepared: fx.GraphModule, converted: fx.GraphModule,
     sums = {target: SqnrSums() for target in observed}
     handles = []
     for target, (_, scale, zero_point, low, high) in observed.items():
+
         def hook(_module, args, target=target, scale=scale, zero_point=zero_point, low=low, high=high):
             value = first_float(args)
             if value is not None and not value.is_quantized:
                 rounded = torch.fake_quantize_per_tensor_affine(value.float(), scale, zero_point, low, high)
                 sums[target].add(value, rounded)
+
         handles.append(prepared.get_submodule(target).register_forward_pre_hook(hook))
     try:
         with torch.no_grad():

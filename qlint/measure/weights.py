@@ -9,7 +9,7 @@ functions here hide that so metrics see two dicts of float tensors.
 
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from qlint.measure.matching import LayerMatch
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 
 
-def _batch_norm_factor(batch_norm: nn.Module) -> Optional[torch.Tensor]:
+def _batch_norm_factor(batch_norm: nn.Module) -> torch.Tensor | None:
     """gamma / sqrt(running_var + eps): the per-channel factor BN folding multiplies in."""
     running_var = getattr(batch_norm, "running_var", None)
     if running_var is None:
@@ -61,7 +61,11 @@ def float_layer_weights(layer: LayerMatch, float_model: nn.Module) -> dict[str, 
 def _inner_float_module(module: nn.Module) -> nn.Module:
     """The weighted module inside a float fused Sequential (torch.ao.nn.intrinsic.ConvReLU2d)."""
     # QAT ConvBn modules are Sequentials too (torch's fused base class) but own their weight.
-    if isinstance(module, nn.Sequential) and len(module) > 0 and not isinstance(getattr(module, "weight", None), torch.Tensor):
+    if (
+        isinstance(module, nn.Sequential)
+        and len(module) > 0
+        and not isinstance(getattr(module, "weight", None), torch.Tensor)
+    ):
         return module[0]
     return module
 
@@ -74,12 +78,19 @@ def fake_quantize_with_observer(weight: torch.Tensor, observer: nn.Module) -> to
     scale, zero_point = attributes.calculate_qparams()
     if getattr(observer, "qscheme", torch.per_tensor_affine) in _PER_TENSOR:
         return torch.fake_quantize_per_tensor_affine(
-            weight, float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]), attributes.quant_min,
-            attributes.quant_max
+            weight,
+            float(scale.reshape(-1)[0]),
+            int(zero_point.reshape(-1)[0]),
+            attributes.quant_min,
+            attributes.quant_max,
         )
     return torch.fake_quantize_per_channel_affine(
-        weight, scale.float(), zero_point.to(torch.int32), attributes.ch_axis, attributes.quant_min,
-        attributes.quant_max
+        weight,
+        scale.float(),
+        zero_point.to(torch.int32),
+        attributes.ch_axis,
+        attributes.quant_min,
+        attributes.quant_max,
     )
 
 
@@ -94,7 +105,9 @@ def simulated_weight_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     if qconfig is None or getattr(inner, "weight_fake_quant", None) is not None or not hasattr(inner, "weight"):
         return {}
     observer = qconfig.weight()
-    if getattr(observer, "dtype", None) not in (torch.qint8, torch.quint8, torch.qint32) or not hasattr(observer, "quant_min"):
+    if getattr(observer, "dtype", None) not in (torch.qint8, torch.quint8, torch.qint32) or not hasattr(
+        observer, "quant_min"
+    ):
         return {}
     prefix = "0." if inner is not module else ""
     weight = cast(torch.Tensor, inner.weight)  # nn.Module's stubs type attributes as Tensor | Module

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any
 
 import torch
 from torch import nn
 
-from qlint.linter.findings import Report
 from qlint.core.batches import batch_size
 from qlint.core.nested import first_float, map_tensors
+from qlint.linter.findings import Report
 from qlint.measure.capture import PairedRunner
-from qlint.numeric.compare import compare
 from qlint.measure.matching import match_layers
+from qlint.numeric.compare import compare
 
 BADCASES_FORMAT = "qlint-badcases-v1"
 
@@ -52,7 +53,7 @@ class BadCaseSet:
     def worst(self, metric: str) -> list[BadCase]:
         return list(self.cases.get(metric, []))
 
-    def inputs(self, metric: Optional[str] = None) -> list[Any]:
+    def inputs(self, metric: str | None = None) -> list[Any]:
         """Distinct samples (each a batch of one), over one metric or all of them."""
         chosen = [metric] if metric else list(self.cases)
         seen: dict[int, Any] = {}
@@ -61,7 +62,7 @@ class BadCaseSet:
                 seen.setdefault(case.index, case.sample)
         return list(seen.values())
 
-    def save(self, path: Union[str, Path] = "badcases.pt") -> Path:
+    def save(self, path: str | Path = "badcases.pt") -> Path:
         path = Path(path)
         payload = {
             "format": BADCASES_FORMAT,
@@ -75,7 +76,7 @@ class BadCaseSet:
         return path
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "BadCaseSet":
+    def load(cls, path: str | Path) -> BadCaseSet:
         # Our own file of plain tensors and lists: the safe weights_only loader reads it.
         payload = torch.load(Path(path), weights_only=True)
         if not isinstance(payload, dict) or payload.get("format") != BADCASES_FORMAT:
@@ -89,8 +90,10 @@ class BadCaseSet:
 
 def split_samples(batch: Any, size: int) -> list[Any]:
     """One batch-of-one per sample; non-batched members (flags, lengths) are shared."""
+
     def take(row: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda t: t[row: row + 1].clone() if t.dim() > 0 and t.shape[0] == size else t
+        return lambda t: t[row : row + 1].clone() if t.dim() > 0 and t.shape[0] == size else t
+
     return [map_tensors(batch, take(row)) for row in range(size)]
 
 
@@ -113,7 +116,7 @@ def find_badcases(
     *,
     top: int = 10,
     metrics: Sequence[str] = tuple(METRICS),
-    max_batches: Optional[int] = None,
+    max_batches: int | None = None,
 ) -> BadCaseSet:
     """The ``top`` worst samples of ``data`` for each metric in ``metrics``.
 
@@ -135,7 +138,7 @@ def find_badcases(
             if reference is None or quantized is None or reference.shape[0] != size:
                 raise ValueError("badcase search needs outputs whose first dimension is the batch")
             scores = per_sample_scores(reference, quantized)
-            samples: Optional[list[Any]] = None
+            samples: list[Any] | None = None
             for metric in metrics:
                 larger_is_worse = METRICS[metric][1]
                 for row, value in enumerate(scores[metric].tolist()):
@@ -152,8 +155,10 @@ def find_badcases(
                         heapq.heapreplace(heap, item)
             seen += size
     cases = {
-        metric: [BadCase(metric, value, index, sample)
-                 for _, _, value, index, sample in sorted(heap, key=lambda item: item[0], reverse=True)]
+        metric: [
+            BadCase(metric, value, index, sample)
+            for _, _, value, index, sample in sorted(heap, key=lambda item: item[0], reverse=True)
+        ]
         for metric, heap in heaps.items()
     }
     return BadCaseSet(cases=cases, samples_seen=seen)
@@ -162,9 +167,9 @@ def find_badcases(
 def compare_badcases(
     float_model: nn.Module,
     quantized_model: nn.Module,
-    badcases: Union[BadCaseSet, str, Path],
+    badcases: BadCaseSet | str | Path,
     *,
-    metric: Optional[str] = None,
+    metric: str | None = None,
     **compare_options: Any,
 ) -> Report:
     """Rerun ``compare`` on the saved worst inputs (one metric's, or all distinct ones)."""

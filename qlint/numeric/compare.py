@@ -9,16 +9,21 @@ the metrics in ``extra``) and findings QL301 (low-sqnr-layer) and QL302
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from qlint.core.nested import first_float
 from qlint.core.preserve import preserved_state
 from qlint.linter.findings import CompareRow, Notice, Report, Severity, Timing
 from qlint.measure.capture import PairedRunner
+from qlint.measure.matching import MODULE_SITE, LayerMatch, MatchResult, match_layers
+from qlint.measure.metrics import PairwiseErrorStats
+from qlint.measure.weights import float_layer_weights, quantized_layer_weights
 from qlint.numeric.diagnose import (
     DEFAULT_ONSET_JUMP_DB,
     DEFAULT_SQNR_THRESHOLD_DB,
@@ -27,10 +32,6 @@ from qlint.numeric.diagnose import (
     inherited_sqnr,
     local_sqnr,
 )
-from qlint.measure.matching import MODULE_SITE, LayerMatch, MatchResult, match_layers
-from qlint.core.nested import first_float
-from qlint.measure.metrics import PairwiseErrorStats
-from qlint.measure.weights import float_layer_weights, quantized_layer_weights
 
 MODES = ("propagated", "shadow")
 
@@ -81,10 +82,10 @@ def compare(
     sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
     weight_sqnr_threshold: float = DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
     onset_jump_db: float = DEFAULT_ONSET_JUMP_DB,
-    max_batches: Optional[int] = None,
+    max_batches: int | None = None,
     model_name: str = "model",
     backend: str = "x86",
-    match: Optional[MatchResult] = None,
+    match: MatchResult | None = None,
 ) -> Report:
     """Compare ``quantized_model`` with ``float_model`` layer by layer over ``data``.
 
@@ -98,13 +99,36 @@ def compare(
     # The paired runner watches parameters while the models run; this guard covers the rest
     # of the call (layer matching traces the models) and the process state.
     with preserved_state(float_model, quantized_model, watch_parameters=False):
-        return _compare(float_model, quantized_model, data, propagated, shadow, sqnr_threshold,
-                        weight_sqnr_threshold, onset_jump_db, max_batches, model_name, backend, match)
+        return _compare(
+            float_model,
+            quantized_model,
+            data,
+            propagated,
+            shadow,
+            sqnr_threshold,
+            weight_sqnr_threshold,
+            onset_jump_db,
+            max_batches,
+            model_name,
+            backend,
+            match,
+        )
 
 
-def _compare(float_model: nn.Module, quantized_model: nn.Module, data: Iterable, propagated: bool, shadow: bool,
-             sqnr_threshold: float, weight_sqnr_threshold: float, onset_jump_db: float,
-             max_batches: Optional[int], model_name: str, backend: str, match: Optional[MatchResult]) -> Report:
+def _compare(
+    float_model: nn.Module,
+    quantized_model: nn.Module,
+    data: Iterable,
+    propagated: bool,
+    shadow: bool,
+    sqnr_threshold: float,
+    weight_sqnr_threshold: float,
+    onset_jump_db: float,
+    max_batches: int | None,
+    model_name: str,
+    backend: str,
+    match: MatchResult | None,
+) -> Report:
     started = time.perf_counter()
     match = match or match_layers(float_model, quantized_model)
     stats = {layer.name: LayerStats() for layer in match.layers}
@@ -118,8 +142,13 @@ def _compare(float_model: nn.Module, quantized_model: nn.Module, data: Iterable,
         stats[layer.name].shadow.update(reference, quantized, scale)
 
     runner = PairedRunner(
-        float_model, quantized_model, match, propagated=propagated, shadow=shadow,
-        on_propagated=on_propagated, on_shadow=on_shadow,
+        float_model,
+        quantized_model,
+        match,
+        propagated=propagated,
+        shadow=shadow,
+        on_propagated=on_propagated,
+        on_shadow=on_shadow,
     )
     with runner:
         for layer in match.layers:
@@ -135,32 +164,49 @@ def _compare(float_model: nn.Module, quantized_model: nn.Module, data: Iterable,
 
     rows = build_rows(match, stats)
     findings = diagnose(
-        rows, sqnr_threshold=sqnr_threshold, weight_sqnr_threshold=weight_sqnr_threshold,
+        rows,
+        sqnr_threshold=sqnr_threshold,
+        weight_sqnr_threshold=weight_sqnr_threshold,
         onset_jump_db=onset_jump_db,
     )
     notices = [Notice(message=note) for note in match.notes]
-    notices.append(Notice(message=(
-        f"compared {len(rows)} layers of a {match.counterpart.value} model over {batches} batches; "
-        f"model output SQNR {_format_db(output_stats.sqnr_db())}, cosine {_format_float(output_stats.cosine())}"
-    )))
+    notices.append(
+        Notice(
+            message=(
+                f"compared {len(rows)} layers of a {match.counterpart.value} model over {batches} batches; "
+                f"model output SQNR {_format_db(output_stats.sqnr_db())}, cosine {_format_float(output_stats.cosine())}"
+            )
+        )
+    )
     if match.unmatched_float:
-        notices.append(Notice(level=Severity.WARNING, message=(
-            "float layers without a quantized counterpart (not compared): " + ", ".join(match.unmatched_float)
-        )))
+        notices.append(
+            Notice(
+                level=Severity.WARNING,
+                message=(
+                    "float layers without a quantized counterpart (not compared): " + ", ".join(match.unmatched_float)
+                ),
+            )
+        )
     if batches == 0:
         notices.append(Notice(level=Severity.WARNING, message="the data yielded no batches; nothing was compared"))
     return Report(
-        qlint_version=qlint_version(), torch_version=torch.__version__, model=model_name, backend=backend,
-        frontend=match.counterpart.value, findings=findings, notices=notices,
-        timings=[Timing(stage="numeric-compare", seconds=elapsed)], layers=rows,
+        qlint_version=qlint_version(),
+        torch_version=torch.__version__,
+        model=model_name,
+        backend=backend,
+        frontend=match.counterpart.value,
+        findings=findings,
+        notices=notices,
+        timings=[Timing(stage="numeric-compare", seconds=elapsed)],
+        layers=rows,
     )
 
 
-def _format_db(value: Optional[float]) -> str:
+def _format_db(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f} dB"
 
 
-def _format_float(value: Optional[float]) -> str:
+def _format_float(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
@@ -177,19 +223,26 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
             "predecessors": list(layer.predecessors),
             "absorbed": list(layer.absorbed),
         }
-        for label, accumulated in (("propagated", layer_stats.propagated), ("shadow", layer_stats.shadow),
-                                   ("weight", layer_stats.weight)):
+        for label, accumulated in (
+            ("propagated", layer_stats.propagated),
+            ("shadow", layer_stats.shadow),
+            ("weight", layer_stats.weight),
+        ):
             if not accumulated.empty:
                 extra[label] = accumulated.summary()
-        rows.append(CompareRow(
-            name=layer.name,
-            kind=layer.kind,
-            weight_sqnr=layer_stats.weight.sqnr_db(),
-            sqnr_propagated=layer_stats.propagated.sqnr_db(),
-            sqnr_shadow=layer_stats.shadow.sqnr_db(),
-            cosine=layer_stats.propagated.cosine() if not layer_stats.propagated.empty else layer_stats.shadow.cosine(),
-            extra=extra,
-        ))
+        rows.append(
+            CompareRow(
+                name=layer.name,
+                kind=layer.kind,
+                weight_sqnr=layer_stats.weight.sqnr_db(),
+                sqnr_propagated=layer_stats.propagated.sqnr_db(),
+                sqnr_shadow=layer_stats.shadow.sqnr_db(),
+                cosine=layer_stats.propagated.cosine()
+                if not layer_stats.propagated.empty
+                else layer_stats.shadow.cosine(),
+                extra=extra,
+            )
+        )
     return rows
 
 
@@ -211,6 +264,7 @@ def worst_layers(report: Report, count: int) -> list[str]:
     def local(row: CompareRow) -> float:
         value, _ = local_sqnr(row, inherited_sqnr(row, propagated)[0])
         return float("inf") if value is None else value
+
     return [row.name for row in sorted(rows, key=local)[:count]]
 
 
@@ -219,10 +273,10 @@ def activation_histograms(
     quantized_model: nn.Module,
     data: Iterable,
     report: Report,
-    layers: Optional[Sequence[str]] = None,
+    layers: Sequence[str] | None = None,
     *,
     bins: int = 48,
-    max_batches: Optional[int] = None,
+    max_batches: int | None = None,
 ) -> dict[str, LayerHistogram]:
     """Float vs quantized output histograms (propagated) of a few layers, in one more pass.
 
@@ -233,9 +287,15 @@ def activation_histograms(
         return _activation_histograms(float_model, quantized_model, data, report, layers, bins, max_batches)
 
 
-def _activation_histograms(float_model: nn.Module, quantized_model: nn.Module, data: Iterable, report: Report,
-                           layers: Optional[Sequence[str]], bins: int,
-                           max_batches: Optional[int]) -> dict[str, LayerHistogram]:
+def _activation_histograms(
+    float_model: nn.Module,
+    quantized_model: nn.Module,
+    data: Iterable,
+    report: Report,
+    layers: Sequence[str] | None,
+    bins: int,
+    max_batches: int | None,
+) -> dict[str, LayerHistogram]:
     names = list(layers) if layers is not None else worst_layers(report, 4)
     rows = {row.name: row for row in report.compare_rows()}
     match = match_layers(float_model, quantized_model)
@@ -256,7 +316,10 @@ def _activation_histograms(float_model: nn.Module, quantized_model: nn.Module, d
         histogram = histograms.get(layer.name)
         if histogram is None:
             return
-        for counts, tensor in ((histogram.float_counts, first_float(reference)), (histogram.quantized_counts, quantized)):
+        for counts, tensor in (
+            (histogram.float_counts, first_float(reference)),
+            (histogram.quantized_counts, quantized),
+        ):
             found = torch.histc(tensor.float().reshape(-1), bins=bins, min=histogram.low, max=histogram.high)
             for index, value in enumerate(found.tolist()):
                 counts[index] += int(value)

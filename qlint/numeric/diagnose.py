@@ -9,10 +9,8 @@ whether an error jump is made at a layer or only passed through it.
 
 from __future__ import annotations
 
-from typing import Optional
-
-from qlint.linter.findings import CompareRow, Finding, Severity
 from qlint.core.sqnr import SQNR_CAP_DB, noise_power_ratio, sqnr_db_from_powers
+from qlint.linter.findings import CompareRow, Finding, Severity
 from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
 
 # Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
@@ -77,7 +75,7 @@ def inherited_sqnr(row: CompareRow, propagated: dict[str, float]) -> tuple[float
     return min((propagated[name] for name in upstream), default=SQNR_CAP_DB), upstream
 
 
-def local_sqnr(row: CompareRow, inherited: float = SQNR_CAP_DB) -> tuple[Optional[float], str]:
+def local_sqnr(row: CompareRow, inherited: float = SQNR_CAP_DB) -> tuple[float | None, str]:
     """The SQNR of the error the layer adds itself.
 
     Measured by the shadow run when there is one.  Otherwise it is estimated by
@@ -129,15 +127,20 @@ def _cause_and_fix(row: CompareRow, weight_low: bool, activation_low: bool) -> t
     return (
         "its quantization step is coarse next to typical values: the range is set by a few large values "
         f"(float range [{float_min:.3g}, {float_max:.3g}]) while most values are small"
-        if float_min is not None else "its quantized output differs markedly from the float one",
+        if float_min is not None
+        else "its quantized output differs markedly from the float one",
         "reduce outliers (cross-layer equalization, clamping the activation) or use per-channel / wider "
         "quantization, or keep the layer in float",
         "range",
     )
 
 
-def low_sqnr_findings(rows: list[CompareRow], sqnr_threshold: float, weight_sqnr_threshold: float,
-                      onset_jump_db: float = DEFAULT_ONSET_JUMP_DB) -> list[Finding]:
+def low_sqnr_findings(
+    rows: list[CompareRow],
+    sqnr_threshold: float,
+    weight_sqnr_threshold: float,
+    onset_jump_db: float = DEFAULT_ONSET_JUMP_DB,
+) -> list[Finding]:
     findings = []
     propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
     for row in rows:
@@ -166,24 +169,36 @@ def low_sqnr_findings(rows: list[CompareRow], sqnr_threshold: float, weight_sqnr
             measured.append(f"propagated {row.sqnr_propagated:.1f} dB")
         if row.weight_sqnr is not None:
             measured.append(f"weight SQNR {row.weight_sqnr:.1f} dB")
-        worst = min(value for value in (local if activation_low else None, row.weight_sqnr if weight_low else None)
-                    if value is not None)
+        worst = min(
+            value
+            for value in (local if activation_low else None, row.weight_sqnr if weight_low else None)
+            if value is not None
+        )
         severity = Severity.ERROR if worst < _ERROR_SQNR_DB else Severity.WARNING
         message = (
             f"{row.name} ({row.kind}) quantizes poorly: {', '.join(measured)}; "
             f"thresholds are {sqnr_threshold:.0f} dB (activations) and {weight_sqnr_threshold:.0f} dB (weights). "
             f"Why: {why}. Fix: {fix}."
         )
-        findings.append(Finding(
-            rule=LOW_SQNR[0], name=LOW_SQNR[1], severity=severity, target=row.name, message=message,
-            data={
-                "kind": cause,
-                "local_sqnr_db": local, "local_source": source,
-                "sqnr_propagated_db": row.sqnr_propagated, "weight_sqnr_db": row.weight_sqnr,
-                "threshold_db": sqnr_threshold, "weight_threshold_db": weight_sqnr_threshold,
-            },
-            suggestion=_keep_float_suggestion(row.name, cause),
-        ))
+        findings.append(
+            Finding(
+                rule=LOW_SQNR[0],
+                name=LOW_SQNR[1],
+                severity=severity,
+                target=row.name,
+                message=message,
+                data={
+                    "kind": cause,
+                    "local_sqnr_db": local,
+                    "local_source": source,
+                    "sqnr_propagated_db": row.sqnr_propagated,
+                    "weight_sqnr_db": row.weight_sqnr,
+                    "threshold_db": sqnr_threshold,
+                    "weight_threshold_db": weight_sqnr_threshold,
+                },
+                suggestion=_keep_float_suggestion(row.name, cause),
+            )
+        )
     return findings
 
 
@@ -213,40 +228,63 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
             local_share = max(0.0, min(1.0, (noise_out - noise_in) / noise_out))
             local_text = "no shadow run was made, so the local part is estimated from the jump"
         inherited_text = (
-            f"{inherited:.1f} dB at its inputs ({', '.join(upstream)})" if upstream
-            else "exact model inputs"
+            f"{inherited:.1f} dB at its inputs ({', '.join(upstream)})" if upstream else "exact model inputs"
         )
         if local_share >= 0.5:
-            why = (f"{local_text}, so about {local_share:.0%} of the error here is added by this layer itself; "
-                   f"layers after it mostly inherit it")
-            fix = (f"fix {row.name} first (see QL301 for the cause: weights, clipping or range), "
-                   f"or keep it in float; re-run compare to find the next onset")
+            why = (
+                f"{local_text}, so about {local_share:.0%} of the error here is added by this layer itself; "
+                f"layers after it mostly inherit it"
+            )
+            fix = (
+                f"fix {row.name} first (see QL301 for the cause: weights, clipping or range), "
+                f"or keep it in float; re-run compare to find the next onset"
+            )
             kind = "local"
         else:
-            why = (f"{local_text}, so only about {local_share:.0%} of the error is added here: the layer "
-                   f"amplifies noise it receives")
-            fix = (f"improve the precision of its inputs ({', '.join(upstream) or 'model input'}) or keep "
-                   f"{row.name} in float; quantizing it alone is not the problem")
+            why = (
+                f"{local_text}, so only about {local_share:.0%} of the error is added here: the layer "
+                f"amplifies noise it receives"
+            )
+            fix = (
+                f"improve the precision of its inputs ({', '.join(upstream) or 'model input'}) or keep "
+                f"{row.name} in float; quantizing it alone is not the problem"
+            )
             kind = "amplified"
         message = (
             f"Error starts at {row.name} ({row.kind}): propagated SQNR falls from {inherited_text} to "
             f"{row.sqnr_propagated:.1f} dB here ({jump:.1f} dB jump, threshold {sqnr_threshold:.0f} dB). "
             f"Why: {why}. Fix: {fix}."
         )
-        findings.append(Finding(
-            rule=ERROR_ONSET[0], name=ERROR_ONSET[1], severity=Severity.WARNING, target=row.name, message=message,
-            data={
-                "kind": kind, "forward_index": position, "inherited_sqnr_db": inherited,
-                "sqnr_propagated_db": row.sqnr_propagated, "sqnr_shadow_db": row.sqnr_shadow,
-                "jump_db": jump, "local_share": local_share, "upstream": upstream,
-            },
-            suggestion=_keep_float_suggestion(row.name, "error-onset") if kind == "local" else None,
-        ))
+        findings.append(
+            Finding(
+                rule=ERROR_ONSET[0],
+                name=ERROR_ONSET[1],
+                severity=Severity.WARNING,
+                target=row.name,
+                message=message,
+                data={
+                    "kind": kind,
+                    "forward_index": position,
+                    "inherited_sqnr_db": inherited,
+                    "sqnr_propagated_db": row.sqnr_propagated,
+                    "sqnr_shadow_db": row.sqnr_shadow,
+                    "jump_db": jump,
+                    "local_share": local_share,
+                    "upstream": upstream,
+                },
+                suggestion=_keep_float_suggestion(row.name, "error-onset") if kind == "local" else None,
+            )
+        )
     return findings
 
 
-def diagnose(rows: list[CompareRow], *, sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
-             weight_sqnr_threshold: float = DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
-             onset_jump_db: float = DEFAULT_ONSET_JUMP_DB) -> list[Finding]:
-    return (low_sqnr_findings(rows, sqnr_threshold, weight_sqnr_threshold, onset_jump_db)
-            + error_onset_findings(rows, sqnr_threshold, onset_jump_db))
+def diagnose(
+    rows: list[CompareRow],
+    *,
+    sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
+    weight_sqnr_threshold: float = DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
+    onset_jump_db: float = DEFAULT_ONSET_JUMP_DB,
+) -> list[Finding]:
+    return low_sqnr_findings(rows, sqnr_threshold, weight_sqnr_threshold, onset_jump_db) + error_onset_findings(
+        rows, sqnr_threshold, onset_jump_db
+    )

@@ -9,7 +9,8 @@ quantization config that is deliberately bad for exactly one layer.
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Optional, cast
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -168,8 +169,9 @@ def image_batches(count: int, batch_size: int = 8, size: int = 16, seed: int = 0
     return [torch.randn(batch_size, 3, size, size, generator=generator) for _ in range(count)]
 
 
-def sequence_batches(count: int, batch_size: int = 4, steps: int = 12, features: int = 16,
-                     seed: int = 0) -> list[torch.Tensor]:
+def sequence_batches(
+    count: int, batch_size: int = 4, steps: int = 12, features: int = 16, seed: int = 0
+) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(batch_size, steps, features, generator=generator) for _ in range(count)]
 
@@ -189,14 +191,14 @@ def bad_layer_qconfig_mapping(layer: str, backend: str = "x86") -> QConfigMappin
     return get_default_qconfig_mapping(backend).set_module_name(layer, two_bit_weight_qconfig())
 
 
-def quantize_fx_ptq(model: nn.Module, data: Iterable, mapping: Optional[QConfigMapping] = None,
-                    backend: str = "x86") -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+def quantize_fx_ptq(
+    model: nn.Module, data: Iterable, mapping: QConfigMapping | None = None, backend: str = "x86"
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """(calibrated prepared model, converted int8 model), both built from copies of ``model``."""
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
     batches = list(data)
-    prepared = prepare_fx(copy.deepcopy(model).eval(), mapping or get_default_qconfig_mapping(backend),
-                          (batches[0],))
+    prepared = prepare_fx(copy.deepcopy(model).eval(), mapping or get_default_qconfig_mapping(backend), (batches[0],))
     with torch.no_grad():
         for batch in batches:
             prepared(batch)

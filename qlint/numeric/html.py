@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any
 
 from qlint.linter.findings import CompareRow, Report
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB
@@ -45,7 +46,7 @@ def _escape(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _number(value: Optional[float], digits: int = 1) -> str:
+def _number(value: float | None, digits: int = 1) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
@@ -68,15 +69,21 @@ def sqnr_chart_svg(rows: Sequence[CompareRow], threshold: float, width: int = 96
     def y(value: float) -> float:
         return top + plot_height * (1.0 - min(_clamp_db(value), ceiling) / ceiling)
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-             f'aria-label="per-layer SQNR">']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+        f'aria-label="per-layer SQNR">'
+    ]
     for tick in range(0, int(ceiling) + 1, 10):
         parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#eee"/>')
         parts.append(f'<text x="{left - 6}" y="{y(tick) + 4:.1f}" font-size="10" text-anchor="end">{tick}</text>')
-    parts.append(f'<text x="12" y="{top + plot_height / 2:.0f}" font-size="11" transform="rotate(-90 12 '
-                 f'{top + plot_height / 2:.0f})" text-anchor="middle">SQNR (dB)</text>')
-    parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(threshold):.1f}" y2="{y(threshold):.1f}" '
-                 f'stroke="{THRESHOLD_COLOR}" stroke-dasharray="6 4" stroke-width="1.5"/>')
+    parts.append(
+        f'<text x="12" y="{top + plot_height / 2:.0f}" font-size="11" transform="rotate(-90 12 '
+        f'{top + plot_height / 2:.0f})" text-anchor="middle">SQNR (dB)</text>'
+    )
+    parts.append(
+        f'<line x1="{left}" x2="{width - right}" y1="{y(threshold):.1f}" y2="{y(threshold):.1f}" '
+        f'stroke="{THRESHOLD_COLOR}" stroke-dasharray="6 4" stroke-width="1.5"/>'
+    )
     for attribute, color in (("sqnr_propagated", PROPAGATED_COLOR), ("sqnr_shadow", SHADOW_COLOR)):
         values = [getattr(row, attribute) for row in rows]
         points = [(x(i), y(value)) for i, value in enumerate(values) if value is not None]
@@ -84,42 +91,64 @@ def sqnr_chart_svg(rows: Sequence[CompareRow], threshold: float, width: int = 96
         # functional op) breaks the line instead of being bridged.
         for index in range(len(values) - 1):
             if values[index] is not None and values[index + 1] is not None:
-                parts.append(f'<line x1="{x(index):.1f}" y1="{y(values[index]):.1f}" x2="{x(index + 1):.1f}" '
-                             f'y2="{y(values[index + 1]):.1f}" stroke="{color}" stroke-width="2.5"/>')
+                parts.append(
+                    f'<line x1="{x(index):.1f}" y1="{y(values[index]):.1f}" x2="{x(index + 1):.1f}" '
+                    f'y2="{y(values[index + 1]):.1f}" stroke="{color}" stroke-width="2.5"/>'
+                )
         for px, py in points:
             parts.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="{color}"/>')
     for index, row in enumerate(rows):
         if row.weight_sqnr is not None:
-            parts.append(f'<rect x="{x(index) - 3:.1f}" y="{y(row.weight_sqnr) - 3:.1f}" width="6" height="6" '
-                         f'fill="{WEIGHT_COLOR}"/>')
+            parts.append(
+                f'<rect x="{x(index) - 3:.1f}" y="{y(row.weight_sqnr) - 3:.1f}" width="6" height="6" '
+                f'fill="{WEIGHT_COLOR}"/>'
+            )
         label_y = top + plot_height + 10
-        parts.append(f'<text x="{x(index):.1f}" y="{label_y}" font-size="10" text-anchor="end" '
-                     f'transform="rotate(-50 {x(index):.1f} {label_y})">{_escape(row.name)}</text>')
+        parts.append(
+            f'<text x="{x(index):.1f}" y="{label_y}" font-size="10" text-anchor="end" '
+            f'transform="rotate(-50 {x(index):.1f} {label_y})">{_escape(row.name)}</text>'
+        )
     parts.append(f'<rect x="{left}" y="{top}" width="{plot_width}" height="{plot_height}" fill="none" stroke="#999"/>')
     parts.append("</svg>")
     return "".join(parts)
 
 
-def histogram_svg(name: str, low: float, high: float, float_counts: Sequence[int],
-                  quantized_counts: Sequence[int], width: int = 300, height: int = 170) -> str:
+def histogram_svg(
+    name: str,
+    low: float,
+    high: float,
+    float_counts: Sequence[int],
+    quantized_counts: Sequence[int],
+    width: int = 300,
+    height: int = 170,
+) -> str:
     """Overlaid float/quantized histograms with log-scaled counts (tails stay visible)."""
     left, right, top, bottom = 8, 8, 20, 22
     plot_width, plot_height = width - left - right, height - top - bottom
     bins = max(1, len(float_counts))
     peak = math.log10(1 + max(list(float_counts) + list(quantized_counts) + [1]))
     bar = plot_width / bins
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-             f'aria-label="histogram {_escape(name)}">',
-             f'<text x="{left}" y="13" font-size="11" font-weight="600">{_escape(name)}</text>']
-    for counts, color, inset in ((float_counts, FLOAT_HISTOGRAM_COLOR, 0.0), (quantized_counts, QUANTIZED_HISTOGRAM_COLOR, 0.5)):
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+        f'aria-label="histogram {_escape(name)}">',
+        f'<text x="{left}" y="13" font-size="11" font-weight="600">{_escape(name)}</text>',
+    ]
+    for counts, color, inset in (
+        (float_counts, FLOAT_HISTOGRAM_COLOR, 0.0),
+        (quantized_counts, QUANTIZED_HISTOGRAM_COLOR, 0.5),
+    ):
         for index, count in enumerate(counts):
             if count <= 0:
                 continue
             bar_height = plot_height * math.log10(1 + count) / peak
             x = left + index * bar + inset * bar
-            parts.append(f'<rect x="{x:.1f}" y="{top + plot_height - bar_height:.1f}" width="{bar / 2:.2f}" '
-                         f'height="{bar_height:.1f}" fill="{color}"/>')
-    parts.append(f'<line x1="{left}" x2="{width - right}" y1="{top + plot_height}" y2="{top + plot_height}" stroke="#999"/>')
+            parts.append(
+                f'<rect x="{x:.1f}" y="{top + plot_height - bar_height:.1f}" width="{bar / 2:.2f}" '
+                f'height="{bar_height:.1f}" fill="{color}"/>'
+            )
+    parts.append(
+        f'<line x1="{left}" x2="{width - right}" y1="{top + plot_height}" y2="{top + plot_height}" stroke="#999"/>'
+    )
     parts.append(f'<text x="{left}" y="{height - 6}" font-size="10">{low:.3g}</text>')
     parts.append(f'<text x="{width - right}" y="{height - 6}" font-size="10" text-anchor="end">{high:.3g}</text>')
     parts.append("</svg>")
@@ -132,8 +161,15 @@ def _sensitivity_items(sensitivity: Sequence[Any]) -> list[dict[str, Any]]:
         if isinstance(entry, tuple):
             items.append({"name": entry[0], "score": float(entry[1])})
         else:
-            items.append({"name": entry.name, "score": entry.score, "flops_share": entry.flops_share,
-                          "params_share": entry.params_share, "local": entry.local_sqnr_db})
+            items.append(
+                {
+                    "name": entry.name,
+                    "score": entry.score,
+                    "flops_share": entry.flops_share,
+                    "params_share": entry.params_share,
+                    "local": entry.local_sqnr_db,
+                }
+            )
     return items
 
 
@@ -145,17 +181,25 @@ def sensitivity_svg(items: Sequence[Mapping[str, Any]], width: int = 640, bar_he
     decibels = [10.0 * math.log10(item["score"]) for item in shown]
     floor = min(decibels, default=-60.0) - 5.0
     span = max(1e-9, max(decibels, default=0.0) - floor)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-             f'aria-label="sensitivity ranking">']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+        f'aria-label="sensitivity ranking">'
+    ]
     for index, (item, value) in enumerate(zip(shown, decibels)):
         y = 8 + index * bar_height
         length = (width - label_width - right) * (value - floor) / span
-        parts.append(f'<text x="{label_width - 6}" y="{y + bar_height * 0.7:.1f}" font-size="11" '
-                     f'text-anchor="end">{_escape(item["name"])}</text>')
-        parts.append(f'<rect x="{label_width}" y="{y + 2}" width="{max(length, 1.0):.1f}" height="{bar_height - 4}" '
-                     f'fill="{SENSITIVITY_COLOR}"/>')
-        parts.append(f'<text x="{label_width + length + 4:.1f}" y="{y + bar_height * 0.7:.1f}" '
-                     f'font-size="10">{value:.1f} dB</text>')
+        parts.append(
+            f'<text x="{label_width - 6}" y="{y + bar_height * 0.7:.1f}" font-size="11" '
+            f'text-anchor="end">{_escape(item["name"])}</text>'
+        )
+        parts.append(
+            f'<rect x="{label_width}" y="{y + 2}" width="{max(length, 1.0):.1f}" height="{bar_height - 4}" '
+            f'fill="{SENSITIVITY_COLOR}"/>'
+        )
+        parts.append(
+            f'<text x="{label_width + length + 4:.1f}" y="{y + bar_height * 0.7:.1f}" '
+            f'font-size="10">{value:.1f} dB</text>'
+        )
     parts.append("</svg>")
     return "".join(parts)
 
@@ -165,15 +209,17 @@ def _findings_table(report: Report) -> str:
         return "<p>No findings.</p>"
     rows = "".join(
         f'<tr><td>{_escape(f.rule)}</td><td>{_escape(f.name)}</td><td class="{f.severity.value}">'
-        f'{_escape(f.severity.value)}</td><td>{_escape(f.target)}</td><td>{_escape(f.message)}</td></tr>'
+        f"{_escape(f.severity.value)}</td><td>{_escape(f.target)}</td><td>{_escape(f.message)}</td></tr>"
         for f in report.findings
     )
     return f"<table><tr><th>rule</th><th>name</th><th>severity</th><th>target</th><th>message</th></tr>{rows}</table>"
 
 
 def _layer_table(report: Report) -> str:
-    header = ("<tr><th>#</th><th>layer</th><th>kind</th><th>quantized</th><th>weight SQNR</th><th>propagated</th>"
-              "<th>shadow</th><th>cosine</th><th>max |err|</th><th>RMSE/scale</th></tr>")
+    header = (
+        "<tr><th>#</th><th>layer</th><th>kind</th><th>quantized</th><th>weight SQNR</th><th>propagated</th>"
+        "<th>shadow</th><th>cosine</th><th>max |err|</th><th>RMSE/scale</th></tr>"
+    )
     body = []
     for index, row in enumerate(report.compare_rows()):
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
@@ -196,27 +242,32 @@ def _sensitivity_table(items: Sequence[Mapping[str, Any]]) -> str:
         f"<td class=num>{100 * item['params_share']:.1f}%</td></tr>"
         for rank, item in enumerate(items)
     )
-    return ("<table><tr><th>rank</th><th>layer</th><th>score (noise/signal)</th><th>local SQNR</th>"
-            f"<th>FLOPs</th><th>params</th></tr>{rows}</table>")
+    return (
+        "<table><tr><th>rank</th><th>layer</th><th>score (noise/signal)</th><th>local SQNR</th>"
+        f"<th>FLOPs</th><th>params</th></tr>{rows}</table>"
+    )
 
 
 def _legend(entries: Sequence[tuple[str, str]]) -> str:
-    spans = "".join(f'<span><i class="swatch" style="background:{color}"></i>{_escape(label)}</span>'
-                    for label, color in entries)
+    spans = "".join(
+        f'<span><i class="swatch" style="background:{color}"></i>{_escape(label)}</span>' for label, color in entries
+    )
     return f'<div class="legend">{spans}</div>'
 
 
 def render_html(
     report: Report,
     *,
-    sensitivity: Optional[Sequence[Any]] = None,
-    histograms: Optional[Mapping[str, Any]] = None,
-    title: Optional[str] = None,
+    sensitivity: Sequence[Any] | None = None,
+    histograms: Mapping[str, Any] | None = None,
+    title: str | None = None,
     sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
 ) -> str:
     title = title or f"qlint numeric report: {report.model}"
-    counts = {severity: sum(1 for f in report.findings if f.severity.value == severity)
-              for severity in ("error", "warning", "info")}
+    counts = {
+        severity: sum(1 for f in report.findings if f.severity.value == severity)
+        for severity in ("error", "warning", "info")
+    }
     sections = [
         f"<h1>{_escape(title)}</h1>",
         f'<div class="meta">counterpart: {_escape(report.frontend)} &middot; backend: {_escape(report.backend)} '
@@ -225,8 +276,16 @@ def render_html(
     ]
     sections += [f'<p class="meta">{_escape(notice.message)}</p>' for notice in report.notices]
     sections.append("<h2>Per-layer SQNR (forward order)</h2>")
-    sections.append(_legend([("propagated", PROPAGATED_COLOR), ("shadow (local)", SHADOW_COLOR),
-                             ("weight", WEIGHT_COLOR), (f"threshold {sqnr_threshold:g} dB", THRESHOLD_COLOR)]))
+    sections.append(
+        _legend(
+            [
+                ("propagated", PROPAGATED_COLOR),
+                ("shadow (local)", SHADOW_COLOR),
+                ("weight", WEIGHT_COLOR),
+                (f"threshold {sqnr_threshold:g} dB", THRESHOLD_COLOR),
+            ]
+        )
+    )
     sections.append(f'<div id="sqnr-chart">{sqnr_chart_svg(report.compare_rows(), sqnr_threshold)}</div>')
     if histograms:
         sections.append("<h2>Float vs quantized activations (worst layers)</h2>")
@@ -238,25 +297,29 @@ def render_html(
     if sensitivity:
         items = _sensitivity_items(sensitivity)
         sections.append("<h2>Sensitivity ranking</h2>")
-        sections.append('<p class="meta">Estimated output noise, relative to the output signal, if only this '
-                        "layer were quantized (higher bars hurt more).</p>")
+        sections.append(
+            '<p class="meta">Estimated output noise, relative to the output signal, if only this '
+            "layer were quantized (higher bars hurt more).</p>"
+        )
         sections.append(f'<div id="sensitivity">{sensitivity_svg(items)}</div>')
         sections.append(_sensitivity_table(items))
     sections.append("<h2>Findings</h2>")
     sections.append(_findings_table(report))
     sections.append("<h2>Layers</h2>")
     sections.append(_layer_table(report))
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_escape(title)}</title>'
-            f"<style>{_STYLE}</style></head><body>{''.join(sections)}</body></html>")
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_escape(title)}</title>'
+        f"<style>{_STYLE}</style></head><body>{''.join(sections)}</body></html>"
+    )
 
 
 def write_html(
     report: Report,
-    path: Union[str, Path],
+    path: str | Path,
     *,
-    sensitivity: Optional[Sequence[Any]] = None,
-    histograms: Optional[Mapping[str, Any]] = None,
-    title: Optional[str] = None,
+    sensitivity: Sequence[Any] | None = None,
+    histograms: Mapping[str, Any] | None = None,
+    title: str | None = None,
     sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
 ) -> Path:
     """Write the report as one self-contained HTML file and return its path.
@@ -265,6 +328,8 @@ def write_html(
     ``histograms``: ``compare.activation_histograms()`` output.
     """
     path = Path(path)
-    path.write_text(render_html(report, sensitivity=sensitivity, histograms=histograms, title=title,
-                                sqnr_threshold=sqnr_threshold), encoding="utf-8")
+    path.write_text(
+        render_html(report, sensitivity=sensitivity, histograms=histograms, title=title, sqnr_threshold=sqnr_threshold),
+        encoding="utf-8",
+    )
     return path

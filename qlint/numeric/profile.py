@@ -13,8 +13,9 @@ from __future__ import annotations
 import csv
 import itertools
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union, cast
+from typing import Any, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -23,8 +24,8 @@ from torch import nn
 
 from qlint.core.batches import call_model
 from qlint.core.nested import first_tensor
-from qlint.core.preserve import preserved_state
 from qlint.core.ops import layer_kind
+from qlint.core.preserve import preserved_state
 from qlint.measure.matching import float_layer_modules, quantized_layer_modules
 from qlint.measure.metrics import finite_or_none
 
@@ -40,13 +41,13 @@ class ProfileRow(BaseModel):
     shape: list[int]
     dtype: str
     count: int
-    min: Optional[float]
-    max: Optional[float]
-    mean: Optional[float]
-    var: Optional[float]
-    scale: Optional[float] = None  # per-tensor scale, or the mean of per-channel scales
-    zero_point: Optional[int] = None
-    qscheme: Optional[str] = None
+    min: float | None
+    max: float | None
+    mean: float | None
+    var: float | None
+    scale: float | None = None  # per-tensor scale, or the mean of per-channel scales
+    zero_point: int | None = None
+    qscheme: str | None = None
 
 
 class _RunningStats:
@@ -58,9 +59,9 @@ class _RunningStats:
         self.high = -math.inf
         self.shape: list[int] = []
         self.dtype = ""
-        self.scale: Optional[float] = None
-        self.zero_point: Optional[int] = None
-        self.qscheme: Optional[str] = None
+        self.scale: float | None = None
+        self.zero_point: int | None = None
+        self.qscheme: str | None = None
 
     def update(self, tensor: torch.Tensor) -> None:
         if not self.dtype:
@@ -94,10 +95,19 @@ class _RunningStats:
         mean = None if empty else self.total / self.count
         var = None if mean is None else max(0.0, self.total_squares / self.count - mean * mean)
         return ProfileRow(
-            layer=layer, kind=kind, role=role, shape=self.shape, dtype=self.dtype or "unknown", count=self.count,
-            min=None if empty else finite_or_none(self.low), max=None if empty else finite_or_none(self.high),
-            mean=finite_or_none(mean), var=finite_or_none(var),
-            scale=self.scale, zero_point=self.zero_point, qscheme=self.qscheme,
+            layer=layer,
+            kind=kind,
+            role=role,
+            shape=self.shape,
+            dtype=self.dtype or "unknown",
+            count=self.count,
+            min=None if empty else finite_or_none(self.low),
+            max=None if empty else finite_or_none(self.high),
+            mean=finite_or_none(mean),
+            var=finite_or_none(var),
+            scale=self.scale,
+            zero_point=self.zero_point,
+            qscheme=self.qscheme,
         )
 
 
@@ -109,7 +119,11 @@ def _weights(module: nn.Module) -> list[torch.Tensor]:
         return list(cast(Any, module).get_weight().values())
     if isinstance(weight, torch.Tensor):
         return [weight.detach()]
-    if isinstance(module, nn.Sequential) and len(module) and isinstance(getattr(module[0], "weight", None), torch.Tensor):
+    if (
+        isinstance(module, nn.Sequential)
+        and len(module)
+        and isinstance(getattr(module[0], "weight", None), torch.Tensor)
+    ):
         return [cast(torch.Tensor, module[0].weight).detach()]  # float fused modules (ConvReLU2d) keep the conv first
     return []
 
@@ -120,7 +134,7 @@ def layer_modules(model: nn.Module) -> dict[str, nn.Module]:
     return quantized if quantized else float_layer_modules(model)
 
 
-def profile_model(model: nn.Module, data: Iterable, *, max_batches: Optional[int] = None) -> list[ProfileRow]:
+def profile_model(model: nn.Module, data: Iterable, *, max_batches: int | None = None) -> list[ProfileRow]:
     """Input/output/weight statistics of every layer of ``model`` over ``data``."""
     layers = layer_modules(model)
     stats: dict[tuple[str, str], _RunningStats] = {}
@@ -141,6 +155,7 @@ def profile_model(model: nn.Module, data: Iterable, *, max_batches: Optional[int
                 first_output = first_tensor(output)
                 if first_output is not None:
                     statistics(name, "output").update(first_output)
+
             guard.add_handle(module.register_forward_hook(hook))
         for batch in itertools.islice(data, max_batches):
             call_model(model, batch)
@@ -152,7 +167,7 @@ def profile_model(model: nn.Module, data: Iterable, *, max_batches: Optional[int
     ]
 
 
-def _number(value: Optional[float]) -> str:
+def _number(value: float | None) -> str:
     return "" if value is None else f"{value:.4g}"
 
 
@@ -162,14 +177,22 @@ def profile_table(rows: list[ProfileRow], title: str = "Per-op statistics") -> T
         table.add_column(column, justify="right" if column in ("min", "max", "mean", "var", "scale", "zp") else "left")
     for row in rows:
         table.add_row(
-            row.layer, row.kind, row.role, "x".join(str(size) for size in row.shape), row.dtype,
-            _number(row.min), _number(row.max), _number(row.mean), _number(row.var), _number(row.scale),
+            row.layer,
+            row.kind,
+            row.role,
+            "x".join(str(size) for size in row.shape),
+            row.dtype,
+            _number(row.min),
+            _number(row.max),
+            _number(row.mean),
+            _number(row.var),
+            _number(row.scale),
             "" if row.zero_point is None else str(row.zero_point),
         )
     return table
 
 
-def write_profile_csv(rows: list[ProfileRow], path: Union[str, Path]) -> Path:
+def write_profile_csv(rows: list[ProfileRow], path: str | Path) -> Path:
     path = Path(path)
     fields = list(ProfileRow.model_fields)
     with path.open("w", newline="") as handle:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -33,8 +34,8 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 from qlint.core.batches import as_call, batch_size, call_model, reiterable
 from qlint.core.nested import first_float, map_tensors, tensors_in
-from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
 from qlint.core.preserve import preserved_state
+from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
 from qlint.measure.capture import PairedRunner
 from qlint.measure.matching import MODULE_SITE, LayerMatch, match_layers
 
@@ -46,7 +47,7 @@ class SensitivityRow(BaseModel):
     kind: str
     score: float  # estimated output noise power / output signal power with only this layer quantized
     estimated_output_sqnr_db: float
-    local_sqnr_db: Optional[float]
+    local_sqnr_db: float | None
     flops: float
     flops_share: float
     params: int
@@ -67,8 +68,11 @@ def _example_inputs(batch: Any) -> tuple:
 
 
 def quantize_with_fx(
-    model: nn.Module, data: Iterable, backend: str = "x86",
-    qconfig_mapping: Optional[QConfigMapping] = None, max_batches: Optional[int] = None,
+    model: nn.Module,
+    data: Iterable,
+    backend: str = "x86",
+    qconfig_mapping: QConfigMapping | None = None,
+    max_batches: int | None = None,
 ) -> torch.fx.GraphModule:
     """prepare_fx + calibration over ``data`` + convert_fx, on a copy of ``model``."""
     mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
@@ -116,6 +120,7 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
                 counts[name][0] += 2.0 * gates * module.hidden_size * width * steps * module.num_layers / samples
             else:
                 counts[name][0] += float(out.numel()) / samples
+
         return hook
 
     with preserved_state(model) as guard, torch.no_grad():
@@ -128,8 +133,9 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
     return {name: (flops, params) for name, (flops, params) in counts.items()}
 
 
-def _probe_vectors(outputs: list[torch.Tensor], samples: int, probes: int, exact_limit: int,
-                   generator: torch.Generator):
+def _probe_vectors(
+    outputs: list[torch.Tensor], samples: int, probes: int, exact_limit: int, generator: torch.Generator
+):
     """(grad_outputs, weight) pairs whose weighted squared projections sum to ||J e||^2.
 
     When each sample's output has at most ``exact_limit`` elements (a classifier
@@ -153,12 +159,12 @@ def sensitivity_rows(
     model: nn.Module,
     data: Iterable,
     backend: str = "x86",
-    qconfig_mapping: Optional[QConfigMapping] = None,
+    qconfig_mapping: QConfigMapping | None = None,
     *,
-    quantized_model: Optional[nn.Module] = None,
+    quantized_model: nn.Module | None = None,
     probes: int = 8,
     exact_limit: int = 32,
-    max_batches: Optional[int] = None,
+    max_batches: int | None = None,
     seed: int = 0,
 ) -> list[SensitivityRow]:
     """Sensitivity of each quantized module layer, most sensitive first, with FLOPs/params shares."""
@@ -167,13 +173,22 @@ def sensitivity_rows(
     # Each step that runs the user's model opens a watching guard of its own (the paired
     # runner, the FLOP count); this one gives back RNG, logging and everything else.
     with preserved_state(*models, watch_parameters=False):
-        return _sensitivity_rows(model, data, backend, qconfig_mapping, quantized_model, probes, exact_limit,
-                                 max_batches, seed)
+        return _sensitivity_rows(
+            model, data, backend, qconfig_mapping, quantized_model, probes, exact_limit, max_batches, seed
+        )
 
 
-def _sensitivity_rows(model: nn.Module, data: Iterable, backend: str, qconfig_mapping: Optional[QConfigMapping],
-                      quantized_model: Optional[nn.Module], probes: int, exact_limit: int,
-                      max_batches: Optional[int], seed: int) -> list[SensitivityRow]:
+def _sensitivity_rows(
+    model: nn.Module,
+    data: Iterable,
+    backend: str,
+    qconfig_mapping: QConfigMapping | None,
+    quantized_model: nn.Module | None,
+    probes: int,
+    exact_limit: int,
+    max_batches: int | None,
+    seed: int,
+) -> list[SensitivityRow]:
     if quantized_model is None:
         quantized_model = quantize_with_fx(model, data, backend, qconfig_mapping, max_batches)
     match = match_layers(model, quantized_model)
@@ -189,8 +204,16 @@ def _sensitivity_rows(model: nn.Module, data: Iterable, backend: str, qconfig_ma
         errors.setdefault(layer.name, []).append(error)
         local[layer.name].add(reference, quantized)
 
-    runner = PairedRunner(model, quantized_model, match, propagated=False, shadow=False, isolated=True,
-                          on_isolated=on_isolated, float_grad=True)
+    runner = PairedRunner(
+        model,
+        quantized_model,
+        match,
+        propagated=False,
+        shadow=False,
+        isolated=True,
+        on_isolated=on_isolated,
+        float_grad=True,
+    )
     with runner:
         for index, batch in enumerate(data):
             if max_batches is not None and index >= max_batches:
@@ -198,19 +221,30 @@ def _sensitivity_rows(model: nn.Module, data: Iterable, backend: str, qconfig_ma
             errors.clear()
             float_output, _ = runner.run_batch(_requires_grad_inputs(batch))
             outputs = [tensor for tensor in _output_tensors(float_output) if tensor.grad_fn is not None]
-            output_power += sum(float(tensor.detach().double().pow(2).sum()) for tensor in _output_tensors(float_output))
-            targets = [(name, raw) for name, calls in runner.float_outputs.items() if name in errors
-                       for raw in calls[: len(errors[name])] if isinstance(raw, torch.Tensor) and raw.requires_grad]
+            output_power += sum(
+                float(tensor.detach().double().pow(2).sum()) for tensor in _output_tensors(float_output)
+            )
+            targets = [
+                (name, raw)
+                for name, calls in runner.float_outputs.items()
+                if name in errors
+                for raw in calls[: len(errors[name])]
+                if isinstance(raw, torch.Tensor) and raw.requires_grad
+            ]
             if not outputs or not targets:
                 continue
             samples = batch_size(batch)
             per_sample = all(tensor.dim() > 0 and tensor.shape[0] == samples for tensor in outputs) and all(
-                raw.dim() > 0 and raw.shape[0] == samples for _, raw in targets)
+                raw.dim() > 0 and raw.shape[0] == samples for _, raw in targets
+            )
             probe_list = list(_probe_vectors(outputs, samples if per_sample else 0, probes, exact_limit, generator))
             for probe_index, (vectors, weight) in enumerate(probe_list):
                 gradients = torch.autograd.grad(
-                    outputs, [raw for _, raw in targets], grad_outputs=vectors,
-                    retain_graph=probe_index < len(probe_list) - 1, allow_unused=True,
+                    outputs,
+                    [raw for _, raw in targets],
+                    grad_outputs=vectors,
+                    retain_graph=probe_index < len(probe_list) - 1,
+                    allow_unused=True,
                 )
                 call_index: dict[str, int] = {}
                 for (name, _), gradient in zip(targets, gradients):
@@ -233,13 +267,19 @@ def _sensitivity_rows(model: nn.Module, data: Iterable, backend: str, qconfig_ma
     for layer in match.layers:
         flops, params = costs.get(layer.name, (0.0, 0))
         noise = estimated[layer.name]
-        rows.append(SensitivityRow(
-            name=layer.name, kind=layer.kind,
-            score=noise / output_power if output_power > 0 else 0.0,
-            estimated_output_sqnr_db=sqnr_db_from_powers(output_power, noise),
-            local_sqnr_db=local[layer.name].sqnr_db(),
-            flops=flops, flops_share=flops / total_flops, params=params, params_share=params / total_params,
-        ))
+        rows.append(
+            SensitivityRow(
+                name=layer.name,
+                kind=layer.kind,
+                score=noise / output_power if output_power > 0 else 0.0,
+                estimated_output_sqnr_db=sqnr_db_from_powers(output_power, noise),
+                local_sqnr_db=local[layer.name].sqnr_db(),
+                flops=flops,
+                flops_share=flops / total_flops,
+                params=params,
+                params_share=params / total_params,
+            )
+        )
     rows.sort(key=lambda row: row.score, reverse=True)
     return rows
 
@@ -248,7 +288,7 @@ def sensitivity(
     model: nn.Module,
     data: Iterable,
     backend: str = "x86",
-    qconfig_mapping: Optional[QConfigMapping] = None,
+    qconfig_mapping: QConfigMapping | None = None,
     **options: Any,
 ) -> list[tuple[str, float]]:
     """(module fqn, score), most sensitive first; see ``sensitivity_rows`` for FLOPs/params shares."""
@@ -259,10 +299,10 @@ def exhaustive_sensitivity(
     model: nn.Module,
     data: Iterable,
     backend: str = "x86",
-    qconfig_mapping: Optional[QConfigMapping] = None,
+    qconfig_mapping: QConfigMapping | None = None,
     *,
-    layers: Optional[list[str]] = None,
-    max_batches: Optional[int] = None,
+    layers: list[str] | None = None,
+    max_batches: int | None = None,
 ) -> list[tuple[str, float]]:
     """The reference: quantize one layer at a time (others float) and measure output noise/signal."""
     data = reiterable(data, "exhaustive_sensitivity")
@@ -270,9 +310,14 @@ def exhaustive_sensitivity(
         return _exhaustive_sensitivity(model, data, backend, qconfig_mapping, layers, max_batches)
 
 
-def _exhaustive_sensitivity(model: nn.Module, data: Iterable, backend: str,
-                            qconfig_mapping: Optional[QConfigMapping], layers: Optional[list[str]],
-                            max_batches: Optional[int]) -> list[tuple[str, float]]:
+def _exhaustive_sensitivity(
+    model: nn.Module,
+    data: Iterable,
+    backend: str,
+    qconfig_mapping: QConfigMapping | None,
+    layers: list[str] | None,
+    max_batches: int | None,
+) -> list[tuple[str, float]]:
     mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
     resolved = prepare_fx(copy.deepcopy(model).eval(), mapping, _example_inputs(_first_batch(data)))
     if layers is None:
@@ -330,6 +375,11 @@ def top_k_spearman(reference: list[tuple[str, float]], estimate: list[tuple[str,
 
 
 __all__ = [
-    "SensitivityRow", "sensitivity", "sensitivity_rows", "exhaustive_sensitivity", "quantize_with_fx",
-    "spearman", "top_k_spearman",
+    "SensitivityRow",
+    "sensitivity",
+    "sensitivity_rows",
+    "exhaustive_sensitivity",
+    "quantize_with_fx",
+    "spearman",
+    "top_k_spearman",
 ]

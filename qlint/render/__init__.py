@@ -2,8 +2,8 @@
 
 from collections.abc import Callable
 
-from qlint.render.text import render_text
 from qlint.render.json import render_json
+from qlint.render.text import render_text
 
 FORMATS: dict[str, Callable[..., str]] = {"text": render_text, "json": render_json}
 

@@ -29,7 +29,7 @@ def _file_of(report: Report) -> str | None:
 
     uri = model_artifact_uri(report.model)
     if uri is None or uri.startswith("file:"):
-        return None if uri is None else uri[len("file://"):]
+        return None if uri is None else uri[len("file://") :]
     return uri
 
 
@@ -44,8 +44,10 @@ def render_github(report: Report) -> str:
         message = f"{finding.target}: {finding.message}"
         lines.append(f"::{_COMMAND[finding.severity]} {','.join(props)}::{escape_data(message)}")
     for skipped in report.skipped:
-        lines.append(f"::notice title={escape_property(f'{skipped.rule} skipped')}::"
-                     f"{escape_data(f'{skipped.rule} {skipped.name} was skipped: {skipped.reason}')}")
+        lines.append(
+            f"::notice title={escape_property(f'{skipped.rule} skipped')}::"
+            f"{escape_data(f'{skipped.rule} {skipped.name} was skipped: {skipped.reason}')}"
+        )
     for notice in report.notices:
         lines.append(f"::{_COMMAND[notice.level]} title=qlint::{escape_data(notice.message)}")
     return "\n".join(lines) + ("\n" if lines else "")

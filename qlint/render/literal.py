@@ -36,4 +36,3 @@ def printable(text: object) -> str:
     if value.isprintable():  # fast path: nothing to escape (spaces count as printable)
         return value
     return "".join(_escape(c) if unicodedata.category(c) in _ESCAPED_CATEGORIES else c for c in value)
-

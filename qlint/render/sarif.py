@@ -14,7 +14,7 @@ import json
 import re
 from importlib.metadata import PackageNotFoundError, metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from qlint.linter.findings import Finding, Report, Severity
 
@@ -25,7 +25,7 @@ MODEL_SUFFIXES = (".pt2", ".pt", ".pth", ".ep")
 _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "note"}
 
 
-def repository_url() -> Optional[str]:
+def repository_url() -> str | None:
     """The repository URL the installed qlint declares (``[project.urls]``), else None.
 
     SARIF viewers link to it; qlint never invents one."""
@@ -40,7 +40,7 @@ def repository_url() -> Optional[str]:
     return None
 
 
-def rule_help_uri(code: str) -> Optional[str]:
+def rule_help_uri(code: str) -> str | None:
     base = repository_url()
     return f"{base}/blob/main/docs/rules/{code}.md" if base else None
 
@@ -67,13 +67,18 @@ def _driver_rules(report: Report) -> list[dict[str, Any]]:
     for finding in report.findings:
         if finding.rule not in known:
             known.add(finding.rule)
-            rules.append({"id": finding.rule, "name": finding.name,
-                          "shortDescription": {"text": f"{finding.rule} {finding.name}"},
-                          "fullDescription": {"text": finding.name}})
+            rules.append(
+                {
+                    "id": finding.rule,
+                    "name": finding.name,
+                    "shortDescription": {"text": f"{finding.rule} {finding.name}"},
+                    "fullDescription": {"text": finding.name},
+                }
+            )
     return rules
 
 
-def model_artifact_uri(model: str) -> Optional[str]:
+def model_artifact_uri(model: str) -> str | None:
     """A relative (to the working directory) or file: URI for a model file, else None."""
     if not model or (":" in model and not Path(model).exists() and not model.lower().endswith(MODEL_SUFFIXES)):
         return None  # package.module:factory has no file
@@ -97,7 +102,7 @@ def _functional_names() -> set[str]:
 
 
 def _logical_kind(finding: Finding) -> str:
-    """"module" for a module fqn, "function" for a functional op's graph node name."""
+    """ "module" for a module fqn, "function" for a functional op's graph node name."""
     op = finding.data.get("op")
     if op in ("function", "method"):
         return "function"
@@ -109,10 +114,15 @@ def _logical_kind(finding: Finding) -> str:
     return "module"
 
 
-def _result(finding: Finding, rule_index: dict[str, int], artifact: Optional[str]) -> dict[str, Any]:
+def _result(finding: Finding, rule_index: dict[str, int], artifact: str | None) -> dict[str, Any]:
     location: dict[str, Any] = {
-        "logicalLocations": [{"fullyQualifiedName": finding.target, "name": finding.target.rpartition(".")[2],
-                              "kind": _logical_kind(finding)}],
+        "logicalLocations": [
+            {
+                "fullyQualifiedName": finding.target,
+                "name": finding.target.rpartition(".")[2],
+                "kind": _logical_kind(finding),
+            }
+        ],
     }
     if artifact is not None:
         location["physicalLocation"] = {"artifactLocation": {"uri": artifact, "index": 0}}
@@ -139,29 +149,44 @@ def to_sarif(report: Report) -> dict[str, Any]:
     artifact = model_artifact_uri(report.model)
     notifications: list[dict[str, Any]] = []
     for skipped in report.skipped:
-        notifications.append({
-            "level": "note",
-            "message": {"text": f"{skipped.rule} {skipped.name} skipped: {skipped.reason}"},
-            "descriptor": {"id": "qlint/skipped-rule"},
-            "associatedRule": {"id": skipped.rule, **({"index": rule_index[skipped.rule]}
-                                                      if skipped.rule in rule_index else {})},
-        })
+        notifications.append(
+            {
+                "level": "note",
+                "message": {"text": f"{skipped.rule} {skipped.name} skipped: {skipped.reason}"},
+                "descriptor": {"id": "qlint/skipped-rule"},
+                "associatedRule": {
+                    "id": skipped.rule,
+                    **({"index": rule_index[skipped.rule]} if skipped.rule in rule_index else {}),
+                },
+            }
+        )
     for notice in report.notices:
-        notifications.append({"level": _LEVEL[notice.level], "message": {"text": notice.message},
-                              "descriptor": {"id": "qlint/notice"}})
-    driver: dict[str, Any] = {"name": "qlint", "version": report.qlint_version,
-                              "semanticVersion": report.qlint_version, "rules": rules}
+        notifications.append(
+            {"level": _LEVEL[notice.level], "message": {"text": notice.message}, "descriptor": {"id": "qlint/notice"}}
+        )
+    driver: dict[str, Any] = {
+        "name": "qlint",
+        "version": report.qlint_version,
+        "semanticVersion": report.qlint_version,
+        "rules": rules,
+    }
     if repository_url():
         driver["informationUri"] = repository_url()
     run: dict[str, Any] = {
         "tool": {"driver": driver},
-        "invocations": [{
-            "executionSuccessful": True,
-            "toolExecutionNotifications": notifications,
-        }],
+        "invocations": [
+            {
+                "executionSuccessful": True,
+                "toolExecutionNotifications": notifications,
+            }
+        ],
         "results": [_result(f, rule_index, artifact) for f in report.findings],
-        "properties": {"model": report.model, "backend": report.backend, "frontend": report.frontend,
-                       "torchVersion": report.torch_version},
+        "properties": {
+            "model": report.model,
+            "backend": report.backend,
+            "frontend": report.frontend,
+            "torchVersion": report.torch_version,
+        },
     }
     if artifact is not None:
         run["artifacts"] = [{"location": {"uri": artifact}, "roles": ["analysisTarget"]}]

@@ -8,7 +8,6 @@ as it is spelled instead of crashing rich or recolouring the terminal.
 from __future__ import annotations
 
 import io
-from typing import Optional
 
 from rich.console import Console
 from rich.measure import Measurement
@@ -26,9 +25,17 @@ READABLE_WIDTH = 120
 MAX_NATURAL_WIDTH = 400
 
 
-def make_console(file=None, color: Optional[bool] = None, width: Optional[int] = None) -> Console:
-    return Console(file=file, force_terminal=color, no_color=color is False,
-                   width=width, soft_wrap=False, highlight=False, markup=False, emoji=False)
+def make_console(file=None, color: bool | None = None, width: int | None = None) -> Console:
+    return Console(
+        file=file,
+        force_terminal=color,
+        no_color=color is False,
+        width=width,
+        soft_wrap=False,
+        highlight=False,
+        markup=False,
+        emoji=False,
+    )
 
 
 def literal(text: object, style: str = "") -> Text:
@@ -36,8 +43,14 @@ def literal(text: object, style: str = "") -> Text:
     return Text(printable(text), style=style)
 
 
-def render_text(report: Report, *, color: Optional[bool] = False, width: Optional[int] = READABLE_WIDTH,
-                show_qconfig: bool = False, quiet: bool = False) -> str:
+def render_text(
+    report: Report,
+    *,
+    color: bool | None = False,
+    width: int | None = READABLE_WIDTH,
+    show_qconfig: bool = False,
+    quiet: bool = False,
+) -> str:
     """The report as text. ``width=None``: no terminal width is known (a pipe or a file), so
     findings wrap at READABLE_WIDTH and wide tables keep their natural width.
     ``quiet``: one line per finding and the summary, nothing else (pre-commit, CI)."""
@@ -50,8 +63,7 @@ def render_text(report: Report, *, color: Optional[bool] = False, width: Optiona
     return buffer.getvalue()
 
 
-def print_report(console: Console, report: Report, *, show_qconfig: bool = False,
-                 width: Optional[int] = None) -> None:
+def print_report(console: Console, report: Report, *, show_qconfig: bool = False, width: int | None = None) -> None:
     findings_width = width or READABLE_WIDTH
     console.print(_header(report), width=findings_width)
     trial = trial_line(report)
@@ -73,8 +85,7 @@ def print_report(console: Console, report: Report, *, show_qconfig: bool = False
     console.print(summary_line(report), width=findings_width)
 
 
-def print_quiet(console: Console, report: Report, *, show_qconfig: bool = False,
-                width: Optional[int] = None) -> None:
+def print_quiet(console: Console, report: Report, *, show_qconfig: bool = False, width: int | None = None) -> None:
     """``-q``: ``MODEL: severity RULE name TARGET: message`` per finding, warnings about the
     run itself, and the summary; no tables unless --show-qconfig asks for one."""
     model = printable(report.model)
@@ -86,8 +97,10 @@ def print_quiet(console: Console, report: Report, *, show_qconfig: bool = False,
             console.print(line, soft_wrap=True)
     for notice in report.notices:
         if notice.level.at_least(Severity.WARNING):
-            console.print(literal(f"{model}: {notice.level.value}: {notice.message}",
-                                  _STYLE.get(notice.level, "")), soft_wrap=True)
+            console.print(
+                literal(f"{model}: {notice.level.value}: {notice.message}", _STYLE.get(notice.level, "")),
+                soft_wrap=True,
+            )
     if show_qconfig and report.qconfig_table:
         _print_wide(console, _qconfig_table(report), width)
     console.print(literal(f"{model}: {summary_line(report)}"), soft_wrap=True)
@@ -99,7 +112,7 @@ def _header(report: Report) -> Text:
     return line
 
 
-def _print_wide(console: Console, table: Table, width: Optional[int]) -> None:
+def _print_wide(console: Console, table: Table, width: int | None) -> None:
     """At the terminal's width when there is one; otherwise at the table's natural width."""
     if width is None:
         natural = Measurement.get(console, console.options.update_width(MAX_NATURAL_WIDTH), table).maximum
@@ -118,16 +131,23 @@ def _findings_table(report: Report) -> Table:
     table.add_column("Message", ratio=1)
     for severity in (Severity.ERROR, Severity.WARNING, Severity.INFO):
         for finding in (f for f in report.findings if f.severity == severity):
-            cells = [literal(severity.value, _STYLE[severity]),
-                     Text("\n").join([literal(finding.rule), literal(finding.name)]), literal(finding.target)]
+            cells = [
+                literal(severity.value, _STYLE[severity]),
+                Text("\n").join([literal(finding.rule), literal(finding.name)]),
+                literal(finding.target),
+            ]
             if with_impact:
                 cells.append(Text("\n").join(literal(line) for line in impact_text(finding)))
             table.add_row(*cells, literal(finding.message))
     return table
 
 
-_BASIS = {"fix-trial": "fix trial", "keep-float-trial": "kept float", "rule-trial": "rule trial",
-          "local-error": "estimate"}
+_BASIS = {
+    "fix-trial": "fix trial",
+    "keep-float-trial": "kept float",
+    "rule-trial": "rule trial",
+    "local-error": "estimate",
+}
 
 
 def impact_text(finding: Finding) -> tuple[str, ...]:
@@ -140,16 +160,18 @@ def impact_text(finding: Finding) -> tuple[str, ...]:
     return (f"{impact.db:+.1f} dB", _BASIS[impact.basis])
 
 
-def trial_line(report: Report) -> Optional[str]:
+def trial_line(report: Report) -> str | None:
     trial = report.trial
     if trial is None:
         return None
     if not trial.converted:
         return f"trial quantization ({trial.backend}): failed at {trial.failed_stage}; see QL105."
     sqnr = "n/a" if trial.output_sqnr_db is None else f"{trial.output_sqnr_db:.1f} dB"
-    return (f"trial quantization ({trial.backend}, {trial.seconds:.1f} s, {trial.fix_trials} fix trials): "
-            f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}; output SQNR {sqnr}; "
-            f"int8 {trial.int8_ops}/{trial.weighted_ops} conv/linear/recurrent/attention ops.")
+    return (
+        f"trial quantization ({trial.backend}, {trial.seconds:.1f} s, {trial.fix_trials} fix trials): "
+        f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}; output SQNR {sqnr}; "
+        f"int8 {trial.int8_ops}/{trial.weighted_ops} conv/linear/recurrent/attention ops."
+    )
 
 
 def _layers_table(report: Report) -> Table:
@@ -158,25 +180,41 @@ def _layers_table(report: Report) -> Table:
         table.add_column(column)
     for row in report.lint_rows():
         value = "" if row.value is None else f"{row.value:.4g}"
-        table.add_row(*(literal(cell) for cell in (row.name, row.rule or "", row.statistic or "", value,
-                                                   row.verdict or "")))
+        table.add_row(
+            *(literal(cell) for cell in (row.name, row.rule or "", row.statistic or "", value, row.verdict or ""))
+        )
     return table
 
 
 def _qconfig_table(report: Report) -> Table:
     table = Table(title="Resolved qconfig per node", expand=False)
-    for column in ("Node", "Target", "Kind", "In dtype", "Out dtype", "Activation observer",
-                   "Weight observer", "ch_axis"):
+    for column in (
+        "Node",
+        "Target",
+        "Kind",
+        "In dtype",
+        "Out dtype",
+        "Activation observer",
+        "Weight observer",
+        "ch_axis",
+    ):
         table.add_column(column)
     for row in report.qconfig_table:
-        cells = (row.node, row.target, row.kind, _short(row.input_dtype), _short(row.output_dtype),
-                 row.activation_observer or "-", row.weight_observer or "-",
-                 "" if row.ch_axis is None else str(row.ch_axis))
+        cells = (
+            row.node,
+            row.target,
+            row.kind,
+            _short(row.input_dtype),
+            _short(row.output_dtype),
+            row.activation_observer or "-",
+            row.weight_observer or "-",
+            "" if row.ch_axis is None else str(row.ch_axis),
+        )
         table.add_row(*(literal(cell) for cell in cells))
     return table
 
 
-def _short(dtype: Optional[str]) -> str:
+def _short(dtype: str | None) -> str:
     return "-" if dtype is None else dtype.replace("torch.", "")
 
 
@@ -185,9 +223,11 @@ def summary_line(report: Report) -> str:
     if not report.findings:
         head = "No quantization problems found."
     else:
-        head = (f"Found {len(report.findings)} finding{'s' if len(report.findings) != 1 else ''}: "
-                f"{counts[Severity.ERROR]} error, {counts[Severity.WARNING]} warning, "
-                f"{counts[Severity.INFO]} info.")
+        head = (
+            f"Found {len(report.findings)} finding{'s' if len(report.findings) != 1 else ''}: "
+            f"{counts[Severity.ERROR]} error, {counts[Severity.WARNING]} warning, "
+            f"{counts[Severity.INFO]} info."
+        )
     if report.skipped:
         head += f" {len(report.skipped)} rule{'s' if len(report.skipped) != 1 else ''} skipped."
     return head + _impact_summary(report)
@@ -195,15 +235,23 @@ def summary_line(report: Report) -> str:
 
 def _impact_summary(report: Report) -> str:
     """The findings that matter most, by measured output-SQNR gain, and what fixing them recovers."""
-    gains = [f for f in report.findings if f.severity is not Severity.INFO and f.impact is not None
-             and f.impact.kind == "sqnr-gain" and f.impact.db > 0]
+    gains = [
+        f
+        for f in report.findings
+        if f.severity is not Severity.INFO and f.impact is not None and f.impact.kind == "sqnr-gain" and f.impact.db > 0
+    ]
     if not gains:
         return ""
     top = sorted(gains, key=lambda f: -f.impact.db if f.impact else 0.0)[:3]
-    text = " Top by impact: " + ", ".join(f"{f.rule} {printable(f.target)} {f.impact.db:+.1f} dB"
-                                          for f in top if f.impact) + "."
+    text = (
+        " Top by impact: "
+        + ", ".join(f"{f.rule} {printable(f.target)} {f.impact.db:+.1f} dB" for f in top if f.impact)
+        + "."
+    )
     trial = report.trial
     if trial is not None and trial.recoverable_db is not None and trial.fixed_sqnr_db is not None:
-        text += (f" Their qconfig fixes together: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
-                 f"({trial.recoverable_db:+.1f} dB, measured).")
+        text += (
+            f" Their qconfig fixes together: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
+            f"({trial.recoverable_db:+.1f} dB, measured)."
+        )
     return text

@@ -75,7 +75,7 @@ with magnitudes beyond float32 range put in the top finite bin.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -84,7 +84,12 @@ HISTOGRAM_SHAPE = (2, 256)
 # Fields grouped by dtype and merge operator; each group is stored packed in
 # one tensor, so a merge is a handful of tensor ops whatever the field count.
 _CHANNEL_COUNT_FIELDS = (  # int64 (C,), merge by add
-    "count", "nan_count", "inf_count", "percentile_ratio_batches", "zero_denominator_batches", "constant_batches"
+    "count",
+    "nan_count",
+    "inf_count",
+    "percentile_ratio_batches",
+    "zero_denominator_batches",
+    "constant_batches",
 )
 _CHANNEL_SUM_FIELDS = ("sum", "sum_of_squares", "percentile_ratio_sum")  # float64 (C,), add
 _BATCH_COUNT_FIELDS = ("batches", "range_batches")  # int64 scalars, add
@@ -119,7 +124,7 @@ class TensorStats:
     batches = _packed_row("_batch_counts", 0, "int64 scalar: batches observed (empty tensors are skipped)")
     range_batches = _packed_row("_batch_counts", 1, "int64 scalar: batches with at least one finite value")
 
-    def __init__(self, channel_axis: Optional[int], reference_percentile: float, **tensors: torch.Tensor):
+    def __init__(self, channel_axis: int | None, reference_percentile: float, **tensors: torch.Tensor):
         """Build from every field of ``TENSOR_FIELDS`` by name (see the class attributes)."""
         missing, unknown = set(TENSOR_FIELDS) - set(tensors), set(tensors) - set(TENSOR_FIELDS)
         if missing or unknown:
@@ -138,8 +143,18 @@ class TensorStats:
             batch_range_sum=tensors["batch_range_sum"].reshape(()).to(torch.float64),
         )
 
-    def _set(self, channel_axis, reference_percentile, *, extrema, channel_sums, channel_counts, histogram,
-             batch_counts, batch_range_sum) -> "TensorStats":
+    def _set(
+        self,
+        channel_axis,
+        reference_percentile,
+        *,
+        extrema,
+        channel_sums,
+        channel_counts,
+        histogram,
+        batch_counts,
+        batch_range_sum,
+    ) -> TensorStats:
         if not 0.0 < reference_percentile < 1.0:
             raise ValueError(f"reference_percentile must be in (0, 1), got {reference_percentile}")
         if tuple(histogram.shape) != HISTOGRAM_SHAPE:
@@ -153,18 +168,29 @@ class TensorStats:
         return self
 
     @classmethod
-    def _packed(cls, channel_axis: Optional[int], reference_percentile: float, **packed: torch.Tensor) -> "TensorStats":
+    def _packed(cls, channel_axis: int | None, reference_percentile: float, **packed: torch.Tensor) -> TensorStats:
         """Build from already packed tensors (the internal fast path)."""
         return cls.__new__(cls)._set(channel_axis, reference_percentile, **packed)
 
     def _packed_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(extrema=self._extrema, channel_sums=self._channel_sums, channel_counts=self._channel_counts,
-                    histogram=self.histogram, batch_counts=self._batch_counts, batch_range_sum=self.batch_range_sum)
+        return dict(
+            extrema=self._extrema,
+            channel_sums=self._channel_sums,
+            channel_counts=self._channel_counts,
+            histogram=self.histogram,
+            batch_counts=self._batch_counts,
+            batch_range_sum=self.batch_range_sum,
+        )
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def empty(cls, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, num_channels: int = 0,
-              device: torch.device | str | None = None) -> "TensorStats":
+    def empty(
+        cls,
+        channel_axis: int | None = 1,
+        reference_percentile: float = 0.975,
+        num_channels: int = 0,
+        device: torch.device | str | None = None,
+    ) -> TensorStats:
         """Stats of no batches: the identity element of :meth:`merge`."""
         f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
         i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
@@ -187,12 +213,12 @@ class TensorStats:
     def device(self) -> torch.device:
         return self._extrema.device
 
-    def to(self, device: torch.device | str) -> "TensorStats":
+    def to(self, device: torch.device | str) -> TensorStats:
         moved = {name: tensor.to(device) for name, tensor in self._packed_tensors().items()}
         return TensorStats._packed(self.channel_axis, self.reference_percentile, **moved)
 
     # ------------------------------------------------------------------ merge
-    def merge(self, other: "TensorStats") -> "TensorStats":
+    def merge(self, other: TensorStats) -> TensorStats:
         """Stats of this stream followed by ``other``'s; neither is mutated."""
         if other.channel_axis != self.channel_axis or other.reference_percentile != self.reference_percentile:
             raise ValueError(
@@ -212,8 +238,9 @@ class TensorStats:
             right = right._widened(left.num_channels)
         if left.num_channels != right.num_channels:
             raise ValueError(f"channel count changed from {left.num_channels} to {right.num_channels}")
-        extrema = torch.stack([torch.minimum(left.channel_min, right.channel_min),
-                               torch.maximum(left.channel_max, right.channel_max)])
+        extrema = torch.stack(
+            [torch.minimum(left.channel_min, right.channel_min), torch.maximum(left.channel_max, right.channel_max)]
+        )
         return TensorStats._packed(
             self.channel_axis,
             self.reference_percentile,
@@ -225,7 +252,7 @@ class TensorStats:
             batch_range_sum=left.batch_range_sum + right.batch_range_sum,
         )
 
-    def _widened(self, num_channels: int) -> "TensorStats":
+    def _widened(self, num_channels: int) -> TensorStats:
         """This (channel-less) stats object with identity values for ``num_channels``."""
         widened = TensorStats.empty(self.channel_axis, self.reference_percentile, num_channels, self.device)
         widened.histogram, widened._batch_counts = self.histogram, self._batch_counts
@@ -242,7 +269,7 @@ class TensorStats:
         return state
 
     @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor]) -> "TensorStats":
+    def from_state(cls, state: dict[str, torch.Tensor]) -> TensorStats:
         axis = state["channel_axis"].tolist()
         if len(axis) > 1:
             raise ValueError(f"channel_axis state must hold 0 or 1 value, got {axis}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Union
 
 import torch
 
@@ -45,8 +44,8 @@ _SHORT_RUN = 256
 # ones come from the allocator's free lists without page faults.
 _SCRATCH_FROM = 1 << 14
 
-PerChannel = Union[torch.Tensor, int]  # an int stands for the same count in every channel
-Dims = Union[int, tuple[int, int]]  # the dims a per-channel reduction runs over
+PerChannel = torch.Tensor | int  # an int stands for the same count in every channel
+Dims = int | tuple[int, int]  # the dims a per-channel reduction runs over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +62,8 @@ class BatchSummary:
     count: PerChannel
     nan_count: PerChannel
     inf_count: PerChannel
-    reference: Optional[torch.Tensor]  # None: the percentile was not requested
-    histogram: Optional[torch.Tensor]  # None: not requested
+    reference: torch.Tensor | None  # None: the percentile was not requested
+    histogram: torch.Tensor | None  # None: not requested
 
     @property
     def device(self) -> torch.device:
@@ -72,10 +71,17 @@ class BatchSummary:
 
 
 # ------------------------------------------------------------------ public API
-def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference_percentile: float, *,
-                     scratch: Optional[ScratchBuffers] = None, sync_free: Optional[bool] = None,
-                     percentile: bool = True, histogram: bool = True,
-                     percentile_sample: Optional[int] = PERCENTILE_SAMPLE) -> Optional[BatchSummary]:
+def summarize_values(
+    batch: torch.Tensor,
+    channel_axis: int | None,
+    reference_percentile: float,
+    *,
+    scratch: ScratchBuffers | None = None,
+    sync_free: bool | None = None,
+    percentile: bool = True,
+    histogram: bool = True,
+    percentile_sample: int | None = PERCENTILE_SAMPLE,
+) -> BatchSummary | None:
     """Reduce one floating batch to its :class:`BatchSummary` (None for an empty batch)."""
     if not batch.is_floating_point():
         raise TypeError(f"summarize_batch needs a floating tensor, got {batch.dtype}")
@@ -106,12 +112,12 @@ def summarize_values(batch: torch.Tensor, channel_axis: Optional[int], reference
 
 
 # -------------------------------------------------------------------- layout
-def channel_count(shape: tuple[int, ...], channel_axis: Optional[int]) -> int:
+def channel_count(shape: tuple[int, ...], channel_axis: int | None) -> int:
     """Channels of a tensor of this shape (see ``summarize_batch`` for short shapes)."""
     return _outer_channels_inner(tuple(shape), channel_axis)[1]
 
 
-def _outer_channels_inner(shape: tuple[int, ...], channel_axis: Optional[int]) -> tuple[int, int, int]:
+def _outer_channels_inner(shape: tuple[int, ...], channel_axis: int | None) -> tuple[int, int, int]:
     """Split a shape around its channel axis: (product before, channels, product after).
 
     A shape with too few dims for ``channel_axis`` is read as unbatched (leading singleton dims)."""
@@ -124,8 +130,9 @@ def _outer_channels_inner(shape: tuple[int, ...], channel_axis: Optional[int]) -
     return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
 
 
-def _reduction(values: torch.Tensor, outer: int, channels: int, inner: int,
-               scratch: ScratchBuffers) -> tuple[torch.Tensor, Dims]:
+def _reduction(
+    values: torch.Tensor, outer: int, channels: int, inner: int, scratch: ScratchBuffers
+) -> tuple[torch.Tensor, Dims]:
     """The batch and the dims to reduce for per-channel results: ``(values, channels)`` over
     dim 0, ``(channels, values)`` over dim 1, or ``(outer, channels, inner)`` over dims (0, 2);
     views where the batch's strides allow (as ``reshape`` decides).
@@ -152,8 +159,9 @@ def _all_values(data: torch.Tensor, dims: Dims) -> tuple[torch.Tensor, int]:
     return data.transpose(0, 1).reshape(data.shape[1], -1), 1
 
 
-def _group_maxima(data: torch.Tensor, dims: Dims, plan: SamplePlan, *,
-                  finite_only: bool = False) -> tuple[torch.Tensor, int]:
+def _group_maxima(
+    data: torch.Tensor, dims: Dims, plan: SamplePlan, *, finite_only: bool = False
+) -> tuple[torch.Tensor, int]:
     """Per channel the maxima of the plan's groups of sampled values, and the dim they lie along:
     ``(C, groups)`` along 1 or ``(groups, C)`` along 0.
 
@@ -177,9 +185,16 @@ def _group_maxima(data: torch.Tensor, dims: Dims, plan: SamplePlan, *,
 
 
 # ---------------------------------------------------------- finite fast path
-def _summarize_finite(data: torch.Tensor, dims: Dims, width: int, channels: int, q: float,
-                      sample_size: Optional[int], histogram: Optional[torch.Tensor],
-                      scratch: ScratchBuffers) -> Optional[BatchSummary]:
+def _summarize_finite(
+    data: torch.Tensor,
+    dims: Dims,
+    width: int,
+    channels: int,
+    q: float,
+    sample_size: int | None,
+    histogram: torch.Tensor | None,
+    scratch: ScratchBuffers,
+) -> BatchSummary | None:
     """Fast path for finite batches of moderate magnitude; None (after a host read) otherwise.
 
     ``sample_size`` 0: no percentile; None: the exact reference."""
@@ -204,8 +219,9 @@ def _summarize_finite(data: torch.Tensor, dims: Dims, width: int, channels: int,
             reference = maxima.kthvalue(plan.kth, dim=dim).values
         if channels == 1:
             reference = reference.view(())  # shaped like the other whole-tensor results
-    return BatchSummary(channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0,
-                        reference, histogram)
+    return BatchSummary(
+        channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0, reference, histogram
+    )
 
 
 def _sum_of_squares(data: torch.Tensor, dims: Dims, scratch: ScratchBuffers) -> torch.Tensor:
@@ -245,9 +261,16 @@ def _trusted_squares(sum_of_squares: torch.Tensor, channel_min: torch.Tensor, ch
 
 
 # --------------------------------------------------------------- general path
-def _summarize_any(data: torch.Tensor, dims: Dims, width: int, channels: int, q: float,
-                   sample_size: Optional[int], histogram: Optional[torch.Tensor],
-                   scratch: ScratchBuffers) -> BatchSummary:
+def _summarize_any(
+    data: torch.Tensor,
+    dims: Dims,
+    width: int,
+    channels: int,
+    q: float,
+    sample_size: int | None,
+    histogram: torch.Tensor | None,
+    scratch: ScratchBuffers,
+) -> BatchSummary:
     """General path: tolerates NaN/Inf, sums in float64 and never reads a device value back."""
     finite = torch.isfinite(data)
     nan_count = torch.isnan(data).sum(dims)
@@ -275,9 +298,18 @@ def _summarize_any(data: torch.Tensor, dims: Dims, width: int, channels: int, q:
         # A channel whose few finite values all escaped the sample has no estimate: its
         # maximum stands in (ratio 1, never an outlier).
         reference = torch.where(torch.isfinite(reference), reference, channel_max)
-    return BatchSummary(channels, data.masked_fill(~finite, math.inf).amin(dims), channel_max,
-                        finite_or_zero.sum(dims), finite_or_zero.square().sum(dims), count, nan_count, inf_count,
-                        reference, histogram)
+    return BatchSummary(
+        channels,
+        data.masked_fill(~finite, math.inf).amin(dims),
+        channel_max,
+        finite_or_zero.sum(dims),
+        finite_or_zero.square().sum(dims),
+        count,
+        nan_count,
+        inf_count,
+        reference,
+        histogram,
+    )
 
 
 def _sampled_finite_count(data: torch.Tensor, dims: Dims, plan: SamplePlan) -> torch.Tensor:
@@ -319,7 +351,7 @@ def histogram_of_key_counts(counts: torch.Tensor) -> torch.Tensor:
     return histogram
 
 
-def _count_keys(keys: torch.Tensor, num_bins: int, avoid_sync: Optional[bool] = None) -> torch.Tensor:
+def _count_keys(keys: torch.Tensor, num_bins: int, avoid_sync: bool | None = None) -> torch.Tensor:
     """Occurrences of each key in [0, num_bins), as int64."""
     if avoid_sync is None:
         avoid_sync = keys.device.type != "cpu"

@@ -8,8 +8,6 @@ that checks every rank agrees on the settings and the channel count.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -20,7 +18,7 @@ _MAX_FIELDS = ("channel_max",)
 _SUM_FIELDS = tuple(name for name in TENSOR_FIELDS if name not in _MIN_FIELDS + _MAX_FIELDS)
 
 
-def all_reduce_stats(stats: TensorStats, group: Optional[dist.ProcessGroup] = None) -> TensorStats:
+def all_reduce_stats(stats: TensorStats, group: dist.ProcessGroup | None = None) -> TensorStats:
     """Merge ``stats`` over all ranks of ``group``; every rank gets the same result.
 
     Must be called by every rank of the group (it is a collective). Ranks that
@@ -48,7 +46,7 @@ def all_reduce_stats(stats: TensorStats, group: Optional[dist.ProcessGroup] = No
     return TensorStats(stats.channel_axis, stats.reference_percentile, **merged).to(home_device)
 
 
-def _communication_device(group: Optional[dist.ProcessGroup], home: torch.device) -> torch.device:
+def _communication_device(group: dist.ProcessGroup | None, home: torch.device) -> torch.device:
     backend = dist.get_backend(group)
     if backend == "nccl" and home.type != "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -57,7 +55,7 @@ def _communication_device(group: Optional[dist.ProcessGroup], home: torch.device
     return home
 
 
-def _agreed_channel_count(stats: TensorStats, group: Optional[dist.ProcessGroup], device: torch.device) -> int:
+def _agreed_channel_count(stats: TensorStats, group: dist.ProcessGroup | None, device: torch.device) -> int:
     """Check settings agree across ranks and return the channel count (0: no rank has data)."""
     axis_code = float("inf") if stats.channel_axis is None else float(stats.channel_axis)
     channels = stats.num_channels
@@ -91,7 +89,7 @@ def _agreed_channel_count(stats: TensorStats, group: Optional[dist.ProcessGroup]
 
 
 def _all_reduce_fields(
-    stats: TensorStats, fields: tuple[str, ...], op: dist.ReduceOp.RedOpType, group: Optional[dist.ProcessGroup]
+    stats: TensorStats, fields: tuple[str, ...], op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None
 ) -> dict[str, torch.Tensor]:
     """All-reduce ``fields`` with ``op``, packing those of one dtype into one buffer."""
     result: dict[str, torch.Tensor] = {}

@@ -14,7 +14,7 @@ arithmetic (float64 sums up to re-association).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -36,7 +36,7 @@ class RunningStats:
     _FLOAT_ROWS = ("channel_min", "channel_max", "sum", "sum_of_squares", "reference")
     _COUNT_ROWS = ("count", "nan_count", "inf_count")
 
-    def __init__(self, channels: int, device: torch.device | str, capacity: Optional[int] = None) -> None:
+    def __init__(self, channels: int, device: torch.device | str, capacity: int | None = None) -> None:
         capacity = capacity if capacity is not None else FOLD_EVERY
         self.channels, self.device, self.capacity = channels, torch.device(device), capacity
         f64: dict[str, Any] = dict(dtype=torch.float64, device=self.device)
@@ -45,10 +45,10 @@ class RunningStats:
         self._pending_rows = self._pending.unbind(0)  # per-batch views, made once
         # Finite batches have one count for every channel and no NaN/Inf: kept as plain
         # ints (None: that batch's counts are in _pending_counts, made with the first such batch).
-        self._uniform_counts: list[Optional[int]] = [None] * capacity
-        self._pending_counts: Optional[torch.Tensor] = None
+        self._uniform_counts: list[int | None] = [None] * capacity
+        self._pending_counts: torch.Tensor | None = None
         self._size = 0
-        self._with_reference: Optional[bool] = None
+        self._with_reference: bool | None = None
         # Totals, laid out as TensorStats packs them.
         self._extrema = torch.tensor([[float("inf")], [float("-inf")]], **f64).expand(2, channels).clone()
         self._channel_sums = torch.zeros(3, channels, **f64)  # sum, sum of squares, ratio sum
@@ -67,16 +67,23 @@ class RunningStats:
 
     def add(self, summary: BatchSummary) -> None:
         if not self.accepts(summary):
-            raise ValueError(f"summary of {summary.channels} channels on {summary.device} does not fit running "
-                             f"stats of {self.channels} channels on {self.device}")
+            raise ValueError(
+                f"summary of {summary.channels} channels on {summary.device} does not fit running "
+                f"stats of {self.channels} channels on {self.device}"
+            )
         with_reference = summary.reference is not None
         if self._with_reference is None:
             self._with_reference = with_reference
         elif with_reference != self._with_reference:
             raise ValueError("summaries with and without the percentile cannot share a stream")
         row = self._size
-        floats = [summary.channel_min, summary.channel_max, summary.sum, summary.sum_of_squares,
-                  summary.reference if summary.reference is not None else summary.channel_max]  # the last row is unused then
+        floats = [
+            summary.channel_min,
+            summary.channel_max,
+            summary.sum,
+            summary.sum_of_squares,
+            summary.reference if summary.reference is not None else summary.channel_max,
+        ]  # the last row is unused then
         # Stacked in the summary's dtype, then copied: a stack straight into float64 is ~3x slower.
         stacked = torch.stack(floats)
         self._pending_rows[row].copy_(stacked if stacked.dim() == 2 else stacked.unsqueeze(1))
@@ -86,10 +93,12 @@ class RunningStats:
         else:
             self._uniform_counts[row] = None
             if self._pending_counts is None:
-                self._pending_counts = torch.zeros(self.capacity, len(self._COUNT_ROWS), self.channels,
-                                                   dtype=torch.int64, device=self.device)
-            torch.stack([_per_channel(value, self.channels, self.device) for value in counts],
-                        out=self._pending_counts[row])
+                self._pending_counts = torch.zeros(
+                    self.capacity, len(self._COUNT_ROWS), self.channels, dtype=torch.int64, device=self.device
+                )
+            torch.stack(
+                [_per_channel(value, self.channels, self.device) for value in counts], out=self._pending_counts[row]
+            )
         if summary.histogram is not None:
             self._histogram += summary.histogram
         self._size += 1
@@ -97,13 +106,19 @@ class RunningStats:
         if self._size == self.capacity:
             self._fold()
 
-    def stats(self, channel_axis: Optional[int], q: float) -> TensorStats:
+    def stats(self, channel_axis: int | None, q: float) -> TensorStats:
         """The ``TensorStats`` of every batch added so far."""
         self._fold()
         return TensorStats._packed(
-            channel_axis, q, extrema=self._extrema.clone(), channel_sums=self._channel_sums.clone(),
-            channel_counts=self._channel_counts.clone(), histogram=self._histogram.clone(),
-            batch_counts=self._batch_counts.clone(), batch_range_sum=self._batch_range_sum.clone())
+            channel_axis,
+            q,
+            extrema=self._extrema.clone(),
+            channel_sums=self._channel_sums.clone(),
+            channel_counts=self._channel_counts.clone(),
+            histogram=self._histogram.clone(),
+            batch_counts=self._batch_counts.clone(),
+            batch_range_sum=self._batch_range_sum.clone(),
+        )
 
     def _fold(self) -> None:
         """Add the pending rows to the totals (in place) and empty them."""
@@ -136,8 +151,9 @@ class RunningStats:
             if has_values is not None:
                 counted, zero_denominator = counted & has_values, zero_denominator & has_values
             self._channel_sums[2] += torch.where(counted, channel_max / reference, 0.0).sum(0)
-            self._channel_counts[3:] += torch.stack([counted, zero_denominator, constant if has_values is None
-                                                     else constant & has_values]).sum(1)
+            self._channel_counts[3:] += torch.stack(
+                [counted, zero_denominator, constant if has_values is None else constant & has_values]
+            ).sum(1)
         else:  # percentile not requested: no batch counts towards it
             self._channel_counts[5] += (constant if has_values is None else constant & has_values).sum(0)
         batch_range = channel_max.amax(1) - channel_min.amin(1)
@@ -158,10 +174,17 @@ def _per_channel(value: PerChannel, channels: int, device: torch.device) -> torc
     return value.view(channels)
 
 
-def summarize_batch(batch: torch.Tensor, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, *,
-                    scratch: Optional[ScratchBuffers] = None, sync_free: Optional[bool] = None,
-                    percentile: bool = True, histogram: bool = True,
-                    percentile_sample: Optional[int] = PERCENTILE_SAMPLE) -> TensorStats:
+def summarize_batch(
+    batch: torch.Tensor,
+    channel_axis: int | None = 1,
+    reference_percentile: float = 0.975,
+    *,
+    scratch: ScratchBuffers | None = None,
+    sync_free: bool | None = None,
+    percentile: bool = True,
+    histogram: bool = True,
+    percentile_sample: int | None = PERCENTILE_SAMPLE,
+) -> TensorStats:
     """Stats of one batch, on the batch's device.
 
     ``channel_axis`` may be negative; a tensor with too few dimensions for it
@@ -177,8 +200,16 @@ def summarize_batch(batch: torch.Tensor, channel_axis: Optional[int] = 1, refere
     the most values per channel the reference quantile is estimated from
     (None: always exact); see :mod:`qlint.stats.selection`.
     """
-    summary = summarize_values(batch, channel_axis, reference_percentile, scratch=scratch, sync_free=sync_free,
-                               percentile=percentile, histogram=histogram, percentile_sample=percentile_sample)
+    summary = summarize_values(
+        batch,
+        channel_axis,
+        reference_percentile,
+        scratch=scratch,
+        sync_free=sync_free,
+        percentile=percentile,
+        histogram=histogram,
+        percentile_sample=percentile_sample,
+    )
     if summary is None:
         return TensorStats.empty(channel_axis, reference_percentile, device=batch.device)
     running = RunningStats(summary.channels, summary.device, capacity=1)
@@ -186,10 +217,23 @@ def summarize_batch(batch: torch.Tensor, channel_axis: Optional[int] = 1, refere
     return running.stats(channel_axis, reference_percentile)
 
 
-def update_stats(stats: TensorStats, batch: torch.Tensor, scratch: Optional[ScratchBuffers] = None, *,
-                 percentile: bool = True, histogram: bool = True,
-                 percentile_sample: Optional[int] = PERCENTILE_SAMPLE) -> TensorStats:
+def update_stats(
+    stats: TensorStats,
+    batch: torch.Tensor,
+    scratch: ScratchBuffers | None = None,
+    *,
+    percentile: bool = True,
+    histogram: bool = True,
+    percentile_sample: int | None = PERCENTILE_SAMPLE,
+) -> TensorStats:
     """Pure update: ``stats`` followed by one batch (``stats`` is not mutated)."""
-    batch_stats = summarize_batch(batch, stats.channel_axis, stats.reference_percentile, scratch=scratch,
-                                  percentile=percentile, histogram=histogram, percentile_sample=percentile_sample)
+    batch_stats = summarize_batch(
+        batch,
+        stats.channel_axis,
+        stats.reference_percentile,
+        scratch=scratch,
+        percentile=percentile,
+        histogram=histogram,
+        percentile_sample=percentile_sample,
+    )
     return stats.merge(batch_stats)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ def thread_scratch_buffers() -> ScratchBuffers:
     return buffers
 
 
-def _recent_summary(value: torch.Tensor, settings: tuple) -> Optional[BatchSummary]:
+def _recent_summary(value: torch.Tensor, settings: tuple) -> BatchSummary | None:
     """The summary made for this very tensor (same object, unchanged since) with these settings, if recent."""
     recent = getattr(_thread_local, "recent", None)
     entry = recent.get((id(value), settings)) if recent is not None else None
@@ -81,9 +81,16 @@ class StatsObserver(nn.Module):
     shared by all observers of a thread (see :func:`thread_scratch_buffers`).
     """
 
-    def __init__(self, channel_axis: Optional[int] = 1, reference_percentile: float = 0.975, *,
-                 percentile: bool = True, histogram: bool = True, expected_channels: Optional[int] = None,
-                 percentile_sample: Optional[int] = PERCENTILE_SAMPLE):
+    def __init__(
+        self,
+        channel_axis: int | None = 1,
+        reference_percentile: float = 0.975,
+        *,
+        percentile: bool = True,
+        histogram: bool = True,
+        expected_channels: int | None = None,
+        percentile_sample: int | None = PERCENTILE_SAMPLE,
+    ):
         super().__init__()
         self.channel_axis = channel_axis
         self.reference_percentile = reference_percentile
@@ -92,8 +99,7 @@ class StatsObserver(nn.Module):
         self.percentile_sample = percentile_sample
         # Stats given through the setter (a saved state), then the batches observed since.
         self._base = TensorStats.empty(channel_axis, reference_percentile)
-        self._running: Optional[RunningStats] = (
-            RunningStats(expected_channels, "cpu") if expected_channels else None)
+        self._running: RunningStats | None = RunningStats(expected_channels, "cpu") if expected_channels else None
 
     @property
     def stats(self) -> TensorStats:
@@ -118,13 +124,24 @@ class StatsObserver(nn.Module):
         channels = channel_count(value.shape, self.channel_axis)
         if width and channels != width:
             raise ValueError(f"channel count changed from {width} to {channels}")
-        settings = (self.channel_axis, self.reference_percentile, self.percentile, self.histogram,
-                    self.percentile_sample)
+        settings = (
+            self.channel_axis,
+            self.reference_percentile,
+            self.percentile,
+            self.histogram,
+            self.percentile_sample,
+        )
         summary = _recent_summary(value, settings)
         if summary is None:
-            summary = summarize_values(value, self.channel_axis, self.reference_percentile,
-                                       scratch=thread_scratch_buffers(), percentile=self.percentile,
-                                       histogram=self.histogram, percentile_sample=self.percentile_sample)
+            summary = summarize_values(
+                value,
+                self.channel_axis,
+                self.reference_percentile,
+                scratch=thread_scratch_buffers(),
+                percentile=self.percentile,
+                histogram=self.histogram,
+                percentile_sample=self.percentile_sample,
+            )
             if summary is None:
                 return  # an empty batch: forward() only passes non-empty ones
             _remember_summary(value, settings, summary)

@@ -16,11 +16,27 @@ builds the same global report.
 
 from qlint.linter.calibration.collect import CalibrationOptions, collect_statistics
 from qlint.linter.calibration.observers import DEFAULT_REFERENCE_PERCENTILE, insert_hook_observers, insert_observers
-from qlint.linter.calibration.points import (FEATURES, ObservationPoint, resolve_channel_axis, resolve_point_needs,
-                                            resolve_points)
+from qlint.linter.calibration.points import (
+    FEATURES,
+    ObservationPoint,
+    resolve_channel_axis,
+    resolve_point_needs,
+    resolve_points,
+)
 from qlint.linter.calibration.run import run_calibration
 from qlint.linter.calibration.statistics import CalibrationStatistics
 
-__all__ = ["DEFAULT_REFERENCE_PERCENTILE", "FEATURES", "CalibrationOptions", "CalibrationStatistics",
-           "ObservationPoint", "collect_statistics", "insert_hook_observers", "insert_observers",
-           "resolve_channel_axis", "resolve_point_needs", "resolve_points", "run_calibration"]
+__all__ = [
+    "DEFAULT_REFERENCE_PERCENTILE",
+    "FEATURES",
+    "CalibrationOptions",
+    "CalibrationStatistics",
+    "ObservationPoint",
+    "collect_statistics",
+    "insert_hook_observers",
+    "insert_observers",
+    "resolve_channel_axis",
+    "resolve_point_needs",
+    "resolve_points",
+    "run_calibration",
+]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from qlint.core.preserve import preserved_state
 from qlint.errors import ConfigError, EmptyCalibrationError
@@ -22,13 +23,13 @@ class CalibrationOptions:
     """How calibration runs (``lint(..., calibration_options=...)`` takes these as a dict)."""
 
     quiet: bool = False  # no progress bar
-    num_batches: Optional[int] = None  # run at most this many batches
-    distributed: Optional[bool] = None  # True: merge across ranks; False: never; None: when initialized
+    num_batches: int | None = None  # run at most this many batches
+    distributed: bool | None = None  # True: merge across ranks; False: never; None: when initialized
     group: Any = None  # the torch.distributed process group to merge over
     shard: bool = False  # each rank takes every world_size-th batch of the same data
 
     @classmethod
-    def of(cls, options: Union[None, "CalibrationOptions", Mapping[str, Any]]) -> "CalibrationOptions":
+    def of(cls, options: None | CalibrationOptions | Mapping[str, Any]) -> CalibrationOptions:
         if options is None:
             return cls()
         if isinstance(options, CalibrationOptions):
@@ -36,14 +37,16 @@ class CalibrationOptions:
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(str(key) for key in options if key not in known)
         if unknown:
-            raise ConfigError(f"unknown calibration option(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
+            raise ConfigError(f"unknown calibration option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**dict(options))
 
 
-def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
-                       options: Union[None, CalibrationOptions, Mapping[str, Any]] = None
-                       ) -> tuple[CalibrationStatistics, list[Notice]]:
+def collect_statistics(
+    analysis: Any,
+    rules: Sequence[Rule],
+    calibration: Any,
+    options: None | CalibrationOptions | Mapping[str, Any] = None,
+) -> tuple[CalibrationStatistics, list[Notice]]:
     """Observe the analysis copy's tensor points while ``calibration`` runs through it."""
     opts = CalibrationOptions.of(options)
     graph = analysis.graph
@@ -63,8 +66,9 @@ def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
         if ranks.distributed and opts.shard:
             batches = shard(batches, ranks)
         try:
-            count = run_calibration(observed, batches, quiet=opts.quiet or ranks.rank != 0,
-                                    total=batch_total(calibration, opts.num_batches))
+            count = run_calibration(
+                observed, batches, quiet=opts.quiet or ranks.rank != 0, total=batch_total(calibration, opts.num_batches)
+            )
         finally:
             for handle in hooks:
                 handle.remove()
@@ -73,10 +77,16 @@ def collect_statistics(analysis: Any, rules: Sequence[Rule], calibration: Any,
     if ranks.distributed:
         stats, count = all_reduce(stats, count, ranks)
     if count == 0:
-        raise EmptyCalibrationError("calibration data is empty: it yielded no batch "
-                                    "(pass a tensor, a list of batches or a non-empty folder)")
-    notices = [Notice(message=f"calibration: cannot observe {point.side} {point.index} of {point.node}; "
-                              "rules that need it skip that layer") for point in skipped]
+        raise EmptyCalibrationError(
+            "calibration data is empty: it yielded no batch (pass a tensor, a list of batches or a non-empty folder)"
+        )
+    notices = [
+        Notice(
+            message=f"calibration: cannot observe {point.side} {point.index} of {point.node}; "
+            "rules that need it skip that layer"
+        )
+        for point in skipped
+    ]
     return CalibrationStatistics(graph, stats, count, ranks.world_size), notices
 
 

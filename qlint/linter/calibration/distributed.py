@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ class RankGroup:
         return self.world_size > 1
 
 
-def rank_group(wanted: Optional[bool], group: Any = None) -> RankGroup:
+def rank_group(wanted: bool | None, group: Any = None) -> RankGroup:
     """The group to merge over: ``wanted`` True insists, False refuses, None follows torch.distributed."""
     if wanted is False:
         return RankGroup()
@@ -43,8 +44,9 @@ def shard(batches: Iterable[Any], ranks: RankGroup) -> Iterator[Any]:
     return (batch for number, batch in enumerate(batches) if number % ranks.world_size == ranks.rank)
 
 
-def all_reduce(stats: dict[ObservationPoint, TensorStats], count: int, ranks: RankGroup
-               ) -> tuple[dict[ObservationPoint, TensorStats], int]:
+def all_reduce(
+    stats: dict[ObservationPoint, TensorStats], count: int, ranks: RankGroup
+) -> tuple[dict[ObservationPoint, TensorStats], int]:
     """Statistics and batch count over every rank; each rank ends with the same values."""
     import torch.distributed as dist
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch.fx as fx
 import torch.nn as nn
@@ -18,17 +19,25 @@ DEFAULT_REFERENCE_PERCENTILE = 0.975
 _OBSERVER_PREFIX = "qlint_stats_observer_"
 
 
-def _new_observer(point: ObservationPoint, reference_percentile: float,
-                  needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]],
-                  traced_shape: Optional[Sequence[Any]]) -> StatsObserver:
+def _new_observer(
+    point: ObservationPoint,
+    reference_percentile: float,
+    needs: Mapping[ObservationPoint, tuple[bool, bool]] | None,
+    traced_shape: Sequence[Any] | None,
+) -> StatsObserver:
     """Without ``needs`` an observer computes everything; with it, only what its rules read.
     ``traced_shape``: the observed tensor's shape as shape propagation saw it, if known."""
     percentile, histogram = needs.get(point, (True, True)) if needs is not None else (True, True)
-    return StatsObserver(point.channel_axis, reference_percentile, percentile=percentile, histogram=histogram,
-                         expected_channels=_traced_channels(traced_shape, point.channel_axis))
+    return StatsObserver(
+        point.channel_axis,
+        reference_percentile,
+        percentile=percentile,
+        histogram=histogram,
+        expected_channels=_traced_channels(traced_shape, point.channel_axis),
+    )
 
 
-def _traced_channels(shape: Optional[Sequence[Any]], channel_axis: Optional[int]) -> Optional[int]:
+def _traced_channels(shape: Sequence[Any] | None, channel_axis: int | None) -> int | None:
     """The channel count of a tensor of the traced ``shape`` (None: unknown)."""
     if shape is None:
         return None
@@ -38,13 +47,16 @@ def _traced_channels(shape: Optional[Sequence[Any]], channel_axis: Optional[int]
         return None  # symbolic sizes, or an axis the traced shape does not have
 
 
-def _fx_shape(node: fx.Node) -> Optional[Sequence[Any]]:
+def _fx_shape(node: fx.Node) -> Sequence[Any] | None:
     return getattr(node.meta.get("tensor_meta"), "shape", None)
 
 
-def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationPoint],
-                     reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
-                     needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]] = None):
+def insert_observers(
+    graph_module: fx.GraphModule,
+    points: Sequence[ObservationPoint],
+    reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
+    needs: Mapping[ObservationPoint, tuple[bool, bool]] | None = None,
+):
     """A new GraphModule, sharing ``graph_module``'s modules, with a StatsObserver at every point.
 
     Returns (observed module, {point: observer}, [points that could not be observed]).
@@ -82,9 +94,13 @@ def insert_observers(graph_module: fx.GraphModule, points: Sequence[ObservationP
     return observed, observers, skipped
 
 
-def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[ObservationPoint],
-                          reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
-                          needs: Optional[Mapping[ObservationPoint, tuple[bool, bool]]] = None):
+def insert_hook_observers(
+    model: nn.Module,
+    graph: ModelGraph,
+    points: Sequence[ObservationPoint],
+    reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
+    needs: Mapping[ObservationPoint, tuple[bool, bool]] | None = None,
+):
     """For graphs from the eager-hooks front end: observers fed by forward hooks.
 
     Node k of module M in execution order is the k-th call of M in each forward pass.
@@ -101,13 +117,15 @@ def insert_hook_observers(model: nn.Module, graph: ModelGraph, points: Sequence[
             skipped.append(point)
             continue
         call_index = [n.name for n in graph.call_sites(node.module)].index(node.name)
-        info = node.output if point.side == "output" else (
-            node.inputs[point.index] if point.index < len(node.inputs) else None)
+        info = (
+            node.output
+            if point.side == "output"
+            else (node.inputs[point.index] if point.index < len(node.inputs) else None)
+        )
         observer = _new_observer(point, reference_percentile, needs, info.shape if info is not None else None)
         observers[point] = observer
         by_module.setdefault(node.module, {}).setdefault(call_index, []).append((point, observer))
-    counters = [_attach_hooks(observed.get_submodule(fqn), per_call, handles)
-                for fqn, per_call in by_module.items()]
+    counters = [_attach_hooks(observed.get_submodule(fqn), per_call, handles) for fqn, per_call in by_module.items()]
 
     def new_batch(_module, _args):
         for counter in counters:
@@ -143,15 +161,19 @@ def _input_slot(node: fx.Node, index: int):
     """The fx node feeding argument ``index`` of ``node`` and a setter that rewires it."""
     args = list(node.args)
     if index < len(args) and isinstance(args[index], fx.Node):
+
         def replace(new: fx.Node) -> None:
             updated = list(node.args)
             updated[index] = new
             node.args = tuple(updated)
+
         return args[index], replace
     if index == 0 and not args:
         for key in ("input", "x"):
             if isinstance(node.kwargs.get(key), fx.Node):
+
                 def replace_kw(new: fx.Node, key: str = key) -> None:
                     node.kwargs = {**node.kwargs, key: new}
+
                 return node.kwargs[key], replace_kw
     return None, None

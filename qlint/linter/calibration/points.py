@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from qlint.core.graph import ModelGraph
 from qlint.linter.rule import Need, ObservationSpec, Rule
 
 FEATURES = "features"
-_CONV_LIKE = ("conv", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-              "conv_transpose3d", "batch_norm")
+_CONV_LIKE = (
+    "conv",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "batch_norm",
+)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -20,14 +29,14 @@ class ObservationPoint:
     node: str
     side: str
     index: int
-    channel_axis: Optional[int]
+    channel_axis: int | None
 
 
 # Each point: (whether a rule reads its percentile, whether a rule reads its histogram).
 PointNeeds = dict[ObservationPoint, tuple[bool, bool]]
 
 
-def resolve_channel_axis(spec_axis: Any, kind: str) -> Optional[int]:
+def resolve_channel_axis(spec_axis: Any, kind: str) -> int | None:
     """``"features"`` → 1 for conv-like ops, the last axis (-1) for linear and the rest."""
     if spec_axis != FEATURES:
         return spec_axis

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -13,7 +14,7 @@ from qlint.core.batches import as_call, batch_count, batches_of, model_device
 from qlint.errors import CalibrationError, EmptyCalibrationError, QlintError
 
 
-def limited_batches(calibration: Any, num_batches: Optional[int]) -> Iterator[Any]:
+def limited_batches(calibration: Any, num_batches: int | None) -> Iterator[Any]:
     """The batches of ``calibration``, at most ``num_batches`` of them."""
     if calibration is None:
         raise EmptyCalibrationError("no calibration data given")
@@ -23,7 +24,7 @@ def limited_batches(calibration: Any, num_batches: Optional[int]) -> Iterator[An
         yield batch
 
 
-def batch_total(calibration: Any, num_batches: Optional[int]) -> Optional[int]:
+def batch_total(calibration: Any, num_batches: int | None) -> int | None:
     """How many batches :func:`limited_batches` will yield, when that is known up front."""
     total = batch_count(calibration)
     if total is None:
@@ -31,8 +32,7 @@ def batch_total(calibration: Any, num_batches: Optional[int]) -> Optional[int]:
     return total if num_batches is None else min(total, num_batches)
 
 
-def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = False,
-                    total: Optional[int] = None) -> int:
+def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = False, total: int | None = None) -> int:
     """Run every batch through ``model`` (eval, no_grad, model's device); the batch count."""
     device = model_device(model)
     model.eval()
@@ -49,8 +49,8 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
                 except Exception as error:
                     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                     raise CalibrationError(
-                        f"calibration batch {count_before} failed in the model: "
-                        f"{type(error).__name__}: {message}"[:400]) from error
+                        f"calibration batch {count_before} failed in the model: {type(error).__name__}: {message}"[:400]
+                    ) from error
                 count = count_before + 1
                 del args, kwargs, batch
                 if progress is not None:
@@ -65,18 +65,24 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
 PROGRESS_LINE_SECONDS = 5.0
 
 
-def _progress(total: Optional[int]) -> "_ProgressBar | _ProgressLines":
+def _progress(total: int | None) -> _ProgressBar | _ProgressLines:
     """A live bar on a terminal; in a log, a short line every PROGRESS_LINE_SECONDS."""
     return _ProgressBar(total) if sys.stderr is not None and sys.stderr.isatty() else _ProgressLines(total)
 
 
 class _ProgressBar:
-    def __init__(self, total: Optional[int]) -> None:
+    def __init__(self, total: int | None) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._bar = Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                             console=Console(file=sys.stderr), transient=True)
+        self._bar = Progress(
+            TextColumn("calibrating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(file=sys.stderr),
+            transient=True,
+        )
         self._bar.start()
         self._task = self._bar.add_task("calibrating", total=total)
 
@@ -88,7 +94,7 @@ class _ProgressBar:
 
 
 class _ProgressLines:
-    def __init__(self, total: Optional[int]) -> None:
+    def __init__(self, total: int | None) -> None:
         self._total = total
         self._done = 0
         self._start = time.monotonic()
@@ -99,8 +105,9 @@ class _ProgressLines:
         now = time.monotonic()
         if now >= self._next and sys.stderr is not None:
             of = f"/{self._total}" if self._total else ""
-            print(f"qlint: calibrating: {self._done}{of} batches, {now - self._start:.0f} s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"qlint: calibrating: {self._done}{of} batches, {now - self._start:.0f} s", file=sys.stderr, flush=True
+            )
             self._next = now + PROGRESS_LINE_SECONDS
 
     def stop(self) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 from qlint.core.graph import ModelGraph
 from qlint.linter.calibration.points import ObservationPoint
@@ -18,8 +19,9 @@ class CalibrationStatistics:
     observed. ``batches`` is the number of batches run (over all ranks).
     """
 
-    def __init__(self, graph: ModelGraph, stats: Mapping[ObservationPoint, TensorStats], batches: int,
-                 world_size: int = 1) -> None:
+    def __init__(
+        self, graph: ModelGraph, stats: Mapping[ObservationPoint, TensorStats], batches: int, world_size: int = 1
+    ) -> None:
         self._graph = graph
         self._stats = MappingProxyType(dict(stats))
         self.batches = int(batches)
@@ -36,11 +38,9 @@ class CalibrationStatistics:
     def items(self) -> Iterator[tuple[ObservationPoint, TensorStats]]:
         return iter(self._stats.items())
 
-    def get(self, node: str, side: str = "input", index: int = 0,
-            channel_axis: Any = "any") -> Optional[TensorStats]:
+    def get(self, node: str, side: str = "input", index: int = 0, channel_axis: Any = "any") -> TensorStats | None:
         """Stats at a point; with several channel axes observed there, a per-channel one first."""
-        matches = [(p, s) for p, s in self._stats.items()
-                   if p.node == node and p.side == side and p.index == index]
+        matches = [(p, s) for p, s in self._stats.items() if p.node == node and p.side == side and p.index == index]
         if channel_axis != "any":
             matches = [(p, s) for p, s in matches if p.channel_axis == channel_axis]
         matches.sort(key=lambda item: item[0].channel_axis is None)
