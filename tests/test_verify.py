@@ -239,13 +239,16 @@ def test_a_plan_that_loses_to_the_default_as_a_whole_is_replaced_by_it():
     from examples.badnet import build, calibration_batches
 
     batches = list(calibration_batches())
-    # the rules' own suggestions, as before lint measured them (the trial would drop some)
+    # The rules' own suggestions, unmeasured (the trial would drop some), without QL203's
+    # clipping observers: that plan's decisions each help given the others, yet lose together.
+    # (With them, the pruned plan now beats the default: 30.39 vs 30.12 dB.)
     report = qlint.lint(
         build(),
         (batches[0],),
         calibration=batches,
         calibration_options={"quiet": True},
         trial_options={"enabled": False},
+        ignore=["QL203"],
     )
     result = verify(build(), plan_from_report(report), batches, batches)
     restart = [d for d in result.decisions if d.kind == "plan"]
