@@ -331,7 +331,7 @@ def _diagnose(
             "channels-last (NHWC) tensors, so a `.view` that works in float fails after convert_fx.",
             f"replace `.view(...)` (node {node!r}) with `.reshape(...)` or `torch.flatten(x, 1)` "
             "(or call `.contiguous()` first).",
-            {"action": "rewrite", "kind": "view_to_reshape", "node": node or ctx.model_name},
+            {"action": "view_to_reshape", "node": node or ctx.model_name},
         )
     if (
         "quantizedcpu" in lowered

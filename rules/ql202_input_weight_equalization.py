@@ -177,13 +177,7 @@ class InputWeightEqualization(Rule):
                     "fraction_recommended": measured.fraction_recommended,
                     "equalization_recommended": measured.equalization_recommended,
                 },
-                suggestion={
-                    "action": "equalize",
-                    "module": node.display,
-                    "node": node.name,
-                    "equalization_qconfig": "torch.ao.quantization.fx._equalize.default_equalization_qconfig",
-                    "via": "prepare_fx(_equalization_config=QConfigMapping().set_module_name(module, ...))",
-                },
+                suggestion={"action": "equalize", "module": node.display, "node": node.name},
             )
 
 

@@ -15,6 +15,7 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 import qlint
 from qlint.core.sqnr import sqnr_db
 from qlint.core.trace import symbolic_graph
+from qlint.linter.fixes import SetQConfig
 
 
 class _Spread(nn.Module):
@@ -93,8 +94,8 @@ def test_trial_and_fix_impact_match_torch_by_hand():
         activation=HistogramObserver.with_args(reduce_range=True),
         weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric),
     )
-    assert finding.suggestion["targets"] == ["conv", "head"]
-    for name in finding.suggestion["targets"]:
+    assert finding.suggestion.targets == ["conv", "head"]
+    for name in finding.suggestion.targets:
         fixed_mapping.set_module_name(name, per_channel)
     assert impact.fixed_sqnr_db == pytest.approx(_by_hand(model, fixed_mapping, calibration, evaluation), abs=0.01)
     assert impact.db == pytest.approx(impact.fixed_sqnr_db - impact.base_sqnr_db, abs=1e-3)
@@ -166,7 +167,7 @@ def test_float_fallback_measures_its_dynamic_fix_like_torch():
     assert report.trial.int8_ops == 1 and report.trial.weighted_ops == 2 and report.trial.float_layers == ["lstm"]
     impact = finding.impact
     assert impact.kind == "coverage" and impact.int8_ops_gained == 1
-    assert finding.suggestion == {"action": "set_qconfig", "targets": ["lstm"], "mode": "dynamic"}
+    assert finding.suggestion == SetQConfig(targets=["lstm"], mode="dynamic")
     # by hand: the default mapping plus a dynamic entry for the LSTM (qlint keeps the backend's
     # per-channel weights; torch's default_dynamic_qconfig is per-tensor, so compare loosely)
     mapping = get_default_qconfig_mapping("x86").set_module_name("lstm", default_dynamic_qconfig)

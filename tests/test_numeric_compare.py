@@ -53,7 +53,7 @@ def test_broken_layer_is_named_by_low_sqnr_and_error_onset(broken):
     assert onset.data["kind"] == "local" and onset.data["local_share"] > 0.9
     assert onset.data["inherited_sqnr_db"] - onset.data["sqnr_propagated_db"] >= 6.0
     low = report.by_rule("QL301")[0]
-    assert low.data["kind"] == "weight" and low.suggestion["module"] == BAD_LAYER
+    assert low.data["kind"] == "weight" and low.suggestion.module == BAD_LAYER
     for finding in report.findings:  # what, why and the fix
         assert BAD_LAYER in finding.message and "Why:" in finding.message and "Fix:" in finding.message
 

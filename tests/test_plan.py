@@ -409,10 +409,14 @@ def test_plan_from_report_maps_weight_and_fixed_qparams_suggestions():
     for fqn in flagged_weights:
         assert plan.effective_weight(fqn).per_channel
         assert any(p.rule == "QL104" for p in plan.decision(fqn).provenance)
-    fixed = [f for f in report.by_rule("QL103") if (f.suggestion or {}).get("activation") == "FixedQParamsObserver"]
+    fixed = [
+        f
+        for f in report.by_rule("QL103")
+        if f.suggestion is not None and getattr(f.suggestion, "activation", None) == "FixedQParamsObserver"
+    ]
     for f in fixed:
-        spec = plan.effective_activation(f.suggestion["target"])
-        assert spec.observer == "fixed" and spec.scale == pytest.approx(f.suggestion["scale"])
+        spec = plan.effective_activation(f.suggestion.target)
+        assert spec.observer == "fixed" and spec.scale == pytest.approx(f.suggestion.scale)
     converted, out = _quantize(_build(Gate), plan.to_qconfig_mapping(), _inputs(Gate), "x86")
     assert torch.isfinite(out).all()
     # the report's own shortcut builds the same mapping, without a plan

@@ -34,6 +34,7 @@ from qlint.core.backends import backend_info
 from qlint.errors import ConfigError
 from qlint.linter.engine import analyse
 from qlint.linter.findings import Report, Severity
+from qlint.linter.fixes import SetWeightObserver
 from qlint.linter.rule import parse_doc_sections
 
 BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
@@ -195,7 +196,7 @@ def test_generic_observer_on_fixed_ops_names_the_backend_qparams():
     assert fixed["tanh"].data["expected_scale"] == pytest.approx(float(minus_one_to_one.scale))
     assert fixed["tanh"].data["expected_zero_point"] == int(minus_one_to_one.zero_point)
     assert fixed["tanh"].data["output_range"] == [-1.0, 1.0]
-    assert fixed["sig"].suggestion["activation"] == "FixedQParamsObserver"
+    assert fixed["sig"].suggestion.activation == "FixedQParamsObserver"
     assert fixed["sig"].data["observer"] == "HistogramObserver"
     assert all(f.severity is Severity.WARNING for f in fixed.values())
     assert "get_default_qconfig_mapping('x86')" in fixed["sig"].message
@@ -272,7 +273,7 @@ def test_quint8_weights_are_an_error():
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "weight-dtype"]
     assert finding.severity is Severity.ERROR
     assert finding.data["targets"] == ["conv1", "conv2", "fc"]
-    assert finding.suggestion["dtype"] == "torch.qint8"
+    assert finding.suggestion.dtype == "torch.qint8"
 
 
 @pytest.mark.parametrize(
@@ -286,7 +287,7 @@ def test_affine_weights(backend, severity):
     report = _lint(_seeded(_ConvStack), _image(), "QL103", backend, QConfigMapping().set_global(qconfig))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "weight-qscheme"]
     assert finding.severity is severity
-    assert finding.suggestion["qscheme"] == "torch.per_tensor_symmetric"
+    assert finding.suggestion.qscheme == "torch.per_tensor_symmetric"
 
 
 def test_onednn_affine_weights_really_fail_to_convert():
@@ -387,7 +388,7 @@ def test_float_island_reports_producers_consumers_and_all_members():
     assert island.data["unsupported_kinds"] == ["gelu", "layer_norm"]
     assert {row["node"] for row in island.data["qconfig_table"]} == {"conv1", "act", "flatten", "norm", "conv2"}
     assert all(set(row) == TABLE_KEYS for row in island.data["qconfig_table"])
-    assert island.suggestion["like"] == "conv1"
+    assert island.suggestion.like == "conv1"
     fewer = _lint(_seeded(_Island), _image(), "QL103", mapping=mapping, min_island_ops=3)
     assert fewer.by_rule("QL103") == []
 
@@ -508,7 +509,7 @@ def test_cat_finding_survives_torch_export_and_json():
     assert "cat-input-qparams" in _kinds(report)
     again = Report.model_validate_json(report.model_dump_json())
     assert again == report
-    json.dumps([f.suggestion for f in report.findings])
+    json.dumps([f.suggestion.model_dump(mode="json") for f in report.findings if f.suggestion])
 
 
 # --- QL104 --------------------------------------------------------------------------------------
@@ -578,15 +579,14 @@ def test_per_channel_evidence_matches_the_weights():
     assert finding.data["bits_lost"] == pytest.approx(math.log2(finding.data["resolution_loss"]), rel=1e-3)
     assert finding.data["narrowest_channel"] == int(absmax.argmin())
     assert finding.data["weight_qscheme"] == "torch.per_tensor_symmetric"
-    assert finding.suggestion == {
-        "action": "set_weight_observer",
-        "target": "conv",
-        "node": "conv",
-        "observer": "PerChannelMinMaxObserver",
-        "qscheme": "torch.per_channel_symmetric",
-        "ch_axis": 0,
-        "dtype": "torch.qint8",
-    }
+    assert finding.suggestion == SetWeightObserver(
+        target="conv",
+        node="conv",
+        observer="PerChannelMinMaxObserver",
+        qscheme="torch.per_channel_symmetric",
+        ch_axis=0,
+        dtype="torch.qint8",
+    )
     # measured weight SQNR, recomputed by hand with torch's fake-quant ops
     flat = model.conv.weight.detach().reshape(6, -1)
     per_tensor = torch.fake_quantize_per_tensor_affine(flat, float(flat.abs().max()) / 127.5, 0, -128, 127)
@@ -596,7 +596,7 @@ def test_per_channel_evidence_matches_the_weights():
     single = _lint(model, _image(), "QL104", mapping=_per_tensor(), min_channels=1)
     [both] = single.by_rule("QL104")  # one finding for the model, listing its layers
     assert {layer["target"] for layer in both.data["layers"]} == {"conv", "head"}
-    assert both.suggestion["targets"] == ["conv", "head"]  # worst (largest measured gain) first
+    assert both.suggestion.targets == ["conv", "head"]  # worst (largest measured gain) first
 
 
 def test_affine_per_tensor_loss_uses_the_affine_step():

@@ -21,6 +21,7 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 import qlint
 from qlint.core.sqnr import sqnr_db as output_sqnr
+from qlint.linter.fixes import KeepFloat, ViewToReshape
 
 
 def _ql105(model, inputs, backend="x86", mapping=None, options=None):
@@ -45,7 +46,7 @@ def test_view_on_channels_last_quantized_tensor(backend):
     assert finding.data["kind"] == "view-non-contiguous" and finding.data["stage"] == "quantized run"
     assert finding.data["op"] == "call_method" and finding.data["target"] == "view"
     assert "node 'view'" in finding.message and ".reshape" in finding.message
-    assert finding.suggestion == {"action": "rewrite", "kind": "view_to_reshape", "node": "view"}
+    assert finding.suggestion == ViewToReshape(node="view")
 
 
 def test_op_without_quantized_kernel():
@@ -61,7 +62,7 @@ def test_qconfig_the_module_cannot_take():
     assert finding.target == "up" and finding.data["stage"] == "prepare_fx"
     assert finding.data["kind"] == "unsupported-qconfig" and finding.data["module_type"] == "ConvTranspose2d"
     assert "per-tensor weights" in finding.message
-    assert finding.suggestion["qscheme"] == "torch.per_tensor_symmetric"
+    assert finding.suggestion.qscheme == "torch.per_tensor_symmetric"
 
 
 @pytest.mark.parametrize(
@@ -92,7 +93,7 @@ def test_thresholds_turn_a_low_sqnr_into_a_warning_or_an_error():
     (low,) = _ql105(model, x, options={"warn_below_db": sqnr + 1.0})
     assert low.severity.value == "warning" and f"below {sqnr + 1.0:g} dB" in low.message
     assert low.data["kind"] == "low-output-sqnr" and low.data["onset"] in {"conv", "fc"}
-    assert low.suggestion == {"action": "keep_float", "module": low.data["onset"]}
+    assert low.suggestion == KeepFloat(module=low.data["onset"])
     (bad,) = _ql105(model, x, options={"warn_below_db": sqnr + 2.0, "error_below_db": sqnr + 1.0})
     assert bad.severity.value == "error"
     assert _ql105(model, x, options={"report_success_sqnr": False}) == []

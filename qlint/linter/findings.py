@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch.ao.quantization import QConfigMapping
 
+from qlint.linter.fixes import Fix
 from qlint.linter.json_values import check_json_able
 from qlint.linter.mapping import qconfig_mapping
 from qlint.linter.suggestions import Provenance, Suggestions, collect_suggestions
@@ -78,12 +79,12 @@ class Finding(_Frozen):
     target: str = Field(description="Module fqn, or node name for functional ops.")
     message: str = Field(description="What is wrong, why it matters, and the fix.")
     data: dict[str, Any] = Field(default_factory=dict, description="JSON-able evidence.")
-    suggestion: dict[str, Any] | None = Field(
-        default=None, description="Machine-readable fix, consumed when building a plan."
+    suggestion: Fix | None = Field(
+        default=None, description="The typed fix (qlint.linter.fixes), consumed when building a plan."
     )
     impact: Impact | None = Field(default=None, description="The measured cost of the finding.")
 
-    @field_validator("data", "suggestion")
+    @field_validator("data")
     @classmethod
     def _json_able(cls, value: Any) -> Any:
         if value is not None:

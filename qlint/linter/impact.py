@@ -19,7 +19,6 @@ it would not move the int8 model. Findings that a rule measured itself keep thei
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -123,7 +122,7 @@ class ImpactMeter:
             return None
         fixed = fix_mapping(self.base, [finding], self.bench.backend)
         if fixed is not None:
-            key = "fix:" + json.dumps(finding.suggestion, sort_keys=True)
+            key = "fix:" + (finding.suggestion.model_dump_json() if finding.suggestion else "")
             if self._budget_left(key):
                 value = self._sqnr(key, fixed)
                 if value is not None:
@@ -158,7 +157,7 @@ class ImpactMeter:
         )
         if mapping is None:
             return None
-        key = "all:" + json.dumps([f.suggestion for f in findings], sort_keys=True)
+        key = "all:" + "|".join(f.suggestion.model_dump_json() for f in findings if f.suggestion)
         return self._sqnr(key, mapping)
 
 

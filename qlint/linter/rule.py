@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from qlint.linter.findings import Finding, Impact, LayerRow, Severity
+from qlint.linter.fixes import Fix, as_fix
 
 if TYPE_CHECKING:
     from qlint.linter.context import LintContext
@@ -109,7 +110,7 @@ class Rule:
         message: str,
         *,
         data: dict[str, Any] | None = None,
-        suggestion: dict[str, Any] | None = None,
+        suggestion: Fix | dict[str, Any] | None = None,
         severity: Severity | None = None,
         impact: Impact | None = None,
     ) -> Finding:
@@ -120,7 +121,7 @@ class Rule:
             target=target,
             message=message,
             data=data or {},
-            suggestion=suggestion,
+            suggestion=None if suggestion is None else as_fix(suggestion),
             impact=impact,
         )
 

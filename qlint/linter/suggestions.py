@@ -10,13 +10,29 @@ decisions, equalization pairs, float-preserving rewrites), each recording its
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Any, Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from qlint.core.backends import BACKENDS
 from qlint.errors import ConfigError
+from qlint.linter.fixes import (
+    Equalize,
+    Fix,
+    Fuse,
+    KeepFloat,
+    KeepFloatFunction,
+    QuantizeDynamicAfterConvert,
+    RemoveModule,
+    ReplaceActivation,
+    SetActivationObserver,
+    SetQConfig,
+    SetWeightObserver,
+    SplitModule,
+    UnifyQConfig,
+    ViewToReshape,
+)
 from qlint.linter.json_values import check_json_able
 
 ObserverKind = Literal["minmax", "moving_average", "histogram", "percentile", "fixed"]
@@ -164,10 +180,13 @@ class EqualizationPair(_Frozen):
     provenance: list[Provenance] = Field(min_length=1)
 
 
+RewriteKind = Literal["fuse", "fold_bn_into_functional_conv", "split_module", "remove_module", "view_to_reshape"]
+
+
 class Rewrite(_Frozen):
     """A float-preserving model change to make before quantizing (not applied by the exporter)."""
 
-    kind: Literal["fuse", "fold_bn_into_functional_conv", "split_module", "remove_module", "view_to_reshape"]
+    kind: RewriteKind
     modules: list[str] = Field(min_length=1)
     params: dict[str, Any] = Field(default_factory=dict)
     provenance: list[Provenance] = Field(min_length=1)
@@ -298,141 +317,126 @@ class _Builder:
         )
 
 
-def _targets(s: Mapping[str, Any], source: Provenance) -> list[str]:
-    for key in ("targets", "nodes"):
-        if isinstance(s.get(key), list) and s[key]:
-            return [str(t) for t in s[key]]
-    for key in ("module", "target"):
-        if isinstance(s.get(key), str) and s[key]:
-            return [s[key]]
-    return [str(source.target)]
-
-
-def _apply_set_qconfig(b: _Builder, source: Provenance, s: Mapping[str, Any]) -> None:
-    for fqn in _targets(s, source):
+def _apply_set_qconfig(b: _Builder, source: Provenance, fix: SetQConfig) -> None:
+    for fqn in fix.target_modules(str(source.target)):
         entry = b.module(fqn, source)
-        if s.get("mode") in ("static", "dynamic"):
-            entry["mode"] = s["mode"]
-        kind = _observer_kind(s.get("activation")) or _observer_kind(s.get("observer"))
+        if fix.mode is not None:
+            entry["mode"] = fix.mode
+        kind = _observer_kind(fix.activation) or _observer_kind(fix.observer)
         act = entry["activation"]
-        if kind == "fixed":
+        if kind == "fixed" and fix.scale is not None and fix.zero_point is not None:
             act.update(
-                observer="fixed",
-                scale=float(s["scale"]),
-                zero_point=int(s["zero_point"]),
-                symmetric=False,
-                reduce_range=False,
+                observer="fixed", scale=fix.scale, zero_point=fix.zero_point, symmetric=False, reduce_range=False
             )
-            dtype = _dtype(s.get("dtype"), ("quint8", "qint8"))
+            dtype = _dtype(fix.dtype, ("quint8", "qint8"))
             if dtype:
                 act["dtype"] = dtype
-            if s.get("quant_min") is not None and s.get("quant_max") is not None:
-                act.update(quant_min=int(s["quant_min"]), quant_max=int(s["quant_max"]))
+            if fix.quant_min is not None and fix.quant_max is not None:
+                act.update(quant_min=fix.quant_min, quant_max=fix.quant_max)
             continue
-        if kind is not None:
+        if kind is not None and kind != "fixed":
             act["observer"] = kind
-        dtype = _dtype(s.get("activation_dtype"), ("quint8", "qint8", "int16"))
+        dtype = _dtype(fix.activation_dtype, ("quint8", "qint8", "int16"))
         if dtype:
             act["dtype"] = dtype
-        if s.get("quant_min") is not None and s.get("quant_max") is not None:
-            act.update(quant_min=int(s["quant_min"]), quant_max=int(s["quant_max"]))
-        if "like" in s:
+        if fix.quant_min is not None and fix.quant_max is not None:
+            act.update(quant_min=fix.quant_min, quant_max=fix.quant_max)
+        if fix.like is not None:
             entry["quantize"] = True
 
 
-def _apply_set_weight(b: _Builder, source: Provenance, s: Mapping[str, Any]) -> None:
-    for fqn in _targets(s, source):
-        entry = b.module(fqn, source)
-        w = entry["weight"]
-        qscheme = s.get("qscheme")
-        observer = s.get("observer")
-        if not isinstance(observer, str):
-            observer = ""
-        if isinstance(qscheme, str):
-            w["per_channel"] = "per_channel" in qscheme
-            w["symmetric"] = "symmetric" in qscheme
+def _apply_set_weight(b: _Builder, source: Provenance, fix: SetWeightObserver) -> None:
+    for fqn in fix.target_modules(str(source.target)):
+        w = b.module(fqn, source)["weight"]
+        observer = fix.observer or ""
+        if fix.qscheme is not None:
+            w["per_channel"] = "per_channel" in fix.qscheme
+            w["symmetric"] = "symmetric" in fix.qscheme
         elif "PerChannel" in observer:
             w["per_channel"] = True
         if "MovingAverage" in observer:
             w["observer"] = "moving_average"
-        dtype = _dtype(s.get("dtype"), ("qint8", "int16"))
+        dtype = _dtype(fix.dtype, ("qint8", "int16"))
         if dtype:
             w["dtype"] = dtype
-        if isinstance(s.get("ch_axis"), int):
-            w["ch_axis"] = s["ch_axis"]
-        if s.get("quant_min") is not None and s.get("quant_max") is not None:
-            w.update(quant_min=int(s["quant_min"]), quant_max=int(s["quant_max"]))
+        if fix.ch_axis is not None:
+            w["ch_axis"] = fix.ch_axis
+        if fix.quant_min is not None and fix.quant_max is not None:
+            w.update(quant_min=fix.quant_min, quant_max=fix.quant_max)
 
 
-def _apply_set_activation(b: _Builder, source: Provenance, s: Mapping[str, Any]) -> None:
-    for fqn in _targets(s, source):
+def _apply_set_activation(b: _Builder, source: Provenance, fix: SetActivationObserver | UnifyQConfig) -> None:
+    observer = fix.observer if isinstance(fix, SetActivationObserver) else fix.activation
+    for fqn in fix.target_modules(str(source.target)):
         act = b.module(fqn, source)["activation"]
-        kind = _observer_kind(s.get("observer") or s.get("activation"))
+        kind = _observer_kind(observer)
         if kind is not None and kind != "fixed":
             act["observer"] = kind
-        if isinstance(s.get("reduce_range"), bool):
-            act["reduce_range"] = s["reduce_range"]
-        if isinstance(s.get("percentile"), (int, float)):
-            act.update(observer="percentile", percentile=float(s["percentile"]))
+        if isinstance(fix, SetActivationObserver):
+            if fix.reduce_range is not None:
+                act["reduce_range"] = fix.reduce_range
+            if fix.percentile is not None:
+                act.update(observer="percentile", percentile=fix.percentile)
 
 
-def _apply(b: _Builder, s: Mapping[str, Any], source: Provenance) -> None:
-    action = s.get("action")
+def _rewrite(b: _Builder, source: Provenance, kind: RewriteKind, modules: list[str], params: dict[str, Any]) -> None:
+    b.rewrites.append(Rewrite(kind=kind, modules=modules, params=params, provenance=[source]))
+
+
+def _apply(b: _Builder, fix: Fix, source: Provenance) -> None:
+    """One fix into the builder; every action is matched, so a new one fails the type checker."""
     target = str(source.target)
-    if action is None:
-        return
-    if action == "fuse":
-        blockers = s.get("blockers") or []
-        pattern = s.get("pattern") or []
-        kind: Literal["fuse", "fold_bn_into_functional_conv"] = (
-            "fold_bn_into_functional_conv" if "functional-op" in blockers and "batch_norm" in pattern else "fuse"
-        )
-        b.rewrites.append(
-            Rewrite(
-                kind=kind,
-                modules=[str(m) for m in s.get("modules") or [target]],
-                params={"pattern": list(pattern), "blockers": list(blockers)},
-                provenance=[source],
+    match fix:
+        case Fuse():
+            functional = "functional-op" in fix.blockers and "batch_norm" in fix.pattern
+            _rewrite(
+                b,
+                source,
+                "fold_bn_into_functional_conv" if functional else "fuse",
+                list(fix.modules),
+                {"pattern": list(fix.pattern), "blockers": list(fix.blockers)},
             )
-        )
-    elif action in ("split_module", "remove_module"):
-        params = {"copies": s["copies"]} if isinstance(s.get("copies"), int) else {}
-        b.rewrites.append(
-            Rewrite(kind=action, modules=[str(s.get("module") or target)], params=params, provenance=[source])
-        )
-    elif action == "rewrite" and s.get("kind") == "view_to_reshape":
-        b.rewrites.append(
-            Rewrite(
-                kind="view_to_reshape",
-                modules=[str(s.get("node") or target)],
-                params={"node": str(s.get("node") or target)},
-                provenance=[source],
+        case SplitModule():
+            _rewrite(b, source, "split_module", [fix.module], {"copies": fix.copies})
+        case RemoveModule():
+            _rewrite(b, source, "remove_module", [fix.module], {})
+        case ViewToReshape():
+            _rewrite(b, source, "view_to_reshape", [fix.node], {"node": fix.node})
+        case SetQConfig():
+            _apply_set_qconfig(b, source, fix)
+        case SetWeightObserver():
+            _apply_set_weight(b, source, fix)
+        case SetActivationObserver() | UnifyQConfig():
+            _apply_set_activation(b, source, fix)
+        case Equalize():
+            entry = b.equalization.setdefault(
+                fix.module, {"module": fix.module, "previous": fix.previous, "provenance": []}
             )
-        )
-    elif action == "set_qconfig":
-        _apply_set_qconfig(b, source, s)
-    elif action == "set_weight_observer":
-        _apply_set_weight(b, source, s)
-    elif action in ("set_activation_observer", "unify_qconfig", "clip-or-observer"):
-        if action == "clip-or-observer":
-            s = {**s, "targets": [s.get("module") or target]}  # "channels" are not modules
-        _apply_set_activation(b, source, s)
-    elif action == "equalize":
-        fqn = str(s.get("module") or target)
-        entry = b.equalization.setdefault(fqn, {"module": fqn, "previous": s.get("previous"), "provenance": []})
-        entry["provenance"].append(source)
-    elif action == "keep_float":
-        for fqn in _targets(s, source):
-            b.module(fqn, source)["quantize"] = False
-    else:
-        b.note(source, f"suggestion {action!r} is not expressible in a plan")
+            entry["provenance"].append(source)
+        case KeepFloat():
+            for fqn in fix.target_modules(target):
+                b.module(fqn, source)["quantize"] = False
+        case KeepFloatFunction():
+            b.note(
+                source,
+                f"keep {fix.function} float: mapping.set_object_type({fix.function}, None) (a plan decides per module)",
+            )
+        case ReplaceActivation():
+            b.note(source, f"replace {', '.join(fix.modules)} with nn.ReLU (a change to the float model)")
+        case QuantizeDynamicAfterConvert():
+            b.note(source, f"after convert_fx, quantize_dynamic({fix.module}, {{{', '.join(fix.types)}}})")
+        case _:
+            _unmatched(fix)
 
 
-def collect_suggestions(
-    backend: str, model: str | None, suggested: Iterable[tuple[Mapping[str, Any], Provenance]]
-) -> Suggestions:
-    """Backend defaults plus each (suggestion, where it came from), in order."""
+def _unmatched(fix: NoReturn) -> NoReturn:
+    """Reached only if a fix type has no case above: the type checker flags the call."""
+    raise TypeError(f"no plan mapping for {type(fix).__name__}")
+
+
+def collect_suggestions(backend: str, model: str | None, suggested: Iterable[tuple[Fix, Provenance]]) -> Suggestions:
+    """Backend defaults plus each (fix, where it came from), in order."""
     builder = _Builder(backend, model)
-    for suggestion, source in suggested:
-        _apply(builder, suggestion, source)
+    for fix, source in suggested:
+        _apply(builder, fix, source)
     return builder.build()

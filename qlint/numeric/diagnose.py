@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from qlint.core.sqnr import SQNR_CAP_DB, noise_power_ratio, sqnr_db_from_powers
 from qlint.linter.findings import CompareRow, Finding, Severity
+from qlint.linter.fixes import KeepFloat
 from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
 
 # Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
@@ -92,13 +93,9 @@ def local_sqnr(row: CompareRow, inherited: float = SQNR_CAP_DB) -> tuple[float |
     return sqnr_db_from_powers(1.0, max(added, 0.0)), "estimated"
 
 
-def _keep_float_suggestion(name: str, reason: str) -> dict:
-    return {
-        "action": "keep-float",
-        "module": name,
-        "reason": reason,
-        "qconfig_mapping": f"QConfigMapping().set_module_name({name!r}, None)",
-    }
+def _keep_float_suggestion(name: str, reason: str) -> KeepFloat:
+    """Keep the layer float: mapping.set_module_name(name, None)."""
+    return KeepFloat(module=name, reason=reason)
 
 
 def _cause_and_fix(row: CompareRow, weight_low: bool, activation_low: bool) -> tuple[str, str, str]:

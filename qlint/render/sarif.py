@@ -137,7 +137,7 @@ def _result(finding: Finding, rule_index: dict[str, int], artifact: str | None) 
     if finding.rule in rule_index:
         result["ruleIndex"] = rule_index[finding.rule]
     if finding.suggestion is not None:
-        result["properties"]["suggestion"] = finding.suggestion
+        result["properties"]["suggestion"] = finding.suggestion.model_dump(exclude_none=True)
     if finding.impact is not None:
         result["properties"]["impact"] = finding.impact.model_dump()
     return result
