@@ -199,9 +199,11 @@ class QConfigCheck(Rule):
                 "output_range": [low, high],
                 "qconfig_table": state.table([node]),
             }
+            # A module gets its qconfig by name; a functional op (an aten node of a .pt2 too)
+            # has no module to name, so the fix is by op type (mapping.set_object_type).
             suggestion = {
                 "action": "set_qconfig",
-                "target": node.display,
+                "target": node.module if node.op == "module" else None,
                 "node": node.name,
                 "object_type": node.module_type or node.target,
                 "activation": "FixedQParamsObserver",

@@ -318,6 +318,18 @@ class _Builder:
 
 
 def _apply_set_qconfig(b: _Builder, source: Provenance, fix: SetQConfig) -> None:
+    if fix.object_type is not None and not (fix.targets or fix.module or fix.target):
+        # a functional op: set_module_name would name nothing (an aten node name does nothing)
+        b.note(
+            source,
+            f"give {fix.object_type} its own qconfig by op type: mapping.set_object_type(...)"
+            + (
+                f" with {fix.activation} scale={fix.scale:g} zero_point={fix.zero_point}"
+                if fix.scale is not None
+                else ""
+            ),
+        )
+        return
     for fqn in fix.target_modules(str(source.target)):
         entry = b.module(fqn, source)
         if fix.mode is not None:
