@@ -255,3 +255,35 @@ def test_a_plan_that_loses_to_the_default_as_a_whole_is_replaced_by_it():
     assert restart and restart[0].sqnr_with_db < restart[0].sqnr_without_db
     assert result.plan.sqnr_db >= result.default.sqnr_db - 0.05
     assert any("lost to the backend default" in note for note in result.notes)
+
+
+def test_pt2_verify_is_refused_with_one_line_not_reported_as_200_db(run_cli, cli_files, data):
+    """prepare_fx on an exported (aten) graph quantizes nothing; verify says so instead of
+    reporting "0/0 int8, 200 dB" as a success."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("netmod", cli_files / "netmod.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calibration, eval_data = data
+    program = torch.export.export(module.build(), (calibration[0],))
+    torch.export.save(program, cli_files / "net.pt2")
+    result = run_cli(
+        "verify",
+        "net.pt2",
+        "--plan",
+        "plan.json",
+        "--calibration",
+        "cal.pt",
+        "--eval-data",
+        "eval.pt",
+        cwd=cli_files,
+    )
+    assert result.returncode == 2, result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "exported (aten) graph" in lines[0], result.stderr
+    assert "200" not in result.stdout
+    from qlint.errors import QlintError
+
+    with pytest.raises(QlintError, match="aten"):
+        verify(program.module(), QuantPlan.load(str(cli_files / "plan.json")), calibration, eval_data)

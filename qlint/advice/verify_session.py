@@ -31,6 +31,7 @@ from qlint.core.ops import (
     TRANSPOSED_CONV_KINDS,
     function_kind,
     function_op,
+    is_aten_graph,
     module_kind,
     quantized_form,
 )
@@ -136,6 +137,12 @@ class Session:
         self.example = as_call(calibration[0], what="calibration batch 0")[0]
         self.reference = [float_tensors(self.run(self.model, batch)) for batch in eval_data]
         self.cache: dict[str, tuple[float, int]] = {}
+        if is_aten_graph(self.model):
+            # prepare_fx on aten ops quantizes nothing, and "0/0 int8, 200 dB" would be a lie
+            raise VerifyError(
+                "verify quantizes nn.Modules with prepare_fx/convert_fx, and this model is an exported "
+                "(aten) graph such as a .pt2 holds; verify the nn.Module instead (module:factory with --weights)"
+            )
         try:
             self.traced = symbolic_graph(copy.deepcopy(self.model))
         except TraceError as error:

@@ -480,6 +480,12 @@ def method_kind(name: str) -> str:
 _ATEN_NAMESPACES = ("aten", "quantized_decomposed", "prims")
 
 
+def is_aten_graph(graph_module: Any) -> bool:
+    """An exported (aten-level) graph: prepare_fx cannot quantize it (the pt2e flow can)."""
+    nodes = getattr(getattr(graph_module, "graph", None), "nodes", ())
+    return any(node.op == "call_function" and _op_name(node.target)[0] == "aten" for node in nodes)
+
+
 def _op_name(target: Any) -> tuple[str | None, str | None]:
     """(namespace, packet name) of a torch op: aten.conv2d.default → ("aten", "conv2d").
 
