@@ -132,7 +132,24 @@ class ConversionCheck(Rule):
         if trial is None:
             return []
         if trial.failure is not None:
-            return [self._located_failure(ctx, trial.failure)]
+            finding = self._located_failure(ctx, trial.failure)
+            if trial.workaround is not None and trial.output_sqnr_db is not None:
+                # the fix was applied in the trial itself: the int8 model runs, at this SQNR
+                measured = round(trial.output_sqnr_db, 3)
+                finding = finding.model_copy(
+                    update={
+                        "message": f"{finding.message} Measured: {trial.workaround}, the int8 model runs at "
+                        f"{measured:.1f} dB output SQNR.",
+                        "impact": Impact(
+                            db=measured,
+                            basis="rule-trial",
+                            kind="diagnosis",
+                            fixed_sqnr_db=measured,
+                            detail=f"{trial.workaround}: from failing to running",
+                        ),
+                    }
+                )
+            return [finding]
         return list(self._output_error(ctx, trial))
 
     def _located_failure(self, ctx: LintContext, failure: TrialFailure) -> Finding:

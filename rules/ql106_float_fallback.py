@@ -107,7 +107,7 @@ class FloatFallback(Rule):
 
     def check(self, ctx: LintContext) -> Iterable[Finding]:
         trial = ctx.trial
-        if trial is None or not trial.converted:
+        if trial is None or not trial.measured:
             return
         coverage = f"{trial.int8_ops}/{trial.weighted_ops}"
         for layer in trial.float_layers:

@@ -136,3 +136,34 @@ def test_output_sqnr_definition():
     assert output_sqnr(ref, ref) == SQNR_CAP_DB  # error-free: capped so that JSON stays finite
     assert output_sqnr(ref, ref + torch.tensor([1.0, 0.0])) == pytest.approx(10 * math.log10(25.0))
     assert output_sqnr((ref, {"a": ref}), (ref, {"a": ref * 0})) == pytest.approx(10 * math.log10(2.0))
+
+
+def test_a_view_failure_is_measured_with_the_reshape_it_suggests():
+    """The trial fails as intended on `.view`; it is then measured with views as reshapes (identical
+    in float), so QL105 gives the SQNR its fix reaches and the other rules still get impacts."""
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randn(2, 3, 8, 8, generator=generator) for _ in range(6)]
+    report = qlint.lint(_seeded(_ConvView)(), _image(), calibration=data)
+    assert report.trial is not None and not report.trial.converted
+    assert report.trial.failed_stage == "quantized run" and ".reshape at view" in report.trial.workaround
+    [finding] = report.by_rule("QL105")
+    assert finding.data["kind"] == "view-non-contiguous" and finding.severity.value == "error"
+    assert finding.impact is not None and finding.impact.kind == "diagnosis"
+    # by hand: torch's pass with the view replaced by reshape, on the trial's own split
+    model = torch.fx.symbolic_trace(_seeded(_ConvView)())
+    for node in model.graph.nodes:
+        if node.op == "call_method" and node.target == "view":
+            node.target = "reshape"
+    model.recompile()
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "x86"
+    try:
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (data[0],))
+        with torch.no_grad():
+            for batch in data[:3]:
+                prepared(batch)
+            converted = convert_fx(prepared)
+            expected = output_sqnr([model(b) for b in data[3:]], [converted(b) for b in data[3:]])
+    finally:
+        torch.backends.quantized.engine = previous
+    assert finding.impact.fixed_sqnr_db == pytest.approx(expected, abs=0.01)

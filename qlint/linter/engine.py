@@ -401,7 +401,7 @@ def _lint(
     if bench is not None and trial is not None:
         fixed = None
         meter = None
-        if trial.converted and analysis.traced is not None and analysis.qconfig_mapping is not None:
+        if trial.measured and analysis.traced is not None and analysis.qconfig_mapping is not None:
             stage = time.perf_counter()
             modules = frozenset(name for name, _ in analysis.traced.graph_module.named_modules() if name)
             meter = ImpactMeter(

@@ -196,6 +196,9 @@ class TrialSummary(_Frozen):
     evaluated_on: str
     converted: bool
     failed_stage: str | None = None
+    workaround: str | None = Field(
+        default=None, description="How the numbers were measured when the intended model fails (e.g. .view → .reshape)"
+    )
     output_sqnr_db: float | None = None
     int8_ops: int = 0
     weighted_ops: int = 0

@@ -121,6 +121,7 @@ def summary(bench: TrialBench, result: TrialResult, *, fixed_sqnr_db: float | No
         calibrated_on=result.calibrated_on,
         evaluated_on=result.evaluated_on,
         converted=result.converted,
+        workaround=result.workaround,
         failed_stage=result.failure.stage if result.failure else None,
         output_sqnr_db=None if result.output_sqnr_db is None else round(result.output_sqnr_db, 3),
         int8_ops=result.int8_ops,

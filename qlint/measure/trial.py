@@ -87,10 +87,20 @@ class TrialResult:
     weighted_ops: int = 0  # ... out of all of them (a tracer leaf counts each layer inside)
     seconds: float = 0.0
     model: nn.Module | None = None  # the converted model (the full trial only)
+    # When the intended model fails only because `.view` meets a quantized channels-last
+    # tensor, the measurements come from the same model with those views as reshapes
+    # (identical in float); this says so. `failure` still holds what failed as intended.
+    workaround: str | None = None
 
     @property
     def converted(self) -> bool:
+        """The model converted and ran as intended."""
         return self.failure is None
+
+    @property
+    def measured(self) -> bool:
+        """Output, layer and activation measurements exist (as intended, or with the workaround)."""
+        return self.failure is None or self.workaround is not None
 
     def layer(self, name: str) -> LayerError | None:
         return next((layer for layer in self.layers if layer.name == name), None)
@@ -182,6 +192,9 @@ class TrialBench:
         self.calibrated_on, self.evaluated_on = calibrated_on, evaluated_on
         self._reference: list[Any] | None = None
         self.seconds = 0.0  # time spent in trials, all of them
+        # set by run() when the intended model fails only on `.view`: every later trial of this
+        # bench then quantizes the model with those views as reshapes
+        self.reshaped_views: tuple[str, ...] = ()
 
     def variant(self, model_factory: Callable[[], nn.Module]) -> TrialBench:
         """The same data, another float model (a changed copy): its trials compare with its own outputs."""
@@ -207,6 +220,17 @@ class TrialBench:
         """The full trial: convert, then measure output, layers, activations and fallbacks."""
         began = time.perf_counter()
         result = self._run(mapping, measure_layers)
+        if _view_on_quantized(result.failure) and not self.reshaped_views:
+            probe = self.model_factory()
+            views = view_nodes(probe)
+            if views:
+                self.reshaped_views = views
+                retry = self._run(mapping, measure_layers)
+                if retry.failure is None:
+                    note = f"measured with .view → .reshape at {', '.join(views)} (identical in float)"
+                    result = dataclasses.replace(retry, failure=result.failure, workaround=note)
+                else:
+                    self.reshaped_views = ()
         seconds = time.perf_counter() - began
         self.seconds += seconds
         return dataclasses.replace(result, seconds=seconds)
@@ -217,14 +241,14 @@ class TrialBench:
             if not available:
                 error = RuntimeError(f"this torch build has no {self.backend} quantized engine")
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_PREPARE, error, None))
-            float_model = self.model_factory().eval()
+            float_model = self._model().eval()
             try:
                 reference = self.reference()
             except Exception as error:
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, float_model))
             try:
                 converted, prepared = quantize_fx(
-                    self.model_factory(), mapping, self.backend, self.calibration, keep_prepared=measure_layers
+                    self._model(), mapping, self.backend, self.calibration, keep_prepared=measure_layers
                 )
             except TrialStepError as step:
                 return dataclasses.replace(base, failure=step.failure)
@@ -242,6 +266,12 @@ class TrialBench:
             layers = self._layer_errors(float_model, converted)
             activations = activation_sqnr(prepared, converted, self.evaluation)
         return dataclasses.replace(base, layers=layers, activation_sqnr_db=activations, model=converted)
+
+    def _model(self) -> nn.Module:
+        model = self.model_factory()
+        if self.reshaped_views:
+            reshape_views(model, self.reshaped_views)
+        return model
 
     def output_sqnr(self, mapping: QConfigMapping) -> float | None:
         """Output SQNR of the model converted under ``mapping``; None when the trial fails."""
@@ -284,6 +314,29 @@ class TrialBench:
                 continue  # integer-valued ops (shape arithmetic) carry no signal
             layers.append(LayerError(layer.name, layer.kind, local, at_output))
         return tuple(layers)
+
+
+def _view_on_quantized(failure: TrialFailure | None) -> bool:
+    """convert_fx's quantized convs return channels-last tensors, on which `.view` raises."""
+    return failure is not None and failure.stage == STAGE_RUN and "view size is not compatible" in str(failure.error)
+
+
+def view_nodes(model: nn.Module) -> tuple[str, ...]:
+    if not isinstance(model, fx.GraphModule):
+        return ()
+    return tuple(node.name for node in model.graph.nodes if node.op == "call_method" and node.target == "view")
+
+
+def reshape_views(model: nn.Module, names: Sequence[str]) -> None:
+    """``x.view(...)`` → ``x.reshape(...)`` at the named nodes of a GraphModule (a copy): the same
+    result wherever view works, and a copy where it cannot."""
+    if not isinstance(model, fx.GraphModule):
+        return
+    wanted = set(names)
+    for node in model.graph.nodes:
+        if node.op == "call_method" and node.target == "view" and node.name in wanted:
+            node.target = "reshape"
+    model.recompile()
 
 
 def _attr_value(graph_module: fx.GraphModule, node: Any) -> Any:

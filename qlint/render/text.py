@@ -164,13 +164,14 @@ def trial_line(report: Report) -> str | None:
     trial = report.trial
     if trial is None:
         return None
-    if not trial.converted:
+    if not trial.converted and trial.workaround is None:
         return f"trial quantization ({trial.backend}): failed at {trial.failed_stage}; see QL105."
     sqnr = "n/a" if trial.output_sqnr_db is None else f"{trial.output_sqnr_db:.1f} dB"
     return (
         f"trial quantization ({trial.backend}, {trial.seconds:.1f} s, {trial.fix_trials} fix trials): "
         f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}; output SQNR {sqnr}; "
         f"int8 {trial.int8_ops}/{trial.weighted_ops} conv/linear/recurrent/attention ops."
+        + (f" It fails as intended at {trial.failed_stage} (QL105); {trial.workaround}." if trial.workaround else "")
     )
 
 
