@@ -1,4 +1,4 @@
-"""qlint.advice.rewrite: float-preserving rewrites on a traced copy, checked on example inputs."""
+"""qlint.measure.rewrite: float-preserving rewrites on a traced copy, checked on example inputs."""
 
 import copy
 import math
@@ -12,8 +12,8 @@ from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 from qlint.advice.plan import Provenance, QuantPlan, Rewrite
-from qlint.advice.rewrite import apply_rewrites, find_rewrites, relative_error
 from qlint.errors import QlintError
+from qlint.measure.rewrite import apply_rewrites, find_rewrites, relative_error
 
 
 class SameConv2d(nn.Conv2d):

@@ -34,7 +34,6 @@ from typing import Any
 import torch.nn as nn
 
 from qlint.advice.plan import Provenance, QuantPlan, Rewrite, default_plan
-from qlint.advice.rewrite import AppliedRewrite, rewrite_key
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, RunResult, VerifyReport
 from qlint.advice.verify_search import float_fallback, scheme_search
 from qlint.advice.verify_session import (
@@ -48,6 +47,7 @@ from qlint.advice.verify_session import (
     state_dict_bytes,
 )
 from qlint.core.preserve import preserved_state
+from qlint.measure.rewrite import AppliedRewrite, rewrite_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +171,7 @@ def _record_rewrites(plan: QuantPlan, applied: Sequence[AppliedRewrite]) -> Quan
                             source="measurement",
                             metric="float relative error",
                             value=a.max_relative_error or 0.0,
-                            detail="detected by qlint.advice.rewrite",
+                            detail="detected by qlint.measure.rewrite",
                         )
                     ],
                 )
@@ -202,7 +202,7 @@ def verify(
     ``calibration`` and ``eval_data`` are iterables of batches (a tensor, a tuple of
     positional tensors, or a dict of keyword tensors). ``eval_fn(quantized_model,
     eval_data) -> float`` adds the user's metric (also computed for the float model).
-    The plan's equalization pairs are realized by :func:`qlint.advice.rewrite.apply_equalization`
+    The plan's equalization pairs are realized by :func:`qlint.measure.rewrite.apply_equalization`
     (a float-preserving cross-layer rescale using calibration ranges); pass torch's
     ``equalization_qconfig`` to use prepare_fx's ``_equalization_config`` instead.
     ``search_schemes`` tries each Linear static <-> dynamic after pruning (at most

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from qlint.advice.plan import QuantPlan
-from qlint.advice.rewrite import AppliedRewrite
+from qlint.measure.rewrite import AppliedRewrite
 
 
 class _Model(BaseModel):

@@ -21,7 +21,6 @@ from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 from qlint.advice.plan import QuantPlan
-from qlint.advice.rewrite import AppliedRewrite, apply_equalization, apply_rewrites
 from qlint.advice.verify_report import RunResult
 from qlint.core.backends import backend_config
 from qlint.core.batches import as_call, batches_of, call_model
@@ -38,6 +37,7 @@ from qlint.core.ops import (
 from qlint.core.sqnr import SQNR_CAP_DB, SqnrSums
 from qlint.core.trace import symbolic_graph
 from qlint.errors import ConfigError, QlintError, TraceError
+from qlint.measure.rewrite import AppliedRewrite, apply_equalization, apply_rewrites
 
 SQNR_TOLERANCE_DB = 1e-3  # "does not lower SQNR": a change that costs less than this is noise
 

@@ -213,7 +213,7 @@ def _fix_parser() -> argparse.ArgumentParser:
 
 def fix_command(argv: list[str]) -> int:
     args = _fix_parser().parse_args(argv)
-    from qlint.advice.rewrite import apply_rewrites
+    from qlint.measure.rewrite import apply_rewrites
 
     out = Path(args.output)
     if out.suffix not in (".pt2", ".pt"):

@@ -21,14 +21,19 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import torch.fx as fx
 from torch.ao.quantization import QConfigMapping
 
+from qlint.core.batches import as_call
 from qlint.core.sqnr import noise_power_ratio
+from qlint.errors import QlintError
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.mapping import module_recipe
 from qlint.linter.suggestions import collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
+from qlint.measure.rewrite import apply_equalization, apply_requested_rewrites
 from qlint.measure.trial import TrialBench, TrialResult
 
 # A layer whose removal would leave less than 1 % of the output noise is credited 20 dB at most:
@@ -133,6 +138,9 @@ class ImpactMeter:
                         fixed_sqnr_db=round(value, 3),
                         detail="the finding's fix applied in a trial",
                     )
+        rewritten = self._rewrite_fix(finding, base)
+        if rewritten is not None:
+            return rewritten
         kept = keep_float_mapping(self.base, finding.target, self.modules)
         key = f"float:{finding.target}"
         if kept is not None and self._budget_left(key):
@@ -147,6 +155,56 @@ class ImpactMeter:
                 )
         return self.estimate(finding.target)
 
+    def _rewrite_fix(self, finding: Finding, base: float) -> Impact | None:
+        """A fix that changes the float model without changing its function (a fusion made
+        possible, a split shared module, equalization): rewrite a copy, quantize it as intended,
+        and compare with the float outputs."""
+        if finding.suggestion is None:
+            return None
+        key = "rewrite:" + finding.suggestion.model_dump_json()
+        if not self._budget_left(key):
+            return None
+        suggestions = collect_suggestions(self.bench.backend, None, [(finding.suggestion, finding.provenance())])
+        if not (suggestions.rewrites or suggestions.equalization):
+            return None
+        if key not in self._measured:
+            self._measured[key] = None
+            self.trials += 1
+            rewritten = self._rewritten_model(suggestions)
+            if rewritten is not None:
+                self._measured[key] = self.bench.variant(lambda: copy.deepcopy(rewritten)).output_sqnr(
+                    _following_fanout(self.base, rewritten)
+                )
+        value = self._measured[key]
+        if value is None:
+            return None
+        return Impact(
+            db=round(value - base, 3),
+            basis="fix-trial",
+            base_sqnr_db=round(base, 3),
+            fixed_sqnr_db=round(value, 3),
+            detail="the fix's float-preserving rewrite applied in a trial",
+        )
+
+    def _rewritten_model(self, suggestions: Any) -> Any:
+        """The model with the suggested rewrites and equalization applied; None when none applied."""
+        model = self.bench.model_factory()
+        calibration = self.bench.calibration
+        applied_any = False
+        try:
+            if suggestions.rewrites:
+                example = as_call(calibration[0])[0]
+                model, applied = apply_requested_rewrites(model, suggestions, example)
+                applied_any |= any(record.applied for record in applied)
+            if suggestions.equalization and isinstance(model, fx.GraphModule):
+                model, applied = apply_equalization(
+                    model, [pair.module for pair in suggestions.equalization], calibration
+                )
+                applied_any |= any(record.applied for record in applied)
+        except QlintError:
+            return None
+        return model if applied_any else None
+
     def estimate(self, target: str) -> Impact | None:
         return local_error_estimate(self.result, target, self.aliases.get(target, ()))
 
@@ -159,6 +217,16 @@ class ImpactMeter:
             return None
         key = "all:" + "|".join(f.suggestion.model_dump_json() for f in findings if f.suggestion)
         return self._sqnr(key, mapping)
+
+
+def _following_fanout(base: QConfigMapping, model: Any) -> QConfigMapping:
+    """A fan-out copy (``<fqn>_qlint_fanout``) gets the qconfig its original has by name."""
+    mapping = copy.deepcopy(base)
+    for name, module in model.named_modules():
+        origin = getattr(module, "qlint_fanout_of", None)
+        if isinstance(origin, str) and origin in mapping.module_name_qconfigs:
+            mapping.set_module_name(name, mapping.module_name_qconfigs[origin])
+    return mapping
 
 
 def _order_key(meter: ImpactMeter, finding: Finding) -> tuple[int, float]:

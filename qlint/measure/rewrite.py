@@ -331,6 +331,18 @@ def apply_rewrites(
     return current, applied
 
 
+def apply_requested_rewrites(
+    graph_module: nn.Module, plan: Any, example_inputs: Sequence[Any]
+) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+    """Like :func:`apply_rewrites`, but only the rewrites ``plan`` asks for (one finding's fix)."""
+    try:
+        traced = symbolic_graph(copy.deepcopy(graph_module))
+    except TraceError as failure:
+        raise QlintError(f"cannot trace the model for rewriting: {failure}") from failure
+    skip = [rewrite_key(c.kind, c.nodes) for c in find_rewrites(traced) if not _requested(plan, c)]
+    return apply_rewrites(graph_module, plan, example_inputs, skip=skip)
+
+
 # ------------------------------------------------------------------------ equalization
 _POSITIVE_HOMOGENEOUS = {F.relu, torch.relu, "relu"}
 _EQ_PREVIOUS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
@@ -457,6 +469,7 @@ def apply_equalization(
 
 __all__ = [
     "AppliedRewrite",
+    "apply_requested_rewrites",
     "apply_equalization",
     "apply_rewrites",
     "find_rewrites",
