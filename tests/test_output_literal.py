@@ -54,7 +54,9 @@ def _no_control_characters(text: str) -> None:
 
 def test_markup_and_escape_sequences_are_shown_literally(run_main, project):
     for extra in ([], ["-q"]):
-        result = run_main("named_model:build", "--input-shape", "1,3,8,8", "--select", "QL101", *extra, cwd=project)
+        result = run_main(
+            "named_model:build", "--input-shape", "1,3,8,8", "--no-trial", "--select", "QL101", *extra, cwd=project
+        )
         assert result.returncode == 1, result.stderr  # findings, not a rendering crash
         assert MARKUP in result.stdout, result.stdout
         assert "r\\x1b[31mRED\\x07" in result.stdout, result.stdout
@@ -67,6 +69,7 @@ def test_print_in_user_code_never_reaches_json_or_sarif(run_main, project):
             "named_model:build",
             "--input-shape",
             "1,3,8,8",
+            "--no-trial",  # the findings' severity, not their measured impact, decides the exit here
             "--select",
             "QL101,QL203",
             "--random-calibration",
