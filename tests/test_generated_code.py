@@ -145,6 +145,7 @@ def test_emit_qconfig_with_hostile_module_names(run_main, tmp_path):
         "hostile_model:build",
         "--input-shape",
         "1,3,8,8",
+        "--no-trial",  # the rule's verdict decides the exit here, not the unseeded model's measured impact
         "--select",
         "QL101",
         "--emit-qconfig",

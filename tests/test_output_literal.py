@@ -121,7 +121,15 @@ def test_a_file_name_cannot_inject_workflow_commands(run_main, tmp_path):
 
 def test_github_annotations_escape_module_names(run_main, project):
     result = run_main(
-        "named_model:build", "--input-shape", "1,3,8,8", "--select", "QL101", "--format", "github", cwd=project
+        "named_model:build",
+        "--input-shape",
+        "1,3,8,8",
+        "--no-trial",
+        "--select",
+        "QL101",
+        "--format",
+        "github",
+        cwd=project,
     )
     assert result.returncode == 1, result.stderr
     _check_annotations(result.stdout)
