@@ -281,12 +281,11 @@ def _relu_variant_impact(ctx: LintContext, fqns: list[str]) -> tuple[Impact | No
     float_change = bench.float_sqnr_of(with_relu())
     if fixed is None:
         return None, float_change
-    impact = Impact(
-        db=round(fixed - trial.output_sqnr_db, 3),
-        basis="rule-trial",
-        base_sqnr_db=round(trial.output_sqnr_db, 3),
-        fixed_sqnr_db=round(fixed, 3),
-        detail="every listed activation replaced by nn.ReLU in one trial (each model against its own float outputs)",
+    impact = Impact.measured(
+        trial.output_sqnr_db,
+        fixed,
+        "rule-trial",
+        "every listed activation replaced by nn.ReLU in one trial (each model against its own float outputs)",
     )
     return impact, None if float_change is None else round(float_change, 3)
 

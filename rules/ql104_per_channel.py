@@ -19,6 +19,7 @@ from qlint.core.sqnr import sqnr_db
 from qlint.linter.context import INTENT_EAGER, LintContext
 from qlint.linter.findings import Finding, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
+from qlint.measure.weights import batch_norm_factor
 
 
 class PerChannel(Rule):
@@ -237,9 +238,9 @@ def quantized_weight(ctx: LintContext, node: OpNode) -> tuple[torch.Tensor | Non
     gamma, variance = ctx.graph.parameter(f"{bn}.weight"), ctx.graph.parameter(f"{bn}.running_var")
     if variance is None or variance.numel() != tensor.shape[0]:
         return tensor, None
-    scale = torch.rsqrt(variance.detach().double() + _BN_EPS)
-    if gamma is not None and gamma.numel() == scale.numel():
-        scale = scale * gamma.detach().double()
+    if gamma is not None and gamma.numel() != variance.numel():
+        gamma = None
+    scale = batch_norm_factor(variance.double(), None if gamma is None else gamma.double(), _BN_EPS)
     shape = (-1,) + (1,) * (tensor.dim() - 1)
     return (tensor.detach().double() * scale.reshape(shape)).float(), bn
 

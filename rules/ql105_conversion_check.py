@@ -498,13 +498,8 @@ def _best_keep_float(ctx: LintContext, trial: TrialResult, candidates: list[str]
         fixed = ctx.trial_bench.output_sqnr(mapping)
         if fixed is None:
             continue
-        impact = Impact(
-            db=round(fixed - trial.output_sqnr_db, 3),
-            basis="rule-trial",
-            kind="diagnosis",
-            base_sqnr_db=round(trial.output_sqnr_db, 3),
-            fixed_sqnr_db=round(fixed, 3),
-            detail=f"{label} kept float in a trial",
+        impact = Impact.measured(
+            trial.output_sqnr_db, fixed, "rule-trial", f"{label} kept float in a trial", kind="diagnosis"
         )
         if best[1] is None or impact.db > best[1].db:
             best = (name, impact)

@@ -174,15 +174,7 @@ def _data(layer: FloatLayer, trial: TrialResult) -> dict[str, Any]:
 def _coverage_impact(trial: TrialResult, fixed: float | None, gained: int, how: str) -> Impact | None:
     if fixed is None or trial.output_sqnr_db is None:
         return None
-    return Impact(
-        db=round(fixed - trial.output_sqnr_db, 3),
-        basis="rule-trial",
-        kind="coverage",
-        base_sqnr_db=round(trial.output_sqnr_db, 3),
-        fixed_sqnr_db=round(fixed, 3),
-        int8_ops_gained=gained,
-        detail=how,
-    )
+    return Impact.measured(trial.output_sqnr_db, fixed, "rule-trial", how, kind="coverage", int8_ops_gained=gained)
 
 
 def _dynamic_entry_sqnr(ctx: LintContext, suggestion: dict[str, Any], finding: Finding) -> float | None:

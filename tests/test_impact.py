@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from qlint.rules.ql106_float_fallback import _LSTMClassifier
 from torch.ao.quantization import QConfig, QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
 from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
@@ -145,20 +146,9 @@ def test_no_trial_without_example_inputs_and_rules_that_need_it_say_why():
     assert all("example inputs" in s.reason for s in report.skipped)
 
 
-class _Lstm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lstm = nn.LSTM(16, 32, batch_first=True)
-        self.head = nn.Linear(32, 5)
-
-    def forward(self, x):
-        y, _ = self.lstm(x)
-        return self.head(y[:, -1])
-
-
 def test_float_fallback_measures_its_dynamic_fix_like_torch():
     torch.manual_seed(0)
-    model = _Lstm().eval()
+    model = _LSTMClassifier().eval()
     generator = torch.Generator().manual_seed(1)
     data = [torch.randn(4, 12, 16, generator=generator) for _ in range(4)]
     report = qlint.lint(model, (data[0],), calibration=data, select=["QL106"])

@@ -18,11 +18,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.ao.quantization import get_default_qconfig_mapping
-from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 from qlint.advice.plan import QuantPlan
 from qlint.advice.verify_report import RunResult
-from qlint.core.backends import backend_config
 from qlint.core.batches import as_call, batches_of, call_model
 from qlint.core.nested import first_float, float_tensors
 from qlint.core.ops import (
@@ -37,7 +35,8 @@ from qlint.core.ops import (
 from qlint.core.sqnr import SQNR_CAP_DB, SqnrSums
 from qlint.core.trace import symbolic_graph
 from qlint.errors import ConfigError, QlintError, TraceError
-from qlint.measure.rewrite import AppliedRewrite, apply_equalization, apply_rewrites
+from qlint.measure.rewrite import AppliedRewrite, apply_equalization, apply_rewrites, fanout_follows_original
+from qlint.measure.trial import TrialStepError, quantize_fx
 
 SQNR_TOLERANCE_DB = 1e-3  # "does not lower SQNR": a change that costs less than this is noise
 
@@ -163,25 +162,18 @@ class Session:
 
     def quantize(self, gm: nn.Module, plan: QuantPlan | None) -> Quantized:
         mapping = plan.to_qconfig_mapping() if plan is not None else get_default_qconfig_mapping(self.backend)
-        for name, module in gm.named_modules():  # a fan-out copy follows its original's decision
-            origin = getattr(module, "qlint_fanout_of", None)
-            if isinstance(origin, str) and origin in mapping.module_name_qconfigs:
-                mapping.set_module_name(name, mapping.module_name_qconfigs[origin])
-        equalization = None
+        mapping = fanout_follows_original(mapping, gm)
+        kwargs: dict[str, Any] = {}
         if plan is not None and plan.equalization and self.equalization_qconfig is not None:
-            equalization = plan.to_equalization_mapping(self.equalization_qconfig)
+            kwargs["_equalization_config"] = plan.to_equalization_mapping(self.equalization_qconfig)
         try:
-            kwargs: dict[str, Any] = {"_equalization_config": equalization} if equalization is not None else {}
-            prepared = prepare_fx(
-                copy.deepcopy(gm).eval(), mapping, self.example, backend_config=backend_config(self.backend), **kwargs
+            converted, prepared = quantize_fx(
+                copy.deepcopy(gm), mapping, self.backend, self.calibration, prepare_kwargs=kwargs, keep_prepared=True
             )
-            for batch in self.calibration:
-                self.run(prepared, batch)
-            converted = convert_fx(copy.deepcopy(prepared), backend_config=backend_config(self.backend))
-        except QlintError:
-            raise
-        except Exception as error:  # torch raises many kinds for unsupported graphs
-            raise VerifyError(f"quantizing failed: {_first_line(error)}") from error
+        except TrialStepError as step:  # torch raises many kinds for unsupported graphs
+            raise VerifyError(f"quantizing failed: {_first_line(step.failure.error)}") from step.failure.error
+        if prepared is None:
+            raise VerifyError("quantizing failed: no prepared model was kept")
         return Quantized(prepared, converted)
 
     # --- measure ----------------------------------------------------------------------

@@ -69,6 +69,28 @@ class Impact(_Frozen):
     fixed_sqnr_db: float | None = Field(default=None, description="Output SQNR with the fix applied.")
     detail: str = ""
 
+    @classmethod
+    def measured(
+        cls,
+        base_sqnr_db: float,
+        fixed_sqnr_db: float,
+        basis: ImpactBasis,
+        detail: str,
+        *,
+        kind: Literal["sqnr-gain", "coverage", "diagnosis"] = "sqnr-gain",
+        int8_ops_gained: int = 0,
+    ) -> Impact:
+        """The impact of a fix measured in a trial: the output SQNR it gains (rounded to 1e-3 dB)."""
+        return cls(
+            db=round(fixed_sqnr_db - base_sqnr_db, 3),
+            basis=basis,
+            kind=kind,
+            int8_ops_gained=int8_ops_gained,
+            base_sqnr_db=round(base_sqnr_db, 3),
+            fixed_sqnr_db=round(fixed_sqnr_db, 3),
+            detail=detail,
+        )
+
 
 class Finding(_Frozen):
     """One problem found by one rule, at one place in the model."""

@@ -33,7 +33,7 @@ from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.mapping import module_recipe
 from qlint.linter.suggestions import collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
-from qlint.measure.rewrite import apply_equalization, apply_requested_rewrites
+from qlint.measure.rewrite import apply_equalization, apply_requested_rewrites, fanout_follows_original
 from qlint.measure.trial import TrialBench, TrialResult
 
 # A layer whose removal would leave less than 1 % of the output noise is credited 20 dB at most:
@@ -131,13 +131,7 @@ class ImpactMeter:
             if self._budget_left(key):
                 value = self._sqnr(key, fixed)
                 if value is not None:
-                    return Impact(
-                        db=round(value - base, 3),
-                        basis="fix-trial",
-                        base_sqnr_db=round(base, 3),
-                        fixed_sqnr_db=round(value, 3),
-                        detail="the finding's fix applied in a trial",
-                    )
+                    return Impact.measured(base, value, "fix-trial", "the finding's fix applied in a trial")
         rewritten = self._rewrite_fix(finding, base)
         if rewritten is not None:
             return rewritten
@@ -146,12 +140,11 @@ class ImpactMeter:
         if kept is not None and self._budget_left(key):
             value = self._sqnr(key, kept)
             if value is not None:
-                return Impact(
-                    db=round(value - base, 3),
-                    basis="keep-float-trial",
-                    base_sqnr_db=round(base, 3),
-                    fixed_sqnr_db=round(value, 3),
-                    detail=f"{finding.target} kept float in a trial: the most a fix of it recovers",
+                return Impact.measured(
+                    base,
+                    value,
+                    "keep-float-trial",
+                    f"{finding.target} kept float in a trial: the most a fix of it recovers",
                 )
         return self.estimate(finding.target)
 
@@ -173,18 +166,12 @@ class ImpactMeter:
             rewritten = self._rewritten_model(suggestions)
             if rewritten is not None:
                 self._measured[key] = self.bench.variant(lambda: copy.deepcopy(rewritten)).output_sqnr(
-                    _following_fanout(self.base, rewritten)
+                    fanout_follows_original(self.base, rewritten)
                 )
         value = self._measured[key]
         if value is None:
             return None
-        return Impact(
-            db=round(value - base, 3),
-            basis="fix-trial",
-            base_sqnr_db=round(base, 3),
-            fixed_sqnr_db=round(value, 3),
-            detail="the fix's float-preserving rewrite applied in a trial",
-        )
+        return Impact.measured(base, value, "fix-trial", "the fix's float-preserving rewrite applied in a trial")
 
     def _rewritten_model(self, suggestions: Any) -> Any:
         """The model with the suggested rewrites and equalization applied; None when none applied."""
@@ -210,23 +197,13 @@ class ImpactMeter:
 
     def combined(self, findings: Sequence[Finding]) -> float | None:
         """Output SQNR with every given finding's qconfig fix applied at once (one trial)."""
-        mapping = fix_mapping(
-            self.base, [f for f in findings if fix_mapping(self.base, [f], self.bench.backend)], self.bench.backend
-        )
+        backend = self.bench.backend
+        expressible = [f for f in findings if fix_mapping(self.base, [f], backend) is not None]
+        mapping = fix_mapping(self.base, expressible, backend)
         if mapping is None:
             return None
-        key = "all:" + "|".join(f.suggestion.model_dump_json() for f in findings if f.suggestion)
+        key = "all:" + "|".join(f.suggestion.model_dump_json() for f in expressible if f.suggestion)
         return self._sqnr(key, mapping)
-
-
-def _following_fanout(base: QConfigMapping, model: Any) -> QConfigMapping:
-    """A fan-out copy (``<fqn>_qlint_fanout``) gets the qconfig its original has by name."""
-    mapping = copy.deepcopy(base)
-    for name, module in model.named_modules():
-        origin = getattr(module, "qlint_fanout_of", None)
-        if isinstance(origin, str) and origin in mapping.module_name_qconfigs:
-            mapping.set_module_name(name, mapping.module_name_qconfigs[origin])
-    return mapping
 
 
 def _order_key(meter: ImpactMeter, finding: Finding) -> tuple[int, float]:

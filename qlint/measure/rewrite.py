@@ -39,6 +39,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
+from torch.ao.quantization import QConfigMapping
 
 from qlint.core.batches import as_call
 from qlint.core.nested import tensors_in
@@ -331,6 +332,17 @@ def apply_rewrites(
     return current, applied
 
 
+def fanout_follows_original(mapping: QConfigMapping, model: nn.Module) -> QConfigMapping:
+    """A copy of ``mapping`` in which each fan-out copy (``<fqn>_qlint_fanout``) gets the qconfig
+    its original has by name, so the rewrite changes no quantization decision."""
+    result = copy.deepcopy(mapping)
+    for name, module in model.named_modules():
+        origin = getattr(module, "qlint_fanout_of", None)
+        if isinstance(origin, str) and origin in result.module_name_qconfigs:
+            result.set_module_name(name, result.module_name_qconfigs[origin])
+    return result
+
+
 def apply_requested_rewrites(
     graph_module: nn.Module, plan: Any, example_inputs: Sequence[Any]
 ) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
@@ -470,6 +482,7 @@ def apply_equalization(
 __all__ = [
     "AppliedRewrite",
     "apply_requested_rewrites",
+    "fanout_follows_original",
     "apply_equalization",
     "apply_rewrites",
     "find_rewrites",

@@ -40,6 +40,7 @@ from qlint.core.batches import as_call, call_model
 from qlint.core.nested import first_float
 from qlint.core.ops import module_kind, quantized_form
 from qlint.core.sqnr import SqnrSums
+from qlint.errors import QlintError
 from qlint.measure.capture import PairedRunner
 from qlint.measure.fallback import FloatLayer, float_layers, int8_coverage
 from qlint.measure.matching import match_layers
@@ -158,11 +159,16 @@ def quantize_fx(
     example = as_call(calibration[0], what="calibration batch 0")[0] if calibration else ()
     try:
         prepared = prepare_fx(model.eval(), mapping, example, backend_config=config, **(prepare_kwargs or {}))
+    except QlintError:
+        raise
     except Exception as error:  # torch raises many kinds for unsupported graphs
         raise TrialStepError(STAGE_PREPARE, error, model) from error
     try:
-        for batch in calibration:
-            call_model(prepared, batch)
+        with torch.no_grad():
+            for batch in calibration:
+                call_model(prepared, batch)
+    except QlintError:  # the caller's data is wrong (a batch that is no call): theirs to fix
+        raise
     except Exception as error:
         raise TrialStepError(STAGE_CALIBRATE, error, prepared) from error
     kept = copy.deepcopy(prepared) if keep_prepared else None
@@ -241,11 +247,10 @@ class TrialBench:
             if not available:
                 error = RuntimeError(f"this torch build has no {self.backend} quantized engine")
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_PREPARE, error, None))
-            float_model = self._model().eval()
             try:
                 reference = self.reference()
-            except Exception as error:
-                return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, float_model))
+            except Exception as error:  # the float model itself fails: QL105 locates the node on a copy
+                return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, self._model().eval()))
             try:
                 converted, prepared = quantize_fx(
                     self._model(), mapping, self.backend, self.calibration, keep_prepared=measure_layers
@@ -263,7 +268,8 @@ class TrialBench:
             )
             if not measure_layers or prepared is None:
                 return base
-            layers = self._layer_errors(float_model, converted)
+            # a fix trial (measure_layers=False) never pays for this copy of the float model
+            layers = self._layer_errors(self._model().eval(), converted)
             activations = activation_sqnr(prepared, converted, self.evaluation)
         return dataclasses.replace(base, layers=layers, activation_sqnr_db=activations, model=converted)
 

@@ -19,15 +19,18 @@ from qlint.measure.matching import LayerMatch
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 
 
-def _batch_norm_factor(batch_norm: nn.Module) -> torch.Tensor | None:
+def batch_norm_factor(running_var: torch.Tensor, gamma: torch.Tensor | None, eps: float) -> torch.Tensor:
     """gamma / sqrt(running_var + eps): the per-channel factor BN folding multiplies in."""
+    if gamma is None:
+        gamma = torch.ones_like(running_var)
+    return gamma.detach() / torch.sqrt(running_var.detach() + eps)
+
+
+def _batch_norm_factor(batch_norm: nn.Module) -> torch.Tensor | None:
     running_var = getattr(batch_norm, "running_var", None)
     if running_var is None:
         return None
-    gamma = getattr(batch_norm, "weight", None)
-    if gamma is None:
-        gamma = torch.ones_like(running_var)
-    return gamma.detach() / torch.sqrt(running_var + batch_norm.eps)
+    return batch_norm_factor(running_var, getattr(batch_norm, "weight", None), float(getattr(batch_norm, "eps", 1e-5)))
 
 
 def fold_batch_norm(weight: torch.Tensor, batch_norm: nn.Module, transposed: bool = False) -> torch.Tensor:
