@@ -45,6 +45,7 @@ from qlint.measure.capture import PairedRunner
 from qlint.measure.fallback import FloatLayer, float_layers, int8_coverage
 from qlint.measure.matching import match_layers
 from qlint.measure.metrics import PairwiseErrorStats
+from qlint.measure.rewrite import apply_rewrites
 
 STAGE_FLOAT, STAGE_PREPARE, STAGE_CALIBRATE, STAGE_CONVERT, STAGE_RUN = (
     "float run",
@@ -199,8 +200,8 @@ class TrialBench:
         self._reference: list[Any] | None = None
         self.seconds = 0.0  # time spent in trials, all of them
         # set by run() when the intended model fails only on `.view`: every later trial of this
-        # bench then quantizes the model with those views as reshapes
-        self.reshaped_views: tuple[str, ...] = ()
+        # bench then quantizes this copy, with those views as reshapes (measure.rewrite)
+        self._reshaped: nn.Module | None = None
 
     def variant(self, model_factory: Callable[[], nn.Module]) -> TrialBench:
         """The same data, another float model (a changed copy): its trials compare with its own outputs."""
@@ -226,17 +227,15 @@ class TrialBench:
         """The full trial: convert, then measure output, layers, activations and fallbacks."""
         began = time.perf_counter()
         result = self._run(mapping, measure_layers)
-        if _view_on_quantized(result.failure) and not self.reshaped_views:
-            probe = self.model_factory()
-            views = view_nodes(probe)
+        if _view_on_quantized(result.failure) and self._reshaped is None:
+            views = self._reshape_views()
             if views:
-                self.reshaped_views = views
                 retry = self._run(mapping, measure_layers)
                 if retry.failure is None:
                     note = f"measured with .view → .reshape at {', '.join(views)} (identical in float)"
                     result = dataclasses.replace(retry, failure=result.failure, workaround=note)
                 else:
-                    self.reshaped_views = ()
+                    self._reshaped = None
         seconds = time.perf_counter() - began
         self.seconds += seconds
         return dataclasses.replace(result, seconds=seconds)
@@ -274,10 +273,20 @@ class TrialBench:
         return dataclasses.replace(base, layers=layers, activation_sqnr_db=activations, model=converted)
 
     def _model(self) -> nn.Module:
-        model = self.model_factory()
-        if self.reshaped_views:
-            reshape_views(model, self.reshaped_views)
-        return model
+        return copy.deepcopy(self._reshaped) if self._reshaped is not None else self.model_factory()
+
+    def _reshape_views(self) -> list[str]:
+        """Rewrite the views on op outputs as reshapes, checked equal in float; the nodes rewritten."""
+        if not self.calibration:
+            return []
+        example = as_call(self.calibration[0])[0]
+        try:
+            rewritten, applied = apply_rewrites(self.model_factory(), None, example, kinds=("view_to_reshape",))
+        except QlintError:  # the model cannot be traced again: no workaround
+            return []
+        views = [node for record in applied if record.applied for node in record.nodes]
+        self._reshaped = rewritten if views else None
+        return views
 
     def output_sqnr(self, mapping: QConfigMapping) -> float | None:
         """Output SQNR of the model converted under ``mapping``; None when the trial fails."""
@@ -325,24 +334,6 @@ class TrialBench:
 def _view_on_quantized(failure: TrialFailure | None) -> bool:
     """convert_fx's quantized convs return channels-last tensors, on which `.view` raises."""
     return failure is not None and failure.stage == STAGE_RUN and "view size is not compatible" in str(failure.error)
-
-
-def view_nodes(model: nn.Module) -> tuple[str, ...]:
-    if not isinstance(model, fx.GraphModule):
-        return ()
-    return tuple(node.name for node in model.graph.nodes if node.op == "call_method" and node.target == "view")
-
-
-def reshape_views(model: nn.Module, names: Sequence[str]) -> None:
-    """``x.view(...)`` → ``x.reshape(...)`` at the named nodes of a GraphModule (a copy): the same
-    result wherever view works, and a copy where it cannot."""
-    if not isinstance(model, fx.GraphModule):
-        return
-    wanted = set(names)
-    for node in model.graph.nodes:
-        if node.op == "call_method" and node.target == "view" and node.name in wanted:
-            node.target = "reshape"
-    model.recompile()
 
 
 def _attr_value(graph_module: fx.GraphModule, node: Any) -> Any:
