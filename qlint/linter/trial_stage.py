@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import Field
 
+from qlint.core.batches import batches_of
 from qlint.errors import ConfigError
 from qlint.linter.context import INTENT_DEFAULT, INTENT_MAPPING
 from qlint.linter.findings import TrialSummary
@@ -80,8 +81,6 @@ def _calibration_batches(calibration: Any, count: int) -> list[Any] | None:
                 return None
         except TypeError:
             pass
-    from qlint.core.batches import batches_of
-
     return list(itertools.islice(batches_of(calibration, "calibration data"), count)) or None
 
 
