@@ -20,7 +20,8 @@ summary, lint's wall time, and two checks:
 
 - acceptance (issue 15): every warning or error has a measured impact >= the threshold and its
   fix, applied, gains >= the threshold, or the finding says why no single fix applies
-  (impact.kind coverage or diagnosis). ``fix-trial`` and ``rule-trial`` impacts are fixes
+  (impact.kind coverage or diagnosis). ``fix-trial``, ``group-trial`` (applied together with
+  other findings of the rule, past the single-trial budget) and ``rule-trial`` impacts are fixes
   applied; a ``keep-float-trial`` impact is only the bound of what a fix (a rewrite) could
   recover, and ``local-error`` is an estimate: both are listed as offending;
 - physical bits: no QL203/QL104 finding reports more bits lost than its dtype has (every
@@ -53,7 +54,9 @@ TRIAL_BATCHES = 16  # TrialOptions.batches's default: the trial evaluates on the
 EVALUATION_BATCHES = 4
 THRESHOLD_DB = 0.5  # TrialOptions.min_impact_db's default, and the issue's "gains at least 0.5 dB"
 NO_SINGLE_FIX_KINDS = ("coverage", "diagnosis")
-APPLIED_BASES = ("fix-trial", "rule-trial")
+# group-trial: the fix applied together with other findings of its rule (adaptive group testing past
+# the single-trial budget); the finding says so in its impact detail, and the summary counts them
+APPLIED_BASES = ("fix-trial", "rule-trial", "group-trial")
 BITS_RULES = ("QL203", "QL104")
 
 

@@ -113,6 +113,7 @@ class UnfusedPattern(Rule):
         )
         covered: set[str] = set()
         clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]] = []
+        functional: list[tuple[list[OpNode], tuple[str, ...]]] = []
         for head in graph.ops():
             if head.name in covered:
                 continue
@@ -123,7 +124,10 @@ class UnfusedPattern(Rule):
                 reasons = self._reasons(ctx, chain)
                 if reasons:
                     covered.update(n.name for n in chain)
-                    yield self._report(graph, chain, pattern, reasons)
+                    if _foldable_functional(chain, reasons):
+                        functional.append((chain, pattern))
+                    else:
+                        yield self._report(graph, chain, pattern, reasons)
                     break
                 # The longest pattern that matches fuses; shorter ones are part of it.
                 covered.update(n.name for n in chain)
@@ -131,6 +135,8 @@ class UnfusedPattern(Rule):
                 if clamp is not None:
                     clamps.append((chain, pattern, clamp))
                 break
+        if functional:
+            yield self._functional_finding(functional)
         if clamps:
             yield self._clamp_finding(ctx, clamps)
 
@@ -192,6 +198,44 @@ class UnfusedPattern(Rule):
             },
         )
 
+    def _functional_finding(self, chains: list[tuple[list[OpNode], tuple[str, ...]]]) -> Finding:
+        """One finding for every conv → BN chain that stays unfused only because the conv is a
+        functional call: one fix (fold each BN into its conv), measured in one trial."""
+        names = [[n.display for n in chain] for chain, _ in chains]
+        first_chain, first_pattern = chains[0]
+        kinds = sorted({n.kind for chain, _ in chains for n in chain if n.kind in _MODULE_ONLY_KINDS - {"batch_norm"}})
+        listed = "; ".join(" → ".join(chain) for chain in names[:8]) + (
+            f"; ... ({len(names)} in all)" if len(names) > 8 else ""
+        )
+        message = (
+            f"{len(chains)} {'/'.join(kinds)} → batch_norm chain(s) will stay unfused: "
+            + _WHY[REASON_FUNCTIONAL].format(op="/".join(kinds))
+            + ". Unfused, each conv output is rounded to int8 before its BN rescales it, and the BN is "
+            f"not folded into the weights. Chains: {listed}. Fix: {_FIX[REASON_FUNCTIONAL]} (qlint's "
+            "fold_bn_into_functional_conv rewrite does it, exact in float)."
+        )
+        modules = [name for chain in names for name in chain]
+        return self.finding(
+            first_chain[0].display,
+            message,
+            data={
+                "kind": "functional-op",
+                "node": first_chain[0].name,
+                "pattern": list(first_pattern),
+                "chains": names,
+                "nodes": [[n.name for n in chain] for chain, _ in chains],
+                "modules": modules,
+                "reasons": [REASON_FUNCTIONAL],
+                "other_consumers": [],
+            },
+            suggestion={
+                "action": "fuse",
+                "modules": modules,
+                "pattern": list(first_pattern),
+                "blockers": [REASON_FUNCTIONAL],
+            },
+        )
+
     def _clamp_finding(self, ctx: LintContext, clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]]) -> Finding:
         """One finding for every chain that stops short of its clipping activation, measured together."""
         lines, rounding = [], []
@@ -239,6 +283,11 @@ class UnfusedPattern(Rule):
             },
             suggestion={"action": "replace_activation", "modules": activations, "with": "relu"},
         )
+
+
+def _foldable_functional(chain: list[OpNode], reasons: list[tuple[str, str]]) -> bool:
+    """A chain kept unfused only because its conv is a functional call, with a BN to fold into it."""
+    return [code for code, _ in reasons] == [REASON_FUNCTIONAL] and any(n.kind == "batch_norm" for n in chain)
 
 
 def _unfused_clamp(ctx: LintContext, chain: list[OpNode], pattern: tuple[str, ...]) -> OpNode | None:
@@ -394,6 +443,23 @@ class _LinearRelu(nn.Module):
         return self.relu(self.fc(x))
 
 
+class _SameConv(nn.Conv2d):
+    """A conv subclass whose forward traces to F.conv2d (as in EfficientNet-Lite's padded convs)."""
+
+    def forward(self, x):
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class _FunctionalConvBn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = _SameConv(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = _SameConv(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+
+
 def _image():
     return (torch.randn(2, 3, 16, 16),)
 
@@ -407,6 +473,12 @@ INVALID = (
     Example("conv output also feeds the residual add", lambda: _ConvBnReluFanout().eval(), _image, flagged=("conv",)),
     Example("eager model without fuse_modules", lambda: _eager(False), _image, flagged=("conv",)),
     Example("BatchNorm left in training mode", lambda: _CleanBlock().train(), _image, flagged=("conv",)),
+    Example(
+        "conv-bn pairs whose conv forward traces to F.conv2d (one finding for all)",
+        lambda: _FunctionalConvBn().eval(),
+        _image,
+        flagged=("conv1",),
+    ),
     Example(
         "linear and relu with different qconfigs",
         lambda: _LinearRelu().eval(),

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from qlint.core.graph import ModelGraph, ModuleInfo
 from qlint.linter.context import LintContext
-from qlint.linter.findings import Finding, Severity
+from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 # Modules with no learned state whose reuse matters only where observers are per module.
@@ -147,6 +147,7 @@ class SharedModule(Rule):
                 fqn,
                 message,
                 severity=self.severity if info.has_parameters or info.kind.endswith("stub") else Severity.INFO,
+                impact=_NOT_EXECUTED,
                 data={
                     "kind": "never-called",
                     "node": None,
@@ -155,6 +156,11 @@ class SharedModule(Rule):
                 },
                 suggestion={"action": "remove_module", "module": fqn},
             )
+
+
+# A module that never runs cannot change the int8 model's output: its impact is 0 dB by
+# construction, so with a trial the finding is info (dead weight, not an accuracy problem).
+_NOT_EXECUTED = Impact(db=0.0, basis="not-executed", detail="the module never runs in forward")
 
 
 def _candidate(info: ModuleInfo) -> bool:

@@ -74,3 +74,46 @@ def test_warning_on_a_traced_through_conv_gets_an_impact_past_the_trial_budget()
     assert serious, "QL101 should report the conv-bn that module fusion cannot match"
     for finding in serious:
         assert finding.impact is not None, f"{finding.rule} {finding.target} has no impact"
+
+
+class Branches(nn.Module):
+    """Six Linear branches, each fed by the input with one channel scaled up: QL202 flags each."""
+
+    def __init__(self, branches: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 8) for _ in range(branches))
+        scales = torch.ones(branches, 32)
+        for i in range(branches):
+            scales[i, i] = 4.0 + 12.0 * i
+        self.register_buffer("scales", scales)
+
+    def forward(self, x):
+        return torch.cat([layer(x * self.scales[i]) for i, layer in enumerate(self.layers)], dim=-1)
+
+
+def _branches_report(max_fix_trials: int):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Branches().eval()
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(16, 32, generator=generator) for _ in range(12)]
+    return qlint.lint(model, (data[0],), calibration=data, trial_options={"max_fix_trials": max_fix_trials})
+
+
+def test_findings_past_the_budget_are_measured_in_groups_that_agree_with_single_trials():
+    alone = {f.target: f.impact for f in _branches_report(50).findings if f.rule == "QL202"}
+    grouped = [f for f in _branches_report(1).findings if f.rule == "QL202"]
+    assert len(grouped) == len(alone) >= 4
+    bases = {f.impact.basis for f in grouped if f.impact is not None}
+    assert "group-trial" in bases and "local-error" not in bases, bases
+    for finding in grouped:
+        impact, single = finding.impact, alone[finding.target]
+        assert impact is not None and single is not None
+        if impact.basis == "group-trial":
+            # the group's gain bounds each member's own: none that matters alone hides in a group
+            assert impact.db >= single.db - 0.1, (finding.target, impact.db, single.db)
+            assert "together with" in impact.detail
+            if impact.db < 0.5:
+                assert finding.severity is Severity.INFO
+        else:
+            assert abs(impact.db - single.db) < 0.01, (finding.target, impact.db, single.db)

@@ -104,7 +104,10 @@ def build_lint_parser() -> argparse.ArgumentParser:
         help="a warning whose measured impact is below DB (output SQNR) becomes info (default 0.5)",
     )
     parser.add_argument(
-        "--fix-trials", type=int, metavar="N", help="trials spent measuring findings' fixes (default 12)"
+        "--fix-trials",
+        type=int,
+        metavar="N",
+        help="single trials spent measuring findings' fixes, then as many group trials (default 12)",
     )
     parser.add_argument("--baseline", metavar="FILE", help="report only findings not recorded in FILE")
     parser.add_argument(

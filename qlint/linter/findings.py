@@ -40,7 +40,7 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-ImpactBasis = Literal["fix-trial", "keep-float-trial", "rule-trial", "local-error"]
+ImpactBasis = Literal["fix-trial", "keep-float-trial", "group-trial", "rule-trial", "not-executed", "local-error"]
 
 
 class Impact(_Frozen):
@@ -50,9 +50,14 @@ class Impact(_Frozen):
     ``db`` is the output SQNR it gained. ``keep-float-trial``: the finding's fix is not a
     qconfig change (a rewrite of the float model), so the target was kept float instead:
     ``db`` is what quantizing the target costs, the most any fix of it can recover.
-    ``rule-trial``: the rule measured it itself (e.g. QL106's dynamic quantization).
-    ``local-error``: no trial was left in the budget; ``db`` is estimated from the
-    layer's own (shadow) error and the output error (docs/architecture.md, "Impact").
+    ``group-trial``: past the budget of single trials, the finding's fix was measured
+    together with the fixes of other findings of the same rule (split in halves while the
+    group gains enough to matter): ``db`` is what the group gains; the finding's own share
+    is at most that when the fixes do not interact. ``rule-trial``: the rule measured it itself (e.g. QL106's dynamic
+    quantization). ``not-executed``: the target never runs, so quantizing it cannot
+    change the output (0 dB). ``local-error``: no trial can express the fix; ``db`` is
+    estimated from the layer's own (shadow) error and the output error
+    (docs/architecture.md, "Impact").
 
     ``kind`` is ``coverage`` for a fix that quantizes what stayed float (QL106): it buys
     int8 speed and size, so ``db`` is the output SQNR it costs (usually negative) and the

@@ -1,16 +1,27 @@
 """The measured cost of each warning and error: what fixing it gains in output SQNR.
 
 For every warning and error, in order of their layer's local error, while the budget
-of fix trials lasts:
+of single fix trials (``max_fix_trials``) lasts:
 
 1. the finding's fix is a qconfig change (observer, dtype, scheme, keep float,
    dynamic): the model is quantized again with the intended mapping plus that change,
    and the impact is the output SQNR gained (``fix-trial``);
-2. the fix changes the float model (a fusion, a split, a reshape): the target is kept
-   float instead, and the impact is what quantizing it costs, the most any fix of it
-   can recover (``keep-float-trial``);
-3. beyond the budget, or for a target that is not a module, the impact is estimated
-   from the layer's own (shadow) error and the output error (``local-error``).
+2. the fix changes the float model without changing its function (a fusion, BN
+   folding, a reshape, equalization): a rewritten copy is quantized as intended
+   (``fix-trial``);
+3. otherwise the target is kept float instead, and the impact is what quantizing it
+   costs, the most any fix of it can recover (``keep-float-trial``).
+
+Past that budget, the remaining findings are measured in groups, by adaptive group
+testing: the fixes of one rule's findings are applied together in one trial; a group
+that gains less than ``min_impact_db`` settles all its members (each one's share is at
+most the group's, when the fixes do not interact), and a group that gains more is split
+in halves and measured again, while a second budget of ``max_fix_trials`` group trials
+lasts (``group-trial``). A few findings that matter among many cost about
+``k·log2(n)`` trials instead of ``n``.
+
+Only a fix no trial can express (a functional op with no fix) gets an estimate from
+the layer's own (shadow) error and the output error (``local-error``).
 
 A finding whose impact is below ``min_impact_db`` becomes info: it is real, but fixing
 it would not move the int8 model. Findings that a rule measured itself keep theirs.
@@ -21,7 +32,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch.fx as fx
 from torch.ao.quantization import QConfigMapping
@@ -29,12 +40,19 @@ from torch.ao.quantization import QConfigMapping
 from qlint.core.batches import as_call
 from qlint.core.sqnr import noise_power_ratio
 from qlint.errors import QlintError
-from qlint.linter.findings import Finding, Impact, Severity
+from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.mapping import module_recipe
 from qlint.linter.suggestions import collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
 from qlint.measure.rewrite import apply_equalization, apply_requested_rewrites, fanout_follows_original
 from qlint.measure.trial import TrialBench, TrialResult
+
+Family = Literal["qconfig", "rewrite", "keep-float"]
+_FAMILY_DETAIL: dict[Family, str] = {
+    "qconfig": "the fix applied in a trial",
+    "rewrite": "the fix's float-preserving rewrite applied in a trial",
+    "keep-float": "the target kept float in a trial (the most a fix of it recovers)",
+}
 
 # A layer whose removal would leave less than 1 % of the output noise is credited 20 dB at most:
 # past that, the other layers' error decides and the estimate means nothing.
@@ -110,6 +128,7 @@ class ImpactMeter:
         self.options = options
         self.aliases = aliases or {}  # module fqn -> the graph nodes it computes
         self.trials = 0
+        self.group_trials = 0
         self._measured: dict[str, float | None] = {}
 
     def _sqnr(self, key: str, mapping: QConfigMapping) -> float | None:
@@ -120,6 +139,93 @@ class ImpactMeter:
 
     def _budget_left(self, key: str) -> bool:
         return key in self._measured or self.trials < self.options.max_fix_trials
+
+    def exhausted(self) -> bool:
+        """The single-trial budget is spent: further findings are measured in groups."""
+        return self.trials >= self.options.max_fix_trials
+
+    def family(self, finding: Finding) -> Family | None:
+        """How the finding's fix can be measured together with others of its rule; None when
+        no trial can express it."""
+        if fix_mapping(self.base, [finding], self.bench.backend) is not None:
+            return "qconfig"
+        if finding.suggestion is not None:
+            suggestions = collect_suggestions(self.bench.backend, None, [(finding.suggestion, finding.provenance())])
+            if suggestions.rewrites or suggestions.equalization:
+                return "rewrite"
+        return "keep-float" if finding.target in self.modules else None
+
+    def group_sqnr(self, findings: Sequence[Finding], family: Family) -> float | None:
+        """Output SQNR with the fixes of every given finding applied at once (one trial; none
+        spent when the fixes cannot be applied)."""
+        if family == "qconfig":
+            mapping = fix_mapping(self.base, findings, self.bench.backend)
+            if mapping is None:
+                return None
+            self.group_trials += 1
+            return self.bench.output_sqnr(mapping)
+        if family == "keep-float":
+            kept = copy.deepcopy(self.base)
+            for finding in findings:
+                kept.set_module_name(finding.target, None)
+            self.group_trials += 1
+            return self.bench.output_sqnr(kept)
+        suggested = [(f.suggestion, f.provenance()) for f in findings if f.suggestion is not None]
+        rewritten = self._rewritten_model(collect_suggestions(self.bench.backend, None, suggested))
+        if rewritten is None:
+            return None
+        self.group_trials += 1
+        return self.bench.variant(lambda: copy.deepcopy(rewritten)).output_sqnr(
+            fanout_follows_original(self.base, rewritten)
+        )
+
+    def grouped(self, pending: Sequence[tuple[int, Finding]]) -> dict[int, Impact]:
+        """Impacts of the findings past the single-trial budget, by adaptive group testing
+        within each rule and family (the module docstring)."""
+        groups: dict[tuple[str, Family], list[tuple[int, Finding]]] = {}
+        for index, finding in pending:
+            family = self.family(finding)
+            if family is not None:
+                groups.setdefault((finding.rule, family), []).append((index, finding))
+        impacts: dict[int, Impact] = {}
+        for (_rule, family), members in groups.items():
+            impacts.update(self._bisect(members, family))
+        return impacts
+
+    def _bisect(self, members: Sequence[tuple[int, Finding]], family: Family) -> dict[int, Impact]:
+        base = self.result.output_sqnr_db
+        if base is None or self.group_trials >= self.options.max_fix_trials:
+            return {}
+        fixed = self.group_sqnr([finding for _, finding in members], family)
+        if fixed is None:
+            if family == "rewrite" and all(finding.target in self.modules for _, finding in members):
+                return self._bisect(members, "keep-float")  # as for one finding: the bound instead
+            return {}
+        gain = fixed - base
+        if len(members) > 1 and gain >= self.options.min_impact_db and self.group_trials < self.options.max_fix_trials:
+            half = len(members) // 2
+            settled = self._bisect(members[:half], family)
+            settled.update(self._bisect(members[half:], family))
+            if len(settled) == len(members):
+                return settled
+            # the budget ran out inside this group: its unsettled members keep the group's gain
+            return {
+                index: settled.get(index, self._group_impact(base, fixed, len(members), family)) for index, _ in members
+            }
+        if len(members) == 1:
+            basis: ImpactBasis = "keep-float-trial" if family == "keep-float" else "fix-trial"
+            return {members[0][0]: Impact.measured(base, fixed, basis, _FAMILY_DETAIL[family])}
+        return {index: self._group_impact(base, fixed, len(members), family) for index, _ in members}
+
+    @staticmethod
+    def _group_impact(base: float, fixed: float, size: int, family: Family) -> Impact:
+        return Impact.measured(
+            base,
+            fixed,
+            "group-trial",
+            f"{_FAMILY_DETAIL[family]}, together with the fixes of {size - 1} other finding(s) of this rule; "
+            "this finding's own share is at most this",
+        )
 
     def impact(self, finding: Finding) -> Impact | None:
         base = self.result.output_sqnr_db
@@ -146,7 +252,7 @@ class ImpactMeter:
                     "keep-float-trial",
                     f"{finding.target} kept float in a trial: the most a fix of it recovers",
                 )
-        return self.estimate(finding.target)
+        return None  # past the budget, or no trial expresses the fix: the caller decides
 
     def _rewrite_fix(self, finding: Finding, base: float) -> Impact | None:
         """A fix that changes the float model without changing its function (a fusion made
@@ -162,9 +268,9 @@ class ImpactMeter:
             return None
         if key not in self._measured:
             self._measured[key] = None
-            self.trials += 1
             rewritten = self._rewritten_model(suggestions)
-            if rewritten is not None:
+            if rewritten is not None:  # no rewrite applied: no trial spent
+                self.trials += 1
                 self._measured[key] = self.bench.variant(lambda: copy.deepcopy(rewritten)).output_sqnr(
                     fanout_follows_original(self.base, rewritten)
                 )
@@ -216,11 +322,19 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
     and the output SQNR with every kept warning's fix (None when none is a qconfig change)."""
     threshold = meter.options.min_impact_db
     measured: dict[int, Finding] = {}
+    pending: list[tuple[int, Finding]] = []
     for index, finding in sorted(enumerate(findings), key=lambda pair: _order_key(meter, pair[1])):
         if finding.severity is Severity.INFO or finding.impact is not None:
             measured[index] = finding
             continue
-        impact = meter.impact(finding)
+        impact = None if meter.exhausted() else meter.impact(finding)
+        if impact is None and meter.family(finding) is not None:
+            pending.append((index, finding))  # measured in groups, past the single-trial budget
+            continue
+        measured[index] = finding.model_copy(update={"impact": impact or meter.estimate(finding.target)})
+    grouped = meter.grouped(pending)
+    for index, finding in pending:
+        impact = grouped.get(index) or meter.estimate(finding.target)
         measured[index] = finding.model_copy(update={"impact": impact})
     result = []
     for index in range(len(findings)):

@@ -37,7 +37,10 @@ class TrialOptions(RuleOptions):
     max_fix_trials: int = Field(
         12,
         ge=0,
-        description=("Trials spent measuring findings' fixes; beyond these, impact is estimated from local error."),
+        description=(
+            "Single trials spent measuring findings' fixes; past these, the rest are measured in groups "
+            "(adaptive group testing, at most as many group trials again)."
+        ),
     )
 
     @classmethod

@@ -145,7 +145,9 @@ def _findings_table(report: Report) -> Table:
 _BASIS = {
     "fix-trial": "fix trial",
     "keep-float-trial": "kept float",
+    "group-trial": "group trial",
     "rule-trial": "rule trial",
+    "not-executed": "never runs",
     "local-error": "estimate",
 }
 
