@@ -202,22 +202,16 @@ class ConversionCheck(Rule):
                 )
                 best, impact = _best_keep_float(ctx, trial, _candidates(ctx, onset.name))
                 if best is not None and impact is not None:
-                    data["fix_target"] = best[0] if len(best) == 1 else list(best)
-                    if len(best) > 1:
-                        suggestion = {"action": "keep_float", "targets": list(best)}
-                        how = f"mapping.set_module_name(name, None) for each of {_listed(best)}"
-                        kept = f"the {len(best)} modules whose ops consume it"
-                    elif best[0] in ctx.graph.modules:
-                        suggestion = {"action": "keep_float", "module": best[0]}
-                        how = f"mapping.set_module_name({best[0]!r}, None)"
-                        kept = repr(best[0])
+                    data["fix_target"] = best
+                    if best in ctx.graph.modules:
+                        suggestion = {"action": "keep_float", "module": best}
+                        how = f"mapping.set_module_name({best!r}, None)"
                     else:
-                        function = ctx.graph.node(best[0]).target
-                        suggestion = {"action": "keep_float_function", "node": best[0], "function": function}
+                        function = ctx.graph.node(best).target
+                        suggestion = {"action": "keep_float_function", "node": best, "function": function}
                         how = f"mapping.set_object_type({function}, None)"
-                        kept = repr(best[0])
                     message += (
-                        f" Keeping {kept} float ({how}) measures {impact.fixed_sqnr_db:.1f} dB ({impact.db:+.1f} dB)."
+                        f" Keeping {best!r} float ({how}) measures {impact.fixed_sqnr_db:.1f} dB ({impact.db:+.1f} dB)."
                     )
                     if impact.db < 0.5:
                         message += (
@@ -459,18 +453,11 @@ def error_onset(trial: TrialResult, threshold_db: float) -> LayerError | None:
     return min(own, key=lambda layer: layer.shadow_db or 0.0) if own else None
 
 
-def _candidates(ctx: LintContext, onset: str) -> list[tuple[str, ...]]:
-    """What to keep float, each tried in one trial:
-
-    - the onset layer (a module, or a functional op);
-    - the nearest weighted module upstream of it: its input's range is set by that module's
-      output observer, so the error may arrive from there;
-    - every module whose functional ops consume the onset's output, together: a tensor with a
-      huge range (an additive attention mask of -10000) spoils the observer of each op it
-      enters (the scores + mask add in every attention block), so all of them stay float or
-      none helps.
-    """
-    found: list[tuple[str, ...]] = [(onset,)] if onset in ctx.graph.modules or onset in ctx.graph else []
+def _candidates(ctx: LintContext, onset: str) -> list[str]:
+    """The onset layer (a module, or a functional op), and the nearest weighted module upstream
+    of it: its input's range is set by that module's output observer, so the error may arrive
+    from there."""
+    found = [onset] if onset in ctx.graph.modules or onset in ctx.graph else []
     sites = (
         ctx.graph.call_sites(onset)
         if onset in ctx.graph.modules
@@ -484,43 +471,30 @@ def _candidates(ctx: LintContext, onset: str) -> list[tuple[str, ...]]:
             continue
         seen.add(node.name)
         if node.op == "module" and node.module and node.weight is not None:
-            if (node.module,) not in found:
-                found.append((node.module,))
+            if node.module not in found:
+                found.append(node.module)
             break
         frontier.extend(ctx.graph.producers(node.name))
-    scopes = tuple(
-        dict.fromkeys(
-            consumer.scope
-            for site in sites
-            for consumer in ctx.graph.consumers(site.name)
-            if consumer.op in ("function", "method") and consumer.scope and consumer.scope in ctx.graph.modules
-        )
-    )
-    if scopes and scopes not in found:
-        found.append(scopes)
     return found
 
 
-def _best_keep_float(
-    ctx: LintContext, trial: TrialResult, candidates: list[tuple[str, ...]]
-) -> tuple[tuple[str, ...] | None, Impact | None]:
-    """Keep each candidate float in a trial (modules by name; a functional op by its
+def _best_keep_float(ctx: LintContext, trial: TrialResult, candidates: list[str]) -> tuple[str | None, Impact | None]:
+    """Keep each candidate float in a trial (a module by name; a functional op by its
     function, with ``set_object_type``); the one recovering the most output SQNR."""
     if ctx.trial_bench is None or ctx.qconfig_mapping is None or trial.output_sqnr_db is None:
         return None, None
-    best: tuple[tuple[str, ...] | None, Impact | None] = (None, None)
-    for names in candidates:
+    best: tuple[str | None, Impact | None] = (None, None)
+    for name in candidates:
         mapping = copy.deepcopy(ctx.qconfig_mapping)
-        if all(name in ctx.graph.modules for name in names):
-            for name in names:
-                mapping.set_module_name(name, None)
-            label = _listed(names)
+        if name in ctx.graph.modules:
+            mapping.set_module_name(name, None)
+            label = name
         else:
-            function = _function_of(ctx, names[0])
-            if function is None or len(names) > 1:
+            function = _function_of(ctx, name)
+            if function is None:
                 continue
             mapping.set_object_type(function, None)
-            label = f"{names[0]} ({getattr(function, '__name__', function)})"
+            label = f"{name} ({getattr(function, '__name__', function)})"
         fixed = ctx.trial_bench.output_sqnr(mapping)
         if fixed is None:
             continue
@@ -528,13 +502,8 @@ def _best_keep_float(
             trial.output_sqnr_db, fixed, "rule-trial", f"{label} kept float in a trial", kind="diagnosis"
         )
         if best[1] is None or impact.db > best[1].db:
-            best = (names, impact)
+            best = (name, impact)
     return best
-
-
-def _listed(names: tuple[str, ...]) -> str:
-    shown = ", ".join(repr(name) for name in names[:4])
-    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def _function_of(ctx: LintContext, node_name: str) -> Any:
