@@ -40,7 +40,7 @@ from torch.ao.quantization import QConfigMapping
 from qlint.core.batches import as_call
 from qlint.core.sqnr import noise_power_ratio
 from qlint.errors import QlintError
-from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
+from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.mapping import module_recipe
 from qlint.linter.suggestions import collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
@@ -71,14 +71,6 @@ def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str)
     for decision in suggestions.modules:
         recipe = module_recipe(suggestions, decision)
         mapping.set_module_name(decision.fqn, None if recipe is None else recipe.build())
-    return mapping
-
-
-def keep_float_mapping(base: QConfigMapping, target: str, modules: frozenset[str]) -> QConfigMapping | None:
-    if target not in modules:
-        return None
-    mapping = copy.deepcopy(base)
-    mapping.set_module_name(target, None)
     return mapping
 
 
@@ -113,7 +105,8 @@ def local_error_estimate(result: TrialResult, target: str, aliases: Sequence[str
 
 
 class ImpactMeter:
-    """Measures findings against one trial bench, spending at most ``max_fix_trials`` trials."""
+    """Measures findings against one trial bench: at most ``max_fix_trials`` single trials, then
+    as many group trials again. Identical fixes share one trial."""
 
     def __init__(
         self,
@@ -127,95 +120,116 @@ class ImpactMeter:
         self.bench, self.result, self.base, self.modules = bench, result, base_mapping, modules
         self.options = options
         self.aliases = aliases or {}  # module fqn -> the graph nodes it computes
-        self.trials = 0
-        self.group_trials = 0
+        self.trials = 0  # every fix trial run, single and group
         self._measured: dict[str, float | None] = {}
-
-    def _sqnr(self, key: str, mapping: QConfigMapping) -> float | None:
-        if key not in self._measured:
-            self.trials += 1
-            self._measured[key] = self.bench.output_sqnr(mapping)
-        return self._measured[key]
-
-    def _budget_left(self, key: str) -> bool:
-        return key in self._measured or self.trials < self.options.max_fix_trials
 
     def exhausted(self) -> bool:
         """The single-trial budget is spent: further findings are measured in groups."""
         return self.trials >= self.options.max_fix_trials
 
-    def family(self, finding: Finding) -> Family | None:
-        """How the finding's fix can be measured together with others of its rule; None when
-        no trial can express it."""
+    def _groups_exhausted(self) -> bool:
+        return self.trials >= 2 * self.options.max_fix_trials
+
+    def families(self, finding: Finding) -> tuple[Family, ...]:
+        """How the finding's fix can be applied in a trial, in order of preference: its qconfig
+        change, its float-preserving rewrite, or (the bound) its target kept float."""
+        found: list[Family] = []
         if fix_mapping(self.base, [finding], self.bench.backend) is not None:
-            return "qconfig"
-        if finding.suggestion is not None:
+            found.append("qconfig")
+        elif finding.suggestion is not None:
             suggestions = collect_suggestions(self.bench.backend, None, [(finding.suggestion, finding.provenance())])
             if suggestions.rewrites or suggestions.equalization:
-                return "rewrite"
-        return "keep-float" if finding.target in self.modules else None
+                found.append("rewrite")
+        if finding.target in self.modules:
+            found.append("keep-float")
+        return tuple(found)
 
-    def group_sqnr(self, findings: Sequence[Finding], family: Family) -> float | None:
-        """Output SQNR with the fixes of every given finding applied at once (one trial; none
-        spent when the fixes cannot be applied)."""
+    def _trial(self, findings: Sequence[Finding], family: Family) -> float | None:
+        """Output SQNR with the fixes of ``findings`` applied at once, in one trial (cached); None
+        when they cannot be applied (no trial spent) or the trial fails."""
+        key = family + ":" + "|".join(_fix_key(f) for f in findings)
+        if key in self._measured:
+            return self._measured[key]
+        bench = self.bench
         if family == "qconfig":
-            mapping = fix_mapping(self.base, findings, self.bench.backend)
-            if mapping is None:
-                return None
-            self.group_trials += 1
-            return self.bench.output_sqnr(mapping)
-        if family == "keep-float":
-            kept = copy.deepcopy(self.base)
+            mapping = fix_mapping(self.base, findings, bench.backend)
+        elif family == "keep-float":
+            mapping = copy.deepcopy(self.base)
             for finding in findings:
-                kept.set_module_name(finding.target, None)
-            self.group_trials += 1
-            return self.bench.output_sqnr(kept)
-        suggested = [(f.suggestion, f.provenance()) for f in findings if f.suggestion is not None]
-        rewritten = self._rewritten_model(collect_suggestions(self.bench.backend, None, suggested))
-        if rewritten is None:
+                mapping.set_module_name(finding.target, None)
+        else:
+            suggested = [(f.suggestion, f.provenance()) for f in findings if f.suggestion is not None]
+            rewritten = self._rewritten_model(collect_suggestions(bench.backend, None, suggested))
+            if rewritten is not None:  # the rewritten copy is compared with its own float outputs
+                mapping = fanout_follows_original(self.base, rewritten)
+                bench = bench.variant(lambda: copy.deepcopy(rewritten))
+            else:
+                mapping = None
+        if mapping is None:
+            self._measured[key] = None
             return None
-        self.group_trials += 1
-        return self.bench.variant(lambda: copy.deepcopy(rewritten)).output_sqnr(
-            fanout_follows_original(self.base, rewritten)
-        )
+        self.trials += 1
+        self._measured[key] = bench.output_sqnr(mapping)
+        return self._measured[key]
+
+    def impact(self, finding: Finding) -> Impact | None:
+        """The finding's fix measured alone; None past the single-trial budget, or when no trial
+        expresses it (the caller decides)."""
+        base = self.result.output_sqnr_db
+        if base is None:
+            return None
+        for family in self.families(finding):
+            if self.exhausted():
+                return None
+            fixed = self._trial([finding], family)
+            if fixed is not None:
+                return self._single_impact(base, fixed, family, finding.target)
+        return None
+
+    @staticmethod
+    def _single_impact(base: float, fixed: float, family: Family, target: str) -> Impact:
+        if family == "keep-float":
+            detail = f"{target} kept float in a trial: the most a fix of it recovers"
+            return Impact.measured(base, fixed, "keep-float-trial", detail)
+        return Impact.measured(base, fixed, "fix-trial", _FAMILY_DETAIL[family])
 
     def grouped(self, pending: Sequence[tuple[int, Finding]]) -> dict[int, Impact]:
         """Impacts of the findings past the single-trial budget, by adaptive group testing
-        within each rule and family (the module docstring)."""
-        groups: dict[tuple[str, Family], list[tuple[int, Finding]]] = {}
+        within each rule and way of applying the fix (the module docstring)."""
+        groups: dict[tuple[str, tuple[Family, ...]], list[tuple[int, Finding]]] = {}
         for index, finding in pending:
-            family = self.family(finding)
-            if family is not None:
-                groups.setdefault((finding.rule, family), []).append((index, finding))
+            families = self.families(finding)
+            if families:
+                groups.setdefault((finding.rule, families), []).append((index, finding))
         impacts: dict[int, Impact] = {}
-        for (_rule, family), members in groups.items():
-            impacts.update(self._bisect(members, family))
+        for (_rule, families), members in groups.items():
+            impacts.update(self._bisect(members, families))
         return impacts
 
-    def _bisect(self, members: Sequence[tuple[int, Finding]], family: Family) -> dict[int, Impact]:
+    def _bisect(self, members: Sequence[tuple[int, Finding]], families: tuple[Family, ...]) -> dict[int, Impact]:
         base = self.result.output_sqnr_db
-        if base is None or self.group_trials >= self.options.max_fix_trials:
+        findings = [finding for _, finding in members]
+        measured = None
+        for family in families:  # as for one finding: the next way when one cannot be applied
+            if base is None or self._groups_exhausted():
+                return {}
+            fixed = self._trial(findings, family)
+            if fixed is not None:
+                measured = (family, fixed)
+                break
+        if base is None or measured is None:
             return {}
-        fixed = self.group_sqnr([finding for _, finding in members], family)
-        if fixed is None:
-            if family == "rewrite" and all(finding.target in self.modules for _, finding in members):
-                return self._bisect(members, "keep-float")  # as for one finding: the bound instead
-            return {}
-        gain = fixed - base
-        if len(members) > 1 and gain >= self.options.min_impact_db and self.group_trials < self.options.max_fix_trials:
-            half = len(members) // 2
-            settled = self._bisect(members[:half], family)
-            settled.update(self._bisect(members[half:], family))
-            if len(settled) == len(members):
-                return settled
-            # the budget ran out inside this group: its unsettled members keep the group's gain
-            return {
-                index: settled.get(index, self._group_impact(base, fixed, len(members), family)) for index, _ in members
-            }
+        family, fixed = measured
         if len(members) == 1:
-            basis: ImpactBasis = "keep-float-trial" if family == "keep-float" else "fix-trial"
-            return {members[0][0]: Impact.measured(base, fixed, basis, _FAMILY_DETAIL[family])}
-        return {index: self._group_impact(base, fixed, len(members), family) for index, _ in members}
+            return {members[0][0]: self._single_impact(base, fixed, family, findings[0].target)}
+        group = self._group_impact(base, fixed, len(members), family)
+        if fixed - base < self.options.min_impact_db or self._groups_exhausted():
+            return {index: group for index, _ in members}
+        half = len(members) // 2
+        settled = self._bisect(members[:half], families)
+        settled.update(self._bisect(members[half:], families))
+        # where the budget ran out inside this group, its unsettled members keep the group's gain
+        return {index: settled.get(index, group) for index, _ in members}
 
     @staticmethod
     def _group_impact(base: float, fixed: float, size: int, family: Family) -> Impact:
@@ -226,58 +240,6 @@ class ImpactMeter:
             f"{_FAMILY_DETAIL[family]}, together with the fixes of {size - 1} other finding(s) of this rule; "
             "this finding's own share is at most this",
         )
-
-    def impact(self, finding: Finding) -> Impact | None:
-        base = self.result.output_sqnr_db
-        if base is None:
-            return None
-        fixed = fix_mapping(self.base, [finding], self.bench.backend)
-        if fixed is not None:
-            key = "fix:" + (finding.suggestion.model_dump_json() if finding.suggestion else "")
-            if self._budget_left(key):
-                value = self._sqnr(key, fixed)
-                if value is not None:
-                    return Impact.measured(base, value, "fix-trial", "the finding's fix applied in a trial")
-        rewritten = self._rewrite_fix(finding, base)
-        if rewritten is not None:
-            return rewritten
-        kept = keep_float_mapping(self.base, finding.target, self.modules)
-        key = f"float:{finding.target}"
-        if kept is not None and self._budget_left(key):
-            value = self._sqnr(key, kept)
-            if value is not None:
-                return Impact.measured(
-                    base,
-                    value,
-                    "keep-float-trial",
-                    f"{finding.target} kept float in a trial: the most a fix of it recovers",
-                )
-        return None  # past the budget, or no trial expresses the fix: the caller decides
-
-    def _rewrite_fix(self, finding: Finding, base: float) -> Impact | None:
-        """A fix that changes the float model without changing its function (a fusion made
-        possible, a split shared module, equalization): rewrite a copy, quantize it as intended,
-        and compare with the float outputs."""
-        if finding.suggestion is None:
-            return None
-        key = "rewrite:" + finding.suggestion.model_dump_json()
-        if not self._budget_left(key):
-            return None
-        suggestions = collect_suggestions(self.bench.backend, None, [(finding.suggestion, finding.provenance())])
-        if not (suggestions.rewrites or suggestions.equalization):
-            return None
-        if key not in self._measured:
-            self._measured[key] = None
-            rewritten = self._rewritten_model(suggestions)
-            if rewritten is not None:  # no rewrite applied: no trial spent
-                self.trials += 1
-                self._measured[key] = self.bench.variant(lambda: copy.deepcopy(rewritten)).output_sqnr(
-                    fanout_follows_original(self.base, rewritten)
-                )
-        value = self._measured[key]
-        if value is None:
-            return None
-        return Impact.measured(base, value, "fix-trial", "the fix's float-preserving rewrite applied in a trial")
 
     def _rewritten_model(self, suggestions: Any) -> Any:
         """The model with the suggested rewrites and equalization applied; None when none applied."""
@@ -303,13 +265,13 @@ class ImpactMeter:
 
     def combined(self, findings: Sequence[Finding]) -> float | None:
         """Output SQNR with every given finding's qconfig fix applied at once (one trial)."""
-        backend = self.bench.backend
-        expressible = [f for f in findings if fix_mapping(self.base, [f], backend) is not None]
-        mapping = fix_mapping(self.base, expressible, backend)
-        if mapping is None:
-            return None
-        key = "all:" + "|".join(f.suggestion.model_dump_json() for f in expressible if f.suggestion)
-        return self._sqnr(key, mapping)
+        expressible = [f for f in findings if fix_mapping(self.base, [f], self.bench.backend) is not None]
+        return self._trial(expressible, "qconfig") if expressible else None
+
+
+def _fix_key(finding: Finding) -> str:
+    """What identifies a finding's fix in a trial: its suggestion, and the target it keeps float."""
+    return finding.target + "=" + (finding.suggestion.model_dump_json() if finding.suggestion else "")
 
 
 def _order_key(meter: ImpactMeter, finding: Finding) -> tuple[int, float]:
@@ -327,8 +289,8 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
         if finding.severity is Severity.INFO or finding.impact is not None:
             measured[index] = finding
             continue
-        impact = None if meter.exhausted() else meter.impact(finding)
-        if impact is None and meter.family(finding) is not None:
+        impact = meter.impact(finding)
+        if impact is None and meter.families(finding):
             pending.append((index, finding))  # measured in groups, past the single-trial budget
             continue
         measured[index] = finding.model_copy(update={"impact": impact or meter.estimate(finding.target)})
