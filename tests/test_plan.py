@@ -160,6 +160,30 @@ def _rich_plan(backend="x86"):
 # --- JSON ---------------------------------------------------------------------------------
 
 
+_PER_TENSOR_WEIGHTS = QConfigMapping().set_global(
+    QConfig(
+        activation=HistogramObserver.with_args(reduce_range=True),
+        weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
+    )
+)
+
+
+def test_plan_takes_only_fixes_that_were_not_measured_useless():
+    """A fix the trial measured and found to gain less than the threshold stays out of the plan;
+    a kept decision carries the gain lint measured for it."""
+    report = qlint.lint(_build(Cnn), _inputs(Cnn), qconfig_mapping=_PER_TENSOR_WEIGHTS)
+    suggested = [f for f in report.findings if f.suggestion is not None]
+    useless = {f.fingerprint() for f in suggested if f.fix_measured_useless()}
+    kept = {f.fingerprint(): f for f in suggested if not f.fix_measured_useless()}
+    assert useless or kept, "the model should have findings with fixes"
+    plan = plan_from_report(report)
+    reasons = [p for d in plan.modules for p in d.provenance] + [p for r in plan.rewrites for p in r.provenance]
+    assert not useless & {p.fingerprint for p in reasons}
+    for p in reasons:
+        finding = kept[p.fingerprint]
+        assert p.gain_db == (finding.impact.db if finding.fix_measured() else None)
+
+
 def test_json_round_trip_hand_built_and_from_report():
     plan = _rich_plan()
     assert QuantPlan.model_validate_json(plan.model_dump_json()) == plan
@@ -167,12 +191,8 @@ def test_json_round_trip_hand_built_and_from_report():
     report = qlint.lint(
         _build(Cnn),
         _inputs(Cnn),
-        qconfig_mapping=QConfigMapping().set_global(
-            QConfig(
-                activation=HistogramObserver.with_args(reduce_range=True),
-                weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
-            )
-        ),
+        qconfig_mapping=_PER_TENSOR_WEIGHTS,
+        trial_options={"enabled": False},  # unmeasured: every suggestion goes into the plan
     )
     from_report = plan_from_report(report)
     assert from_report.modules, "QL104 findings should become module decisions"
@@ -402,7 +422,12 @@ def test_plan_from_report_maps_weight_and_fixed_qparams_suggestions():
         activation=HistogramObserver.with_args(reduce_range=True),
         weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric),
     )
-    report = qlint.lint(_build(Gate), _inputs(Gate), qconfig_mapping=QConfigMapping().set_global(per_tensor))
+    report = qlint.lint(
+        _build(Gate),
+        _inputs(Gate),
+        qconfig_mapping=QConfigMapping().set_global(per_tensor),
+        trial_options={"enabled": False},  # unmeasured: every suggestion goes into the plan
+    )
     plan = plan_from_report(report)
     flagged_weights = {f.target for f in report.by_rule("QL104")}
     assert flagged_weights, "expected QL104 findings for per-tensor linear weights"

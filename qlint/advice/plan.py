@@ -13,6 +13,7 @@ It is a frozen pydantic v2 model that survives a JSON round trip unchanged::
     plan = plan_from_report(report)
     QuantPlan.model_validate_json(plan.model_dump_json()) == plan
     mapping = plan.to_qconfig_mapping()        # torch.ao QConfigMapping for prepare_fx
+    int8_model = plan.quantize(model, calibration)   # what qlint verify measured, in one step
     source = plan.to_python()                  # a readable .py file that builds it
 
 Deserialising refuses an unknown ``type`` or a newer ``schema_version`` with a
@@ -25,11 +26,16 @@ import json
 from pathlib import Path
 from typing import Any, Final, Literal
 
+import torch.fx as fx
+import torch.nn as nn
 from pydantic import ValidationError, model_validator
 from torch.ao.quantization import QConfigMapping
 
+from qlint.advice.apply import quantize_with_plan
 from qlint.advice.export import to_equalization_mapping, to_python
 from qlint.advice.pt2e import to_pt2e_quantizer
+from qlint.core.batches import batches_of
+from qlint.core.preserve import preserved_state
 from qlint.errors import ConfigError
 from qlint.linter.findings import Report
 from qlint.linter.mapping import qconfig_mapping
@@ -112,6 +118,18 @@ class QuantPlan(Suggestions):
 
     def to_python(self) -> str:
         return to_python(self, self.schema_version)
+
+    def quantize(self, model: nn.Module, calibration: Any) -> fx.GraphModule:
+        """The int8 model this plan gives ``model``, built exactly as ``qlint verify`` measured it.
+
+        A traced copy of ``model`` gets the plan's float-preserving rewrites and equalization,
+        then prepare_fx with :meth:`to_qconfig_mapping`, calibration on every batch of
+        ``calibration`` (tensors, tuples of positional tensors, or dicts of keyword tensors),
+        and convert_fx. ``model``, the batches and the process state are left as they were.
+        Raises a one-line :class:`qlint.advice.apply.QuantizeError` when a torch step fails."""
+        batches = list(batches_of(calibration, "calibration data"))
+        with preserved_state(model, watch_parameters=False):
+            return quantize_with_plan(model, self, batches).converted
 
     def to_pt2e_quantizer(self) -> Any:
         """A torchao pt2e quantizer applying this plan (needs the extra ``qlint[pt2e]``)."""

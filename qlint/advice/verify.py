@@ -1,28 +1,36 @@
-"""Verify a QuantPlan by quantizing twice and measuring: backend default vs the plan.
+"""Verify a QuantPlan by quantizing and measuring: backend default vs the plan, then better.
 
-``verify(model, plan, calibration, eval_data)`` runs prepare_fx → calibrate → convert_fx
-once with ``get_default_qconfig_mapping(backend)`` and once with the plan (its
-float-preserving rewrites, ``to_qconfig_mapping()`` and equalization), then evaluates
-both against the float model on the held-out ``eval_data``:
+``verify(model, plan, calibration, eval_data)`` quantizes the model with
+``get_default_qconfig_mapping(backend)`` and with the plan, each through
+:func:`qlint.advice.apply.quantize_with_plan` (the path ``QuantPlan.quantize`` gives
+users: the plan's float-preserving rewrites, equalization and mapping, calibrated on
+``calibration``), and measures both against the float model:
 
-* output SQNR (dB, over all eval batches) and, with ``eval_fn``, the user's metric;
+* output SQNR (dB) and, with ``eval_fn``, the user's metric;
 * per-layer activation SQNR, matched by module fqn (forward hooks on the prepared
   float-with-observers model vs the converted model, so fused modules compare like
   with like);
-* int8 coverage of conv+linear ops, counted on the converted graph (quantized
-  conv/linear modules and quantized functional calls over all conv/linear ops);
+* int8 coverage of conv+linear ops, counted on the converted graph;
 * model size (bytes of the serialized state_dict).
 
-Then it prunes: every plan decision (module decision, equalization pair, applied
-rewrite) is dropped when removing it does not lower SQNR (greedy, one pass). Then a
-scheme search flips each Linear static <-> dynamic and keeps the flips that raise SQNR
-(``search_schemes``; qlint/advice/verify_search.py). When ``target_sqnr`` is given and not met,
-the most sensitive conv/linear layers (measured by the SQNR gained when each alone is
-kept float) are kept float, as few as reach the target (at most ``max_float_fraction``
-of the conv+linear layers); dynamic layers are candidates too.
+A model whose default quantization fails (``.view`` on a quantized tensor, a missing
+kernel) is reported as failed, and the plan is still measured.
 
-Decisions are selected on ``eval_data`` (the batches the numbers are reported on);
-pass separate held-out data to a second ``verify`` call for an unbiased estimate.
+Then it improves the plan within a budget of ``max_trials`` trial quantizations:
+
+1. **prune**: each decision (module decision, equalization pair, rewrite) is dropped when
+   removing it does not lower SQNR. Decisions are tried from the least measured gain up
+   (lint measured each finding's fix; unmeasured decisions come first), so the budget goes
+   where a decision is most likely useless. A plan that as a whole loses to the default is
+   replaced by it (no trial: the default is measured anyway).
+2. **scheme search**: Linears flipped static <-> dynamic where that raises SQNR
+   (:func:`qlint.advice.verify_search.scheme_search`).
+3. **target fallback**: with ``target_sqnr``, the most sensitive conv/linear layers kept
+   float, as few as reach the target (:func:`qlint.advice.verify_search.float_fallback`).
+
+Decisions are selected on the **selection** batches (by default the last calibration
+batches; ``selection_data`` to pass others). The report's numbers come from ``eval_data``,
+which decides nothing, so the verified plan's SQNR there is an unbiased estimate.
 """
 
 from __future__ import annotations
@@ -33,12 +41,14 @@ from typing import Any
 
 import torch.nn as nn
 
-from qlint.advice.plan import Provenance, QuantPlan, Rewrite, default_plan
+from qlint.advice.plan import EqualizationPair, ModuleDecision, Provenance, QuantPlan, Rewrite, default_plan
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, RunResult, VerifyReport
 from qlint.advice.verify_search import float_fallback, scheme_search
 from qlint.advice.verify_session import (
+    FAILED,
     SQNR_TOLERANCE_DB,
-    Quantized,
+    Measured,
+    Progress,
     Session,
     VerifyError,
     batch_list,
@@ -47,7 +57,12 @@ from qlint.advice.verify_session import (
     state_dict_bytes,
 )
 from qlint.core.preserve import preserved_state
-from qlint.measure.rewrite import AppliedRewrite, rewrite_key
+from qlint.measure.rewrite import AppliedRewrite, apply_rewrites, rewrite_key
+
+DEFAULT_MAX_TRIALS = 6  # trial quantizations beyond the default, the plan as given and the verified plan
+SELECTION_BATCHES = 4  # calibration batches (the last ones) that select decisions by default
+
+_Item = ModuleDecision | EqualizationPair | Rewrite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,111 +70,127 @@ class _Decision:
     """One decision of a plan that pruning may drop."""
 
     kind: str  # module | equalization | rewrite
-    target: str  # the module fqn, the equalized module, or the rewrite's key
-    detail: str = ""
+    item: _Item
 
-    def removed_from(self, plan: QuantPlan, skip: Sequence[str]) -> tuple[QuantPlan, list[str]]:
-        """The plan and the skipped rewrites without this decision."""
-        if self.kind == "module":
-            return plan.model_copy(update={"modules": [d for d in plan.modules if d.fqn != self.target]}), list(skip)
-        if self.kind == "equalization":
-            return plan.model_copy(
-                update={"equalization": [p for p in plan.equalization if p.module != self.target]}
-            ), list(skip)
-        return plan, [*skip, self.target]
+    @property
+    def target(self) -> str:
+        if isinstance(self.item, ModuleDecision):
+            return self.item.fqn
+        if isinstance(self.item, EqualizationPair):
+            return self.item.module
+        nodes = self.item.params.get("nodes")
+        return rewrite_key(self.item.kind, nodes if isinstance(nodes, list) else self.item.modules)
+
+    @property
+    def detail(self) -> str:
+        if isinstance(self.item, ModuleDecision):
+            return self.item.describe()
+        if isinstance(self.item, Rewrite):
+            return ", ".join(self.item.modules)
+        return ""
+
+    @property
+    def measured_gain(self) -> float:
+        """The most a measurement credited this decision with (dB); -inf when none measured it."""
+        gains = [p.gain_db for p in self.item.provenance if p.gain_db is not None]
+        return max(gains) if gains else FAILED
+
+    def removed_from(self, plan: QuantPlan) -> QuantPlan:
+        if isinstance(self.item, ModuleDecision):
+            return plan.model_copy(update={"modules": [d for d in plan.modules if d != self.item]})
+        if isinstance(self.item, EqualizationPair):
+            return plan.model_copy(update={"equalization": [p for p in plan.equalization if p != self.item]})
+        return plan.model_copy(update={"rewrites": [r for r in plan.rewrites if r != self.item]})
 
 
-def _decisions(plan: QuantPlan, applied: Sequence[AppliedRewrite]) -> list[_Decision]:
-    """Every decision of the plan, in the order pruning tries them."""
-    decisions = [_Decision("module", d.fqn, d.describe()) for d in plan.modules]
-    decisions += [_Decision("equalization", pair.module) for pair in plan.equalization]
-    decisions += [
-        _Decision("rewrite", rewrite_key(r.kind, r.nodes), ", ".join(r.modules))
-        for r in applied
-        if r.applied and r.kind != "equalize"
-    ]
-    return decisions
+def _decisions(plan: QuantPlan) -> list[_Decision]:
+    """Every decision of the plan, in the order pruning tries them: least measured gain first."""
+    decisions = [_Decision("module", d) for d in plan.modules]
+    decisions += [_Decision("equalization", pair) for pair in plan.equalization]
+    decisions += [_Decision("rewrite", r) for r in plan.rewrites]
+    return sorted(decisions, key=lambda d: d.measured_gain)
 
 
 def _prune(
     session: Session,
     plan: QuantPlan,
-    applied: Sequence[AppliedRewrite],
+    best: float,
+    default: Measured,
     outcomes: list[DecisionOutcome],
     notes: list[str],
-) -> tuple[QuantPlan, list[str], float]:
-    """Drop every decision whose removal does not lower SQNR (greedy, one pass), then fall
-    back to the backend default when the pruned plan as a whole loses to it.
-
-    Returns (plan, rewrites it skips, its output SQNR)."""
-    skip: list[str] = []
-    best = session.plan_sqnr(plan)
-    for decision in _decisions(plan, applied):
-        trial, trial_skip = decision.removed_from(plan, skip)
-        without = session.plan_sqnr(trial, trial_skip)
+) -> tuple[QuantPlan, float]:
+    """Drop every decision whose removal does not lower SQNR (within the trial budget), then
+    fall back to the backend default when the pruned plan as a whole loses to it."""
+    decisions = _decisions(plan)
+    for done, decision in enumerate(decisions):
+        if not session.can_try():
+            notes.append(
+                f"pruning stopped at the trial budget ({session.max_trials}): {len(decisions) - done} decision(s) "
+                "with the most measured gain were kept without a trial of their own"
+            )
+            break
+        trial = decision.removed_from(plan)
+        without = session.trial(f"without {decision.kind} {decision.target}", trial).selection_sqnr
         drop = without >= best - SQNR_TOLERANCE_DB
         outcomes.append(
             DecisionOutcome(
                 kind=decision.kind,
                 target=decision.target,
                 kept=not drop,
-                sqnr_with_db=round(best, 4),
-                sqnr_without_db=round(without, 4),
+                sqnr_with_db=_rounded(best),
+                sqnr_without_db=_rounded(without),
                 detail=decision.detail,
             )
         )
         if drop:
-            plan, skip, best = trial, trial_skip, max(best, without)
+            plan, best = trial, max(best, without)
     # Every kept decision helps given the others, yet decisions interact: together they
     # can still lose to the backend default. Then none of them is worth keeping.
-    skip_all = sorted({rewrite_key(a.kind, a.nodes) for a in applied if a.applied} | set(skip))
-    fresh = default_plan(plan.backend).model_copy(update={"model": plan.model})
-    fresh_sqnr = session.plan_sqnr(fresh, skip_all)
-    if best < fresh_sqnr - SQNR_TOLERANCE_DB:
+    if best < default.selection_sqnr - SQNR_TOLERANCE_DB:
         outcomes.append(
             DecisionOutcome(
                 kind="plan",
                 target="every remaining decision",
                 kept=False,
-                sqnr_with_db=round(best, 4),
-                sqnr_without_db=round(fresh_sqnr, 4),
+                sqnr_with_db=_rounded(best),
+                sqnr_without_db=_rounded(default.selection_sqnr),
                 detail="together they lose to the backend default",
             )
         )
         notes.append(
-            f"the pruned plan ({best:.2f} dB) lost to the backend default ({fresh_sqnr:.2f} dB): "
-            "verify continued from the default"
+            f"the pruned plan ({best:.2f} dB) lost to the backend default ({default.selection_sqnr:.2f} dB) "
+            "on the selection batches: verify continued from the default"
         )
-        return fresh, skip_all, fresh_sqnr
-    return plan, skip, best
+        return default_plan(plan.backend, model=plan.model), default.selection_sqnr
+    return plan, best
 
 
-def _layers(
-    session: Session, default: tuple[RunResult, Quantized], verified: tuple[RunResult, Quantized]
-) -> list[LayerComparison]:
+def _rounded(value: float) -> float | None:
+    return None if value == FAILED else round(value, 4)
+
+
+def _layers(fqns: Sequence[str], session: Session, default: Measured, verified: Measured) -> list[LayerComparison]:
     """Per conv/linear layer: activation SQNR and int8-ness under the default and the verified plan."""
-    fqns = conv_linear_modules(session.traced)
-    (default_result, default_q), (plan_result, plan_q) = default, verified
-    default_layers = session.layer_sqnr(default_q, fqns)
-    plan_layers = session.layer_sqnr(plan_q, fqns)
-    default_float, plan_float = set(default_result.float_modules), set(plan_result.float_modules)
+    default_layers, plan_layers = default.layers or {}, verified.layers or {}
+    default_float, plan_float = set(default.result.float_modules), set(verified.result.float_modules)
     return [
         LayerComparison(
             fqn=f,
             kind=type(session.traced.get_submodule(f)).__name__,
             default_sqnr_db=default_layers.get(f),
             plan_sqnr_db=plan_layers.get(f),
-            default_int8=f not in default_float,
-            plan_int8=f not in plan_float,
+            default_int8=None if default.result.failure else f not in default_float,
+            plan_int8=None if verified.result.failure else f not in plan_float,
         )
         for f in fqns
     ]
 
 
-def _record_rewrites(plan: QuantPlan, applied: Sequence[AppliedRewrite]) -> QuantPlan:
-    """Add applied rewrites that the plan did not list, so the verified plan names every change."""
+def _with_detected_rewrites(plan: QuantPlan, detected: Sequence[AppliedRewrite]) -> QuantPlan:
+    """``plan`` plus the float-preserving rewrites found in the graph that it did not list, so
+    that every change verify measures is a decision of the plan (and pruning may drop it)."""
     rewrites = list(plan.rewrites)
-    for a in applied:
+    for a in detected:
         if a.applied and not a.requested_by_plan:
             rewrites.append(
                 Rewrite(
@@ -179,6 +210,20 @@ def _record_rewrites(plan: QuantPlan, applied: Sequence[AppliedRewrite]) -> Quan
     return plan.model_copy(update={"rewrites": rewrites})
 
 
+def _rewrites_report(detected: Sequence[AppliedRewrite], verified: QuantPlan) -> list[AppliedRewrite]:
+    """Every rewrite found in the graph, marked pruned when the verified plan does not apply it."""
+    kept = {
+        rewrite_key(r.kind, r.params["nodes"]) for r in verified.rewrites if isinstance(r.params.get("nodes"), list)
+    }
+    kept_kinds = {r.kind for r in verified.rewrites if not isinstance(r.params.get("nodes"), list)}
+    report = []
+    for a in detected:
+        if a.applied and rewrite_key(a.kind, a.nodes) not in kept and a.kind not in kept_kinds:
+            a = a.model_copy(update={"applied": False, "reason": "pruned: did not raise SQNR"})
+        report.append(a)
+    return report
+
+
 # --------------------------------------------------------------------------------- API
 def verify(
     model: nn.Module,
@@ -186,100 +231,112 @@ def verify(
     calibration: Any,
     eval_data: Any,
     *,
+    selection_data: Any = None,
     backend: str | None = None,
     target_sqnr: float | None = None,
     eval_fn: Callable[[nn.Module, Any], float] | None = None,
     equalization_qconfig: Any = None,
     prune: bool = True,
+    max_trials: int = DEFAULT_MAX_TRIALS,
     max_float_fraction: float = 1.0,
     max_sensitivity_trials: int = 12,
     search_schemes: bool = True,
     max_scheme_trials: int = 24,
     model_name: str | None = None,
+    progress: Progress | None = None,
 ) -> VerifyReport:
     """Quantize ``model`` with the backend default and with ``plan``; measure, prune, search, fall back.
 
-    ``calibration`` and ``eval_data`` are iterables of batches (a tensor, a tuple of
-    positional tensors, or a dict of keyword tensors). ``eval_fn(quantized_model,
+    ``calibration``, ``eval_data`` and ``selection_data`` are iterables of batches (a
+    tensor, a tuple of positional tensors, or a dict of keyword tensors). Decisions are
+    chosen on ``selection_data`` (default: the last ``SELECTION_BATCHES`` calibration
+    batches) and the report's numbers come from ``eval_data``. ``max_trials`` bounds the
+    trial quantizations of pruning and both searches together (``max_scheme_trials`` and
+    ``max_sensitivity_trials`` bound each search within it). ``eval_fn(quantized_model,
     eval_data) -> float`` adds the user's metric (also computed for the float model).
     The plan's equalization pairs are realized by :func:`qlint.measure.rewrite.apply_equalization`
     (a float-preserving cross-layer rescale using calibration ranges); pass torch's
     ``equalization_qconfig`` to use prepare_fx's ``_equalization_config`` instead.
-    ``search_schemes`` tries each Linear static <-> dynamic after pruning (at most
-    ``max_scheme_trials`` trial quantizations; with ``prune=False`` the plan's own decisions
-    are not flipped). ``max_float_fraction`` caps how many conv/linear layers the
-    target-SQNR fallback may keep float.
+    ``max_float_fraction`` caps how many conv/linear layers the target-SQNR fallback may
+    keep float. ``progress(label, trials done, budget)`` is called before each quantization.
     """
     if not isinstance(model, nn.Module):
         raise VerifyError(f"expected an nn.Module, got {type(model).__name__}")
+    if max_trials < 0:
+        raise VerifyError(f"max_trials must be >= 0, got {max_trials}")
+    plan = plan if plan is not None else default_plan(backend or "x86")
+    if backend is not None and backend != plan.backend:
+        plan = plan.model_copy(update={"backend": backend})
+    calibration = batch_list(calibration, "calibration")
+    selection = (
+        batch_list(selection_data, "selection") if selection_data is not None else calibration[-SELECTION_BATCHES:]
+    )
     # verify runs forward only on copies of the model; the guard gives back RNG, logging and attributes.
     with preserved_state(model, watch_parameters=False):
-        return _verify(
+        session = Session(
             model,
-            plan,
             calibration,
-            eval_data,
-            backend=backend,
-            target_sqnr=target_sqnr,
-            eval_fn=eval_fn,
+            selection,
+            batch_list(eval_data, "eval"),
             equalization_qconfig=equalization_qconfig,
+            eval_fn=eval_fn,
+            max_trials=max_trials,
+            progress=progress,
+        )
+        selected_on = (
+            f"{len(selection)} selection batches"
+            if selection_data is not None
+            else f"the last {len(selection)} of {len(calibration)} calibration batches"
+        )
+        return _verify(
+            session,
+            plan,
+            selected_on=selected_on,
+            target_sqnr=target_sqnr,
             prune=prune,
             max_float_fraction=max_float_fraction,
             max_sensitivity_trials=max_sensitivity_trials,
             search_schemes=search_schemes,
             max_scheme_trials=max_scheme_trials,
-            model_name=model_name,
+            model_name=model_name or plan.model or type(model).__name__,
         )
 
 
 def _verify(
-    model: nn.Module,
-    plan: QuantPlan | None,
-    calibration: Any,
-    eval_data: Any,
+    session: Session,
+    plan: QuantPlan,
     *,
-    backend: str | None,
+    selected_on: str,
     target_sqnr: float | None,
-    eval_fn: Callable[[nn.Module, Any], float] | None,
-    equalization_qconfig: Any,
     prune: bool,
     max_float_fraction: float,
     max_sensitivity_trials: int,
     search_schemes: bool,
     max_scheme_trials: int,
-    model_name: str | None,
+    model_name: str,
 ) -> VerifyReport:
-    plan = plan if plan is not None else default_plan(backend or "x86")
-    backend = backend or plan.backend
-    if backend != plan.backend:
-        plan = plan.model_copy(update={"backend": backend})
     notes: list[str] = []
-    session = Session(
-        model,
-        batch_list(calibration, "calibration"),
-        batch_list(eval_data, "eval"),
-        backend,
-        equalization_qconfig,
-        eval_fn,
-    )
-    float_metric = float(eval_fn(session.model, session.eval_data)) if eval_fn is not None else None
+    float_metric = float(session.eval_fn(session.model, session.eval_data)) if session.eval_fn is not None else None
+    fqns = conv_linear_modules(session.traced)
 
-    # 1. measure the backend default and the plan as given
-    default = session.measure("default", session.traced, None)
-    rewritten, applied = session.rewritten(plan)
-    requested, _ = session.measure("plan as given", rewritten, plan)
+    # 1. measure the backend default and the plan as given (with every rewrite the graph allows)
+    default = session.measure("default mapping", default_plan(plan.backend, model=plan.model), layers=fqns)
+    if default.result.failure:
+        notes.append(f"the default mapping fails: {default.result.failure}")
+    _, detected = apply_rewrites(session.traced, plan, session.example)
+    given_plan = _with_detected_rewrites(plan, detected)
+    given = session.measure("plan as given", given_plan)
+    current, best = given_plan, given.selection_sqnr
 
     # 2. prune the plan's decisions
     outcomes: list[DecisionOutcome] = []
     if prune:
-        current, skip, best = _prune(session, plan, applied, outcomes, notes)
-    else:
-        current, skip, best = plan, [], session.plan_sqnr(plan)
+        current, best = _prune(session, current, best, default, outcomes, notes)
 
     # 3. scheme search, then the target-SQNR fallback (qlint/advice/verify_search.py)
     if search_schemes:
         frozen = [] if prune else [d.fqn for d in plan.modules]  # --no-prune: plan decisions stay as given
-        current, best, tried = scheme_search(session, current, best, skip, max_trials=max_scheme_trials, frozen=frozen)
+        current, best, tried = scheme_search(session, current, best, max_trials=max_scheme_trials, frozen=frozen)
         outcomes += tried
     kept_float: list[str] = []
     target_met: bool | None = None
@@ -288,48 +345,47 @@ def _verify(
             session,
             current,
             best,
-            skip,
             target_sqnr=target_sqnr,
             max_float_fraction=max_float_fraction,
             max_trials=max_sensitivity_trials,
-            total_layers=default[0].total_layers,
+            total_layers=max(given.result.total_layers, default.result.total_layers),
         )
         outcomes += tried
-        target_met = best >= target_sqnr
         notes += [note] if note else []
 
-    # 4. measure the verified plan and report
-    final_gm, final_applied = session.rewritten(current, skip)
-    verified = session.measure("verified plan", final_gm, current)
-    kept_keys = {rewrite_key(a.kind, a.nodes) for a in final_applied if a.applied}
-    rewrites_report = [
-        a
-        if (rewrite_key(a.kind, a.nodes) in kept_keys or not a.applied)
-        else a.model_copy(update={"applied": False, "reason": "pruned: did not raise SQNR"})
-        for a in applied
-    ]
+    # 4. measure the verified plan on the eval batches and report
+    verified = session.measure("verified plan", current, layers=fqns)
+    if target_sqnr is not None:
+        target_met = verified.result.sqnr_db is not None and verified.result.sqnr_db >= target_sqnr
+    if verified.result.failure:
+        notes.append(f"the verified plan fails: {verified.result.failure}")
     return VerifyReport(
-        backend=backend,
-        model=model_name or plan.model or type(model).__name__,
+        backend=plan.backend,
+        model=model_name,
         eval_batches=len(session.eval_data),
         calibration_batches=len(session.calibration),
+        selection_batches=len(session.selection),
+        selected_on=selected_on,
+        trials=session.trials,
+        max_trials=session.max_trials,
         target_sqnr_db=target_sqnr,
         target_met=target_met,
         float_metric=float_metric,
-        default=default[0],
-        requested=requested,
-        plan=verified[0],
-        layers=_layers(session, default, verified),
+        default=default.result,
+        requested=given.result,
+        plan=verified.result,
+        layers=_layers(fqns, session, default, verified),
         decisions=outcomes,
-        rewrites=rewrites_report,
+        rewrites=_rewrites_report(detected, current),
         kept_float=kept_float,
-        float_layer_fraction=round(1.0 - verified[0].int8_fraction, 4),
-        verified_plan=_record_rewrites(current, rewrites_report),
+        float_layer_fraction=round(1.0 - verified.result.int8_fraction, 4),
+        verified_plan=current,
         notes=notes,
     )
 
 
 __all__ = [
+    "DEFAULT_MAX_TRIALS",
     "VerifyReport",
     "RunResult",
     "LayerComparison",

@@ -16,13 +16,14 @@ class RunResult(_Model):
     """One quantized model, measured against the float model on the eval batches."""
 
     label: str
-    sqnr_db: float
+    sqnr_db: float | None = Field(description="output SQNR on the eval batches; None when quantizing failed")
     int8_layers: int = Field(description="conv+linear ops that run in int8 after convert_fx")
     total_layers: int = Field(description="all conv+linear ops in the converted graph")
     int8_fraction: float
     size_bytes: int
     metric: float | None = None
     float_modules: list[str] = Field(default_factory=list, description="conv/linear modules left float")
+    failure: str | None = Field(default=None, description="why prepare/calibrate/convert or the run failed")
 
 
 class LayerComparison(_Model):
@@ -49,8 +50,12 @@ class VerifyReport(_Model):
     type: str = "qlint.VerifyReport"
     backend: str
     model: str | None = None
-    eval_batches: int
+    eval_batches: int = Field(description="batches the reported numbers come from; they decide nothing")
     calibration_batches: int
+    selection_batches: int = Field(default=0, description="batches pruning and the searches compared plans on")
+    selected_on: str = Field(default="", description="which batches selected the decisions, in words")
+    trials: int = Field(default=0, description="trial quantizations spent choosing decisions")
+    max_trials: int = Field(default=0, description="the trial budget")
     target_sqnr_db: float | None = None
     target_met: bool | None = None
     float_metric: float | None = None
@@ -66,5 +71,8 @@ class VerifyReport(_Model):
     notes: list[str] = Field(default_factory=list)
 
     @property
-    def sqnr_gain_db(self) -> float:
+    def sqnr_gain_db(self) -> float | None:
+        """The verified plan's SQNR over the default's; None when either failed."""
+        if self.plan.sqnr_db is None or self.default.sqnr_db is None:
+            return None
         return self.plan.sqnr_db - self.default.sqnr_db

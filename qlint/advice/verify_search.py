@@ -81,6 +81,7 @@ def _flipped(plan: QuantPlan, fqns: Sequence[str], gain: float) -> QuantPlan:
             source="measurement",
             metric=f"output SQNR gain (dB) when {what}",
             value=round(gain, 4),
+            gain_db=round(gain, 4),
             detail="qlint verify scheme search",
         )
         plan = _with_mode(plan, fqn, mode, provenance)
@@ -88,7 +89,7 @@ def _flipped(plan: QuantPlan, fqns: Sequence[str], gain: float) -> QuantPlan:
 
 
 def scheme_search(
-    session: Session, plan: QuantPlan, best: float, skip: Sequence[str], *, max_trials: int, frozen: Sequence[str] = ()
+    session: Session, plan: QuantPlan, best: float, *, max_trials: int, frozen: Sequence[str] = ()
 ) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
     """Static <-> dynamic flips of Linear layers; returns (plan, its SQNR, one outcome per trial).
 
@@ -111,19 +112,18 @@ def scheme_search(
     3. when that pass keeps a flip, the layers it rejected *before* its last kept flip
        (they were measured against an older plan) are tried once more.
 
-    At most ``max_trials`` trial quantizations in all; with more candidates than that,
-    the ones with the lowest per-layer activation SQNR under ``plan`` are searched.
+    At most ``max_trials`` trial quantizations in all, within the session's budget; with
+    more candidates than that, the ones with the lowest per-layer activation SQNR under
+    ``plan`` (on the selection batches) are searched.
     No randomness: the result depends only on the measurements.
     """
-    candidates = scheme_candidates(session.traced, plan, session.backend, frozen)
-    if not candidates or max_trials <= 0:
+    candidates = scheme_candidates(session.traced, plan, plan.backend, frozen)
+    if not candidates or max_trials <= 0 or not session.can_try():
         return plan, best, []
     if len(candidates) > max_trials:
-        q_now = session.quantize(session.rewritten(plan, skip)[0], plan)
-        per_layer = session.layer_sqnr(q_now, candidates)
-        chosen = set(sorted(candidates, key=lambda f: per_layer.get(f, 200.0))[:max_trials])
+        chosen = set(session.sensitivity_order(plan, candidates)[:max_trials])
         candidates = [f for f in candidates if f in chosen]
-    int8 = session.plan_point(plan, skip)[1]
+    int8 = session.measure("current plan", plan).result.int8_layers
     outcomes: list[DecisionOutcome] = []
     trials = 0
 
@@ -132,7 +132,8 @@ def scheme_search(
         trials += 1
         before = _mode(plan, fqns[0])
         trial = _flipped(plan, fqns, 0.0)
-        value, trial_int8 = session.plan_point(trial, skip)
+        measured = session.trial(f"{', '.join(fqns)} {before} -> other scheme", trial)
+        value, trial_int8 = measured.selection_sqnr, measured.result.int8_layers
         keep = value > best + SQNR_TOLERANCE_DB and trial_int8 >= int8
         detail = f"{before} -> {'static' if before == 'dynamic' else 'dynamic'}{note}"
         if trial_int8 < int8:
@@ -152,14 +153,14 @@ def scheme_search(
         return keep
 
     static = [f for f in candidates[::-1] if _mode(plan, f) == "static"]
-    if len(static) > 1:
+    if len(static) > 1 and session.can_try():
         attempt(static, f", all {len(static)} at once")
     pending = candidates[::-1]
     for note in ("", " (pass 2)"):
         rejected: list[str] = []
         retry: list[str] = []
         for fqn in pending:
-            if trials >= max_trials:
+            if trials >= max_trials or not session.can_try():
                 break
             if attempt([fqn], note):
                 retry = list(rejected)
@@ -187,6 +188,7 @@ def _keep_float(plan: QuantPlan, fqn: str, gain: float) -> QuantPlan:
         source="measurement",
         metric="output SQNR gain (dB) when kept float",
         value=round(gain, 4),
+        gain_db=round(gain, 4),
         detail="qlint verify target-SQNR fallback",
     )
     modules = [d for d in plan.modules if d.fqn != fqn]
@@ -198,7 +200,6 @@ def float_fallback(
     session: Session,
     plan: QuantPlan,
     best: float,
-    skip: Sequence[str],
     *,
     target_sqnr: float,
     max_float_fraction: float,
@@ -219,12 +220,15 @@ def float_fallback(
         f for f in _fallback_candidates(session.traced) if (decision := plan.decision(f)) is None or decision.quantize
     ]
     budget = int(math.floor(max_float_fraction * max(1, total_layers) + 1e-9))
-    if best < target_sqnr and candidates:
+    if best < target_sqnr and candidates and session.can_try():
         if len(candidates) > max_trials:
-            q_now = session.quantize(session.rewritten(plan, skip)[0], plan)
-            per_layer = session.layer_sqnr(q_now, candidates)
-            candidates = sorted(candidates, key=lambda f: per_layer.get(f, 200.0))[:max_trials]
-        gains = {f: session.plan_sqnr(_keep_float(plan, f, 0.0), skip) - best for f in candidates}
+            candidates = session.sensitivity_order(plan, candidates)[:max_trials]
+        gains: dict[str, float] = {}
+        for fqn in candidates:  # most sensitive first: the budget goes where a fallback can gain most
+            if not session.can_try():
+                break
+            gains[fqn] = session.trial(f"{fqn} kept float", _keep_float(plan, fqn, 0.0)).selection_sqnr - best
+        candidates = list(gains)
         used = 0
         for fqn in sorted(candidates, key=lambda f: -gains[f]):
             if best >= target_sqnr or gains[fqn] <= SQNR_TOLERANCE_DB:
@@ -233,7 +237,9 @@ def float_fallback(
             if costs and used >= budget:
                 continue
             trial = _keep_float(plan, fqn, gains[fqn])
-            value = session.plan_sqnr(trial, skip)
+            if not session.known(trial) and not session.can_try():
+                break
+            value = session.trial(f"{', '.join([*kept_float, fqn])} kept float", trial).selection_sqnr
             outcomes.append(
                 DecisionOutcome(
                     kind="keep_float",

@@ -1,24 +1,35 @@
 """The measuring bench of one verify call: quantize a model under a plan, run it, measure it.
 
-A :class:`Session` holds the float model (a private copy), its calibration and eval
-batches and the float outputs on them, and caches every plan it has measured, so the
-pruning and search steps of :func:`qlint.advice.verify.verify` never quantize the same
-plan twice.
+A :class:`Session` holds the float model (a private copy), three sets of batches and the
+float outputs on two of them:
+
+* **calibration** batches calibrate every quantized model;
+* **selection** batches (by default the last calibration batches) choose between plans:
+  pruning and the searches compare output SQNR on them;
+* **eval** batches are what the report's numbers come from. They never decide anything,
+  so the verified plan's SQNR on them is an unbiased estimate.
+
+Every plan goes through :func:`qlint.advice.apply.quantize_with_plan`, the path
+``QuantPlan.quantize`` gives users. Each plan is quantized once: its measurement is cached,
+and only numbers are kept, so memory does not grow with the number of trials. Trials
+beyond the budget are refused (:meth:`Session.can_try`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.ao.quantization import get_default_qconfig_mapping
 
+from qlint.advice.apply import Quantized, QuantizeError, first_line, quantize_with_plan
 from qlint.advice.plan import QuantPlan
 from qlint.advice.verify_report import RunResult
 from qlint.core.batches import as_call, batches_of, call_model
@@ -35,17 +46,16 @@ from qlint.core.ops import (
 from qlint.core.sqnr import SQNR_CAP_DB, SqnrSums
 from qlint.core.trace import symbolic_graph
 from qlint.errors import ConfigError, QlintError, TraceError
-from qlint.measure.rewrite import AppliedRewrite, apply_equalization, apply_rewrites, fanout_follows_original
-from qlint.measure.trial import TrialStepError, quantize_fx
 
 SQNR_TOLERANCE_DB = 1e-3  # "does not lower SQNR": a change that costs less than this is noise
+FAILED = -math.inf  # the selection SQNR of a plan that cannot be quantized or run
 
 # The ops int8 coverage counts: every convolution and linear layer.
 _COVERED_KINDS = CONV_OR_LINEAR_KINDS | TRANSPOSED_CONV_KINDS
 
 
 class VerifyError(QlintError):
-    """The model could not be quantized or evaluated under a plan."""
+    """The model cannot be verified (an exported graph, untraceable, no data)."""
 
 
 def batch_list(data: Any, what: str) -> list[Any]:
@@ -109,39 +119,63 @@ def functional_owners(gm: fx.GraphModule) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Quantized:
-    prepared: fx.GraphModule  # float model with observers, calibrated
-    converted: fx.GraphModule
+class Measured:
+    """One plan, quantized and run: its selection SQNR (what decisions compare), and what the
+    report shows (measured on the eval batches); per-layer SQNR when it was asked for."""
+
+    selection_sqnr: float  # FAILED when the plan cannot be quantized or run
+    result: RunResult
+    layers: dict[str, float] | None = None
 
 
-def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+def plan_key(plan: QuantPlan) -> str:
+    """Two plans with the same key quantize the same way (provenance does not count)."""
+    without_provenance = {"__all__": {"provenance"}}
+    return plan.model_dump_json(
+        exclude={
+            "modules": without_provenance,
+            "equalization": without_provenance,
+            "rewrites": without_provenance,
+            "model": True,
+            "notes": True,
+        }
+    )
+
+
+# Progress callback: (what the trial is, trials done, trial budget).
+Progress = Callable[[str, int, int], None]
 
 
 class Session:
-    """Shared state of one verify call: float model, data, and a cache of measured plans."""
+    """Shared state of one verify call: float model, data, and every measured plan."""
 
     def __init__(
         self,
         model: nn.Module,
         calibration: list[Any],
+        selection: list[Any],
         eval_data: list[Any],
-        backend: str,
-        equalization_qconfig: Any,
-        eval_fn: Callable[[nn.Module, Any], float] | None,
+        *,
+        equalization_qconfig: Any = None,
+        eval_fn: Callable[[nn.Module, Any], float] | None = None,
+        max_trials: int = 6,
+        progress: Progress | None = None,
     ) -> None:
         self.model = copy.deepcopy(model).eval()
-        self.calibration, self.eval_data = calibration, eval_data
-        self.backend, self.equalization_qconfig, self.eval_fn = backend, equalization_qconfig, eval_fn
-        self.example = as_call(calibration[0], what="calibration batch 0")[0]
-        self.reference = [float_tensors(self.run(self.model, batch)) for batch in eval_data]
-        self.cache: dict[str, tuple[float, int]] = {}
         if is_aten_graph(self.model):
             # prepare_fx on aten ops quantizes nothing, and "0/0 int8, 200 dB" would be a lie
             raise VerifyError(
                 "verify quantizes nn.Modules with prepare_fx/convert_fx, and this model is an exported "
                 "(aten) graph such as a .pt2 holds; verify the nn.Module instead (module:factory with --weights)"
             )
+        self.calibration, self.selection, self.eval_data = calibration, selection, eval_data
+        self.equalization_qconfig, self.eval_fn = equalization_qconfig, eval_fn
+        self.max_trials, self.progress = max_trials, progress
+        self.trials = 0
+        self.example = as_call(calibration[0], what="calibration batch 0")[0]
+        self._selection_reference = [float_tensors(self.run(self.model, batch)) for batch in selection]
+        self._eval_reference = [float_tensors(self.run(self.model, batch)) for batch in eval_data]
+        self._measured: dict[str, Measured] = {}
         try:
             self.traced = symbolic_graph(copy.deepcopy(self.model))
         except TraceError as error:
@@ -153,47 +187,63 @@ class Session:
             return call_model(model, batch)
 
     # --- quantize -------------------------------------------------------------------
-    def rewritten(self, plan: QuantPlan, skip: Sequence[str] = ()) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
-        gm, applied = apply_rewrites(self.traced, plan, self.example, skip=skip)
-        if plan.equalization and self.equalization_qconfig is None:
-            gm, equalized = apply_equalization(gm, [p.module for p in plan.equalization], self.calibration)
-            applied = applied + equalized
-        return gm, applied
-
-    def quantize(self, gm: nn.Module, plan: QuantPlan | None) -> Quantized:
-        mapping = plan.to_qconfig_mapping() if plan is not None else get_default_qconfig_mapping(self.backend)
-        mapping = fanout_follows_original(mapping, gm)
+    def quantize(self, plan: QuantPlan, *, keep_prepared: bool = False) -> Quantized:
+        """``plan`` applied to the traced model exactly as ``QuantPlan.quantize`` applies it."""
         kwargs: dict[str, Any] = {}
-        if plan is not None and plan.equalization and self.equalization_qconfig is not None:
+        if plan.equalization and self.equalization_qconfig is not None:
             kwargs["_equalization_config"] = plan.to_equalization_mapping(self.equalization_qconfig)
-        try:
-            converted, prepared = quantize_fx(
-                copy.deepcopy(gm), mapping, self.backend, self.calibration, prepare_kwargs=kwargs, keep_prepared=True
-            )
-        except TrialStepError as step:  # torch raises many kinds for unsupported graphs
-            raise VerifyError(f"quantizing failed: {_first_line(step.failure.error)}") from step.failure.error
-        if prepared is None:
-            raise VerifyError("quantizing failed: no prepared model was kept")
-        return Quantized(prepared, converted)
+            plan = plan.model_copy(update={"equalization": []})  # torch equalizes instead of the rescale
+        return quantize_with_plan(
+            self.traced, plan, self.calibration, keep_prepared=keep_prepared, prepare_kwargs=kwargs
+        )
 
     # --- measure ----------------------------------------------------------------------
-    def output_sqnr(self, converted: nn.Module) -> float:
+    def _output_sqnr(self, converted: nn.Module, batches: list[Any], references: list[Any]) -> float:
         sums = SqnrSums()
-        for batch, reference in zip(self.eval_data, self.reference):
+        for batch, reference in zip(batches, references):
             try:
-                outputs = self.run(converted, batch)
+                # GraphModule prints the generated code's traceback to stderr before raising;
+                # the failure is reported as one line instead.
+                with contextlib.redirect_stderr(io.StringIO()):
+                    outputs = self.run(converted, batch)
             except Exception as error:  # convert_fx graphs can fail at run time (e.g. view)
-                raise VerifyError(f"the quantized model failed to run: {_first_line(error)}") from error
+                raise QuantizeError(f"the quantized model failed to run: {first_line(error)}") from error
             try:
                 sums.add(reference, outputs)
             except ValueError as error:
-                raise VerifyError(f"the quantized model's outputs do not match the float model's: {error}") from error
+                raise QuantizeError(f"the quantized model's outputs do not match the float model's: {error}") from error
         value = sums.sqnr_db()
         return SQNR_CAP_DB if value is None else value
 
-    def measure(self, label: str, gm: nn.Module, plan: QuantPlan | None) -> tuple[RunResult, Quantized]:
-        q = self.quantize(gm, plan)
-        sqnr = self.output_sqnr(q.converted)
+    def measure(self, label: str, plan: QuantPlan, *, layers: Sequence[str] = ()) -> Measured:
+        """``plan`` quantized, run on the selection and eval batches, and measured (cached).
+
+        With ``layers``, the per-layer activation SQNR of those modules on the eval batches
+        too (then a cached measurement without them is taken again). Not a trial: the
+        caller decides what is measured outside the budget."""
+        key = plan_key(plan)
+        cached = self._measured.get(key)
+        if cached is not None and (not layers or cached.layers is not None):
+            return cached
+        if self.progress is not None:
+            self.progress(label, self.trials, self.max_trials)
+        try:
+            q = self.quantize(plan, keep_prepared=bool(layers))
+            selection = self._output_sqnr(q.converted, self.selection, self._selection_reference)
+            sqnr = self._output_sqnr(q.converted, self.eval_data, self._eval_reference)
+        except QuantizeError as error:
+            failed = RunResult(
+                label=label,
+                sqnr_db=None,
+                int8_layers=0,
+                total_layers=0,
+                int8_fraction=0.0,
+                size_bytes=0,
+                failure=str(error),
+            )
+            measured = Measured(FAILED, failed, {} if layers else None)
+            self._measured[key] = measured
+            return measured
         int8, total, floats = conv_linear_coverage(q.converted)
         metric = float(self.eval_fn(q.converted, self.eval_data)) if self.eval_fn is not None else None
         result = RunResult(
@@ -206,22 +256,28 @@ class Session:
             metric=metric,
             float_modules=floats,
         )
-        return result, q
+        per_layer = self.layer_sqnr(q, layers, self.eval_data) if layers else None
+        measured = Measured(selection, result, per_layer)
+        self._measured[key] = measured
+        return measured
 
-    def plan_point(self, plan: QuantPlan, skip_rewrites: Sequence[str] = ()) -> tuple[float, int]:
-        """(output SQNR, int8 conv+linear ops) of a plan, cached."""
-        key = plan.model_dump_json() + "|" + ",".join(sorted(skip_rewrites))
-        if key not in self.cache:
-            gm, _ = self.rewritten(plan, skip_rewrites)
-            converted = self.quantize(gm, plan).converted
-            self.cache[key] = (self.output_sqnr(converted), conv_linear_coverage(converted)[0])
-        return self.cache[key]
+    def can_try(self) -> bool:
+        """Whether the trial budget allows one more trial."""
+        return self.trials < self.max_trials
 
-    def plan_sqnr(self, plan: QuantPlan, skip_rewrites: Sequence[str] = ()) -> float:
-        return self.plan_point(plan, skip_rewrites)[0]
+    def known(self, plan: QuantPlan) -> bool:
+        return plan_key(plan) in self._measured
 
-    def layer_sqnr(self, q: Quantized, fqns: Iterable[str]) -> dict[str, float]:
+    def trial(self, label: str, plan: QuantPlan) -> Measured:
+        """A plan measured to decide something: one trial of the budget, unless measured before."""
+        if not self.known(plan):
+            self.trials += 1
+        return self.measure(label, plan)
+
+    def layer_sqnr(self, q: Quantized, fqns: Iterable[str], batches: list[Any]) -> dict[str, float]:
         """Activation SQNR per module fqn: prepared (float + observers) vs converted outputs."""
+        if q.prepared is None:
+            raise QlintError("per-layer SQNR needs the prepared model")
         fqns = list(fqns)
         sums: dict[str, SqnrSums] = {}
         captured: dict[tuple[str, str], torch.Tensor | None] = {}
@@ -240,7 +296,7 @@ class Session:
 
                 handles.append(module.register_forward_hook(hook))
         try:
-            for batch in self.eval_data:
+            for batch in batches:
                 captured.clear()
                 self.run(q.prepared, batch)
                 self.run(q.converted, batch)
@@ -253,3 +309,15 @@ class Session:
             for h in handles:
                 h.remove()
         return {fqn: round(s.sqnr_db() or 0.0, 4) for fqn, s in sums.items()}
+
+    def sensitivity_order(self, plan: QuantPlan, fqns: Sequence[str]) -> list[str]:
+        """``fqns`` from the lowest per-layer SQNR under ``plan`` (on the selection batches) up."""
+        self.trials += 1  # a quantization like any trial's
+        if self.progress is not None:
+            self.progress("per-layer sensitivity", self.trials, self.max_trials)
+        try:
+            q = self.quantize(plan, keep_prepared=True)
+        except QuantizeError:
+            return list(fqns)
+        per_layer = self.layer_sqnr(q, fqns, self.selection)
+        return sorted(fqns, key=lambda f: per_layer.get(f, SQNR_CAP_DB))

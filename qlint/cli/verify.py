@@ -14,8 +14,10 @@ is a QlintError: one line on stderr, exit 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,42 @@ def _write_text(path: str, text: str) -> None:
 
 
 # ------------------------------------------------------------------------------ verify
+@contextlib.contextmanager
+def trial_progress() -> Iterator[Callable[[str, int, int], None]]:
+    """What verify is quantizing: a live line naming the trial on a terminal, a log line
+    per quantization otherwise (each one takes about a PTQ run, so a log never looks hung)."""
+    stream = sys.stderr
+    if stream is None:
+        yield lambda label, done, budget: None
+        return
+    if not stream.isatty():
+
+        def log(label: str, done: int, budget: int) -> None:
+            print(printable(f"qlint verify: trial {done}/{budget}: {label}"), file=stream, flush=True)
+
+        yield log
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("verify"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(file=stream),
+        transient=True,
+    )
+    task = bar.add_task("", total=None)
+
+    def show(label: str, done: int, budget: int) -> None:
+        bar.update(task, completed=done, total=budget, description=printable(label))
+
+    with bar:
+        yield show
+
+
 def _verify_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="qlint verify",
@@ -74,7 +112,25 @@ def _verify_parser() -> argparse.ArgumentParser:
         metavar="DATA",
         help="FILE_OR_DIR of saved batches, or module:function returning them",
     )
-    parser.add_argument("--eval-data", required=True, metavar="DATA", help="held-out batches (same forms)")
+    parser.add_argument(
+        "--eval-data",
+        required=True,
+        metavar="DATA",
+        help="held-out batches (same forms): the reported numbers come from them, and they decide nothing",
+    )
+    parser.add_argument(
+        "--selection-data",
+        metavar="DATA",
+        help="batches that choose between plans (default: the last 4 calibration batches)",
+    )
+    parser.add_argument(
+        "--max-trials",
+        type=int,
+        default=6,
+        metavar="N",
+        help="at most N trial quantizations to prune and search the plan (default 6); "
+        "each costs about one prepare + calibrate + convert",
+    )
     parser.add_argument("--target-sqnr", type=float, metavar="DB")
     parser.add_argument(
         "--max-float-fraction",
@@ -117,14 +173,14 @@ def render_verify(report: Any, width: int | None = 120) -> str:
     for column in ("", "default mapping", "plan as given", "verified plan"):
         table.add_column(column, justify="right" if column else "left")
     rows = [
-        ("output SQNR", lambda r: _fmt(r.sqnr_db)),
+        ("output SQNR", lambda r: "FAILED" if r.failure else _fmt(r.sqnr_db)),
         ("conv+linear int8", lambda r: f"{r.int8_layers}/{r.total_layers} ({r.int8_fraction:.0%})"),
         ("size", lambda r: f"{r.size_bytes / 1024:.1f} KiB"),
     ]
     if report.default.metric is not None:
-        rows.append(("metric", lambda r: f"{r.metric:.4g}"))
+        rows.append(("metric", lambda r: "-" if r.metric is None else f"{r.metric:.4g}"))
     for label, get in rows:
-        table.add_row(label, get(report.default), get(report.requested), get(report.plan))
+        table.add_row(label, *(literal(get(r)) for r in (report.default, report.requested, report.plan)))
     layers = Table(title="per layer (activation SQNR)")
     for column in ("layer", "kind", "default", "plan", "plan int8"):
         layers.add_column(column)
@@ -140,8 +196,18 @@ def render_verify(report: Any, width: int | None = 120) -> str:
     if report.layers:
         console.print(layers)
     lines = [buffer.getvalue().rstrip("\n")]
-    gain = report.plan.sqnr_db - report.default.sqnr_db
-    lines.append(f"SQNR gain over default: {gain:+.2f} dB")
+    for run in (report.default, report.requested, report.plan):
+        if run.failure:
+            lines.append(printable(f"{run.label} failed: {run.failure}"))
+    gain = report.sqnr_gain_db
+    if gain is not None:
+        lines.append(f"SQNR gain over default: {gain:+.2f} dB")
+    lines.append(
+        printable(
+            f"decisions selected on {report.selected_on} ({report.trials} of {report.max_trials} trials); "
+            f"numbers above from {report.eval_batches} eval batches not used for selection"
+        )
+    )
     if report.target_sqnr_db is not None:
         lines.append(f"target {report.target_sqnr_db:g} dB: {'met' if report.target_met else 'NOT met'}")
     for d in report.decisions:
@@ -161,11 +227,20 @@ def render_verify(report: Any, width: int | None = 120) -> str:
 
 def verify_command(argv: list[str]) -> int:
     args = _verify_parser().parse_args(argv)
-    if args.max_scheme_trials < 0:
-        raise ConfigError(f"--max-scheme-trials must be >= 0, got {args.max_scheme_trials}")
+    for flag, value in (("--max-scheme-trials", args.max_scheme_trials), ("--max-trials", args.max_trials)):
+        if value < 0:
+            raise ConfigError(f"{flag} must be >= 0, got {value}")
     refuse_overwriting_inputs(
         [("--output", args.output), ("--emit-plan", args.emit_plan)],
-        [args.model, args.weights, args.plan, args.example_inputs, args.calibration, args.eval_data],
+        [
+            args.model,
+            args.weights,
+            args.plan,
+            args.example_inputs,
+            args.calibration,
+            args.eval_data,
+            args.selection_data,
+        ],
     )
     from qlint.advice.verify import verify
     from qlint.core.load import load_batches
@@ -174,20 +249,25 @@ def verify_command(argv: list[str]) -> int:
         loaded, plan, _ = _load(args)
         calibration = load_batches(args.calibration)
         eval_data = load_batches(args.eval_data)
+        selection = load_batches(args.selection_data) if args.selection_data else None
         if args.backend:
             plan = plan.model_copy(update={"backend": args.backend})
-        report = verify(
-            loaded.module,
-            plan,
-            calibration,
-            eval_data,
-            target_sqnr=args.target_sqnr,
-            prune=not args.no_prune,
-            max_float_fraction=args.max_float_fraction,
-            search_schemes=not args.no_scheme_search,
-            max_scheme_trials=args.max_scheme_trials,
-            model_name=loaded.name,
-        )
+        with trial_progress() as progress:
+            report = verify(
+                loaded.module,
+                plan,
+                calibration,
+                eval_data,
+                selection_data=selection,
+                target_sqnr=args.target_sqnr,
+                prune=not args.no_prune,
+                max_trials=args.max_trials,
+                max_float_fraction=args.max_float_fraction,
+                search_schemes=not args.no_scheme_search,
+                max_scheme_trials=args.max_scheme_trials,
+                model_name=loaded.name,
+                progress=progress,
+            )
     text = (
         report.model_dump_json(indent=2) + "\n"
         if args.format == "json"
@@ -213,7 +293,7 @@ def _fix_parser() -> argparse.ArgumentParser:
 
 def fix_command(argv: list[str]) -> int:
     args = _fix_parser().parse_args(argv)
-    from qlint.measure.rewrite import apply_rewrites
+    from qlint.advice.apply import fixed_model
 
     out = Path(args.output)
     if out.suffix not in (".pt2", ".pt"):
@@ -226,19 +306,23 @@ def fix_command(argv: list[str]) -> int:
         loaded, plan, example = _load(args)
         if not example:
             raise ConfigError("qlint fix needs example inputs: pass --input-shape or --example-inputs")
-        gm, applied = apply_rewrites(loaded.module, plan, example)
-        _save_fixed(gm, plan, example, out)
+        # with --plan, exactly the plan's rewrites (what QuantPlan.quantize applies); else all the graph allows
+        gm, applied, folded = fixed_model(loaded.module, plan if args.plan else None, example)
+        _save_fixed(gm, example, out)
     done = [r for r in applied if r.applied]
     if args.emit_qconfig:
         _write_text(args.emit_qconfig, plan.to_python())
     for r in applied:
         state = "applied" if r.applied else f"refused ({r.reason})"
         print(printable(f"{r.kind} {'+'.join(r.modules)}: {state}"), file=sys.stderr)
-    write_stdout(f"wrote {printable(out)} ({len(done)} rewrite(s) applied)\n")
+    folds = ", BatchNorms folded into their conv/linear" if folded else ""
+    write_stdout(f"wrote {printable(out)} ({len(done)} rewrite(s) applied{folds})\n")
     return 0
 
 
-def _save_fixed(gm: Any, plan: Any, example: Any, out: Path) -> None:
+def _save_fixed(gm: Any, example: Any, out: Path) -> None:
+    """A .pt2 (torch.export) or a .pt holding the whole GraphModule: ``torch.load(path,
+    weights_only=False)`` or ``qlint out.pt --trust-pickle`` reads it (it is your own file)."""
     import torch
 
     if out.suffix == ".pt2":
@@ -251,9 +335,8 @@ def _save_fixed(gm: Any, plan: Any, example: Any, out: Path) -> None:
                 f"{str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
             ) from error
         return
-    payload = {"state_dict": gm.state_dict(), "code": gm.code, "plan": plan.model_dump_json()}
     try:
-        torch.save(payload, str(out))
+        torch.save(gm, str(out))
     except OSError as error:
         raise QlintError(f"cannot write {out}: {error.strerror}") from error
 

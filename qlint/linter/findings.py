@@ -41,6 +41,8 @@ class _Frozen(BaseModel):
 
 
 ImpactBasis = Literal["fix-trial", "keep-float-trial", "group-trial", "rule-trial", "not-executed", "local-error"]
+# The bases for which a trial applied the finding's own fix and measured what it gains.
+FIX_MEASURED_BASES: frozenset[str] = frozenset({"fix-trial", "group-trial", "rule-trial"})
 
 
 class Impact(_Frozen):
@@ -127,8 +129,21 @@ class Finding(_Frozen):
     def provenance(self) -> Provenance:
         """This finding as the reason for a plan decision."""
         return Provenance(
-            source="finding", rule=self.rule, target=self.target, fingerprint=self.fingerprint(), detail=self.name
+            source="finding",
+            rule=self.rule,
+            target=self.target,
+            fingerprint=self.fingerprint(),
+            detail=self.name,
+            gain_db=self.impact.db if self.fix_measured() and self.impact is not None else None,
         )
+
+    def fix_measured(self) -> bool:
+        """Whether a trial applied this finding's fix (alone or in a group) and measured the gain."""
+        return self.impact is not None and self.impact.basis in FIX_MEASURED_BASES
+
+    def fix_measured_useless(self) -> bool:
+        """The fix was measured and gained too little to stay a warning (it was made info)."""
+        return self.fix_measured() and self.severity == Severity.INFO
 
 
 class SkippedRule(_Frozen):
@@ -258,9 +273,14 @@ class Report(_Frozen):
         return [row for row in self.layers if isinstance(row, CompareRow)]
 
     def suggestions(self) -> Suggestions:
-        """What the findings ask for, as typed decisions (qlint.advice.plan makes a plan file of them)."""
+        """What the findings ask for, as typed decisions (qlint.advice.plan makes a plan file of them).
+
+        A fix that a trial measured and found to gain less than the impact threshold (its
+        finding was made info) is left out: it would only cost verify a trial to drop it."""
         return collect_suggestions(
-            self.backend, self.model, ((f.suggestion, f.provenance()) for f in self.findings if f.suggestion)
+            self.backend,
+            self.model,
+            ((f.suggestion, f.provenance()) for f in self.findings if f.suggestion and not f.fix_measured_useless()),
         )
 
     def qconfig_mapping(self) -> QConfigMapping:

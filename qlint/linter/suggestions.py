@@ -61,11 +61,15 @@ class Provenance(_Frozen):
     fingerprint: str | None = None
     metric: str | None = Field(default=None, description="For measurements: what was measured.")
     value: float | None = None
+    gain_db: float | None = Field(
+        default=None, description="Output SQNR (dB) the decision was measured to gain, when a trial measured it."
+    )
     detail: str | None = None
 
     def describe(self) -> str:
         if self.source == "finding":
-            return f"{self.rule} on {self.target}"
+            gain = "" if self.gain_db is None else f", measured {self.gain_db:+.2f} dB"
+            return f"{self.rule} on {self.target}{gain}"
         if self.source == "measurement":
             value = "" if self.value is None else f" = {self.value:.4g}"
             return f"measured {self.metric or '?'}{value}"

@@ -271,6 +271,11 @@ def _requested(plan: Any, candidate: _Candidate) -> bool:
     for rewrite in plan.rewrites:
         if rewrite.kind != candidate.kind:
             continue
+        nodes = rewrite.params.get("nodes")
+        if isinstance(nodes, list):  # a rewrite verify recorded names its graph nodes exactly
+            if [str(n) for n in nodes] == list(candidate.nodes):
+                return True
+            continue
         names = set(rewrite.modules) | {str(rewrite.params.get("node", ""))}
         if names & (set(candidate.modules) | set(candidate.nodes)):
             return True

@@ -1,0 +1,156 @@
+"""A plan applied to a model: the one path from a QuantPlan to a converted int8 model.
+
+``qlint verify`` measures every plan through :func:`quantize_with_plan`, and
+``QuantPlan.quantize`` hands the same function to users, so the model a user builds
+from a verified plan is the model verify measured. The steps:
+
+1. trace a copy of the model with torch.fx (the caller's model is never changed);
+2. apply the float-preserving rewrites the plan lists (and only those), each checked to
+   leave the float outputs unchanged (:mod:`qlint.measure.rewrite`);
+3. realize the plan's equalization pairs as a float-preserving cross-layer rescale,
+   with ranges read from the calibration batches;
+4. prepare_fx with the plan's QConfigMapping (fan-out copies follow their originals),
+   calibrate on every calibration batch, convert_fx.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.ao.quantization import QConfigMapping
+from torch.fx.experimental.optimization import fuse as fuse_conv_bn
+
+from qlint.core.batches import as_call
+from qlint.core.nested import tensors_in
+from qlint.core.preserve import cloned
+from qlint.errors import QlintError
+from qlint.measure.rewrite import (
+    DEFAULT_MAX_RELATIVE_ERROR,
+    AppliedRewrite,
+    apply_equalization,
+    apply_requested_rewrites,
+    apply_rewrites,
+    fanout_follows_original,
+    relative_error,
+)
+from qlint.measure.trial import TrialStepError, quantize_fx
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+class PlanToApply(Protocol):
+    """What applying a plan reads from it (a :class:`qlint.advice.plan.QuantPlan`)."""
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def rewrites(self) -> Sequence[Any]: ...
+
+    @property
+    def equalization(self) -> Sequence[Any]: ...
+
+    def to_qconfig_mapping(self) -> QConfigMapping: ...
+
+
+class QuantizeError(QlintError):
+    """prepare_fx, calibration or convert_fx failed under a plan."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A plan applied: the converted model, the calibrated float-with-observers model when
+    it was asked for, and every rewrite that was tried."""
+
+    converted: fx.GraphModule
+    prepared: fx.GraphModule | None
+    rewrites: list[AppliedRewrite]
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def rewritten(
+    model: nn.Module, plan: PlanToApply, calibration: Sequence[Any]
+) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+    """A traced copy of ``model`` with the plan's rewrites and equalization applied."""
+    if not calibration:
+        raise QuantizeError("quantizing needs at least one calibration batch")
+    example = as_call(calibration[0], what="calibration batch 0")[0]
+    gm, applied = apply_requested_rewrites(model, plan, example)
+    if plan.equalization:
+        gm, equalized = apply_equalization(gm, [pair.module for pair in plan.equalization], calibration)
+        applied = applied + equalized
+    return gm, applied
+
+
+def quantize_with_plan(
+    model: nn.Module,
+    plan: PlanToApply,
+    calibration: Sequence[Any],
+    *,
+    keep_prepared: bool = False,
+    prepare_kwargs: dict[str, Any] | None = None,
+) -> Quantized:
+    """``model`` quantized as ``plan`` says: rewrites, equalization, mapping, calibration.
+
+    Raises :class:`QuantizeError` (one line) when a torch step fails."""
+    gm, applied = rewritten(model, plan, calibration)
+    mapping = fanout_follows_original(plan.to_qconfig_mapping(), gm)
+    try:
+        converted, prepared = quantize_fx(
+            gm, mapping, plan.backend, calibration, prepare_kwargs=prepare_kwargs, keep_prepared=keep_prepared
+        )
+    except TrialStepError as step:  # torch raises many kinds for unsupported graphs
+        raise QuantizeError(f"{step.failure.stage} failed: {first_line(step.failure.error)}") from step.failure.error
+    return Quantized(converted, prepared, applied)
+
+
+def _float_outputs(model: nn.Module, example_inputs: Sequence[Any]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [t.detach().float() for t in tensors_in(model(*cloned(tuple(example_inputs))))]
+
+
+def fixed_model(
+    model: nn.Module, plan: PlanToApply | None, example_inputs: Sequence[Any]
+) -> tuple[fx.GraphModule, list[AppliedRewrite], bool]:
+    """The float model ``qlint fix`` saves: a traced copy with the plan's rewrites (every rewrite
+    the graph allows when there is no plan), then each conv/linear → BatchNorm pair folded, as
+    prepare_fx would fuse it. Returns (model, rewrites tried, whether BatchNorms were folded).
+
+    Folding makes the rewrites real in the file: a fan-out copy exists so that its original
+    feeds only the BN, and after the fold that original *is* the folded conv. The fold is kept
+    only when the float outputs stay within the rewrites' tolerance."""
+    if plan is None:
+        gm, applied = apply_rewrites(model, None, example_inputs)
+    else:
+        gm, applied = apply_requested_rewrites(model, plan, example_inputs)
+    reference = _float_outputs(gm, example_inputs)
+    folded = fuse_conv_bn(copy.deepcopy(gm).eval())
+    if (
+        not isinstance(folded, fx.GraphModule)
+        or relative_error(reference, _float_outputs(folded, example_inputs)) > DEFAULT_MAX_RELATIVE_ERROR
+    ):
+        return gm, applied, False
+    bn_before = sum(isinstance(m, _BATCH_NORMS) for m in gm.modules())
+    bn_after = sum(isinstance(m, _BATCH_NORMS) for m in folded.modules())
+    return folded, applied, bn_after < bn_before
+
+
+__all__ = [
+    "PlanToApply",
+    "QuantizeError",
+    "Quantized",
+    "first_line",
+    "fixed_model",
+    "quantize_with_plan",
+    "rewritten",
+]
