@@ -66,7 +66,6 @@ def test_a_failing_default_is_reported_failed_and_the_plan_is_still_measured():
     report = verify(model, None, calibration, eval_data)
     assert report.default.failure is not None and "view" in report.default.failure
     assert report.default.sqnr_db is None and report.sqnr_gain_db is None
-    assert any("default mapping fails" in note for note in report.notes)
     assert report.plan.failure is None and report.plan.sqnr_db > 20.0
     assert report.plan.int8_fraction == 1.0
     # the view -> reshape rewrite is what makes it run, and pruning measured that

@@ -132,10 +132,11 @@ def scheme_search(
         trials += 1
         before = _mode(plan, fqns[0])
         trial = _flipped(plan, fqns, 0.0)
-        measured = session.trial(f"{', '.join(fqns)} {before} -> other scheme", trial)
+        after = "static" if before == "dynamic" else "dynamic"
+        measured = session.trial(f"{', '.join(fqns)} {before} -> {after}", trial)
         value, trial_int8 = measured.selection_sqnr, measured.result.int8_layers
         keep = value > best + SQNR_TOLERANCE_DB and trial_int8 >= int8
-        detail = f"{before} -> {'static' if before == 'dynamic' else 'dynamic'}{note}"
+        detail = f"{before} -> {after}{note}"
         if trial_int8 < int8:
             detail += f"; int8 conv+linear {int8} -> {trial_int8}"
         outcomes.append(
