@@ -122,6 +122,28 @@ def _prune(
     """Drop every decision whose removal does not lower SQNR (within the trial budget), then
     fall back to the backend default when the pruned plan as a whole loses to it."""
     decisions = _decisions(plan)
+    unmeasured = [d for d in decisions if d.measured_gain == FAILED]
+    if len(unmeasured) > 1 and session.can_try():
+        # One trial first for every decision no measurement credited (rewrites found in the graph,
+        # user decisions): when dropping them all costs nothing, none is worth a trial of its own.
+        trial = plan
+        for decision in unmeasured:
+            trial = decision.removed_from(trial)
+        without = session.trial(f"without {len(unmeasured)} unmeasured decisions", trial).selection_sqnr
+        drop = without >= best - SQNR_TOLERANCE_DB
+        outcomes.append(
+            DecisionOutcome(
+                kind="group",
+                target=f"{len(unmeasured)} unmeasured decisions",
+                kept=not drop,
+                sqnr_with_db=_rounded(best),
+                sqnr_without_db=_rounded(without),
+                detail=", ".join(d.target for d in unmeasured)[:300],
+            )
+        )
+        if drop:
+            plan, best = trial, max(best, without)
+            decisions = [d for d in decisions if d not in unmeasured]
     for done, decision in enumerate(decisions):
         if not session.can_try():
             notes.append(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import io
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -275,37 +276,43 @@ class Session:
         return self.measure(label, plan)
 
     def layer_sqnr(self, q: Quantized, fqns: Iterable[str], batches: list[Any]) -> dict[str, float]:
-        """Activation SQNR per module fqn: prepared (float + observers) vs converted outputs."""
+        """Activation SQNR per module fqn: prepared (float + observers) vs converted outputs.
+
+        The float pass keeps a copy of each layer's output (in-place ops downstream, such as
+        ReLU6(inplace=True), change the output tensor itself); the quantized pass compares each
+        output the moment it is made and drops the float copy, so at most one batch's float
+        outputs are held."""
         if q.prepared is None:
             raise QlintError("per-layer SQNR needs the prepared model")
         fqns = list(fqns)
         sums: dict[str, SqnrSums] = {}
-        captured: dict[tuple[str, str], torch.Tensor | None] = {}
+        captured: dict[str, torch.Tensor] = {}
+
+        def keep(_m: nn.Module, _i: Any, output: Any, fqn: str) -> None:
+            value = first_float(output)
+            if value is not None:
+                captured[fqn] = value.clone()
+
+        def compare(_m: nn.Module, _i: Any, output: Any, fqn: str) -> None:
+            reference, value = captured.pop(fqn, None), first_float(output)
+            if reference is not None and value is not None and reference.shape == value.shape:
+                sums.setdefault(fqn, SqnrSums()).add(reference, value)
+
         handles = []
-        for side, model in (("float", q.prepared), ("quant", q.converted)):
+        for model, hook in ((q.prepared, keep), (q.converted, compare)):
             for fqn in fqns:
                 try:
                     module = model.get_submodule(fqn)
                 except AttributeError:
                     continue
-
-                def hook(_m, _i, output, key=(side, fqn)):
-                    value = first_float(output)
-                    # A copy: in-place ops downstream (ReLU6(inplace=True)) change the output tensor itself.
-                    captured[key] = None if value is None else value.clone()
-
-                handles.append(module.register_forward_hook(hook))
+                handles.append(module.register_forward_hook(functools.partial(hook, fqn=fqn)))
         try:
             for batch in batches:
                 captured.clear()
                 self.run(q.prepared, batch)
                 self.run(q.converted, batch)
-                for fqn in fqns:
-                    a, b = captured.get(("float", fqn)), captured.get(("quant", fqn))
-                    if a is None or b is None or a.shape != b.shape:
-                        continue
-                    sums.setdefault(fqn, SqnrSums()).add(a, b)
         finally:
+            captured.clear()
             for h in handles:
                 h.remove()
         return {fqn: round(s.sqnr_db() or 0.0, 4) for fqn, s in sums.items()}
