@@ -2,6 +2,8 @@
 failing default is reported as failed while the plan is still measured; selection and
 evaluation batches are kept apart; the trial budget holds."""
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -139,7 +141,7 @@ def test_cli_verify_fix_and_the_emitted_mapping_give_the_verified_model(run_cli,
         "--emit-plan", "verified.json", cwd=tmp_path,
     )  # fmt: skip
     assert verified.returncode == 0, verified.stderr
-    reported = __import__("json").loads(verified.stdout)["plan"]["sqnr_db"]
+    reported = json.loads(verified.stdout)["plan"]["sqnr_db"]
     plan = QuantPlan.load(str(tmp_path / "verified.json"))
     assert any(r.kind == "fuse" for r in plan.rewrites)  # the fan-out copy pays off, measured
     for out in ("fixed.pt", "fixed.pt2"):

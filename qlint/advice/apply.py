@@ -20,15 +20,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 from torch.fx.experimental.optimization import fuse as fuse_conv_bn
 
 from qlint.core.batches import as_call
-from qlint.core.nested import tensors_in
-from qlint.core.preserve import cloned
 from qlint.errors import QlintError
 from qlint.measure.rewrite import (
     DEFAULT_MAX_RELATIVE_ERROR,
@@ -37,6 +34,7 @@ from qlint.measure.rewrite import (
     apply_requested_rewrites,
     apply_rewrites,
     fanout_follows_original,
+    float_outputs,
     relative_error,
 )
 from qlint.measure.trial import TrialStepError, quantize_fx
@@ -104,6 +102,22 @@ def quantize_with_plan(
 
     Raises :class:`QuantizeError` (one line) when a torch step fails."""
     gm, applied = rewritten(model, plan, calibration)
+    return quantize_rewritten(
+        gm, plan, calibration, applied, keep_prepared=keep_prepared, prepare_kwargs=prepare_kwargs
+    )
+
+
+def quantize_rewritten(
+    gm: fx.GraphModule,
+    plan: PlanToApply,
+    calibration: Sequence[Any],
+    applied: list[AppliedRewrite],
+    *,
+    keep_prepared: bool = False,
+    prepare_kwargs: dict[str, Any] | None = None,
+) -> Quantized:
+    """The second half of :func:`quantize_with_plan`: ``gm`` (the output of :func:`rewritten`,
+    consumed: pass a copy to keep it) prepared with the plan's mapping, calibrated, converted."""
     mapping = fanout_follows_original(plan.to_qconfig_mapping(), gm)
     try:
         converted, prepared = quantize_fx(
@@ -112,11 +126,6 @@ def quantize_with_plan(
     except TrialStepError as step:  # torch raises many kinds for unsupported graphs
         raise QuantizeError(f"{step.failure.stage} failed: {first_line(step.failure.error)}") from step.failure.error
     return Quantized(converted, prepared, applied)
-
-
-def _float_outputs(model: nn.Module, example_inputs: Sequence[Any]) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [t.detach().float() for t in tensors_in(model(*cloned(tuple(example_inputs))))]
 
 
 def fixed_model(
@@ -133,11 +142,11 @@ def fixed_model(
         gm, applied = apply_rewrites(model, None, example_inputs)
     else:
         gm, applied = apply_requested_rewrites(model, plan, example_inputs)
-    reference = _float_outputs(gm, example_inputs)
+    reference = float_outputs(gm, example_inputs)
     folded = fuse_conv_bn(copy.deepcopy(gm).eval())
     if (
         not isinstance(folded, fx.GraphModule)
-        or relative_error(reference, _float_outputs(folded, example_inputs)) > DEFAULT_MAX_RELATIVE_ERROR
+        or relative_error(reference, float_outputs(folded, example_inputs)) > DEFAULT_MAX_RELATIVE_ERROR
     ):
         return gm, applied, False
     bn_before = sum(isinstance(m, _BATCH_NORMS) for m in gm.modules())
@@ -151,6 +160,7 @@ __all__ = [
     "Quantized",
     "first_line",
     "fixed_model",
+    "quantize_rewritten",
     "quantize_with_plan",
     "rewritten",
 ]

@@ -9,7 +9,8 @@ float outputs on two of them:
 * **eval** batches are what the report's numbers come from. They never decide anything,
   so the verified plan's SQNR on them is an unbiased estimate.
 
-Every plan goes through :func:`qlint.advice.apply.quantize_with_plan`, the path
+Every plan goes through :func:`qlint.advice.apply.quantize_with_plan` (its two halves, the
+rewritten graph cached while the rewrites stay the same), the path
 ``QuantPlan.quantize`` gives users. Each plan is quantized once: its measurement is cached,
 and only numbers are kept, so memory does not grow with the number of trials. Trials
 beyond the budget are refused (:meth:`Session.can_try`).
@@ -30,7 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from qlint.advice.apply import Quantized, QuantizeError, first_line, quantize_with_plan
+from qlint.advice.apply import Quantized, QuantizeError, first_line, quantize_rewritten, rewritten
 from qlint.advice.plan import QuantPlan
 from qlint.advice.verify_report import RunResult
 from qlint.core.batches import as_call, batches_of, call_model
@@ -47,6 +48,7 @@ from qlint.core.ops import (
 from qlint.core.sqnr import SQNR_CAP_DB, SqnrSums
 from qlint.core.trace import symbolic_graph
 from qlint.errors import ConfigError, QlintError, TraceError
+from qlint.measure.rewrite import AppliedRewrite
 
 SQNR_TOLERANCE_DB = 1e-3  # "does not lower SQNR": a change that costs less than this is noise
 FAILED = -math.inf  # the selection SQNR of a plan that cannot be quantized or run
@@ -177,6 +179,7 @@ class Session:
         self._selection_reference = [float_tensors(self.run(self.model, batch)) for batch in selection]
         self._eval_reference = [float_tensors(self.run(self.model, batch)) for batch in eval_data]
         self._measured: dict[str, Measured] = {}
+        self._last_rewritten: tuple[str, fx.GraphModule, list[AppliedRewrite]] | None = None
         try:
             self.traced = symbolic_graph(copy.deepcopy(self.model))
         except TraceError as error:
@@ -194,9 +197,22 @@ class Session:
         if plan.equalization and self.equalization_qconfig is not None:
             kwargs["_equalization_config"] = plan.to_equalization_mapping(self.equalization_qconfig)
             plan = plan.model_copy(update={"equalization": []})  # torch equalizes instead of the rescale
-        return quantize_with_plan(
-            self.traced, plan, self.calibration, keep_prepared=keep_prepared, prepare_kwargs=kwargs
+        gm, applied = self._rewritten(plan)
+        return quantize_rewritten(
+            copy.deepcopy(gm), plan, self.calibration, applied, keep_prepared=keep_prepared, prepare_kwargs=kwargs
         )
+
+    def _rewritten(self, plan: QuantPlan) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+        """The traced model with the plan's rewrites and equalization, reused while they stay the same.
+
+        Each rewrite is checked against the float outputs (a copy and a forward pass per
+        candidate), so redoing it for every trial would cost more than the trial's
+        calibration on a model with many BN folds. The scheme search and the fallback change
+        only module decisions, so one cached graph serves them all; one is kept at a time."""
+        key = plan.model_dump_json(include={"rewrites", "equalization"})
+        if self._last_rewritten is None or self._last_rewritten[0] != key:
+            self._last_rewritten = (key, *rewritten(self.traced, plan, self.calibration))
+        return self._last_rewritten[1], self._last_rewritten[2]
 
     # --- measure ----------------------------------------------------------------------
     def _output_sqnr(self, converted: nn.Module, batches: list[Any], references: list[Any]) -> float:

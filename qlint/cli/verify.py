@@ -325,15 +325,14 @@ def _save_fixed(gm: Any, example: Any, out: Path) -> None:
     weights_only=False)`` or ``qlint out.pt --trust-pickle`` reads it (it is your own file)."""
     import torch
 
+    from qlint.advice.apply import first_line
+
     if out.suffix == ".pt2":
         try:
             program = torch.export.export(gm, tuple(example))
             torch.export.save(program, str(out))
         except Exception as error:  # export failures come in many types
-            raise QlintError(
-                f"cannot export the rewritten model: {type(error).__name__}: "
-                f"{str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
-            ) from error
+            raise QlintError(f"cannot export the rewritten model: {first_line(error)}") from error
         return
     try:
         torch.save(gm, str(out))

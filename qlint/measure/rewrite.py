@@ -241,7 +241,8 @@ def _checked(record: dict[str, Any], error: float, max_relative_error: float) ->
     )
 
 
-def _outputs(gm: nn.Module, inputs: Sequence[Any]) -> list[torch.Tensor]:
+def float_outputs(gm: nn.Module, inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """Every output tensor of ``gm`` on ``inputs``, as float: what a rewrite must leave unchanged."""
     with torch.no_grad():
         out = gm(*cloned(tuple(inputs)))  # a model that writes its inputs gets its own copy
     return [t.detach().float() for t in tensors_in(out)]
@@ -306,7 +307,7 @@ def apply_rewrites(
     except TraceError as failure:
         raise QlintError(f"cannot trace the model for rewriting: {failure}") from failure
     current.eval()
-    reference = _outputs(current, example_inputs)
+    reference = float_outputs(current, example_inputs)
     applied: list[AppliedRewrite] = []
     for candidate in find_rewrites(current):
         if kinds is not None and candidate.kind not in kinds:
@@ -324,7 +325,7 @@ def apply_rewrites(
             _APPLY[candidate.kind](trial, candidate)
             trial.graph.lint()
             trial.recompile()
-            error = relative_error(reference, _outputs(trial, example_inputs))
+            error = relative_error(reference, float_outputs(trial, example_inputs))
         except Exception as failure:  # a rewrite that breaks the graph is refused, not fatal
             applied.append(AppliedRewrite(**record, applied=False, reason=f"{type(failure).__name__}: {failure}"[:300]))
             continue
@@ -451,7 +452,7 @@ def apply_equalization(
         raise QlintError("equalization needs calibration batches")
     current = copy.deepcopy(graph_module)
     example = as_call(batches[0])[0]
-    reference = _outputs(current, example)
+    reference = float_outputs(current, example)
     applied: list[AppliedRewrite] = []
     for module in modules:
         path = _equalization_path(current, module)
@@ -476,7 +477,7 @@ def apply_equalization(
             requested_by_plan=True,
         )
         _equalize(trial, previous, nxt, batches)
-        error = relative_error(reference, _outputs(trial, example))
+        error = relative_error(reference, float_outputs(trial, example))
         outcome = _checked(record, error, max_relative_error)
         applied.append(outcome)
         if outcome.applied:
