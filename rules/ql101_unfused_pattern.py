@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
-from torch.ao.quantization import DeQuantStub, QConfigMapping, QuantStub, get_default_qconfig_mapping
+from torch.ao.quantization import DeQuantStub, QConfig, QConfigMapping, QuantStub, get_default_qconfig_mapping
+from torch.ao.quantization.observer import FixedQParamsObserver
 
 from qlint.core.graph import ModelGraph, OpNode
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
+from qlint.measure.rewrite import apply_rewrites
 
 REASON_EAGER = "eager-no-fuse"
 REASON_FANOUT = "fan-out"
@@ -41,8 +46,8 @@ _FIX = {
     REASON_QCONFIG: "give every op of the pattern the same qconfig",
     REASON_TRAINING: "put the model in eval mode before prepare_fx (or use prepare_qat_fx for QAT)",
     REASON_FUNCTIONAL: "use the nn.Module (nn.Conv2d/nn.Linear) or fold the BN into the conv weights",
-    REASON_CLAMP: "use nn.ReLU where the values stay below the clip (the ReLU pattern fuses), or accept the "
-    "extra rounding",
+    REASON_CLAMP: "give the conv's output a fixed quantization range ending at the clip, so that int8 "
+    "saturation does the clipping exactly (exact in float; the chain then needs no fused kernel)",
 }
 # Clipping activations that x86/qnnpack do not fuse, though the same chain ending in ReLU fuses.
 _CLAMP_KINDS = frozenset({"relu6", "hardtanh"})
@@ -126,6 +131,9 @@ class UnfusedPattern(Rule):
                     covered.update(n.name for n in chain)
                     if _foldable_functional(chain, reasons):
                         functional.append((chain, pattern))
+                        clamp = _unfused_clamp(ctx, chain, pattern)
+                        if clamp is not None:  # after the fold the conv is a module that fuses the BN
+                            clamps.append((chain, pattern, clamp))
                     else:
                         yield self._report(graph, chain, pattern, reasons)
                     break
@@ -137,8 +145,17 @@ class UnfusedPattern(Rule):
                 break
         if functional:
             yield self._functional_finding(functional)
-        if clamps:
-            yield self._clamp_finding(ctx, clamps)
+        by_range: dict[tuple[float, float] | None, list[tuple[list[OpNode], tuple[str, ...], OpNode]]] = {}
+        for entry, clip in zip(clamps, _saturating_ranges(ctx, clamps) if clamps else [], strict=True):
+            by_range.setdefault(clip, []).append(entry)
+        fixed_groups = {
+            clip: (_fixed_activation(ctx, clip), [h for h in (_head_module(ch[0]) for ch, _, _ in group) if h])
+            for clip, group in by_range.items()
+            if clip is not None
+        }
+        meter = _RangeMeter(ctx, list(fixed_groups.values()), [c for c, _ in functional])
+        for clip, group in by_range.items():
+            yield self._clamp_finding(ctx, group, clip, meter)
 
     def _reasons(self, ctx: LintContext, chain: list[OpNode]) -> list[tuple[str, str]]:
         graph = ctx.graph
@@ -236,8 +253,15 @@ class UnfusedPattern(Rule):
             },
         )
 
-    def _clamp_finding(self, ctx: LintContext, clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]]) -> Finding:
-        """One finding for every chain that stops short of its clipping activation, measured together."""
+    def _clamp_finding(
+        self,
+        ctx: LintContext,
+        clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]],
+        clip: tuple[float, float] | None,
+        meter: _RangeMeter,
+    ) -> Finding:
+        """One finding for the chains that stop short of their clipping activation and share one
+        saturating range, measured together with that range."""
         lines, rounding = [], []
         for chain, _pattern, clamp in clamps:
             measured = ctx.trial.activation(chain[-1].name) if ctx.trial is not None else None
@@ -253,35 +277,45 @@ class UnfusedPattern(Rule):
             + (f"; ... ({len(lines)} in all)" if len(lines) > 8 else "")
             + "."
         )
-        activations = [clamp.module or clamp.display for _, _, clamp in clamps]
-        impact, float_change = _relu_variant_impact(ctx, activations)
-        message += f" Fix: {_FIX[REASON_CLAMP]}."
+        heads = [_head_module(chain[0]) for chain, _, _ in clamps]
+        data = {
+            "kind": "unfusable-activation",
+            "node": first_chain[0].name,
+            "pattern": list(first_pattern) + [first_clamp.kind],
+            "chains": [[n.display for n in chain] + [clamp.display] for chain, _, clamp in clamps],
+            "modules": heads,
+            "reasons": [REASON_CLAMP],
+            "rounding_sqnr_db": rounding,
+        }
+        if clip is None or None in heads:
+            message += (
+                " No fixed range applies: the values never reach the clip on the calibration data, the "
+                "conv's input range could not be measured, or the conv is not a module a qconfig can name."
+            )
+            return self.finding(first_chain[0].display, message, data=data, severity=Severity.INFO)
+        fixed = _fixed_activation(ctx, clip)
+        targets = [h for h in heads if h is not None]
+        message += f" Fix: {_FIX[REASON_CLAMP]}: [{clip[0]:g}, {clip[1]:g}] on {', '.join(targets[:4])}" + (
+            f" and {len(targets) - 4} more" if len(targets) > 4 else ""
+        )
+        impact = meter.impact(targets)
         if impact is not None and impact.fixed_sqnr_db is not None:
-            message += (
-                f" With nn.ReLU in all {len(clamps)} places the int8 model measures "
-                f"{impact.fixed_sqnr_db:.1f} dB against its own float outputs ({impact.db:+.1f} dB)"
-            )
-            message += (
-                "; the float outputs do not change on the evaluation data."
-                if float_change is None or float_change >= 150
-                else f"; the float outputs change ({float_change:.1f} dB SQNR against the original), so "
-                "check accuracy before switching."
-            )
+            message += f"; measured {impact.base_sqnr_db:.1f} → {impact.fixed_sqnr_db:.1f} dB"
         return self.finding(
             first_chain[0].display,
-            message,
+            message + ".",
             impact=impact,
-            data={
-                "kind": "unfusable-activation",
-                "node": first_chain[0].name,
-                "pattern": list(first_pattern) + [first_clamp.kind],
-                "chains": [[n.display for n in chain] + [clamp.display] for chain, _, clamp in clamps],
-                "activations": activations,
-                "reasons": [REASON_CLAMP],
-                "rounding_sqnr_db": rounding,
-                "float_change_sqnr_db": float_change,
+            data=data | {"clip": list(clip)},
+            suggestion={
+                "action": "set_qconfig",
+                "targets": targets,
+                "activation": "FixedQParamsObserver",
+                "dtype": "quint8",
+                "scale": fixed.scale,
+                "zero_point": fixed.zero_point,
+                "quant_min": fixed.quant_min,
+                "quant_max": fixed.quant_max,
             },
-            suggestion={"action": "replace_activation", "modules": activations, "with": "relu"},
         )
 
 
@@ -312,31 +346,138 @@ def _unfused_clamp(ctx: LintContext, chain: list[OpNode], pattern: tuple[str, ..
     return clamp
 
 
-def _relu_variant_impact(ctx: LintContext, fqns: list[str]) -> tuple[Impact | None, float | None]:
-    """One trial of the model with every ``fqns`` module replaced by nn.ReLU, measured against its
-    own float outputs; and how much that change moves the float outputs (SQNR, dB)."""
-    bench, trial = ctx.trial_bench, ctx.trial
-    if bench is None or trial is None or trial.output_sqnr_db is None or ctx.qconfig_mapping is None:
-        return None, None
+def _head_module(head: OpNode) -> str | None:
+    """The module a qconfig names for the chain's conv: the module itself, or for a functional
+    conv the module holding its weight (the fold rewrite makes that a plain conv module)."""
+    if head.op == "module":
+        return head.module
+    return head.weight.rpartition(".")[0] or None if head.weight else None
 
-    def with_relu() -> nn.Module:
-        model = bench.model_factory()
-        for fqn in fqns:
-            parent, _, child = fqn.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, nn.ReLU())
-        return model
 
-    fixed = bench.variant(with_relu).output_sqnr(ctx.qconfig_mapping)
-    float_change = bench.float_sqnr_of(with_relu())
-    if fixed is None:
-        return None, float_change
-    impact = Impact.measured(
-        trial.output_sqnr_db,
-        fixed,
-        "rule-trial",
-        "every listed activation replaced by nn.ReLU in one trial (each model against its own float outputs)",
-    )
-    return impact, None if float_change is None else round(float_change, 3)
+def _saturating_ranges(
+    ctx: LintContext, clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]]
+) -> list[tuple[float, float] | None]:
+    """Per chain, the fixed range [low, high] whose int8 saturation computes its clamp exactly,
+    from one float pass over the trial's calibration batches (the example inputs without one).
+
+    None where the values never reach the clip (a fixed range would only waste levels there) or
+    the range cannot be measured. FX observes a conv's input with the conv's own qconfig when no
+    quantized op before it did (a model input, or an op the backend leaves float such as a pad),
+    so the range then also covers that input."""
+    batches = ctx.trial_bench.calibration if ctx.trial_bench is not None else [ctx.example_inputs or ()]
+    if ctx.model_factory is None or not batches or not batches[0]:
+        return [None] * len(clamps)
+    model = ctx.model_factory().eval()
+    seen: dict[str, list[float]] = {}
+
+    def watch(fqn: str, hook_input: bool) -> None:
+        def record(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            value = args[0] if hook_input else output
+            low, high = seen.setdefault(fqn, [float("inf"), float("-inf")])
+            seen[fqn] = [min(low, float(value.min())), max(high, float(value.max()))]
+
+        model.get_submodule(fqn).register_forward_hook(record)
+
+    unobserved: list[str | None] = []
+    for chain, _, clamp in clamps:
+        watch(str(clamp.module), hook_input=True)
+        producers = ctx.graph.producers(chain[0].name)
+        if producers and producers[0].op != "input" and ctx.backend.supports(producers[0].kind):
+            unobserved.append(None)
+        elif producers and producers[0].op == "module" and producers[0].module:
+            unobserved.append(producers[0].module)
+            watch(producers[0].module, hook_input=False)
+        else:
+            unobserved.append("")  # a model input or a function: not measured here
+    with torch.no_grad():
+        for batch in batches:
+            model(*batch)
+    ranges: list[tuple[float, float] | None] = []
+    for (_, _, clamp), source in zip(clamps, unobserved, strict=True):
+        high = 6.0
+        if clamp.kind == "hardtanh":
+            high = float(getattr(model.get_submodule(str(clamp.module)), "max_val", 6.0))
+        reached = seen.get(str(clamp.module), [0.0, 0.0])[1] >= high
+        if not reached or source == "":
+            ranges.append(None)
+            continue
+        low = 0.0
+        if source is not None:
+            low, high = min(low, seen[source][0]), max(high, seen[source][1])
+        ranges.append((round(low, 4), round(high, 4)))
+    return ranges
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fixed:
+    scale: float
+    zero_point: int
+    quant_min: int
+    quant_max: int
+
+    def qconfig(self, weight: Any) -> QConfig:
+        observer = FixedQParamsObserver.with_args(
+            scale=self.scale,
+            zero_point=self.zero_point,
+            dtype=torch.quint8,
+            quant_min=self.quant_min,
+            quant_max=self.quant_max,
+        )
+        return QConfig(activation=observer, weight=weight)
+
+
+def _fixed_activation(ctx: LintContext, clip: tuple[float, float]) -> _Fixed:
+    """quint8 qparams for ``clip``, in the backend's activation range (7 bits where it reduces)."""
+    quant_max = 127 if ctx.backend.wants_reduce_range else 255
+    scale = (clip[1] - clip[0]) / quant_max
+    return _Fixed(scale=scale, zero_point=round(-clip[0] / scale), quant_min=0, quant_max=quant_max)
+
+
+class _RangeMeter:
+    """Measures each group of fixed ranges as the gain of adding it to all the other groups.
+
+    The groups work together (a wide stem output ruins what the later ranges save), so each
+    finding's impact is measured with every other group applied: one trial for all groups and one
+    for each group left out. Functional chains are measured after the fold rewrite, so that the
+    gain is the ranges' own and not the fold's."""
+
+    def __init__(self, ctx: LintContext, groups: list[tuple[_Fixed, list[str]]], functional: list[list[OpNode]]):
+        self.ctx, self.groups = ctx, groups
+        self.bench = ctx.trial_bench
+        if self.bench is not None and functional:
+            example, unfolded = ctx.example_inputs or (), self.bench.model_factory
+
+            def folded() -> nn.Module:
+                return apply_rewrites(unfolded(), None, example, kinds=["fold_bn_into_functional_conv"])[0]
+
+            self.bench = self.bench.variant(folded)
+        self.functional = bool(functional)
+        self._all: float | None = None
+
+    def _sqnr(self, groups: list[tuple[_Fixed, list[str]]]) -> float | None:
+        mapping = self.ctx.qconfig_mapping
+        if self.bench is None or mapping is None or self.ctx.trial is None or self.ctx.trial.output_sqnr_db is None:
+            return None
+        mapping = copy.deepcopy(mapping)
+        weight = mapping.global_qconfig.weight if mapping.global_qconfig is not None else None
+        for fixed, targets in groups:
+            for fqn in targets:
+                mapping.set_module_name(fqn, fixed.qconfig(weight))
+        return self.bench.output_sqnr(mapping)
+
+    def impact(self, targets: list[str]) -> Impact | None:
+        if self._all is None:
+            self._all = self._sqnr(self.groups)
+        others = [g for g in self.groups if g[1] != targets]
+        base = self._sqnr(others)
+        if base is None or self._all is None:
+            return None
+        detail = "fixed saturating range on every listed conv in one trial"
+        if others:
+            detail += f", with the {len(others)} other fixed-range group(s) applied in both"
+        if self.functional:
+            detail += ", both models with the functional conv → BN folds applied"
+        return Impact.measured(base, self._all, "rule-trial", detail)
 
 
 _MODULE_ONLY_KINDS = frozenset({"conv1d", "conv2d", "conv3d", "linear", "batch_norm"})

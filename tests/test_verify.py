@@ -214,7 +214,7 @@ def test_cli_fix_writes_pt2_pt_and_qconfig(run_cli, cli_files):
     with pytest.raises(Exception):  # the whole GraphModule: a pickle, never read without trust
         torch.load(cli_files / "fixed.pt", weights_only=True)
     saved = torch.load(cli_files / "fixed.pt", weights_only=False)
-    assert "convs.0.qlint_folded_bias" in saved.state_dict() and "reshape" in saved.code
+    assert "convs.0.bias" in saved.state_dict() and "reshape" in saved.code
     with torch.no_grad():
         assert torch.allclose(saved(x), make_same_conv_net()(x), rtol=1e-4, atol=1e-5)
     bad = run_cli(

@@ -202,6 +202,77 @@ def _fold(gm: fx.GraphModule, candidate: _Candidate) -> None:
             conv.kwargs = {**conv.kwargs, "bias": new_bias_node}
     bn_node.replace_all_uses_with(conv)
     gm.graph.erase_node(bn_node)
+    _as_module_call(gm, conv)
+
+
+_CONV_MODULES: dict[int, type[nn.Module]] = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+
+
+def _conv_arguments(node: fx.Node) -> dict[str, Any]:
+    given = dict(zip(_CONV_ARGS, node.args, strict=False)) | dict(node.kwargs)
+    return {"stride": 1, "padding": 0, "dilation": 1, "groups": 1} | given
+
+
+def _as_module_call(gm: fx.GraphModule, conv: fx.Node) -> None:
+    """Turn a folded functional conv into a call of a plain ``nn.ConvNd`` at its owner's path.
+
+    The owner is the module holding the weight (an ``nn.Conv2d`` subclass with a custom
+    forward, traced through, as EfficientNet-Lite's padded convs are). prepare_fx then fuses
+    what follows the conv (a ReLU), and a plan's decisions by module name reach it: a qconfig
+    set by name never reaches a functional call in a traced GraphModule."""
+    arguments = _conv_arguments(conv)
+    weight, bias, source = arguments["weight"], arguments.get("bias"), arguments["input"]
+    if not (isinstance(bias, fx.Node) and bias.op == "get_attr" and isinstance(source, fx.Node)):
+        return
+    owner_path = str(weight.target).rpartition(".")[0]
+    if not owner_path or str(bias.target).rpartition(".")[0] != owner_path:
+        return
+    if any(n.op == "call_module" and n.target == owner_path for n in gm.graph.nodes):
+        return  # the owner's own forward runs elsewhere
+    owner = gm.get_submodule(owner_path)
+    held = {name for name, _ in owner.named_parameters(recurse=False)} | {
+        name for name, _ in owner.named_buffers(recurse=False)
+    }
+    if held - {str(weight.target).rpartition(".")[2], str(bias.target).rpartition(".")[2]}:
+        return  # the owner holds more than this conv's weight and bias
+    weight_value = getattr(owner, str(weight.target).rpartition(".")[2])
+    groups = int(arguments["groups"])
+    plain = _CONV_MODULES[_FUNCTIONAL_CONVS[conv.target]](
+        weight_value.shape[1] * groups,
+        weight_value.shape[0],
+        tuple(weight_value.shape[2:]),
+        arguments["stride"],
+        arguments["padding"],
+        arguments["dilation"],
+        groups,
+        bias=True,
+    )
+    plain.weight = weight_value
+    plain.bias = getattr(owner, str(bias.target).rpartition(".")[2])
+    plain.train(owner.training)
+    parent, _, leaf = owner_path.rpartition(".")
+    parent_module = gm.get_submodule(parent) if parent else gm
+    # The owner's children (e.g. the static padding the graph calls) move beside the conv:
+    # prepare_fx swaps the conv for a fused module that would not carry them.
+    children = dict(owner.named_children())
+    if any(hasattr(parent_module, f"{leaf}_{name}") for name in children):
+        return
+    moved = {}
+    for name, child in children.items():
+        parent_module.add_module(f"{leaf}_{name}", child)
+        moved[f"{owner_path}.{name}"] = f"{parent}.{leaf}_{name}" if parent else f"{leaf}_{name}"
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and str(node.target) in moved:
+            node.target = moved[str(node.target)]
+    setattr(parent_module, leaf, plain)
+    with gm.graph.inserting_before(conv):
+        call = gm.graph.call_module(owner_path, (source,))
+    conv.replace_all_uses_with(call)
+    gm.graph.erase_node(conv)
+    for attr in (weight, bias):
+        if not attr.users:
+            gm.graph.erase_node(attr)
 
 
 def _duplicate_fanout(gm: fx.GraphModule, candidate: _Candidate) -> None:
