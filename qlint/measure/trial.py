@@ -26,7 +26,7 @@ import io
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -54,6 +54,9 @@ STAGE_FLOAT, STAGE_PREPARE, STAGE_CALIBRATE, STAGE_CONVERT, STAGE_RUN = (
     "convert_fx",
     "quantized run",
 )
+
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +146,16 @@ class TrialStepError(Exception):
         self.failure = TrialFailure(stage, error, model)
 
 
+def copy_sharing_parameters(model: _M) -> _M:
+    """A deep copy of ``model`` whose parameters are the original's tensors, not copies of them.
+
+    prepare_fx and convert_fx change a model's module tree (observers, fused and quantized
+    modules in place of the float ones) but never write a parameter in place: fusion and
+    conversion build new tensors. The copy they consume needs modules of its own, not weights
+    of its own, and sharing the weights saves a float copy of the model per quantization."""
+    return copy.deepcopy(model, {id(p): p for p in model.parameters()})
+
+
 def quantize_fx(
     model: nn.Module,
     mapping: QConfigMapping,
@@ -155,7 +168,8 @@ def quantize_fx(
     """prepare_fx → run ``calibration`` → convert_fx on ``model`` itself (pass a copy).
 
     Returns (converted, prepared): prepared only with ``keep_prepared`` (a copy is kept,
-    because convert_fx consumes the model it converts). Raises :class:`TrialStepError`."""
+    because convert_fx consumes the model it converts; it shares the weights, which
+    convert_fx does not write). Raises :class:`TrialStepError`."""
     config = backend_config(backend)
     example = as_call(calibration[0], what="calibration batch 0")[0] if calibration else ()
     try:
@@ -172,7 +186,7 @@ def quantize_fx(
         raise
     except Exception as error:
         raise TrialStepError(STAGE_CALIBRATE, error, prepared) from error
-    kept = copy.deepcopy(prepared) if keep_prepared else None
+    kept = copy_sharing_parameters(prepared) if keep_prepared else None
     try:
         converted = convert_fx(prepared, backend_config=config)
     except Exception as error:
