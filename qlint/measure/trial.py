@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
+from torch.ao.quantization.fx import utils as fx_quantization_utils
 from torch.ao.quantization.observer import UniformQuantizationObserverBase
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
@@ -170,6 +171,32 @@ def quantize_fx(
     Returns (converted, prepared): prepared only with ``keep_prepared`` (a copy is kept,
     because convert_fx consumes the model it converts; it shares the weights, which
     convert_fx does not write). Raises :class:`TrialStepError`."""
+    try:
+        return _quantize_fx(model, mapping, backend, calibration, prepare_kwargs, keep_prepared)
+    finally:
+        _forget_quantized_models()
+
+
+def _forget_quantized_models() -> None:
+    """Drop torch's references to the models prepare_fx and convert_fx saw.
+
+    torch caches ``assert_and_get_unique_device`` with an unbounded ``functools.cache``
+    keyed by the module, so every model it was asked about (the model prepare_fx got,
+    the prepared and the converted one) stays alive with its weights and observers:
+    without this, memory grows with every trial quantization."""
+    cache_clear = getattr(fx_quantization_utils.assert_and_get_unique_device, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+
+
+def _quantize_fx(
+    model: nn.Module,
+    mapping: QConfigMapping,
+    backend: str,
+    calibration: Sequence[Any],
+    prepare_kwargs: dict[str, Any] | None,
+    keep_prepared: bool,
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     config = backend_config(backend)
     example = as_call(calibration[0], what="calibration batch 0")[0] if calibration else ()
     try:
