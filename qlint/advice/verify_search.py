@@ -123,7 +123,7 @@ def scheme_search(
     if len(candidates) > max_trials:
         chosen = set(session.sensitivity_order(plan, candidates)[:max_trials])
         candidates = [f for f in candidates if f in chosen]
-    int8 = session.measure("current plan", plan).result.int8_layers
+    int8 = session.measure("current plan", plan, evaluate=False).result.int8_layers
     outcomes: list[DecisionOutcome] = []
     trials = 0
 

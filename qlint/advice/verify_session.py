@@ -49,6 +49,7 @@ from qlint.core.sqnr import SQNR_CAP_DB, SqnrSums
 from qlint.core.trace import symbolic_graph
 from qlint.errors import ConfigError, QlintError, TraceError
 from qlint.measure.rewrite import AppliedRewrite
+from qlint.measure.trial import copy_sharing_parameters
 
 SQNR_TOLERANCE_DB = 1e-3  # "does not lower SQNR": a change that costs less than this is noise
 FAILED = -math.inf  # the selection SQNR of a plan that cannot be quantized or run
@@ -124,11 +125,13 @@ def functional_owners(gm: fx.GraphModule) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Measured:
     """One plan, quantized and run: its selection SQNR (what decisions compare), and what the
-    report shows (measured on the eval batches); per-layer SQNR when it was asked for."""
+    report shows (measured on the eval batches, when ``evaluated``); per-layer SQNR when it
+    was asked for. A trial is not evaluated: its ``result`` holds the int8 coverage only."""
 
     selection_sqnr: float  # FAILED when the plan cannot be quantized or run
     result: RunResult
     layers: dict[str, float] | None = None
+    evaluated: bool = True
 
 
 def plan_key(plan: QuantPlan) -> str:
@@ -181,7 +184,8 @@ class Session:
         self._measured: dict[str, Measured] = {}
         self._last_rewritten: tuple[str, fx.GraphModule, list[AppliedRewrite]] | None = None
         try:
-            self.traced = symbolic_graph(copy.deepcopy(self.model))
+            # shares the private copy's modules: nothing verify runs writes them (rewrites copy first)
+            self.traced = symbolic_graph(self.model)
         except TraceError as error:
             raise VerifyError(f"cannot trace the model with torch.fx: {error}") from error
 
@@ -199,7 +203,12 @@ class Session:
             plan = plan.model_copy(update={"equalization": []})  # torch equalizes instead of the rescale
         gm, applied = self._rewritten(plan)
         return quantize_rewritten(
-            copy.deepcopy(gm), plan, self.calibration, applied, keep_prepared=keep_prepared, prepare_kwargs=kwargs
+            copy_sharing_parameters(gm),
+            plan,
+            self.calibration,
+            applied,
+            keep_prepared=keep_prepared,
+            prepare_kwargs=kwargs,
         )
 
     def _rewritten(self, plan: QuantPlan) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
@@ -208,7 +217,10 @@ class Session:
         Each rewrite is checked against the float outputs (a copy and a forward pass per
         candidate), so redoing it for every trial would cost more than the trial's
         calibration on a model with many BN folds. The scheme search and the fallback change
-        only module decisions, so one cached graph serves them all; one is kept at a time."""
+        only module decisions, so one cached graph serves them all; one is kept at a time.
+        A plan with neither quantizes the traced model itself (a copy of its modules)."""
+        if not plan.rewrites and not plan.equalization:
+            return self.traced, []
         key = plan.model_dump_json(include={"rewrites", "equalization"})
         if self._last_rewritten is None or self._last_rewritten[0] != key:
             self._last_rewritten = (key, *rewritten(self.traced, plan, self.calibration))
@@ -232,22 +244,24 @@ class Session:
         value = sums.sqnr_db()
         return SQNR_CAP_DB if value is None else value
 
-    def measure(self, label: str, plan: QuantPlan, *, layers: Sequence[str] = ()) -> Measured:
+    def measure(self, label: str, plan: QuantPlan, *, layers: Sequence[str] = (), evaluate: bool = True) -> Measured:
         """``plan`` quantized, run on the selection and eval batches, and measured (cached).
 
         With ``layers``, the per-layer activation SQNR of those modules on the eval batches
-        too (then a cached measurement without them is taken again). Not a trial: the
-        caller decides what is measured outside the budget."""
+        too. ``evaluate=False`` measures what decisions need (selection SQNR, int8 coverage)
+        and skips the eval batches, the size and ``eval_fn``. A cached measurement that lacks
+        what is asked for is taken again. Not a trial: the caller decides what is measured
+        outside the budget."""
         key = plan_key(plan)
         cached = self._measured.get(key)
-        if cached is not None and (not layers or cached.layers is not None):
+        if cached is not None and (cached.evaluated or not evaluate) and (not layers or cached.layers is not None):
             return cached
         if self.progress is not None:
             self.progress(label, self.trials, self.max_trials)
         try:
             q = self.quantize(plan, keep_prepared=bool(layers))
             selection = self._output_sqnr(q.converted, self.selection, self._selection_reference)
-            sqnr = self._output_sqnr(q.converted, self.eval_data, self._eval_reference)
+            sqnr = self._output_sqnr(q.converted, self.eval_data, self._eval_reference) if evaluate else None
         except QuantizeError as error:
             failed = RunResult(
                 label=label,
@@ -262,19 +276,19 @@ class Session:
             self._measured[key] = measured
             return measured
         int8, total, floats = conv_linear_coverage(q.converted)
-        metric = float(self.eval_fn(q.converted, self.eval_data)) if self.eval_fn is not None else None
+        metric = float(self.eval_fn(q.converted, self.eval_data)) if self.eval_fn is not None and evaluate else None
         result = RunResult(
             label=label,
-            sqnr_db=round(sqnr, 4),
+            sqnr_db=None if sqnr is None else round(sqnr, 4),
             int8_layers=int8,
             total_layers=total,
             int8_fraction=round(int8 / total, 4) if total else 1.0,
-            size_bytes=state_dict_bytes(q.converted),
+            size_bytes=state_dict_bytes(q.converted) if evaluate else 0,
             metric=metric,
             float_modules=floats,
         )
         per_layer = self.layer_sqnr(q, layers, self.eval_data) if layers else None
-        measured = Measured(selection, result, per_layer)
+        measured = Measured(selection, result, per_layer, evaluated=evaluate)
         self._measured[key] = measured
         return measured
 
@@ -286,10 +300,11 @@ class Session:
         return plan_key(plan) in self._measured
 
     def trial(self, label: str, plan: QuantPlan) -> Measured:
-        """A plan measured to decide something: one trial of the budget, unless measured before."""
+        """A plan measured to decide something (on the selection batches only): one trial of the
+        budget, unless measured before."""
         if not self.known(plan):
             self.trials += 1
-        return self.measure(label, plan)
+        return self.measure(label, plan, evaluate=False)
 
     def layer_sqnr(self, q: Quantized, fqns: Iterable[str], batches: list[Any]) -> dict[str, float]:
         """Activation SQNR per module fqn: prepared (float + observers) vs converted outputs.

@@ -23,15 +23,16 @@ Three rewrites are implemented:
     a non-contiguous tensor, on which ``view`` raises; ``reshape`` is identical wherever
     ``view`` works.
 
-Each rewrite is applied to its own copy and kept only when the float outputs on the
-example inputs stay within ``max_relative_error`` (default 1e-5, relative L2 error);
-otherwise it is refused and recorded with the reason.
+Rewrites are kept only when the float outputs on the example inputs stay within
+``max_relative_error`` (default 1e-5, relative L2 error). All the wanted rewrites are
+applied together and checked once; only when that check fails is each applied to its own
+copy and checked, so that the ones that change the outputs are refused with the reason.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -371,32 +372,116 @@ def apply_rewrites(
     ``skip`` names rewrites not to apply, by :func:`rewrite_key` (``kind:node,node``).
     The input is never modified.
     """
-    if not example_inputs:
-        raise QlintError("apply_rewrites needs example inputs to check that float outputs are unchanged")
+
+    def wanted(candidate: _Candidate) -> bool:
+        return (kinds is None or candidate.kind in kinds) and rewrite_key(candidate.kind, candidate.nodes) not in skip
+
+    return _rewrite(graph_module, plan, example_inputs, wanted, max_relative_error)
+
+
+def apply_requested_rewrites(
+    graph_module: nn.Module, plan: Any, example_inputs: Sequence[Any]
+) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+    """Like :func:`apply_rewrites`, but only the rewrites ``plan`` asks for (one finding's fix)."""
+    return _rewrite(
+        graph_module, plan, example_inputs, lambda candidate: _requested(plan, candidate), DEFAULT_MAX_RELATIVE_ERROR
+    )
+
+
+def _traced_copy(graph_module: nn.Module) -> fx.GraphModule:
     try:
-        current = symbolic_graph(copy.deepcopy(graph_module))
+        traced = symbolic_graph(copy.deepcopy(graph_module))
     except TraceError as failure:
         raise QlintError(f"cannot trace the model for rewriting: {failure}") from failure
-    current.eval()
-    reference = float_outputs(current, example_inputs)
+    return traced.eval()
+
+
+def _rewrite(
+    graph_module: nn.Module,
+    plan: Any,
+    example_inputs: Sequence[Any],
+    wanted: Callable[[_Candidate], bool],
+    max_relative_error: float,
+) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+    """The wanted rewrites of ``graph_module``, applied to a traced copy.
+
+    All of them are applied together first and the float outputs checked once; each then
+    records the error of the set. Only when that check fails (a rewrite that changes the
+    outputs, or one that breaks the graph) is each applied and checked on its own copy, so
+    that the bad ones are refused and the others kept. A model with many BN folds would
+    otherwise pay a model copy and a forward pass per fold."""
+    if not example_inputs:
+        raise QlintError("apply_rewrites needs example inputs to check that float outputs are unchanged")
+    current = _traced_copy(graph_module)
+    candidates = [c for c in find_rewrites(current) if wanted(c)]
+    if candidates:
+        reference = float_outputs(current, example_inputs)
+        together = _all_applied(current, candidates, plan, reference, example_inputs, max_relative_error)
+        if together is not None:
+            applied = together
+        else:  # the failed attempt changed the copy: start again from the input, one rewrite at a time
+            current = _traced_copy(graph_module)
+            current, applied = _one_by_one(current, candidates, plan, reference, example_inputs, max_relative_error)
+    else:
+        applied = []
+    current.delete_all_unused_submodules()
+    current.recompile()
+    return current, applied
+
+
+def _record(plan: Any, candidate: _Candidate) -> dict[str, Any]:
+    return dict(
+        kind=candidate.kind,
+        modules=candidate.modules,
+        nodes=candidate.nodes,
+        requested_by_plan=_requested(plan, candidate),
+    )
+
+
+def _applied_and_checked(
+    gm: fx.GraphModule, candidates: Sequence[_Candidate], reference: list[torch.Tensor], example_inputs: Sequence[Any]
+) -> float:
+    """``candidates`` applied to ``gm`` in place; the float outputs' relative error after them."""
+    for candidate in candidates:
+        _APPLY[candidate.kind](gm, candidate)
+    gm.graph.lint()
+    gm.recompile()
+    return relative_error(reference, float_outputs(gm, example_inputs))
+
+
+def _all_applied(
+    gm: fx.GraphModule,
+    candidates: Sequence[_Candidate],
+    plan: Any,
+    reference: list[torch.Tensor],
+    example_inputs: Sequence[Any],
+    max_relative_error: float,
+) -> list[AppliedRewrite] | None:
+    """Every candidate applied to ``gm`` in place; None when the float outputs changed or the graph broke."""
+    try:
+        error = _applied_and_checked(gm, candidates, reference, example_inputs)
+    except Exception:  # one rewrite breaks the graph: the one-by-one pass finds which
+        return None
+    if error > max_relative_error:
+        return None
+    return [_checked(_record(plan, c), error, max_relative_error) for c in candidates]
+
+
+def _one_by_one(
+    current: fx.GraphModule,
+    candidates: Sequence[_Candidate],
+    plan: Any,
+    reference: list[torch.Tensor],
+    example_inputs: Sequence[Any],
+    max_relative_error: float,
+) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+    """Each candidate applied to its own copy and kept only when the float outputs stay the same."""
     applied: list[AppliedRewrite] = []
-    for candidate in find_rewrites(current):
-        if kinds is not None and candidate.kind not in kinds:
-            continue
-        if rewrite_key(candidate.kind, candidate.nodes) in skip:
-            continue
+    for candidate in candidates:
         trial = copy.deepcopy(current)
-        record = dict(
-            kind=candidate.kind,
-            modules=candidate.modules,
-            nodes=candidate.nodes,
-            requested_by_plan=_requested(plan, candidate),
-        )
+        record = _record(plan, candidate)
         try:
-            _APPLY[candidate.kind](trial, candidate)
-            trial.graph.lint()
-            trial.recompile()
-            error = relative_error(reference, float_outputs(trial, example_inputs))
+            error = _applied_and_checked(trial, [candidate], reference, example_inputs)
         except Exception as failure:  # a rewrite that breaks the graph is refused, not fatal
             applied.append(AppliedRewrite(**record, applied=False, reason=f"{type(failure).__name__}: {failure}"[:300]))
             continue
@@ -404,8 +489,6 @@ def apply_rewrites(
         applied.append(outcome)
         if outcome.applied:
             current = trial
-    current.delete_all_unused_submodules()
-    current.recompile()
     return current, applied
 
 
@@ -418,18 +501,6 @@ def fanout_follows_original(mapping: QConfigMapping, model: nn.Module) -> QConfi
         if isinstance(origin, str) and origin in result.module_name_qconfigs:
             result.set_module_name(name, result.module_name_qconfigs[origin])
     return result
-
-
-def apply_requested_rewrites(
-    graph_module: nn.Module, plan: Any, example_inputs: Sequence[Any]
-) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
-    """Like :func:`apply_rewrites`, but only the rewrites ``plan`` asks for (one finding's fix)."""
-    try:
-        traced = symbolic_graph(copy.deepcopy(graph_module))
-    except TraceError as failure:
-        raise QlintError(f"cannot trace the model for rewriting: {failure}") from failure
-    skip = [rewrite_key(c.kind, c.nodes) for c in find_rewrites(traced) if not _requested(plan, c)]
-    return apply_rewrites(graph_module, plan, example_inputs, skip=skip)
 
 
 # ------------------------------------------------------------------------ equalization

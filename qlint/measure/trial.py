@@ -26,12 +26,13 @@ import io
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
+from torch.ao.quantization.fx import utils as fx_quantization_utils
 from torch.ao.quantization.observer import UniformQuantizationObserverBase
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
@@ -54,6 +55,9 @@ STAGE_FLOAT, STAGE_PREPARE, STAGE_CALIBRATE, STAGE_CONVERT, STAGE_RUN = (
     "convert_fx",
     "quantized run",
 )
+
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +147,16 @@ class TrialStepError(Exception):
         self.failure = TrialFailure(stage, error, model)
 
 
+def copy_sharing_parameters(model: _M) -> _M:
+    """A deep copy of ``model`` whose parameters are the original's tensors, not copies of them.
+
+    prepare_fx and convert_fx change a model's module tree (observers, fused and quantized
+    modules in place of the float ones) but never write a parameter in place: fusion and
+    conversion build new tensors. The copy they consume needs modules of its own, not weights
+    of its own, and sharing the weights saves a float copy of the model per quantization."""
+    return copy.deepcopy(model, {id(p): p for p in model.parameters()})
+
+
 def quantize_fx(
     model: nn.Module,
     mapping: QConfigMapping,
@@ -155,7 +169,34 @@ def quantize_fx(
     """prepare_fx → run ``calibration`` → convert_fx on ``model`` itself (pass a copy).
 
     Returns (converted, prepared): prepared only with ``keep_prepared`` (a copy is kept,
-    because convert_fx consumes the model it converts). Raises :class:`TrialStepError`."""
+    because convert_fx consumes the model it converts; it shares the weights, which
+    convert_fx does not write). Raises :class:`TrialStepError`."""
+    try:
+        return _quantize_fx(model, mapping, backend, calibration, prepare_kwargs, keep_prepared)
+    finally:
+        _forget_quantized_models()
+
+
+def _forget_quantized_models() -> None:
+    """Drop torch's references to the models prepare_fx and convert_fx saw.
+
+    torch caches ``assert_and_get_unique_device`` with an unbounded ``functools.cache``
+    keyed by the module, so every model it was asked about (the model prepare_fx got,
+    the prepared and the converted one) stays alive with its weights and observers:
+    without this, memory grows with every trial quantization."""
+    cache_clear = getattr(fx_quantization_utils.assert_and_get_unique_device, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+
+
+def _quantize_fx(
+    model: nn.Module,
+    mapping: QConfigMapping,
+    backend: str,
+    calibration: Sequence[Any],
+    prepare_kwargs: dict[str, Any] | None,
+    keep_prepared: bool,
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     config = backend_config(backend)
     example = as_call(calibration[0], what="calibration batch 0")[0] if calibration else ()
     try:
@@ -172,7 +213,7 @@ def quantize_fx(
         raise
     except Exception as error:
         raise TrialStepError(STAGE_CALIBRATE, error, prepared) from error
-    kept = copy.deepcopy(prepared) if keep_prepared else None
+    kept = copy_sharing_parameters(prepared) if keep_prepared else None
     try:
         converted = convert_fx(prepared, backend_config=config)
     except Exception as error:
