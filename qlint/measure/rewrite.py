@@ -239,7 +239,7 @@ def _as_module_call(gm: fx.GraphModule, conv: fx.Node) -> None:
         return  # the owner holds more than this conv's weight and bias
     weight_value = getattr(owner, str(weight.target).rpartition(".")[2])
     groups = int(arguments["groups"])
-    plain = _CONV_MODULES[_FUNCTIONAL_CONVS[conv.target]](
+    plain = _CONV_MODULES[_FUNCTIONAL_CONVS[cast(Any, conv.target)]](
         weight_value.shape[1] * groups,
         weight_value.shape[0],
         tuple(weight_value.shape[2:]),
