@@ -458,6 +458,8 @@ class _RangeMeter:
         mapping = self.ctx.qconfig_mapping
         if self.bench is None or mapping is None or self.ctx.trial is None or self.ctx.trial.output_sqnr_db is None:
             return None
+        if not groups and not self.functional:
+            return self.ctx.trial.output_sqnr_db  # the lint trial already measured the intended mapping
         mapping = copy.deepcopy(mapping)
         weight = mapping.global_qconfig.weight if mapping.global_qconfig is not None else None
         for fixed, targets in groups:
