@@ -18,6 +18,7 @@ from qlint.core.graph import ModelGraph, OpNode
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.suggestions import Provenance, Rewrite, Suggestions
 from qlint.measure.rewrite import apply_rewrites
 
 REASON_EAGER = "eager-no-fuse"
@@ -63,6 +64,12 @@ class UnfusedPattern(Rule):
     without `fuse_modules`, an intermediate output used elsewhere (fan-out), ops with
     different qconfigs, a BatchNorm in training mode, or a functional conv/linear that FX
     cannot match.
+
+    It also finds conv(-bn) → ReLU6/Hardtanh(0, c) chains that the backend fuses only without
+    the clip (x86 fuses ReLU, not ReLU6). Where the calibration data reaches the clip, it
+    suggests a fixed output range [0, c] for the conv (int8 saturation then clips exactly),
+    and an op of its own to quantize the conv's input when nothing quantized produces it (a
+    model input, a pad), measured in one trial with every other range group applied.
 
     ## Why is this bad?
     An unfused pattern quantizes every intermediate tensor to int8 and back: the conv
@@ -146,16 +153,20 @@ class UnfusedPattern(Rule):
         if functional:
             yield self._functional_finding(functional)
         by_range: dict[tuple[float, float] | None, list[tuple[list[OpNode], tuple[str, ...], OpNode]]] = {}
-        for entry, clip in zip(clamps, _saturating_ranges(ctx, clamps) if clamps else [], strict=True):
+        observed: list[str] = []  # heads whose input needs an op of its own (observe_input rewrite)
+        for entry, (clip, observe) in zip(clamps, _saturating_ranges(ctx, clamps) if clamps else [], strict=True):
             by_range.setdefault(clip, []).append(entry)
+            head_module = _head_module(entry[0][0])
+            if observe and clip is not None and head_module is not None:
+                observed.append(head_module)
         fixed_groups = {
             clip: (_fixed_activation(ctx, clip), [h for h in (_head_module(ch[0]) for ch, _, _ in group) if h])
             for clip, group in by_range.items()
             if clip is not None
         }
-        meter = _RangeMeter(ctx, list(fixed_groups.values()), [c for c, _ in functional])
+        meter = _RangeMeter(ctx, list(fixed_groups.values()), [c for c, _ in functional], observed)
         for clip, group in by_range.items():
-            yield self._clamp_finding(ctx, group, clip, meter)
+            yield self._clamp_finding(ctx, group, clip, meter, observed)
 
     def _reasons(self, ctx: LintContext, chain: list[OpNode]) -> list[tuple[str, str]]:
         graph = ctx.graph
@@ -259,6 +270,7 @@ class UnfusedPattern(Rule):
         clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]],
         clip: tuple[float, float] | None,
         meter: _RangeMeter,
+        observed: list[str],
     ) -> Finding:
         """One finding for the chains that stop short of their clipping activation and share one
         saturating range, measured together with that range."""
@@ -289,8 +301,8 @@ class UnfusedPattern(Rule):
         }
         if clip is None or None in heads:
             message += (
-                " No fixed range applies: the values never reach the clip on the calibration data, the "
-                "conv's input range could not be measured, or the conv is not a module a qconfig can name."
+                " No fixed range applies: the values never reach the clip on the calibration data, "
+                "or the conv is not a module a qconfig can name."
             )
             return self.finding(first_chain[0].display, message, data=data, severity=Severity.INFO)
         fixed = _fixed_activation(ctx, clip)
@@ -298,6 +310,12 @@ class UnfusedPattern(Rule):
         message += f" Fix: {_FIX[REASON_CLAMP]}: [{clip[0]:g}, {clip[1]:g}] on {', '.join(targets[:4])}" + (
             f" and {len(targets) - 4} more" if len(targets) > 4 else ""
         )
+        own_input = [h for h in targets if h in observed]
+        if own_input:
+            message += (
+                f", with {', '.join(own_input[:4])} given an op of its own to quantize its input (no quantized "
+                "op produces it, so FX would squeeze it into the fixed range too)"
+            )
         impact = meter.impact(targets)
         if impact is not None and impact.fixed_sqnr_db is not None:
             message += f"; measured {impact.base_sqnr_db:.1f} → {impact.fixed_sqnr_db:.1f} dB"
@@ -315,6 +333,7 @@ class UnfusedPattern(Rule):
                 "zero_point": fixed.zero_point,
                 "quant_min": fixed.quant_min,
                 "quant_max": fixed.quant_max,
+                "observe_inputs": [h for h in targets if h in observed],
             },
         )
 
@@ -356,55 +375,42 @@ def _head_module(head: OpNode) -> str | None:
 
 def _saturating_ranges(
     ctx: LintContext, clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]]
-) -> list[tuple[float, float] | None]:
-    """Per chain, the fixed range [low, high] whose int8 saturation computes its clamp exactly,
-    from one float pass over the trial's calibration batches (the example inputs without one).
+) -> list[tuple[tuple[float, float] | None, bool]]:
+    """Per chain, the fixed range [0, clip] whose int8 saturation computes its clamp exactly, from
+    one float pass over the trial's calibration batches (the example inputs without one), and
+    whether the conv's input needs an op of its own to be quantized.
 
-    None where the values never reach the clip (a fixed range would only waste levels there) or
-    the range cannot be measured. FX observes a conv's input with the conv's own qconfig when no
-    quantized op before it did (a model input, or an op the backend leaves float such as a pad),
-    so the range then also covers that input."""
+    The range is None where the values never reach the clip: a fixed range would only waste
+    levels there. FX quantizes a conv's input with the conv's own qconfig when no quantized op
+    produced it (a model input, or an op the backend leaves float such as a pad); such a conv
+    gets the observe_input rewrite, so that the fixed range is its output's alone."""
     batches = ctx.trial_bench.calibration if ctx.trial_bench is not None else [ctx.example_inputs or ()]
     if ctx.model_factory is None or not batches or not batches[0]:
-        return [None] * len(clamps)
+        return [(None, False)] * len(clamps)
     model = ctx.model_factory().eval()
-    seen: dict[str, list[float]] = {}
+    highest: dict[str, float] = {}
 
-    def watch(fqn: str, hook_input: bool) -> None:
-        def record(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            value = args[0] if hook_input else output
-            low, high = seen.setdefault(fqn, [float("inf"), float("-inf")])
-            seen[fqn] = [min(low, float(value.min())), max(high, float(value.max()))]
+    def watch(fqn: str) -> None:
+        def record(_module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
+            highest[fqn] = max(highest.get(fqn, float("-inf")), float(args[0].max()))
 
         model.get_submodule(fqn).register_forward_hook(record)
 
-    unobserved: list[str | None] = []
+    own_input: list[bool] = []
     for chain, _, clamp in clamps:
-        watch(str(clamp.module), hook_input=True)
+        watch(str(clamp.module))
         producers = ctx.graph.producers(chain[0].name)
-        if producers and producers[0].op != "input" and ctx.backend.supports(producers[0].kind):
-            unobserved.append(None)
-        elif producers and producers[0].op == "module" and producers[0].module:
-            unobserved.append(producers[0].module)
-            watch(producers[0].module, hook_input=False)
-        else:
-            unobserved.append("")  # a model input or a function: not measured here
+        own_input.append(not (producers and producers[0].op != "input" and ctx.backend.supports(producers[0].kind)))
     with torch.no_grad():
         for batch in batches:
             model(*batch)
-    ranges: list[tuple[float, float] | None] = []
-    for (_, _, clamp), source in zip(clamps, unobserved, strict=True):
+    ranges: list[tuple[tuple[float, float] | None, bool]] = []
+    for (_, _, clamp), observe in zip(clamps, own_input, strict=True):
         high = 6.0
         if clamp.kind == "hardtanh":
             high = float(getattr(model.get_submodule(str(clamp.module)), "max_val", 6.0))
-        reached = seen.get(str(clamp.module), [0.0, 0.0])[1] >= high
-        if not reached or source == "":
-            ranges.append(None)
-            continue
-        low = 0.0
-        if source is not None:
-            low, high = min(low, seen[source][0]), max(high, seen[source][1])
-        ranges.append((round(low, 4), round(high, 4)))
+        reached = highest.get(str(clamp.module), 0.0) >= high
+        ranges.append(((0.0, round(high, 4)), observe) if reached else (None, False))
     return ranges
 
 
@@ -441,24 +447,37 @@ class _RangeMeter:
     for each group left out. Functional chains are measured after the fold rewrite, so that the
     gain is the ranges' own and not the fold's."""
 
-    def __init__(self, ctx: LintContext, groups: list[tuple[_Fixed, list[str]]], functional: list[list[OpNode]]):
+    def __init__(
+        self,
+        ctx: LintContext,
+        groups: list[tuple[_Fixed, list[str]]],
+        functional: list[list[OpNode]],
+        observed: list[str],
+    ):
         self.ctx, self.groups = ctx, groups
         self.bench = ctx.trial_bench
-        if self.bench is not None and functional:
-            example, unfolded = ctx.example_inputs or (), self.bench.model_factory
+        if self.bench is not None and (functional or observed):
+            example, original = ctx.example_inputs or (), self.bench.model_factory
+            provenance = [Provenance(rule="QL101")]
+            asked = (
+                Suggestions(rewrites=[Rewrite(kind="observe_input", modules=observed, provenance=provenance)])
+                if observed
+                else None
+            )
+            kinds = ["fold_bn_into_functional_conv"] * bool(functional) + ["observe_input"] * bool(observed)
 
-            def folded() -> nn.Module:
-                return apply_rewrites(unfolded(), None, example, kinds=["fold_bn_into_functional_conv"])[0]
+            def rewritten() -> nn.Module:
+                return apply_rewrites(original(), asked, example, kinds=kinds)[0]
 
-            self.bench = self.bench.variant(folded)
-        self.functional = bool(functional)
+            self.bench = self.bench.variant(rewritten)
+        self.functional, self.rewritten = bool(functional), bool(functional or observed)
         self._all: float | None = None
 
     def _sqnr(self, groups: list[tuple[_Fixed, list[str]]]) -> float | None:
         mapping = self.ctx.qconfig_mapping
         if self.bench is None or mapping is None or self.ctx.trial is None or self.ctx.trial.output_sqnr_db is None:
             return None
-        if not groups and not self.functional:
+        if not groups and not self.rewritten:
             return self.ctx.trial.output_sqnr_db  # the lint trial already measured the intended mapping
         mapping = copy.deepcopy(mapping)
         weight = mapping.global_qconfig.weight if mapping.global_qconfig is not None else None
@@ -479,6 +498,8 @@ class _RangeMeter:
             detail += f", with the {len(others)} other fixed-range group(s) applied in both"
         if self.functional:
             detail += ", both models with the functional conv → BN folds applied"
+        if self.rewritten and not self.functional:
+            detail += ", both models with the convs' inputs given ops of their own"
         return Impact.measured(base, self._all, "rule-trial", detail)
 
 

@@ -29,7 +29,8 @@ def useless_plan():
 @pytest.fixture(scope="module")
 def report(data, useless_plan):
     calibration, eval_data = data
-    return verify(make_same_conv_net(), useless_plan, calibration, eval_data)
+    # a budget for every step: the bias-correction trial, pruning, the scheme search
+    return verify(make_same_conv_net(), useless_plan, calibration, eval_data, max_trials=8)
 
 
 def test_side_by_side_plan_beats_default_on_fixable_model(report):
@@ -115,6 +116,8 @@ def test_cli_verify_text_and_json(run_cli, cli_files, repo_root):
         "cal.pt",
         "--eval-data",
         "eval.pt",
+        "--max-trials",
+        "8",  # the bias-correction trial and pruning come first: leave the scheme search some
     ]
     text = run_cli(*args, cwd=cli_files)
     assert text.returncode == 0, text.stderr

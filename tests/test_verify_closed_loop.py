@@ -89,8 +89,9 @@ def test_decisions_are_selected_on_selection_batches_and_reported_on_eval_batche
     assert kept and all(abs(d.sqnr_with_db - report.requested.sqnr_db) > 1e-3 for d in kept[:1])
     chosen = verify(model, None, calibration, eval_data, selection_data=eval_data)
     assert chosen.selection_batches == 2 and chosen.selected_on == "2 selection batches"
-    first = next(d for d in chosen.decisions if d.sqnr_with_db is not None)
-    assert first.sqnr_with_db == pytest.approx(chosen.requested.sqnr_db, abs=1e-3)  # selected on eval itself
+    first = chosen.decisions[0]  # the bias-correction trial: the plan as given is its "without"
+    assert first.kind == "bias_correction"
+    assert first.sqnr_without_db == pytest.approx(chosen.requested.sqnr_db, abs=1e-3)  # selected on eval itself
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3])
@@ -125,8 +126,9 @@ def build():
 
 
 def test_cli_verify_fix_and_the_emitted_mapping_give_the_verified_model(run_cli, tmp_path):
-    """The documented CLI path: verify --emit-plan, fix --plan, then prepare_fx/convert_fx of the
-    saved model with the plan's mapping reproduces verify's SQNR; the folds are in the file."""
+    """The documented CLI path for a plan a QConfigMapping expresses: verify --emit-plan, fix --plan,
+    then prepare_fx/convert_fx of the saved model with the plan's mapping reproduces verify's
+    SQNR; the folds are in the file."""
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
     from qlint.advice.plan import QuantPlan
@@ -137,9 +139,19 @@ def test_cli_verify_fix_and_the_emitted_mapping_give_the_verified_model(run_cli,
     torch.save(eval_data, tmp_path / "eval.pt")
     model = f"{tmp_path}/netmod.py:build"
     verified = run_cli(
-        "verify", model, "--calibration", "cal.pt", "--eval-data", "eval.pt", "--format", "json",
-        "--emit-plan", "verified.json", cwd=tmp_path,
-    )  # fmt: skip
+        "verify",
+        model,
+        "--calibration",
+        "cal.pt",
+        "--eval-data",
+        "eval.pt",
+        "--format",
+        "json",
+        "--emit-plan",
+        "verified.json",
+        "--no-bias-correction",
+        cwd=tmp_path,
+    )  # fmt: skip  (bias correction is no QConfigMapping: that path is qlint quantize's, below)
     assert verified.returncode == 0, verified.stderr
     reported = json.loads(verified.stdout)["plan"]["sqnr_db"]
     plan = QuantPlan.load(str(tmp_path / "verified.json"))
@@ -159,3 +171,35 @@ def test_cli_verify_fix_and_the_emitted_mapping_give_the_verified_model(run_cli,
             prepared(batch)
     quantized = convert_fx(prepared)
     assert _output_sqnr(make_fanout_net(), quantized, eval_data) == pytest.approx(reported, abs=0.1)
+
+
+def test_cli_quantize_gives_the_model_verify_measured(run_cli, tmp_path):
+    """verify --emit-plan, then qlint quantize with that plan: the saved int8 model has the SQNR verify
+    reported (bias correction, rewrites and mapping applied alike), and the command says so."""
+    calibration, eval_data = _batches(2, 4, (4, 3, 12, 12)), _batches(3, 2, (4, 3, 12, 12))
+    (tmp_path / "netmod.py").write_text(FANOUT_SOURCE)
+    torch.save(calibration, tmp_path / "cal.pt")
+    torch.save(eval_data, tmp_path / "eval.pt")
+    model = f"{tmp_path}/netmod.py:build"
+    verified = run_cli(
+        "verify", model, "--calibration", "cal.pt", "--eval-data", "eval.pt", "--format", "json",
+        "--emit-plan", "verified.json", cwd=tmp_path,
+    )  # fmt: skip
+    assert verified.returncode == 0, verified.stderr
+    report = json.loads(verified.stdout)
+    assert any(d["kind"] == "bias_correction" for d in report["decisions"])  # the trial ran
+    result = run_cli(
+        "quantize", model, "--plan", "verified.json", "--calibration", "cal.pt", "--eval-data", "eval.pt",
+        "-o", "int8.pt", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    printed = float(result.stdout.split("output SQNR ")[1].split(" dB")[0])
+    assert printed == pytest.approx(report["plan"]["sqnr_db"], abs=0.01)
+    saved = torch.jit.load(str(tmp_path / "int8.pt"))
+    assert _output_sqnr(make_fanout_net(), saved, eval_data) == pytest.approx(report["plan"]["sqnr_db"], abs=0.1)
+    refused = run_cli("quantize", model, "--calibration", "cal.pt", "-o", "int8.pt2", cwd=tmp_path)
+    assert refused.returncode == 2 and "--output must end in .pt" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    torch.export.save(torch.export.export(make_fanout_net().eval(), (calibration[0],)), str(tmp_path / "m.pt2"))
+    aten = run_cli("quantize", "m.pt2", "--calibration", "cal.pt", "-o", "m.pt", cwd=tmp_path)
+    assert aten.returncode == 2 and "exported (aten) graph" in aten.stderr  # never an unquantized "int8" model

@@ -10,7 +10,9 @@ from a verified plan is the model verify measured. The steps:
 3. realize the plan's equalization pairs as a float-preserving cross-layer rescale,
    with ranges read from the calibration batches;
 4. prepare_fx with the plan's QConfigMapping (fan-out copies follow their originals),
-   calibrate on every calibration batch, convert_fx.
+   calibrate on every calibration batch, convert_fx;
+5. when the plan asks for it, correct the int8 layers' biases for the mean shift their
+   rounded weights cause (input sums streamed during calibration).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.ao.quantization import QConfigMapping
 from torch.fx.experimental.optimization import fuse as fuse_conv_bn
 
 from qlint.core.batches import as_call
+from qlint.core.ops import is_aten_graph
 from qlint.errors import QlintError
 from qlint.measure.rewrite import (
     DEFAULT_MAX_RELATIVE_ERROR,
@@ -53,6 +56,9 @@ class PlanToApply(Protocol):
 
     @property
     def equalization(self) -> Sequence[Any]: ...
+
+    @property
+    def bias_correction(self) -> Any: ...
 
     def to_qconfig_mapping(self) -> QConfigMapping: ...
 
@@ -82,6 +88,11 @@ def rewritten(
     """A traced copy of ``model`` with the plan's rewrites and equalization applied."""
     if not calibration:
         raise QuantizeError("quantizing needs at least one calibration batch")
+    if is_aten_graph(model):  # prepare_fx would quantize none of its aten ops, and say nothing
+        raise QuantizeError(
+            "this model is an exported (aten) graph such as a .pt2 holds, which prepare_fx cannot "
+            "quantize; quantize the nn.Module instead (module:factory with --weights)"
+        )
     example = as_call(calibration[0], what="calibration batch 0")[0]
     gm, applied = apply_requested_rewrites(model, plan, example)
     if plan.equalization:
@@ -121,7 +132,13 @@ def quantize_rewritten(
     mapping = fanout_follows_original(plan.to_qconfig_mapping(), gm)
     try:
         converted, prepared = quantize_fx(
-            gm, mapping, plan.backend, calibration, prepare_kwargs=prepare_kwargs, keep_prepared=keep_prepared
+            gm,
+            mapping,
+            plan.backend,
+            calibration,
+            prepare_kwargs=prepare_kwargs,
+            keep_prepared=keep_prepared,
+            bias_correction=plan.bias_correction is not None,
         )
     except TrialStepError as step:  # torch raises many kinds for unsupported graphs
         raise QuantizeError(f"{step.failure.stage} failed: {first_line(step.failure.error)}") from step.failure.error

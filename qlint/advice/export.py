@@ -96,6 +96,13 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
     if plan.rewrites:
         lines += ["", "# Float-preserving rewrites to apply to the model before prepare_fx:"]
         lines += [f"#   {printable(r.kind)}: {printable(', '.join(r.modules))}" for r in plan.rewrites]
+    if plan.bias_correction is not None:
+        lines += [
+            "",
+            "# The plan also corrects the int8 layers' biases after calibration (mean weight-rounding",
+            "# shift), which a QConfigMapping cannot express: build the int8 model with",
+            "# `qlint quantize MODEL --plan PLAN --calibration DATA` or QuantPlan.quantize(model, data).",
+        ]
     lines += ["", "qconfig_mapping = build_qconfig_mapping()", ""]
     return "\n".join(lines)
 

@@ -41,6 +41,7 @@ from qlint.linter.findings import Report
 from qlint.linter.mapping import qconfig_mapping
 from qlint.linter.suggestions import (
     ActivationSpec,
+    BiasCorrection,
     EqualizationPair,
     ModuleDecision,
     Provenance,
@@ -125,7 +126,7 @@ class QuantPlan(Suggestions):
         A traced copy of ``model`` gets the plan's float-preserving rewrites and equalization,
         then prepare_fx with :meth:`to_qconfig_mapping`, calibration on every batch of
         ``calibration`` (tensors, tuples of positional tensors, or dicts of keyword tensors),
-        and convert_fx. ``model``, the batches and the process state are left as they were.
+        convert_fx, and the plan's bias correction. ``model``, the batches and the process state are left as they were.
         Raises a one-line :class:`qlint.advice.apply.QuantizeError` when a torch step fails."""
         batches = list(batches_of(calibration, "calibration data"))
         with preserved_state(model, watch_parameters=False):
@@ -158,6 +159,9 @@ class QuantPlan(Suggestions):
             for r in self.rewrites:
                 why = "; ".join(p.describe() for p in r.provenance)
                 lines.append(f"    {r.kind}: {', '.join(r.modules)}  [{why}]")
+        if self.bias_correction is not None:
+            why = "; ".join(p.describe() for p in self.bias_correction.provenance)
+            lines.append(f"  bias correction after calibration  [{why}]")
         if self.notes:
             lines.append("  notes:")
             lines += [f"    {n}" for n in self.notes]
@@ -179,6 +183,7 @@ def plan_from_report(report: Report) -> QuantPlan:
 
 __all__ = [
     "ActivationSpec",
+    "BiasCorrection",
     "EqualizationPair",
     "ModuleDecision",
     "PlanFormatError",

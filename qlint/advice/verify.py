@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from qlint.advice.plan import EqualizationPair, ModuleDecision, Provenance, QuantPlan, Rewrite, default_plan
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, RunResult, VerifyReport
-from qlint.advice.verify_search import float_fallback, scheme_search
+from qlint.advice.verify_search import bias_correction_step, float_fallback, scheme_search
 from qlint.advice.verify_session import (
     FAILED,
     SQNR_TOLERANCE_DB,
@@ -264,6 +264,7 @@ def verify(
     max_sensitivity_trials: int = 12,
     search_schemes: bool = True,
     max_scheme_trials: int = 24,
+    bias_correction: bool = True,
     model_name: str | None = None,
     progress: Progress | None = None,
 ) -> VerifyReport:
@@ -280,7 +281,9 @@ def verify(
     (a float-preserving cross-layer rescale using calibration ranges); pass torch's
     ``equalization_qconfig`` to use prepare_fx's ``_equalization_config`` instead.
     ``max_float_fraction`` caps how many conv/linear layers the target-SQNR fallback may
-    keep float. ``progress(label, trials done, budget)`` is called before each quantization.
+    keep float. ``bias_correction=False`` skips the bias-correction trial (a plan that asks
+    for bias correction needs ``QuantPlan.quantize`` or ``qlint quantize``; a QConfigMapping
+    cannot express it). ``progress(label, trials done, budget)`` is called before each quantization.
     """
     if not isinstance(model, nn.Module):
         raise VerifyError(f"expected an nn.Module, got {type(model).__name__}")
@@ -320,6 +323,7 @@ def verify(
             max_sensitivity_trials=max_sensitivity_trials,
             search_schemes=search_schemes,
             max_scheme_trials=max_scheme_trials,
+            bias_correction=bias_correction,
             model_name=model_name or plan.model or type(model).__name__,
         )
 
@@ -335,6 +339,7 @@ def _verify(
     max_sensitivity_trials: int,
     search_schemes: bool,
     max_scheme_trials: int,
+    bias_correction: bool,
     model_name: str,
 ) -> VerifyReport:
     notes: list[str] = []
@@ -348,8 +353,10 @@ def _verify(
     given = session.measure("plan as given", given_plan)
     current, best = given_plan, given.selection_sqnr
 
-    # 2. prune the plan's decisions
+    # 2. bias correction (one trial, first in the budget; --no-prune keeps a plan's own), then pruning
     outcomes: list[DecisionOutcome] = []
+    if bias_correction and (prune or current.bias_correction is None):
+        current, best, outcomes = bias_correction_step(session, current, best)
     if prune:
         current, best = _prune(session, current, best, default, outcomes, notes)
 

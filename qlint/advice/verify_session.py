@@ -142,6 +142,7 @@ def plan_key(plan: QuantPlan) -> str:
             "modules": without_provenance,
             "equalization": without_provenance,
             "rewrites": without_provenance,
+            "bias_correction": {"provenance"},
             "model": True,
             "notes": True,
         }

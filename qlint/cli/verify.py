@@ -5,6 +5,7 @@
                  [--no-prune] [--no-scheme-search] [--max-scheme-trials N]
     qlint fix MODEL [--plan plan.json] --output out.pt2|out.pt [--emit-qconfig q.py]
               [--input-shape SHAPE | --example-inputs FILE]
+    qlint quantize MODEL [--plan plan.json] --calibration DATA --output int8.pt [--eval-data DATA]
 
 MODEL is anything qlint.core.load.load_model reads (module:factory [--weights], .pt2,
 .pt with --trust-pickle). Data files are loaded with weights_only=True. Every user error
@@ -144,6 +145,11 @@ def _verify_parser() -> argparse.ArgumentParser:
         "--no-scheme-search", action="store_true", help="do not try Linear layers static <-> dynamic (on by default)"
     )
     parser.add_argument(
+        "--no-bias-correction",
+        action="store_true",
+        help="do not try bias correction (on by default; a plan that has it needs qlint quantize)",
+    )
+    parser.add_argument(
         "--max-scheme-trials",
         type=int,
         default=24,
@@ -260,6 +266,7 @@ def verify_command(argv: list[str]) -> int:
                 eval_data,
                 selection_data=selection,
                 target_sqnr=args.target_sqnr,
+                bias_correction=not args.no_bias_correction,
                 prune=not args.no_prune,
                 max_trials=args.max_trials,
                 max_float_fraction=args.max_float_fraction,
@@ -315,6 +322,12 @@ def fix_command(argv: list[str]) -> int:
     for r in applied:
         state = "applied" if r.applied else f"refused ({r.reason})"
         print(printable(f"{r.kind} {'+'.join(r.modules)}: {state}"), file=sys.stderr)
+    if plan.bias_correction is not None:
+        print(
+            "note: the plan's bias correction happens after calibration, so neither the saved model nor "
+            "its mapping has it: qlint quantize builds the int8 model with it",
+            file=sys.stderr,
+        )
     folds = ", BatchNorms folded into their conv/linear" if folded else ""
     write_stdout(f"wrote {printable(out)} ({len(done)} rewrite(s) applied{folds})\n")
     return 0
@@ -340,4 +353,87 @@ def _save_fixed(gm: Any, example: Any, out: Path) -> None:
         raise QlintError(f"cannot write {out}: {error.strerror}") from error
 
 
-__all__ = ["verify_command", "fix_command", "render_verify"]
+# ----------------------------------------------------------------------------- quantize
+def _quantize_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="qlint quantize",
+        description="Build the int8 model a plan gives (what qlint verify measured) and save it.",
+    )
+    _model_arguments(parser)
+    parser.add_argument("--calibration", required=True, metavar="DATA", help="the batches to calibrate on")
+    parser.add_argument(
+        "--output",
+        "-o",
+        required=True,
+        metavar="OUT.pt",
+        help="the int8 model as TorchScript (torch.jit.load reads it)",
+    )
+    parser.add_argument(
+        "--eval-data", metavar="DATA", help="batches to report the output SQNR against the float model on"
+    )
+    return parser
+
+
+def _output_sqnr(model: Any, converted: Any, eval_data: Any) -> float | None:
+    """Output SQNR of ``converted`` against (an eval-mode copy of) the float ``model``."""
+    import copy
+
+    import torch
+
+    from qlint.core.batches import batches_of, call_model
+    from qlint.core.sqnr import SqnrSums
+
+    reference, sums = copy.deepcopy(model).eval(), SqnrSums()
+    with torch.no_grad():
+        for batch in batches_of(eval_data, "eval data"):
+            sums.add(call_model(reference, batch), call_model(converted, batch))
+    return sums.sqnr_db()
+
+
+def _save_int8(converted: Any, out: Path) -> None:
+    """TorchScript: a pickled converted GraphModule does not load back (torch rebuilds the graph
+    before its quantized modules have their state), a scripted one does, with torch.jit.load."""
+    import torch
+
+    from qlint.advice.apply import first_line
+
+    try:
+        scripted = torch.jit.script(converted)
+    except Exception as error:  # TorchScript rejects some Python constructs, in many exception types
+        raise QlintError(f"cannot save the int8 model as TorchScript: {first_line(error)}") from error
+    try:
+        torch.jit.save(scripted, str(out))
+    except (OSError, RuntimeError) as error:
+        raise QlintError(f"cannot write {out}: {first_line(error)}") from error
+
+
+def quantize_command(argv: list[str]) -> int:
+    """``QuantPlan.quantize`` from the command line: rewrites, equalization, mapping, calibration,
+    convert and bias correction, exactly as verify applies them; the result saved with torch.save."""
+    args = _quantize_parser().parse_args(argv)
+    out = Path(args.output)
+    if out.suffix != ".pt":
+        raise ConfigError(f"--output must end in .pt (the int8 model as TorchScript), got {out.name}")
+    refuse_overwriting_inputs(
+        [("--output", args.output)],
+        [args.model, args.weights, args.plan, args.example_inputs, args.calibration, args.eval_data],
+    )
+    from qlint.advice.verify_session import conv_linear_coverage
+    from qlint.core.load import load_batches
+
+    with user_output_to_stderr():
+        loaded, plan, _ = _load(args)
+        if args.backend:
+            plan = plan.model_copy(update={"backend": args.backend})
+        calibration = load_batches(args.calibration)
+        eval_data = load_batches(args.eval_data) if args.eval_data else None
+        converted = plan.quantize(loaded.module, calibration)
+        sqnr = _output_sqnr(loaded.module, converted, eval_data) if eval_data is not None else None
+        _save_int8(converted, out)
+    int8, total, _ = conv_linear_coverage(converted)
+    measured = "" if sqnr is None else f"; output SQNR {sqnr:.2f} dB on {len(eval_data or [])} eval batches"
+    write_stdout(f"wrote {printable(out)} (int8 conv+linear {int8}/{total}{measured})\n")
+    return 0
+
+
+__all__ = ["verify_command", "fix_command", "quantize_command", "render_verify"]

@@ -49,6 +49,9 @@ class SetQConfig(_Fix):
     like: str | None = None  # the node whose qconfig the targets should share
     alternative: str | None = None
     qconfig: str | None = None  # a torch qconfig by dotted name, e.g. default_dynamic_qconfig
+    # targets whose input nothing quantized produces (a model input, a float pad): each needs an op
+    # of its own to quantize that input (the observe_input rewrite), else FX uses this qconfig for it
+    observe_inputs: list[str] = Field(default_factory=list)
     source: str | None = Field(
         default=None,
         validation_alias=AliasChoices("source", "from"),

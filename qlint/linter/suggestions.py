@@ -184,7 +184,9 @@ class EqualizationPair(_Frozen):
     provenance: list[Provenance] = Field(min_length=1)
 
 
-RewriteKind = Literal["fuse", "fold_bn_into_functional_conv", "split_module", "remove_module", "view_to_reshape"]
+RewriteKind = Literal[
+    "fuse", "fold_bn_into_functional_conv", "split_module", "remove_module", "view_to_reshape", "observe_input"
+]
 
 
 class Rewrite(_Frozen):
@@ -202,8 +204,16 @@ class Rewrite(_Frozen):
         return value
 
 
+class BiasCorrection(_Frozen):
+    """After calibration, each int8 conv/linear layer's bias loses the mean output shift its
+    rounded weights cause, measured on the calibration data (:mod:`qlint.measure.bias_correction`).
+    A QConfigMapping cannot say this: ``QuantPlan.quantize`` and ``qlint quantize`` apply it."""
+
+    provenance: list[Provenance] = Field(min_length=1)
+
+
 class Suggestions(_Frozen):
-    """Global defaults plus per-module decisions, equalization pairs and rewrites."""
+    """Global defaults plus per-module decisions, equalization pairs, rewrites and bias correction."""
 
     backend: Literal["x86", "fbgemm", "qnnpack", "onednn"] = "x86"
     model: str | None = None
@@ -212,6 +222,7 @@ class Suggestions(_Frozen):
     modules: list[ModuleDecision] = Field(default_factory=list)
     equalization: list[EqualizationPair] = Field(default_factory=list)
     rewrites: list[Rewrite] = Field(default_factory=list)
+    bias_correction: BiasCorrection | None = None
     notes: list[str] = Field(default_factory=list, description="Suggestions the plan could not express.")
 
     @model_validator(mode="after")
@@ -334,6 +345,8 @@ def _apply_set_qconfig(b: _Builder, source: Provenance, fix: SetQConfig) -> None
             ),
         )
         return
+    if fix.observe_inputs:
+        _rewrite(b, source, "observe_input", list(fix.observe_inputs), {})
     for fqn in fix.target_modules(str(source.target)):
         entry = b.module(fqn, source)
         if fix.mode is not None:

@@ -1,6 +1,6 @@
 """Float-preserving graph rewrites applied to an fx GraphModule copy before quantizing.
 
-Three rewrites are implemented:
+Four rewrites are implemented:
 
 ``fold_bn_into_functional_conv``
     A BatchNorm module (eval mode, with running statistics) whose only input is a
@@ -23,6 +23,14 @@ Three rewrites are implemented:
     a non-contiguous tensor, on which ``view`` raises; ``reshape`` is identical wherever
     ``view`` works.
 
+``observe_input`` (only where a plan asks for it, by module name)
+    ``conv(x)`` becomes ``conv(x + 0.0)``. FX quantizes a conv's input with the conv's own
+    activation qconfig when nothing quantized produced it (a model input, or a pad the
+    backend leaves float). A conv given a fixed output range (QL101) would then squeeze its
+    input into that range too. The add is an op of its own with the default observer, so
+    the conv receives an int8 input quantized over the input's own range. Exact in float.
+    Applied after the folds, so it finds a folded functional conv by its module name.
+
 Rewrites are kept only when the float outputs on the example inputs stay within
 ``max_relative_error`` (default 1e-5, relative L2 error). All the wanted rewrites are
 applied together and checked once; only when that check fails is each applied to its own
@@ -32,6 +40,7 @@ copy and checked, so that the ones that change the outputs are refused with the 
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -131,6 +140,41 @@ def find_rewrites(gm: fx.GraphModule) -> list[_Candidate]:
             if isinstance(source, fx.Node) and source.op in ("call_module", "call_function", "call_method"):
                 found.append(_Candidate("view_to_reshape", [node.name], [node.name]))
     return found
+
+
+def _observe_input_candidates(plan: Any) -> list[_Candidate]:
+    """The ``observe_input`` rewrites ``plan`` asks for: found by module name when applied,
+    because the conv may be a functional call that a fold turns into that module first."""
+    if plan is None:
+        return []
+    return [
+        _Candidate("observe_input", [fqn], [fqn])
+        for rewrite in plan.rewrites
+        if rewrite.kind == "observe_input"
+        for fqn in rewrite.modules
+    ]
+
+
+def _observe_input(gm: fx.GraphModule, candidate: _Candidate) -> None:
+    fqn = candidate.modules[0]
+    calls = [
+        n
+        for n in gm.graph.nodes
+        if (n.op == "call_module" and n.target == fqn)
+        or (
+            n.op == "call_function"
+            and n.target in _FUNCTIONAL_CONVS
+            and len(n.args) > 1
+            and isinstance(n.args[1], fx.Node)
+            and n.args[1].target == f"{fqn}.weight"
+        )
+    ]
+    if not calls:
+        raise QlintError(f"observe_input: no call of {fqn} in the graph")
+    for node in calls:
+        with gm.graph.inserting_before(node):
+            observed = gm.graph.call_function(operator.add, (node.args[0], 0.0))
+        node.args = (observed, *node.args[1:])
 
 
 def _fanout_candidate(gm: fx.GraphModule, modules: dict[str, nn.Module], node: fx.Node) -> _Candidate | None:
@@ -298,7 +342,12 @@ def _view_to_reshape(gm: fx.GraphModule, candidate: _Candidate) -> None:
     node.target = "reshape"
 
 
-_APPLY = {"fold_bn_into_functional_conv": _fold, "view_to_reshape": _view_to_reshape, "fuse": _duplicate_fanout}
+_APPLY = {
+    "fold_bn_into_functional_conv": _fold,
+    "view_to_reshape": _view_to_reshape,
+    "fuse": _duplicate_fanout,
+    "observe_input": _observe_input,
+}
 
 
 def _checked(record: dict[str, Any], error: float, max_relative_error: float) -> AppliedRewrite:
@@ -413,7 +462,8 @@ def _rewrite(
     if not example_inputs:
         raise QlintError("apply_rewrites needs example inputs to check that float outputs are unchanged")
     current = _traced_copy(graph_module)
-    candidates = [c for c in find_rewrites(current) if wanted(c)]
+    # observe_input last: it names a conv module that a fold may create first
+    candidates = [c for c in [*find_rewrites(current), *_observe_input_candidates(plan)] if wanted(c)]
     if candidates:
         reference = float_outputs(current, example_inputs)
         together = _all_applied(current, candidates, plan, reference, example_inputs, max_relative_error)

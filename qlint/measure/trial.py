@@ -42,17 +42,19 @@ from qlint.core.nested import first_float
 from qlint.core.ops import module_kind, quantized_form
 from qlint.core.sqnr import SqnrSums
 from qlint.errors import QlintError
+from qlint.measure.bias_correction import InputSums
 from qlint.measure.capture import PairedRunner
 from qlint.measure.fallback import FloatLayer, float_layers, int8_coverage
 from qlint.measure.matching import match_layers
 from qlint.measure.metrics import PairwiseErrorStats
 from qlint.measure.rewrite import apply_rewrites
 
-STAGE_FLOAT, STAGE_PREPARE, STAGE_CALIBRATE, STAGE_CONVERT, STAGE_RUN = (
+STAGE_FLOAT, STAGE_PREPARE, STAGE_CALIBRATE, STAGE_CONVERT, STAGE_BIAS_CORRECTION, STAGE_RUN = (
     "float run",
     "prepare_fx",
     "calibration",
     "convert_fx",
+    "bias correction",
     "quantized run",
 )
 
@@ -165,14 +167,18 @@ def quantize_fx(
     *,
     prepare_kwargs: dict[str, Any] | None = None,
     keep_prepared: bool = False,
+    bias_correction: bool = False,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """prepare_fx → run ``calibration`` → convert_fx on ``model`` itself (pass a copy).
 
     Returns (converted, prepared): prepared only with ``keep_prepared`` (a copy is kept,
     because convert_fx consumes the model it converts; it shares the weights, which
-    convert_fx does not write). Raises :class:`TrialStepError`."""
+    convert_fx does not write). With ``bias_correction``, calibration also streams each
+    quantized conv/linear layer's input sums, and the converted layers' biases lose the
+    mean shift their int8 weights cause (:mod:`qlint.measure.bias_correction`).
+    Raises :class:`TrialStepError`."""
     try:
-        return _quantize_fx(model, mapping, backend, calibration, prepare_kwargs, keep_prepared)
+        return _quantize_fx(model, mapping, backend, calibration, prepare_kwargs, keep_prepared, bias_correction)
     finally:
         _forget_quantized_models()
 
@@ -196,6 +202,7 @@ def _quantize_fx(
     calibration: Sequence[Any],
     prepare_kwargs: dict[str, Any] | None,
     keep_prepared: bool,
+    bias_correction: bool,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     config = backend_config(backend)
     example = as_call(calibration[0], what="calibration batch 0")[0] if calibration else ()
@@ -205,8 +212,9 @@ def _quantize_fx(
         raise
     except Exception as error:  # torch raises many kinds for unsupported graphs
         raise TrialStepError(STAGE_PREPARE, error, model) from error
+    input_sums = InputSums(prepared) if bias_correction else None
     try:
-        with torch.no_grad():
+        with torch.no_grad(), input_sums.recording() if input_sums else contextlib.nullcontext():
             for batch in calibration:
                 call_model(prepared, batch)
     except QlintError:  # the caller's data is wrong (a batch that is no call): theirs to fix
@@ -218,6 +226,11 @@ def _quantize_fx(
         converted = convert_fx(prepared, backend_config=config)
     except Exception as error:
         raise TrialStepError(STAGE_CONVERT, error, prepared) from error
+    if input_sums is not None:
+        try:
+            input_sums.correct(converted)
+        except Exception as error:  # an unusual layer torch's quantized modules reject
+            raise TrialStepError(STAGE_BIAS_CORRECTION, error, converted) from error
     return converted, kept
 
 

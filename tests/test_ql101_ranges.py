@@ -1,0 +1,82 @@
+"""QL101 on conv → BN → ReLU6 chains the backend cannot fuse: a fixed saturating output range, and
+an op of its own for a conv input that nothing quantized produces (the observe_input rewrite).
+Measured on held-out batches, through the plan, as a user would apply it."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn as nn
+
+import qlint
+from qlint.advice.plan import default_plan, plan_from_report
+from qlint.core.sqnr import SqnrSums
+from qlint.measure.rewrite import apply_requested_rewrites
+
+
+class Relu6Net(nn.Module):
+    """Two conv → BN → ReLU6 blocks whose pre-activations reach well past 6; the stem reads the model input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bn1, self.act1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU6()
+        self.conv2, self.bn2, self.act2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU6()
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(16, 10)
+        with torch.no_grad():
+            self.bn1.weight.fill_(8.0)
+            self.bn2.weight.fill_(3.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act1(self.bn1(self.stem(x)))
+        x = self.act2(self.bn2(self.conv2(x)))
+        return self.fc(self.pool(x).flatten(1))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    calibration = [torch.randn(4, 3, 16, 16, generator=g) for _ in range(4)]
+    held_out = [torch.randn(4, 3, 16, 16, generator=g) for _ in range(3)]
+    return calibration, held_out
+
+
+def _sqnr(model, quantized, batches) -> float:
+    sums = SqnrSums()
+    with torch.no_grad():
+        for batch in batches:
+            sums.add(model(batch), quantized(batch))
+    return sums.sqnr_db()
+
+
+def test_fixed_ranges_with_the_stem_input_observed_gain_on_held_out_data():
+    torch.manual_seed(0)
+    model, (calibration, held_out) = Relu6Net().eval(), _data()
+    report = qlint.lint(model, (calibration[0],), calibration=[(b,) for b in calibration], select=["QL101"])
+    [finding] = [f for f in report.findings if f.data.get("kind") == "unfusable-activation"]
+    fix = finding.suggestion
+    assert fix.activation == "FixedQParamsObserver" and set(fix.targets) == {"stem", "conv2"}
+    assert fix.zero_point == 0 and fix.scale * fix.quant_max == 6.0  # [0, 6]: the clip itself, not widened
+    assert fix.observe_inputs == ["stem"]  # the model input feeds it; conv2's input is quantized already
+    assert finding.impact is not None and finding.impact.db > 3.0
+    plan = plan_from_report(report)
+    assert [(r.kind, r.modules) for r in plan.rewrites] == [("observe_input", ["stem"])]
+    default = _sqnr(model, default_plan().quantize(model, calibration), held_out)
+    fixed = _sqnr(model, plan.quantize(model, calibration), held_out)
+    assert fixed > default + 3.0
+    without_rewrite = plan.model_copy(update={"rewrites": []})  # the stem then clips its own input at 0
+    assert _sqnr(model, without_rewrite.quantize(model, calibration), held_out) < fixed - 3.0
+
+
+def test_observe_input_rewrite_is_exact_and_adds_one_op_before_the_conv():
+    torch.manual_seed(0)
+    model, (calibration, _) = Relu6Net().eval(), _data()
+    report = qlint.lint(model, (calibration[0],), calibration=[(b,) for b in calibration], select=["QL101"])
+    gm, applied = apply_requested_rewrites(model, plan_from_report(report), (calibration[0],))
+    [rewrite] = [r for r in applied if r.kind == "observe_input"]
+    assert rewrite.applied and rewrite.requested_by_plan and rewrite.max_relative_error == 0.0
+    stem = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "stem")
+    source = stem.args[0]
+    assert source.op == "call_function" and source.target is operator.add and source.args[1] == 0.0
+    assert source.args[0].op == "placeholder"
+    with torch.no_grad():
+        assert torch.equal(gm(calibration[1]), model(calibration[1]))
