@@ -107,7 +107,7 @@ def test_the_model_and_its_parameters_are_left_as_they_were():
         assert torch.equal(value, before[key]), key
 
 
-def _sqnr(model, quantized, batches) -> float:
+def output_sqnr(model, quantized, batches) -> float:
     sums = SqnrSums()
     with torch.no_grad():
         for batch in batches:
@@ -124,7 +124,7 @@ def test_bias_correction_gains_on_held_out_data_and_round_trips():
     plain = default_plan("x86")
     corrected = plain.model_copy(update={"bias_correction": BiasCorrection(provenance=[Provenance(source="user")])})
     assert QuantPlan.from_json(corrected.model_dump_json()) == corrected
-    gain = _sqnr(model, corrected.quantize(model, calibration), held_out) - _sqnr(
+    gain = output_sqnr(model, corrected.quantize(model, calibration), held_out) - output_sqnr(
         model, plain.quantize(model, calibration), held_out
     )
     assert gain > 0.5
@@ -147,7 +147,7 @@ def test_verify_measures_bias_correction_and_quantize_reproduces_it():
     gain = report.verified_plan.bias_correction.provenance[0].gain_db
     assert gain == pytest.approx(outcome.sqnr_with_db - outcome.sqnr_without_db, abs=1e-3)
     rebuilt = report.verified_plan.quantize(model, calibration)
-    assert _sqnr(model, rebuilt, held_out) == pytest.approx(report.plan.sqnr_db, abs=0.1)
+    assert output_sqnr(model, rebuilt, held_out) == pytest.approx(report.plan.sqnr_db, abs=0.1)
     skipped = verify(model, None, calibration, held_out, max_trials=2, bias_correction=False)
     assert not any(d.kind == "bias_correction" for d in skipped.decisions)
     assert skipped.verified_plan.bias_correction is None

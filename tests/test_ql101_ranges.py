@@ -11,8 +11,8 @@ import torch.nn as nn
 
 import qlint
 from qlint.advice.plan import default_plan, plan_from_report
-from qlint.core.sqnr import SqnrSums
 from qlint.measure.rewrite import apply_requested_rewrites
+from tests.test_bias_correction import output_sqnr
 
 
 class Relu6Net(nn.Module):
@@ -40,14 +40,6 @@ def _data():
     return calibration, held_out
 
 
-def _sqnr(model, quantized, batches) -> float:
-    sums = SqnrSums()
-    with torch.no_grad():
-        for batch in batches:
-            sums.add(model(batch), quantized(batch))
-    return sums.sqnr_db()
-
-
 def test_fixed_ranges_with_the_stem_input_observed_gain_on_held_out_data():
     torch.manual_seed(0)
     model, (calibration, held_out) = Relu6Net().eval(), _data()
@@ -60,11 +52,11 @@ def test_fixed_ranges_with_the_stem_input_observed_gain_on_held_out_data():
     assert finding.impact is not None and finding.impact.db > 3.0
     plan = plan_from_report(report)
     assert [(r.kind, r.modules) for r in plan.rewrites] == [("observe_input", ["stem"])]
-    default = _sqnr(model, default_plan().quantize(model, calibration), held_out)
-    fixed = _sqnr(model, plan.quantize(model, calibration), held_out)
+    default = output_sqnr(model, default_plan().quantize(model, calibration), held_out)
+    fixed = output_sqnr(model, plan.quantize(model, calibration), held_out)
     assert fixed > default + 3.0
     without_rewrite = plan.model_copy(update={"rewrites": []})  # the stem then clips its own input at 0
-    assert _sqnr(model, without_rewrite.quantize(model, calibration), held_out) < fixed - 3.0
+    assert output_sqnr(model, without_rewrite.quantize(model, calibration), held_out) < fixed - 3.0
 
 
 def test_observe_input_rewrite_is_exact_and_adds_one_op_before_the_conv():

@@ -125,6 +125,15 @@ def build():
 """
 
 
+def _fanout_files(tmp_path):
+    """The fan-out net as module:factory, with calibration (cal.pt) and eval (eval.pt) batches saved."""
+    calibration, eval_data = _batches(2, 4, (4, 3, 12, 12)), _batches(3, 2, (4, 3, 12, 12))
+    (tmp_path / "netmod.py").write_text(FANOUT_SOURCE)
+    torch.save(calibration, tmp_path / "cal.pt")
+    torch.save(eval_data, tmp_path / "eval.pt")
+    return f"{tmp_path}/netmod.py:build", calibration, eval_data
+
+
 def test_cli_verify_fix_and_the_emitted_mapping_give_the_verified_model(run_cli, tmp_path):
     """The documented CLI path for a plan a QConfigMapping expresses: verify --emit-plan, fix --plan,
     then prepare_fx/convert_fx of the saved model with the plan's mapping reproduces verify's
@@ -133,11 +142,7 @@ def test_cli_verify_fix_and_the_emitted_mapping_give_the_verified_model(run_cli,
 
     from qlint.advice.plan import QuantPlan
 
-    calibration, eval_data = _batches(2, 4, (4, 3, 12, 12)), _batches(3, 2, (4, 3, 12, 12))
-    (tmp_path / "netmod.py").write_text(FANOUT_SOURCE)
-    torch.save(calibration, tmp_path / "cal.pt")
-    torch.save(eval_data, tmp_path / "eval.pt")
-    model = f"{tmp_path}/netmod.py:build"
+    model, calibration, eval_data = _fanout_files(tmp_path)
     verified = run_cli(
         "verify",
         model,
@@ -176,11 +181,7 @@ def test_cli_verify_fix_and_the_emitted_mapping_give_the_verified_model(run_cli,
 def test_cli_quantize_gives_the_model_verify_measured(run_cli, tmp_path):
     """verify --emit-plan, then qlint quantize with that plan: the saved int8 model has the SQNR verify
     reported (bias correction, rewrites and mapping applied alike), and the command says so."""
-    calibration, eval_data = _batches(2, 4, (4, 3, 12, 12)), _batches(3, 2, (4, 3, 12, 12))
-    (tmp_path / "netmod.py").write_text(FANOUT_SOURCE)
-    torch.save(calibration, tmp_path / "cal.pt")
-    torch.save(eval_data, tmp_path / "eval.pt")
-    model = f"{tmp_path}/netmod.py:build"
+    model, calibration, eval_data = _fanout_files(tmp_path)
     verified = run_cli(
         "verify", model, "--calibration", "cal.pt", "--eval-data", "eval.pt", "--format", "json",
         "--emit-plan", "verified.json", cwd=tmp_path,
