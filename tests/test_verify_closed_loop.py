@@ -3,6 +3,7 @@ failing default is reported as failed while the plan is still measured; selectio
 evaluation batches are kept apart; the trial budget holds."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from qlint.advice.plan import default_plan
 from qlint.advice.verify import verify
 from qlint.core.sqnr import sqnr_db
 from tests.test_rewrite import make_fanout_net, make_same_conv_net
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -204,3 +207,19 @@ def test_cli_quantize_gives_the_model_verify_measured(run_cli, tmp_path):
     torch.export.save(torch.export.export(make_fanout_net().eval(), (calibration[0],)), str(tmp_path / "m.pt2"))
     aten = run_cli("quantize", "m.pt2", "--calibration", "cal.pt", "-o", "m.pt", cwd=tmp_path)
     assert aten.returncode == 2 and "exported (aten) graph" in aten.stderr  # never an unquantized "int8" model
+
+
+def test_cli_quantize_traces_a_model_torchscript_cannot_script(run_cli, tmp_path):
+    """The demo model's annotations defeat torch.jit.script: qlint quantize traces it instead, says
+    so, and the file loads and runs."""
+    from examples.compare_demo import batches
+
+    result = run_cli(
+        "quantize", "examples.compare_demo:float_model", "--calibration", "examples.compare_demo:batches",
+        "-o", str(tmp_path / "demo.pt"), cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "traced on calibration batch 0" in result.stdout
+    loaded = torch.jit.load(str(tmp_path / "demo.pt"))
+    first = next(iter(batches()))
+    assert torch.isfinite(loaded(first if torch.is_tensor(first) else first[0])).all()

@@ -390,26 +390,39 @@ def _output_sqnr(model: Any, converted: Any, eval_data: Any) -> float | None:
     return sums.sqnr_db()
 
 
-def _save_int8(converted: Any, out: Path) -> None:
+def _save_int8(converted: Any, example: Any, out: Path) -> str:
     """TorchScript: a pickled converted GraphModule does not load back (torch rebuilds the graph
-    before its quantized modules have their state), a scripted one does, with torch.jit.load."""
+    before its quantized modules have their state), a scripted one does, with torch.jit.load.
+    Where scripting fails (annotations TorchScript cannot read), the model is traced on
+    ``example`` instead. Returns how it was saved."""
     import torch
 
     from qlint.advice.apply import first_line
+    from qlint.core.batches import as_call
 
+    how = "scripted"
     try:
         scripted = torch.jit.script(converted)
-    except Exception as error:  # TorchScript rejects some Python constructs, in many exception types
-        raise QlintError(f"cannot save the int8 model as TorchScript: {first_line(error)}") from error
+    except Exception as script_error:  # TorchScript rejects some Python constructs, in many exception types
+        args, kwargs = as_call(example, what="calibration batch 0")
+        try:
+            with torch.no_grad():
+                scripted = torch.jit.trace(converted, args or None, example_kwarg_inputs=kwargs or None)
+        except Exception as error:  # tracing fails in as many ways
+            raise QlintError(
+                f"cannot save the int8 model as TorchScript: {first_line(script_error)}; tracing: {first_line(error)}"
+            ) from error
+        how = "traced on calibration batch 0, so its control flow is that batch's"
     try:
         torch.jit.save(scripted, str(out))
     except (OSError, RuntimeError) as error:
         raise QlintError(f"cannot write {out}: {first_line(error)}") from error
+    return how
 
 
 def quantize_command(argv: list[str]) -> int:
     """``QuantPlan.quantize`` from the command line: rewrites, equalization, mapping, calibration,
-    convert and bias correction, exactly as verify applies them; the result saved with torch.save."""
+    convert and bias correction, exactly as verify applies them; the result saved as TorchScript."""
     args = _quantize_parser().parse_args(argv)
     out = Path(args.output)
     if out.suffix != ".pt":
@@ -419,6 +432,7 @@ def quantize_command(argv: list[str]) -> int:
         [args.model, args.weights, args.plan, args.example_inputs, args.calibration, args.eval_data],
     )
     from qlint.advice.verify_session import conv_linear_coverage
+    from qlint.core.batches import batches_of
     from qlint.core.load import load_batches
 
     with user_output_to_stderr():
@@ -429,10 +443,10 @@ def quantize_command(argv: list[str]) -> int:
         eval_data = load_batches(args.eval_data) if args.eval_data else None
         converted = plan.quantize(loaded.module, calibration)
         sqnr = _output_sqnr(loaded.module, converted, eval_data) if eval_data is not None else None
-        _save_int8(converted, out)
+        how = _save_int8(converted, next(iter(batches_of(calibration, "calibration data"))), out)
     int8, total, _ = conv_linear_coverage(converted)
     measured = "" if sqnr is None else f"; output SQNR {sqnr:.2f} dB on {len(eval_data or [])} eval batches"
-    write_stdout(f"wrote {printable(out)} (int8 conv+linear {int8}/{total}{measured})\n")
+    write_stdout(f"wrote {printable(out)} (TorchScript, {how}; int8 conv+linear {int8}/{total}{measured})\n")
     return 0
 
 
