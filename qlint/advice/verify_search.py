@@ -108,36 +108,32 @@ def bias_correction_step(
     Bias correction is kept on only when measured to gain more than ``BIAS_CORRECTION_MIN_GAIN_DB``."""
     if not session.can_try():
         return plan, best, []
-    with_it = plan.bias_correction is None
-    if with_it:
-        provenance = Provenance(source="measurement", detail="qlint verify bias-correction trial")
-        trial = plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[provenance])})
-    else:
-        trial = plan.model_copy(update={"bias_correction": None})
-    value = session.trial("bias correction" if with_it else "without bias correction", trial).selection_sqnr
-    on, off = (value, best) if with_it else (best, value)
-    keep_on = on > off + BIAS_CORRECTION_MIN_GAIN_DB
+    trying_on = plan.bias_correction is None
+    tried = Provenance(source="measurement", detail="qlint verify bias-correction trial")
+    trial = plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[tried]) if trying_on else None})
+    value = session.trial("bias correction" if trying_on else "without bias correction", trial).selection_sqnr
+    on, off = (value, best) if trying_on else (best, value)
+    keep = on > off + BIAS_CORRECTION_MIN_GAIN_DB
     outcome = DecisionOutcome(
         kind="bias_correction",
         target="all int8 conv/linear layers",
-        kept=keep_on,
+        kept=keep,
         sqnr_with_db=round(on, 4),
         sqnr_without_db=round(off, 4),
         detail="bias lowered by the mean output shift of the int8 weights, on the calibration data",
     )
-    if keep_on == with_it:  # the trial is the better plan
-        if keep_on:
-            gain = round(on - off, 4)
-            provenance = Provenance(
-                source="measurement",
-                metric="output SQNR gain (dB) with bias correction",
-                value=gain,
-                gain_db=gain,
-                detail="qlint verify bias-correction trial",
-            )
-            trial = trial.model_copy(update={"bias_correction": BiasCorrection(provenance=[provenance])})
-        return trial, value, [outcome]
-    return plan, best, [outcome]
+    if not keep:
+        return plan.model_copy(update={"bias_correction": None}), off, [outcome]
+    gain = round(on - off, 4)
+    measured = Provenance(
+        source="measurement",
+        metric="output SQNR gain (dB) with bias correction",
+        value=gain,
+        gain_db=gain,
+        detail="qlint verify bias-correction trial",
+    )
+    earlier = [] if plan.bias_correction is None else plan.bias_correction.provenance
+    return plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[*earlier, measured])}), on, [outcome]
 
 
 def scheme_search(

@@ -63,12 +63,12 @@ class VerifyError(QlintError):
 
 
 def batch_list(data: Any, what: str) -> list[Any]:
-    """Every batch of ``data``, read once; verify runs them many times."""
+    """Every batch of ``data``, read once (verify and qlint quantize run them more than once)."""
     if data is None:
-        raise ConfigError(f"verify needs {what} batches")
+        raise ConfigError(f"{what} batches are needed")
     batches = list(batches_of(data, f"{what} data"))
     if not batches:
-        raise ConfigError(f"verify got no {what} batches")
+        raise ConfigError(f"the {what} data holds no batches")
     return batches
 
 

@@ -47,6 +47,8 @@ def _load(args: argparse.Namespace):
 
     loaded = load_model(args.model, weights=args.weights, trust_pickle=args.trust_pickle)
     plan = QuantPlan.load(args.plan) if args.plan else default_plan(args.backend or "x86", model=loaded.name)
+    if args.backend:
+        plan = plan.model_copy(update={"backend": args.backend})
     if args.example_inputs:
         example: tuple[Any, ...] | None = load_example_inputs(args.example_inputs)
     elif args.input_shape:
@@ -256,8 +258,6 @@ def verify_command(argv: list[str]) -> int:
         calibration = load_batches(args.calibration)
         eval_data = load_batches(args.eval_data)
         selection = load_batches(args.selection_data) if args.selection_data else None
-        if args.backend:
-            plan = plan.model_copy(update={"backend": args.backend})
         with trial_progress() as progress:
             report = verify(
                 loaded.module,
@@ -380,12 +380,12 @@ def _output_sqnr(model: Any, converted: Any, eval_data: Any) -> float | None:
 
     import torch
 
-    from qlint.core.batches import batches_of, call_model
+    from qlint.core.batches import call_model
     from qlint.core.sqnr import SqnrSums
 
     reference, sums = copy.deepcopy(model).eval(), SqnrSums()
     with torch.no_grad():
-        for batch in batches_of(eval_data, "eval data"):
+        for batch in eval_data:
             sums.add(call_model(reference, batch), call_model(converted, batch))
     return sums.sqnr_db()
 
@@ -431,21 +431,18 @@ def quantize_command(argv: list[str]) -> int:
         [("--output", args.output)],
         [args.model, args.weights, args.plan, args.example_inputs, args.calibration, args.eval_data],
     )
-    from qlint.advice.verify_session import conv_linear_coverage
-    from qlint.core.batches import batches_of
+    from qlint.advice.verify_session import batch_list, conv_linear_coverage
     from qlint.core.load import load_batches
 
     with user_output_to_stderr():
         loaded, plan, _ = _load(args)
-        if args.backend:
-            plan = plan.model_copy(update={"backend": args.backend})
-        calibration = load_batches(args.calibration)
-        eval_data = load_batches(args.eval_data) if args.eval_data else None
+        calibration = batch_list(load_batches(args.calibration), "calibration")
+        eval_data = batch_list(load_batches(args.eval_data), "eval") if args.eval_data else []
         converted = plan.quantize(loaded.module, calibration)
-        sqnr = _output_sqnr(loaded.module, converted, eval_data) if eval_data is not None else None
-        how = _save_int8(converted, next(iter(batches_of(calibration, "calibration data"))), out)
+        sqnr = _output_sqnr(loaded.module, converted, eval_data) if eval_data else None
+        how = _save_int8(converted, calibration[0], out)
     int8, total, _ = conv_linear_coverage(converted)
-    measured = "" if sqnr is None else f"; output SQNR {sqnr:.2f} dB on {len(eval_data or [])} eval batches"
+    measured = "" if sqnr is None else f"; output SQNR {sqnr:.2f} dB on {len(eval_data)} eval batches"
     write_stdout(f"wrote {printable(out)} (TorchScript, {how}; int8 conv+linear {int8}/{total}{measured})\n")
     return 0
 

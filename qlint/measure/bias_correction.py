@@ -70,32 +70,26 @@ class _LayerSums:
     samples: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
 
     def add(self, x: torch.Tensor) -> None:
-        shape: tuple[int, ...]
+        x = x.detach()
         if isinstance(self.layer, nn.Linear):
-            # a linear layer acts on the last dimension alone: sum every other one away
-            rows = x.detach().reshape(-1, x.shape[-1])
-            shape, count, total = (x.shape[-1],), rows.shape[0], rows.sum(0, dtype=torch.float64)
-        else:
-            # a conv's sum keeps one sample's shape: float32 (half the memory; the calibration sets'
-            # few thousand samples lose nothing that matters), then float64 in mean_shift
-            shape, count, total = tuple(x.shape[1:]), x.shape[0], x.detach().sum(0, keepdim=True, dtype=torch.float32)
+            x = x.reshape(-1, x.shape[-1])  # a linear layer acts on the last dimension: each row is a sample
+        # one sample's shape, in float32 (the calibration set's few thousand samples lose nothing that
+        # matters; half the memory of float64 for a conv's sums), then float64 in mean_shift
+        shape, total = tuple(x.shape[1:]), x.sum(0, keepdim=True, dtype=torch.float32)
         if shape in self.sums:
             self.sums[shape] += total
-            self.samples[shape] += count
+            self.samples[shape] += x.shape[0]
         else:
-            self.sums[shape], self.samples[shape] = total, count
+            self.sums[shape], self.samples[shape] = total, x.shape[0]
 
     def mean_shift(self, weight_error: torch.Tensor) -> torch.Tensor | None:
         """E[(W_q − W)·x] per output channel, or None when no input was seen."""
         error, apply = weight_error.to(torch.float64), _without_bias(self.layer)
         shift, positions = torch.zeros(error.shape[0], dtype=torch.float64, device=error.device), 0
         for shape, total in self.sums.items():
-            out = apply(total.to(torch.float64), error)  # Σ over samples of the layer's output error, per position
-            channel_dim = out.dim() - 1 if isinstance(self.layer, nn.Linear) else 1
-            others = [d for d in range(out.dim()) if d != channel_dim]
-            shift += out.sum(dim=others) if others else out  # (sum over no dims would sum them all)
-            per_sample = out.numel() // out.shape[channel_dim]  # output positions of one sample
-            positions += self.samples[shape] * per_sample
+            out = apply(total.to(torch.float64), error)  # (1, channels, *positions): Σ over samples of the error
+            shift += out.sum(dim=[d for d in range(out.dim()) if d != 1])
+            positions += self.samples[shape] * (out.numel() // out.shape[1])
         return shift / positions if positions else None
 
 

@@ -164,9 +164,7 @@ def _observe_input(gm: fx.GraphModule, candidate: _Candidate) -> None:
         or (
             n.op == "call_function"
             and n.target in _FUNCTIONAL_CONVS
-            and len(n.args) > 1
-            and isinstance(n.args[1], fx.Node)
-            and n.args[1].target == f"{fqn}.weight"
+            and getattr(_conv_arguments(n).get("weight"), "target", None) == f"{fqn}.weight"
         )
     ]
     if not calls:
