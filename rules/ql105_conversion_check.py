@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.ao.quantization import QConfigMapping, get_default_qconfig
 
+from qlint.core.ops import function_path
 from qlint.core.preserve import cloned
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
@@ -59,8 +60,11 @@ class ConversionCheck(Rule):
     below that and an error below `error_below_db` (10 dB). A low SQNR names the layer
     where the error starts: the first layer, in forward order, whose output SQNR
     (propagated) is below `warn_below_db`, or, when the error builds up gradually, the
-    layer adding the most error itself (lowest shadow SQNR). Its fix keeps that layer
-    float, and its impact is measured by a trial with that fix.
+    layer adding the most error itself (lowest shadow SQNR). Its fix keeps float the one
+    that recovers the most in a trial: that layer, the quantized functional ops between it
+    and the weighted module before it (up to three functions, each kept float by
+    `set_object_type`, e.g. the `add` of `sqrt(a**2 + b**2)`), or that module, whose
+    output range the layer's input inherits. Its impact is that trial's gain.
 
     The trial costs what torch's own pass costs (`bench/scaling.py`) plus one paired run
     for the per-layer numbers, and torch's pass grows faster than the model: `prepare_fx`
@@ -207,7 +211,7 @@ class ConversionCheck(Rule):
                         suggestion = {"action": "keep_float", "module": best}
                         how = f"mapping.set_module_name({best!r}, None)"
                     else:
-                        function = ctx.graph.node(best).target
+                        function = function_path(_function_of(ctx, best)) or ctx.graph.node(best).target
                         suggestion = {"action": "keep_float_function", "node": best, "function": function}
                         how = f"mapping.set_object_type({function}, None)"
                     message += (
@@ -442,6 +446,9 @@ def _quiet_run():
         yield
 
 
+_MAX_FUNCTION_CANDIDATES = 3  # each one costs a trial quantization
+
+
 def error_onset(trial: TrialResult, threshold_db: float) -> LayerError | None:
     """Where the output error starts: the first layer, in forward order, whose output SQNR
     (propagated) is below ``threshold_db``; when error only builds up gradually, the layer
@@ -454,9 +461,10 @@ def error_onset(trial: TrialResult, threshold_db: float) -> LayerError | None:
 
 
 def _candidates(ctx: LintContext, onset: str) -> list[str]:
-    """The onset layer (a module, or a functional op), and the nearest weighted module upstream
-    of it: its input's range is set by that module's output observer, so the error may arrive
-    from there."""
+    """The onset layer (a module, or a functional op), the quantized functional ops between it
+    and the nearest weighted module upstream (one per function: a function is kept float
+    everywhere at once), and that module: its output observer sets the onset's input range,
+    and the ops between round the values again, so the error may arrive from any of them."""
     found = [onset] if onset in ctx.graph.modules or onset in ctx.graph else []
     sites = (
         ctx.graph.call_sites(onset)
@@ -465,6 +473,8 @@ def _candidates(ctx: LintContext, onset: str) -> list[str]:
     )
     frontier = [p for site in sites for p in ctx.graph.producers(site.name)]
     seen: set[str] = set()
+    functions: set[str] = set()
+    upstream: list[str] = []
     while frontier:
         node = frontier.pop(0)
         if node.name in seen:
@@ -472,10 +482,14 @@ def _candidates(ctx: LintContext, onset: str) -> list[str]:
         seen.add(node.name)
         if node.op == "module" and node.module and node.weight is not None:
             if node.module not in found:
-                found.append(node.module)
+                upstream.append(node.module)
             break
+        if node.op == "function" and node.is_quantized and node.target not in functions:
+            if len(functions) < _MAX_FUNCTION_CANDIDATES:
+                functions.add(node.target)
+                found.append(node.name)
         frontier.extend(ctx.graph.producers(node.name))
-    return found
+    return found + upstream
 
 
 def _best_keep_float(ctx: LintContext, trial: TrialResult, candidates: list[str]) -> tuple[str | None, Impact | None]:

@@ -43,6 +43,7 @@ from qlint.linter.suggestions import (
     ActivationSpec,
     BiasCorrection,
     EqualizationPair,
+    FloatFunction,
     ModuleDecision,
     Provenance,
     Rewrite,
@@ -159,6 +160,11 @@ class QuantPlan(Suggestions):
             for r in self.rewrites:
                 why = "; ".join(p.describe() for p in r.provenance)
                 lines.append(f"    {r.kind}: {', '.join(r.modules)}  [{why}]")
+        if self.float_functions:
+            lines.append("  functions kept float (everywhere the model calls them):")
+            for kept in self.float_functions:
+                why = "; ".join(p.describe() for p in kept.provenance)
+                lines.append(f"    {kept.function}  [{why}]")
         if self.bias_correction is not None:
             why = "; ".join(p.describe() for p in self.bias_correction.provenance)
             lines.append(f"  bias correction after calibration  [{why}]")
@@ -185,6 +191,7 @@ __all__ = [
     "ActivationSpec",
     "BiasCorrection",
     "EqualizationPair",
+    "FloatFunction",
     "ModuleDecision",
     "PlanFormatError",
     "Provenance",

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from qlint.core.ops import resolve_function
 from qlint.errors import ConfigError
+from qlint.linter.mapping import rewrite_float_modules
 from qlint.linter.suggestions import Suggestions
 
 _X86_FAMILY = ("x86", "fbgemm", "onednn")
@@ -43,4 +45,8 @@ def to_pt2e_quantizer(plan: Suggestions) -> Any:
             quantizer.set_module_name_qconfig(decision.fqn, None)
         elif decision.mode == "dynamic":
             quantizer.set_module_name_qconfig(decision.fqn, config(dynamic=True))
+    for helper in rewrite_float_modules(plan):
+        quantizer.set_module_name_qconfig(helper, None)
+    for kept in plan.float_functions:
+        quantizer.set_function_type_qconfig(resolve_function(kept.function), None)
     return quantizer

@@ -41,7 +41,15 @@ from typing import Any
 
 import torch.nn as nn
 
-from qlint.advice.plan import EqualizationPair, ModuleDecision, Provenance, QuantPlan, Rewrite, default_plan
+from qlint.advice.plan import (
+    EqualizationPair,
+    FloatFunction,
+    ModuleDecision,
+    Provenance,
+    QuantPlan,
+    Rewrite,
+    default_plan,
+)
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, RunResult, VerifyReport
 from qlint.advice.verify_search import bias_correction_step, float_fallback, scheme_search
 from qlint.advice.verify_session import (
@@ -62,14 +70,14 @@ from qlint.measure.rewrite import AppliedRewrite, apply_rewrites, rewrite_key
 DEFAULT_MAX_TRIALS = 6  # trial quantizations beyond the default, the plan as given and the verified plan
 SELECTION_BATCHES = 4  # calibration batches (the last ones) that select decisions by default
 
-_Item = ModuleDecision | EqualizationPair | Rewrite
+_Item = ModuleDecision | EqualizationPair | Rewrite | FloatFunction
 
 
 @dataclasses.dataclass(frozen=True)
 class _Decision:
     """One decision of a plan that pruning may drop."""
 
-    kind: str  # module | equalization | rewrite
+    kind: str  # module | equalization | rewrite | function
     item: _Item
 
     @property
@@ -78,6 +86,8 @@ class _Decision:
             return self.item.fqn
         if isinstance(self.item, EqualizationPair):
             return self.item.module
+        if isinstance(self.item, FloatFunction):
+            return self.item.function
         nodes = self.item.params.get("nodes")
         return rewrite_key(self.item.kind, nodes if isinstance(nodes, list) else self.item.modules)
 
@@ -87,6 +97,8 @@ class _Decision:
             return self.item.describe()
         if isinstance(self.item, Rewrite):
             return ", ".join(self.item.modules)
+        if isinstance(self.item, FloatFunction):
+            return "keep float"
         return ""
 
     @property
@@ -100,6 +112,8 @@ class _Decision:
             return plan.model_copy(update={"modules": [d for d in plan.modules if d != self.item]})
         if isinstance(self.item, EqualizationPair):
             return plan.model_copy(update={"equalization": [p for p in plan.equalization if p != self.item]})
+        if isinstance(self.item, FloatFunction):
+            return plan.model_copy(update={"float_functions": [f for f in plan.float_functions if f != self.item]})
         return plan.model_copy(update={"rewrites": [r for r in plan.rewrites if r != self.item]})
 
 
@@ -108,6 +122,7 @@ def _decisions(plan: QuantPlan) -> list[_Decision]:
     decisions = [_Decision("module", d) for d in plan.modules]
     decisions += [_Decision("equalization", pair) for pair in plan.equalization]
     decisions += [_Decision("rewrite", r) for r in plan.rewrites]
+    decisions += [_Decision("function", f) for f in plan.float_functions]
     return sorted(decisions, key=lambda d: d.measured_gain)
 
 

@@ -498,3 +498,31 @@ def _op_name(target: Any) -> tuple[str | None, str | None]:
         namespace, _, name = str(target).partition(".")
         return namespace, name or None
     return None, None
+
+
+# Where a plan may name a function to keep float: resolved by attribute lookup in these modules
+# only, so a plan file never imports or runs anything.
+_FUNCTION_HOMES = {"operator": operator, "torch": torch, "torch.nn.functional": F}
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def function_path(target: Any) -> str | None:
+    """``operator.add``, ``torch.sqrt``, ``torch.nn.functional.relu``: the public path of a
+    function of those modules, or None."""
+    name = getattr(target, "__name__", None)
+    if not isinstance(name, str):
+        return None
+    for home, module in _FUNCTION_HOMES.items():
+        if getattr(module, name, None) is target:
+            return f"{home}.{name}"
+    return None
+
+
+def resolve_function(path: str) -> Callable[..., Any]:
+    """The function a :func:`function_path` names; ValueError for anything else."""
+    home, _, name = path.rpartition(".")
+    module = _FUNCTION_HOMES.get(home)
+    found = getattr(module, name, None) if module is not None and _IDENTIFIER.fullmatch(name) else None
+    if not callable(found):
+        raise ValueError(f"{path!r} is not a function of {', '.join(_FUNCTION_HOMES)}")
+    return found

@@ -135,6 +135,15 @@ class ViewToReshape(_Fix):
     node: str
 
 
+class NormalizeInput(_Fix):
+    """Divide a model input by each sample's largest magnitude and restore ``modules``' outputs
+    (:mod:`qlint.measure.normalize`): exact in float."""
+
+    action: Literal["normalize_input"] = "normalize_input"
+    input: str
+    modules: list[str] = Field(min_length=1)
+
+
 class Equalize(_Fix):
     action: Literal["equalize"] = "equalize"
     module: str
@@ -169,6 +178,7 @@ Fix = Annotated[
     | SplitModule
     | RemoveModule
     | ViewToReshape
+    | NormalizeInput
     | Equalize
     | ReplaceActivation
     | QuantizeDynamicAfterConvert,

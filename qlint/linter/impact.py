@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.batches import as_call
+from qlint.core.ops import resolve_function
 from qlint.core.sqnr import noise_power_ratio
 from qlint.errors import QlintError
 from qlint.linter.findings import Finding, Impact, Severity
@@ -65,12 +66,16 @@ def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str)
     if not suggested:
         return None
     suggestions = collect_suggestions(backend, None, suggested)
-    if suggestions.rewrites or suggestions.equalization or suggestions.notes or not suggestions.modules:
+    if suggestions.rewrites or suggestions.equalization or suggestions.notes:
+        return None
+    if not (suggestions.modules or suggestions.float_functions):
         return None
     mapping = copy.deepcopy(base)
     for decision in suggestions.modules:
         recipe = module_recipe(suggestions, decision)
         mapping.set_module_name(decision.fqn, None if recipe is None else recipe.build())
+    for kept in suggestions.float_functions:
+        mapping.set_object_type(resolve_function(kept.function), None)
     return mapping
 
 

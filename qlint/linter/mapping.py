@@ -24,8 +24,10 @@ from torch.ao.quantization.observer import (
 )
 
 from qlint.core.backends import backend_info
+from qlint.core.ops import resolve_function
 from qlint.errors import ConfigError
 from qlint.linter.suggestions import ActivationSpec, ModuleDecision, Suggestions, WeightSpec, backend_defaults
+from qlint.measure.normalize import helper_modules
 
 
 class PercentileObserver(MinMaxObserver):
@@ -215,4 +217,18 @@ def qconfig_mapping(suggestions: Suggestions) -> QConfigMapping:
     for decision in suggestions.modules:
         module_qconfig = module_recipe(suggestions, decision)
         mapping.set_module_name(decision.fqn, None if module_qconfig is None else module_qconfig.build())
+    for helper in rewrite_float_modules(suggestions):
+        mapping.set_module_name(helper, None)
+    for kept in suggestions.float_functions:
+        mapping.set_object_type(resolve_function(kept.function), None)
     return mapping
+
+
+def rewrite_float_modules(suggestions: Suggestions) -> list[str]:
+    """Modules the plan's rewrites add whose arithmetic must stay float (normalize_input's)."""
+    return [
+        helper
+        for rewrite in suggestions.rewrites
+        if rewrite.kind == "normalize_input"
+        for helper in helper_modules(str(rewrite.params.get("input")), list(rewrite.modules))
+    ]

@@ -16,6 +16,7 @@ from typing import Any, Literal, NoReturn
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from qlint.core.backends import BACKENDS
+from qlint.core.ops import resolve_function
 from qlint.errors import ConfigError
 from qlint.linter.fixes import (
     Equalize,
@@ -23,6 +24,7 @@ from qlint.linter.fixes import (
     Fuse,
     KeepFloat,
     KeepFloatFunction,
+    NormalizeInput,
     QuantizeDynamicAfterConvert,
     RemoveModule,
     ReplaceActivation,
@@ -185,7 +187,13 @@ class EqualizationPair(_Frozen):
 
 
 RewriteKind = Literal[
-    "fuse", "fold_bn_into_functional_conv", "split_module", "remove_module", "view_to_reshape", "observe_input"
+    "fuse",
+    "fold_bn_into_functional_conv",
+    "split_module",
+    "remove_module",
+    "view_to_reshape",
+    "observe_input",
+    "normalize_input",
 ]
 
 
@@ -201,6 +209,20 @@ class Rewrite(_Frozen):
     @classmethod
     def _json_able(cls, value: Any) -> Any:
         check_json_able(value, "params")
+        return value
+
+
+class FloatFunction(_Frozen):
+    """A function kept float wherever the model calls it (``mapping.set_object_type(fn, None)``):
+    functional ops have no module name to decide by."""
+
+    function: str = Field(description="Its public path: operator.add, torch.sqrt, torch.nn.functional.relu.")
+    provenance: list[Provenance] = Field(min_length=1)
+
+    @field_validator("function")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        resolve_function(value)  # a plan names functions, it never imports them
         return value
 
 
@@ -222,6 +244,7 @@ class Suggestions(_Frozen):
     modules: list[ModuleDecision] = Field(default_factory=list)
     equalization: list[EqualizationPair] = Field(default_factory=list)
     rewrites: list[Rewrite] = Field(default_factory=list)
+    float_functions: list[FloatFunction] = Field(default_factory=list)
     bias_correction: BiasCorrection | None = None
     notes: list[str] = Field(default_factory=list, description="Suggestions the plan could not express.")
 
@@ -291,6 +314,7 @@ class _Builder:
         self.modules: dict[str, dict[str, Any]] = {}
         self.equalization: dict[str, dict[str, Any]] = {}
         self.rewrites: list[Rewrite] = []
+        self.float_functions: dict[str, list[Provenance]] = {}
         self.notes: list[str] = []
 
     def module(self, fqn: str, source: Provenance) -> dict[str, Any]:
@@ -328,6 +352,7 @@ class _Builder:
             modules=decisions,
             equalization=pairs,
             rewrites=self.rewrites,
+            float_functions=[FloatFunction(function=f, provenance=p) for f, p in self.float_functions.items()],
             notes=self.notes,
         )
 
@@ -431,6 +456,8 @@ def _apply(b: _Builder, fix: Fix, source: Provenance) -> None:
             _rewrite(b, source, "remove_module", [fix.module], {})
         case ViewToReshape():
             _rewrite(b, source, "view_to_reshape", [fix.node], {"node": fix.node})
+        case NormalizeInput():
+            _rewrite(b, source, "normalize_input", list(fix.modules), {"input": fix.input})
         case SetQConfig():
             _apply_set_qconfig(b, source, fix)
         case SetWeightObserver():
@@ -446,10 +473,14 @@ def _apply(b: _Builder, fix: Fix, source: Provenance) -> None:
             for fqn in fix.target_modules(target):
                 b.module(fqn, source)["quantize"] = False
         case KeepFloatFunction():
-            b.note(
-                source,
-                f"keep {fix.function} float: mapping.set_object_type({fix.function}, None) (a plan decides per module)",
-            )
+            try:
+                resolve_function(fix.function)
+            except ValueError:
+                b.note(source, f"keep {fix.function} float: mapping.set_object_type({fix.function}, None)")
+            else:
+                sources = b.float_functions.setdefault(fix.function, [])
+                if source not in sources:
+                    sources.append(source)
         case ReplaceActivation():
             b.note(source, f"replace {', '.join(fix.modules)} with nn.ReLU (a change to the float model)")
         case QuantizeDynamicAfterConvert():

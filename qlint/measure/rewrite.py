@@ -1,6 +1,7 @@
 """Float-preserving graph rewrites applied to an fx GraphModule copy before quantizing.
 
-Four rewrites are implemented:
+Four rewrites are implemented here, and a fifth, ``normalize_input`` (only where a plan asks
+for it: per-sample input normalization), in :mod:`qlint.measure.normalize`:
 
 ``fold_bn_into_functional_conv``
     A BatchNorm module (eval mode, with running statistics) whose only input is a
@@ -56,6 +57,8 @@ from qlint.core.nested import tensors_in
 from qlint.core.preserve import cloned
 from qlint.core.trace import symbolic_graph
 from qlint.errors import QlintError, TraceError
+from qlint.measure.normalize import KIND as NORMALIZE_KIND
+from qlint.measure.normalize import normalize_input
 
 DEFAULT_MAX_RELATIVE_ERROR = 1e-5
 
@@ -153,6 +156,21 @@ def _observe_input_candidates(plan: Any) -> list[_Candidate]:
         if rewrite.kind == "observe_input"
         for fqn in rewrite.modules
     ]
+
+
+def _normalize_input_candidates(plan: Any) -> list[_Candidate]:
+    """The ``normalize_input`` rewrites ``plan`` asks for (input name, biased layers)."""
+    if plan is None:
+        return []
+    return [
+        _Candidate(NORMALIZE_KIND, list(rewrite.modules), [str(rewrite.params.get("input"))])
+        for rewrite in plan.rewrites
+        if rewrite.kind == NORMALIZE_KIND
+    ]
+
+
+def _normalize_input(gm: fx.GraphModule, candidate: _Candidate) -> None:
+    normalize_input(gm, candidate.nodes[0], candidate.modules)
 
 
 def _observe_input(gm: fx.GraphModule, candidate: _Candidate) -> None:
@@ -345,6 +363,7 @@ _APPLY = {
     "view_to_reshape": _view_to_reshape,
     "fuse": _duplicate_fanout,
     "observe_input": _observe_input,
+    NORMALIZE_KIND: _normalize_input,
 }
 
 
@@ -460,8 +479,10 @@ def _rewrite(
     if not example_inputs:
         raise QlintError("apply_rewrites needs example inputs to check that float outputs are unchanged")
     current = _traced_copy(graph_module)
-    # observe_input last: it names a conv module that a fold may create first
-    candidates = [c for c in [*find_rewrites(current), *_observe_input_candidates(plan)] if wanted(c)]
+    # observe_input last: it names a conv module that a fold may create first, and its added
+    # op would end the input's scaling front end that normalize_input follows
+    planned = [*_normalize_input_candidates(plan), *_observe_input_candidates(plan)]
+    candidates = [c for c in [*find_rewrites(current), *planned] if wanted(c)]
     if candidates:
         reference = float_outputs(current, example_inputs)
         together = _all_applied(current, candidates, plan, reference, example_inputs, max_relative_error)
