@@ -146,3 +146,45 @@ def test_no_prune_leaves_plan_decisions_unflipped(drift):
     trials = _scheme(report)
     assert trials and all("fc_in" not in d.target.split(", ") for d in trials)
     assert report.verified_plan.decision("fc_in").mode == "static"
+
+
+class MaskedMix(nn.Module):
+    """A -10000 attention-style mask added between two Linears: any int8 rounding of the sum
+    (one scale for -10000 and the logits) wipes out the softmax's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_a = nn.Linear(16, 16)
+        self.fc_b = nn.Linear(16, 8)
+
+    def forward(self, x, mask):
+        return self.fc_b(torch.softmax(self.fc_a(x) + mask, dim=-1))
+
+
+def _masked(generator, n=4):
+    batches = []
+    for _ in range(n):
+        mask = torch.zeros(32, 16)
+        mask[:, 12:] = -10000.0
+        batches.append((torch.randn(32, 16, generator=generator), mask))
+    return batches
+
+
+def test_search_finds_the_quantize_dynamic_recipe_where_static_ops_cannot_stay():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(3)
+    model, calibration, eval_data = MaskedMix().eval(), _masked(generator), _masked(generator)
+    report = verify(model, None, calibration, eval_data, prune=False)
+    plan = report.verified_plan
+    assert plan.float_by_default
+    assert {d.fqn: d.mode for d in plan.modules} == {"fc_a": "dynamic", "fc_b": "dynamic"}
+    recipe = next(d for d in _scheme(report) if d.kept and "everything else float" in d.detail)
+    assert recipe.sqnr_with_db > recipe.sqnr_without_db + 10.0
+    # measured on the evaluation batches, which chose nothing, at full int8 coverage of the Linears
+    assert report.plan.sqnr_db > report.default.sqnr_db + 10.0
+    assert report.plan.int8_fraction == 1.0
+    # the plan's own mapping: nothing global, the two Linears dynamic
+    mapping = plan.to_qconfig_mapping()
+    assert mapping.global_qconfig is None and not mapping.object_type_qconfigs
+    assert set(mapping.module_name_qconfigs) == {"fc_a", "fc_b"}
+    assert "QConfigMapping()" in plan.to_python()

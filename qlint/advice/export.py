@@ -59,7 +59,7 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
         recipes.append((decision.fqn, module_recipe(plan, decision), f"{decision.describe()} ({why})"))
     for helper in rewrite_float_modules(plan):
         recipes.append((helper, None, "keep float: arithmetic added by the normalize_input rewrite"))
-    global_qc = global_recipe(plan)
+    global_qc = None if plan.float_by_default else global_recipe(plan)
     used = {
         r.cls_name
         for qc in [global_qc] + [r for _, r, _ in recipes]
@@ -78,14 +78,21 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
         "",
         *imports,
         "import torch",
-        "from torch.ao.quantization import QConfig, get_default_qconfig_mapping",
+        "from torch.ao.quantization import QConfig, QConfigMapping, get_default_qconfig_mapping",
     ]
     torch_names = sorted(n for n in used if OBSERVERS[n].__module__.startswith("torch"))
     if torch_names:
         lines.append(f"from torch.ao.quantization.observer import {', '.join(torch_names)}")
     if PercentileObserver.__name__ in used:
         lines.append(f"from {PercentileObserver.__module__} import PercentileObserver")
-    lines += ["", "", "def build_qconfig_mapping():", f"    mapping = get_default_qconfig_mapping({plan.backend!r})"]
+    lines += ["", "", "def build_qconfig_mapping():"]
+    if plan.float_by_default:
+        lines += [
+            "    # only the modules named below are quantized; everything else stays float",
+            "    mapping = QConfigMapping()",
+        ]
+    else:
+        lines.append(f"    mapping = get_default_qconfig_mapping({plan.backend!r})")
     if global_qc is not None:
         lines.append(f"    mapping.set_global({global_qc.source()})")
     for fqn, recipe, comment in recipes:

@@ -144,6 +144,8 @@ class QuantPlan(Suggestions):
             f"  global activation: {self.activation.describe()}",
             f"  global weight:     {self.weight.describe()}",
         ]
+        if self.float_by_default:
+            lines[1:3] = ["  everything without a module decision stays float (only the modules below are quantized)"]
         if self.modules:
             lines.append("  modules:")
             for d in self.modules:

@@ -39,12 +39,15 @@ def to_pt2e_quantizer(plan: Suggestions) -> Any:
         )
 
     quantizer = X86InductorQuantizer()
-    quantizer.set_global(config())
+    if not plan.float_by_default:
+        quantizer.set_global(config())
     for decision in plan.modules:
         if not decision.quantize:
             quantizer.set_module_name_qconfig(decision.fqn, None)
         elif decision.mode == "dynamic":
             quantizer.set_module_name_qconfig(decision.fqn, config(dynamic=True))
+        elif plan.float_by_default:
+            quantizer.set_module_name_qconfig(decision.fqn, config())
     for helper in rewrite_float_modules(plan):
         quantizer.set_module_name_qconfig(helper, None)
     for kept in plan.float_functions:

@@ -13,7 +13,9 @@ Then, after greedy pruning:
 
 1. **Scheme search** (:func:`scheme_search`). The Linears that the backend can quantize
    dynamically are flipped static <-> dynamic (a :class:`~qlint.advice.plan.ModuleDecision`
-   with ``mode``): first all at once, then one at a time from the output backwards. A
+   with ``mode``): first all at once, then, if that does not gain, all at once with
+   everything else float (``float_by_default``: torch's ``quantize_dynamic`` recipe), then
+   one at a time from the output backwards. A
    flip is kept when the output SQNR rises by more than ``SQNR_TOLERANCE_DB`` and int8
    coverage does not fall. No finding has to recommend it: dynamic quantization of a
    stationary layer can still win, because it quantizes each batch with its exact range
@@ -162,10 +164,12 @@ def scheme_search(
 
     At most ``max_trials`` trial quantizations in all, within the session's budget; with
     more candidates than that, the ones with the lowest per-layer activation SQNR under
-    ``plan`` (on the selection batches) are searched.
+    ``plan`` (on the selection batches) are searched; the ``quantize_dynamic`` recipe's group
+    trial takes every Linear.
     No randomness: the result depends only on the measurements.
     """
-    candidates = scheme_candidates(session.traced, plan, plan.backend, frozen)
+    every = scheme_candidates(session.traced, plan, plan.backend, frozen)
+    candidates = every
     if not candidates or max_trials <= 0 or not session.can_try():
         return plan, best, []
     if len(candidates) > max_trials:
@@ -175,11 +179,13 @@ def scheme_search(
     outcomes: list[DecisionOutcome] = []
     trials = 0
 
-    def attempt(fqns: list[str], note: str) -> bool:
+    def attempt(fqns: list[str], note: str, float_rest: bool = False) -> bool:
         nonlocal plan, best, int8, trials
         trials += 1
         before = _mode(plan, fqns[0])
         trial = _flipped(plan, fqns, 0.0)
+        if float_rest:
+            trial = trial.model_copy(update={"float_by_default": True})
         after = "static" if before == "dynamic" else "dynamic"
         measured = session.trial(f"{', '.join(fqns)} {before} -> {after}", trial)
         value, trial_int8 = measured.selection_sqnr, measured.result.int8_layers
@@ -199,11 +205,20 @@ def scheme_search(
         )
         if keep:
             plan, best, int8 = _flipped(plan, fqns, value - best), value, trial_int8
+            if float_rest:
+                plan = plan.model_copy(update={"float_by_default": True})
         return keep
 
     static = [f for f in candidates[::-1] if _mode(plan, f) == "static"]
     if len(static) > 1 and session.can_try():
-        attempt(static, f", all {len(static)} at once")
+        kept = attempt(static, f", all {len(static)} at once")
+        if not kept and not plan.float_by_default and session.can_try() and trials < max_trials:
+            # torch's quantize_dynamic recipe, over every Linear (a Linear left out would go
+            # float): a static op between dynamic Linears hands them quantized tensors they have
+            # no kernel for, so the rest stays float; kept only where int8 coverage does not
+            # fall (a model whose convs would go float is refused)
+            everyone = [f for f in every[::-1] if _mode(plan, f) == "static"]
+            attempt(everyone, f", all {len(everyone)} at once, everything else float", float_rest=True)
     pending = candidates[::-1]
     for note in ("", " (pass 2)"):
         rejected: list[str] = []

@@ -144,6 +144,13 @@ class NormalizeInput(_Fix):
     modules: list[str] = Field(min_length=1)
 
 
+class SplitLeadingToken(_Fix):
+    """Run each Linear's first token on a weight-sharing copy (:mod:`qlint.measure.token_split`)."""
+
+    action: Literal["split_leading_token"] = "split_leading_token"
+    modules: list[str] = Field(min_length=1)
+
+
 class Equalize(_Fix):
     action: Literal["equalize"] = "equalize"
     module: str
@@ -179,6 +186,7 @@ Fix = Annotated[
     | RemoveModule
     | ViewToReshape
     | NormalizeInput
+    | SplitLeadingToken
     | Equalize
     | ReplaceActivation
     | QuantizeDynamicAfterConvert,

@@ -209,11 +209,15 @@ def module_recipe(suggestions: Suggestions, decision: ModuleDecision) -> QConfig
 
 
 def qconfig_mapping(suggestions: Suggestions) -> QConfigMapping:
-    """get_default_qconfig_mapping(backend) with the global and module-name decisions applied."""
-    mapping = get_default_qconfig_mapping(suggestions.backend)
-    recipe = global_recipe(suggestions)
-    if recipe is not None:
-        mapping.set_global(recipe.build())
+    """get_default_qconfig_mapping(backend) with the global and module-name decisions applied;
+    an empty mapping plus the module decisions when the plan is float by default."""
+    if suggestions.float_by_default:
+        mapping = QConfigMapping()
+    else:
+        mapping = get_default_qconfig_mapping(suggestions.backend)
+        recipe = global_recipe(suggestions)
+        if recipe is not None:
+            mapping.set_global(recipe.build())
     for decision in suggestions.modules:
         module_qconfig = module_recipe(suggestions, decision)
         mapping.set_module_name(decision.fqn, None if module_qconfig is None else module_qconfig.build())

@@ -31,6 +31,7 @@ from qlint.linter.fixes import (
     SetActivationObserver,
     SetQConfig,
     SetWeightObserver,
+    SplitLeadingToken,
     SplitModule,
     UnifyQConfig,
     ViewToReshape,
@@ -194,6 +195,7 @@ RewriteKind = Literal[
     "view_to_reshape",
     "observe_input",
     "normalize_input",
+    "split_leading_token",
 ]
 
 
@@ -246,6 +248,11 @@ class Suggestions(_Frozen):
     rewrites: list[Rewrite] = Field(default_factory=list)
     float_functions: list[FloatFunction] = Field(default_factory=list)
     bias_correction: BiasCorrection | None = None
+    float_by_default: bool = Field(
+        default=False,
+        description="Only the modules with a decision are quantized; everything else stays float "
+        "(torch's quantize_dynamic recipe). The global specs apply to listed modules without their own.",
+    )
     notes: list[str] = Field(default_factory=list, description="Suggestions the plan could not express.")
 
     @model_validator(mode="after")
@@ -458,6 +465,8 @@ def _apply(b: _Builder, fix: Fix, source: Provenance) -> None:
             _rewrite(b, source, "view_to_reshape", [fix.node], {"node": fix.node})
         case NormalizeInput():
             _rewrite(b, source, "normalize_input", list(fix.modules), {"input": fix.input})
+        case SplitLeadingToken():
+            _rewrite(b, source, "split_leading_token", list(fix.modules), {})
         case SetQConfig():
             _apply_set_qconfig(b, source, fix)
         case SetWeightObserver():

@@ -1,7 +1,8 @@
 """Float-preserving graph rewrites applied to an fx GraphModule copy before quantizing.
 
-Four rewrites are implemented here, and a fifth, ``normalize_input`` (only where a plan asks
-for it: per-sample input normalization), in :mod:`qlint.measure.normalize`:
+Four rewrites are implemented here, and two more, only where a plan asks for them:
+``normalize_input`` (per-sample input normalization, :mod:`qlint.measure.normalize`) and
+``split_leading_token`` (a Linear's first token on a copy, :mod:`qlint.measure.token_split`):
 
 ``fold_bn_into_functional_conv``
     A BatchNorm module (eval mode, with running statistics) whose only input is a
@@ -59,6 +60,8 @@ from qlint.core.trace import symbolic_graph
 from qlint.errors import QlintError, TraceError
 from qlint.measure.normalize import KIND as NORMALIZE_KIND
 from qlint.measure.normalize import normalize_input
+from qlint.measure.token_split import KIND as SPLIT_KIND
+from qlint.measure.token_split import split_leading_token
 
 DEFAULT_MAX_RELATIVE_ERROR = 1e-5
 
@@ -167,6 +170,22 @@ def _normalize_input_candidates(plan: Any) -> list[_Candidate]:
         for rewrite in plan.rewrites
         if rewrite.kind == NORMALIZE_KIND
     ]
+
+
+def _split_token_candidates(plan: Any) -> list[_Candidate]:
+    """The ``split_leading_token`` rewrites ``plan`` asks for, one per Linear."""
+    if plan is None:
+        return []
+    return [
+        _Candidate(SPLIT_KIND, [fqn], [fqn])
+        for rewrite in plan.rewrites
+        if rewrite.kind == SPLIT_KIND
+        for fqn in rewrite.modules
+    ]
+
+
+def _split_token(gm: fx.GraphModule, candidate: _Candidate) -> None:
+    split_leading_token(gm, candidate.modules[0])
 
 
 def _normalize_input(gm: fx.GraphModule, candidate: _Candidate) -> None:
@@ -364,6 +383,7 @@ _APPLY = {
     "fuse": _duplicate_fanout,
     "observe_input": _observe_input,
     NORMALIZE_KIND: _normalize_input,
+    SPLIT_KIND: _split_token,
 }
 
 
@@ -481,7 +501,7 @@ def _rewrite(
     current = _traced_copy(graph_module)
     # observe_input last: it names a conv module that a fold may create first, and its added
     # op would end the input's scaling front end that normalize_input follows
-    planned = [*_normalize_input_candidates(plan), *_observe_input_candidates(plan)]
+    planned = [*_normalize_input_candidates(plan), *_observe_input_candidates(plan), *_split_token_candidates(plan)]
     candidates = [c for c in [*find_rewrites(current), *planned] if wanted(c)]
     if candidates:
         reference = float_outputs(current, example_inputs)

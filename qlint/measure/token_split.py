@@ -1,0 +1,63 @@
+"""Split a Linear's leading token off: a float-exact rewrite for a token that dwarfs the others.
+
+In BERT-style encoders the first token ([CLS]) can carry activations 10-100x larger than
+every other token. A Linear's input is quantized with one range per tensor (per call when
+dynamic), so that one token sets the step for all the others. Because a Linear acts on the
+last dimension only, it can run on the two parts separately and the outputs be joined::
+
+    linear(x) = cat([linear(x[:, :1]), linear(x[:, 1:])], dim=1)
+
+The first part runs on a copy of the Linear (``<fqn>_qlint_token0``) that shares its weight
+and bias, so each part is quantized over its own range. The copy follows the original's
+qconfig (``qlint_fanout_of``, as the fan-out copies do): the rewrite changes no decision.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from qlint.errors import QlintError
+
+KIND = "split_leading_token"
+SUFFIX = "_qlint_token0"
+
+
+def copy_name(fqn: str) -> str:
+    return fqn.replace(".", "_") + SUFFIX
+
+
+def _shared_copy(linear: nn.Linear, origin: str) -> nn.Linear:
+    twin = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    twin.weight = linear.weight  # the same Parameter: no second copy of the weights in float
+    twin.bias = linear.bias
+    twin.qlint_fanout_of = origin  # type: ignore[assignment]  # read by fanout_follows_original
+    return twin
+
+
+def split_leading_token(gm: fx.GraphModule, fqn: str) -> None:
+    """Apply the rewrite to the one call of Linear ``fqn`` in ``gm``, in place (recompile after)."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == fqn]
+    module = gm.get_submodule(fqn) if calls else None
+    if len(calls) != 1 or not isinstance(module, nn.Linear):
+        raise QlintError(f"{KIND}: {fqn} is not a Linear called once")
+    node = calls[0]
+    if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+        raise QlintError(f"{KIND}: {fqn} is not called on one tensor")
+    source = node.args[0]
+    name = copy_name(fqn)
+    gm.add_submodule(name, _shared_copy(module, fqn))
+    graph = gm.graph
+    with graph.inserting_before(node):
+        lead = graph.call_function(operator.getitem, (source, (slice(None), slice(0, 1))))
+        rest = graph.call_function(operator.getitem, (source, (slice(None), slice(1, None))))
+        lead_out = graph.call_module(name, (lead,))
+    node.args = (rest,)
+    users = list(node.users)
+    with graph.inserting_after(node):
+        joined = graph.call_function(torch.cat, ([lead_out, node],), {"dim": 1})
+    for user in users:
+        user.replace_input_with(node, joined)

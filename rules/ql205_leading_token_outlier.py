@@ -1,0 +1,221 @@
+"""QL205 leading-token-outlier."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from pydantic import Field
+from torch.ao.quantization import QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
+
+from qlint.core.batches import call_model
+from qlint.linter.context import LintContext
+from qlint.linter.findings import Finding, LayerRow, Severity
+from qlint.linter.rule import Example, Need, Rule, RuleOptions
+
+
+class LeadingTokenOutlier(Rule):
+    """Flags Linear layers whose input's first token dwarfs every other token, where running
+    that token on its own copy of the layer gives the others their range back.
+
+    ## What it does
+    Runs the float model on the calibration data and, for every quantized Linear called on
+    a `(batch, tokens, features)` input, compares the largest magnitude of the first token
+    (`x[:, 0]`) with that of all the other tokens. It fires when the ratio reaches
+    `min_ratio`; the other tokens then lose `log2(ratio)` of their bits. All the flagged
+    Linears form one finding, whose fix is measured as a whole.
+
+    ## Why is this bad?
+    BERT-style encoders put very large activations on the first token ([CLS]): in
+    all-MiniLM-L6-v2 it reaches 100x the other tokens in the first layers. A Linear's input
+    gets one quantization range per tensor (per call, when dynamic), so the first token sets
+    the step and the other tokens keep a few levels. A Linear acts on the last dimension
+    only, so the first token can run on a copy of the layer that shares its weights, each
+    part with its own range, and the outputs be joined: exact in float.
+
+    ## Example
+    ```python
+    hidden = encoder_layer(hidden)      # hidden[:, 0] is 100x larger than hidden[:, 1:]
+    out = self.dense(hidden)            # one range for every token
+    ```
+
+    ## Use instead
+    The suggested `split_leading_token` rewrite (applied by `qlint verify`, `plan.quantize()`
+    and `qlint quantize`), or the same by hand:
+    ```python
+    out = torch.cat([self.dense_token0(hidden[:, :1]), self.dense(hidden[:, 1:])], dim=1)
+    ```
+
+    ## Options
+    - `min_ratio`: first-token magnitude over the other tokens' at which a Linear is flagged.
+
+    ## References
+    - Bondarenko et al., "Understanding and Overcoming the Challenges of Efficient Transformer Quantization" (2021)
+    - Sun et al., "Massive Activations in Large Language Models" (2024)
+    """
+
+    code = "QL205"
+    name = "leading-token-outlier"
+    summary = "A Linear's first input token is far larger than the others, so one range starves them."
+    severity = Severity.WARNING
+    requires = frozenset({Need.GRAPH, Need.QCONFIG, Need.STATISTICS, Need.MODEL})
+
+    class Options(RuleOptions):
+        min_ratio: float = Field(4.0, gt=1, description="First-token magnitude over the others' that flags a Linear.")
+
+    options: Options  # this rule's own Options, so the type checker knows its fields
+
+    def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
+        if ctx.model_factory is None:
+            return
+        model = ctx.model_factory()
+        if not isinstance(model, fx.GraphModule):
+            return
+        linears = [
+            fqn
+            for fqn in _called_once(model)
+            if any(node.is_quantized for node in ctx.graph.call_sites(fqn))
+            and isinstance(model.get_submodule(fqn), nn.Linear)
+        ]
+        batches = ctx.trial_bench.calibration if ctx.trial_bench is not None else [ctx.example_inputs or ()]
+        flagged: list[dict[str, Any]] = []
+        for fqn, (lead, rest) in measure(model, linears, batches).items():
+            ratio = lead / rest if rest > 0 else math.inf
+            hit = ratio >= self.options.min_ratio
+            if hit:
+                flagged.append({"target": fqn, "first_token": lead, "other_tokens": rest, "ratio": ratio})
+            yield LayerRow(
+                name=fqn,
+                kind="linear",
+                rule=self.code,
+                statistic="first token / other tokens (max |x|)",
+                value=ratio,
+                verdict="flagged" if hit else "ok",
+            )
+        if flagged:
+            yield self._finding(flagged)
+
+    def _finding(self, flagged: list[dict[str, Any]]) -> Finding:
+        worst = max(flagged, key=lambda layer: layer["ratio"])
+        bits = min(8.0, math.log2(worst["ratio"]))
+        message = (
+            f"the first token of the input of {len(flagged)} Linear layer(s) is far larger than the others: "
+            f"worst {worst['target']!r}, {worst['first_token']:.4g} against {worst['other_tokens']:.4g} "
+            f"({worst['ratio']:.1f}x). One quantization range for every token costs the others "
+            f"{bits:.1f} of their 8 bits. Run the first token on a weight-sharing copy of each layer, "
+            "exact in float: the split_leading_token rewrite."
+        )
+        return self.finding(
+            worst["target"],
+            message,
+            data={"kind": "leading-token-outlier", "layers": flagged, "bits_lost": bits},
+            suggestion={"action": "split_leading_token", "modules": [layer["target"] for layer in flagged]},
+        )
+
+
+def _called_once(model: fx.GraphModule) -> list[str]:
+    counts: dict[str, int] = {}
+    for node in model.graph.nodes:
+        if node.op == "call_module":
+            counts[str(node.target)] = counts.get(str(node.target), 0) + 1
+    return [fqn for fqn, count in counts.items() if count == 1]
+
+
+def measure(model: nn.Module, linears: Sequence[str], batches: Sequence[Any]) -> dict[str, tuple[float, float]]:
+    """Per Linear called on 3-D inputs: (max |x[:, 0]|, max |x[:, 1:]|) over ``batches``,
+    two running numbers per layer."""
+    found: dict[str, tuple[float, float]] = {}
+
+    def watch(fqn: str) -> Any:
+        def record(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] < 2:
+                return
+            lead, rest = float(x[:, 0].abs().max()), float(x[:, 1:].abs().max())
+            before = found.get(fqn, (0.0, 0.0))
+            found[fqn] = (max(before[0], lead), max(before[1], rest))
+
+        return model.get_submodule(fqn).register_forward_pre_hook(record)
+
+    handles = [watch(fqn) for fqn in linears]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                call_model(model.eval(), batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+class _TokenMixer(nn.Module):
+    """Two Linears on (batch, tokens, features), with a LayerNorm between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.up = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.down = nn.Linear(32, 16)
+        with torch.no_grad():
+            for layer in (self.up, self.down):
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) * 0.2)
+                layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.norm(self.up(x))))
+
+
+def _tokens(lead_scale: float):
+    def batches(count: int = 4) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(count):
+            x = torch.randn(4, 12, 16, generator=generator)
+            x[:, 0] *= lead_scale
+            out.append(x)
+        return out
+
+    return batches
+
+
+def _dynamic() -> QConfigMapping:
+    return QConfigMapping().set_object_type(nn.Linear, default_dynamic_qconfig)
+
+
+def _static() -> QConfigMapping:
+    return get_default_qconfig_mapping("x86")
+
+
+VALID = (
+    Example("tokens of one scale", _TokenMixer, lambda: (_tokens(1.0)(1)[0],), _dynamic, calibration=_tokens(1.0)),
+    Example(
+        "a 2-D input has no tokens to compare",
+        lambda: nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)),
+        lambda: (torch.randn(8, 16),),
+        _static,
+        calibration=lambda: [torch.randn(8, 16) * (10.0 if i == 0 else 1.0) for i in range(4)],
+    ),
+)
+INVALID = (
+    Example(
+        "the first token 50x the others, Linears dynamic",
+        _TokenMixer,
+        lambda: (_tokens(50.0)(1)[0],),
+        _dynamic,
+        calibration=_tokens(50.0),
+        flagged=("up",),
+    ),
+    Example(
+        "the first token 50x the others, static x86",
+        _TokenMixer,
+        lambda: (_tokens(50.0)(1)[0],),
+        _static,
+        calibration=_tokens(50.0),
+        flagged=("up",),
+    ),
+)
