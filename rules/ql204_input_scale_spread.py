@@ -9,7 +9,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 from pydantic import Field
 from torch.ao.quantization import get_default_qconfig_mapping
@@ -82,12 +81,10 @@ class InputScaleSpread(Rule):
     options: Options  # this rule's own Options, so the type checker knows its fields
 
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
-        if ctx.model_factory is None:
+        model = ctx.traced_model()
+        if model is None:
             return
-        model = ctx.model_factory()
-        if not isinstance(model, fx.GraphModule):
-            return
-        batches = _batches(ctx)
+        batches = ctx.data_batches()
         placeholders = [str(n.target) for n in model.graph.nodes if n.op == "placeholder"]
         for candidate in find_normalizable_inputs(model):
             if not any(node.is_quantized for node in _layer_nodes(ctx, candidate)):
@@ -133,15 +130,6 @@ class InputScaleSpread(Rule):
             },
             suggestion={"action": "normalize_input", "input": candidate.placeholder, "modules": candidate.layers},
         )
-
-
-def _batches(ctx: LintContext) -> list[Any]:
-    """Every batch the trial had: its calibration part and the later ones it evaluates on."""
-    if ctx.trial_bench is None:
-        return [ctx.example_inputs or ()]
-    calibration, evaluation = ctx.trial_bench.calibration, ctx.trial_bench.evaluation
-    seen = {id(batch) for batch in calibration}  # one batch can be both (a single-batch run)
-    return [*calibration, *(batch for batch in evaluation if id(batch) not in seen)]
 
 
 def _layer_nodes(ctx: LintContext, candidate: Candidate) -> list[Any]:

@@ -70,10 +70,8 @@ class LeadingTokenOutlier(Rule):
     options: Options  # this rule's own Options, so the type checker knows its fields
 
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
-        if ctx.model_factory is None:
-            return
-        model = ctx.model_factory()
-        if not isinstance(model, fx.GraphModule):
+        model = ctx.traced_model()
+        if model is None:
             return
         linears = [
             fqn
@@ -81,9 +79,8 @@ class LeadingTokenOutlier(Rule):
             if any(node.is_quantized for node in ctx.graph.call_sites(fqn))
             and isinstance(model.get_submodule(fqn), nn.Linear)
         ]
-        batches = ctx.trial_bench.calibration if ctx.trial_bench is not None else [ctx.example_inputs or ()]
         flagged: list[dict[str, Any]] = []
-        for fqn, (lead, rest) in measure(model, linears, batches).items():
+        for fqn, (lead, rest) in measure(model, linears, ctx.data_batches()).items():
             ratio = lead / rest if rest > 0 else math.inf
             hit = ratio >= self.options.min_ratio
             if hit:
@@ -142,10 +139,11 @@ def measure(model: nn.Module, linears: Sequence[str], batches: Sequence[Any]) ->
         return model.get_submodule(fqn).register_forward_pre_hook(record)
 
     handles = [watch(fqn) for fqn in linears]
+    model.eval()
     try:
         with torch.no_grad():
             for batch in batches:
-                call_model(model.eval(), batch)
+                call_model(model, batch)
     finally:
         for handle in handles:
             handle.remove()

@@ -6,6 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qlint.core.sqnr import SqnrSums
+
 
 def _init(module: nn.Module) -> nn.Module:
     torch.manual_seed(0)
@@ -214,3 +216,14 @@ def mobilenet_style(inplace=True):
                 module.weight.copy_(torch.rand(channels, generator=generator) + 0.5)
                 module.bias.copy_(torch.rand(channels, generator=generator) * 0.4 - 0.2)
     return model.eval()
+
+
+def output_sqnr(model, quantized, batches) -> float:
+    """Output SQNR (dB) of ``quantized`` against ``model`` over ``batches`` (tensors)."""
+    sums = SqnrSums()
+    with torch.no_grad():
+        for batch in batches:
+            sums.add(model(batch), quantized(batch))
+    db = sums.sqnr_db()
+    assert db is not None, "no floating-point outputs to compare"
+    return db

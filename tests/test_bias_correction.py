@@ -12,9 +12,8 @@ from torch.ao.quantization import get_default_qconfig_mapping
 
 from qlint.advice.plan import BiasCorrection, Provenance, QuantPlan, default_plan
 from qlint.advice.verify import verify
-from qlint.core.sqnr import SqnrSums
 from qlint.measure.trial import quantize_fx
-from tests.models import mobilenet_style
+from tests.models import mobilenet_style, output_sqnr
 
 
 class ConvNet(nn.Module):
@@ -105,14 +104,6 @@ def test_the_model_and_its_parameters_are_left_as_they_were():
     ).quantize(model, calibration)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
-
-
-def output_sqnr(model, quantized, batches) -> float:
-    sums = SqnrSums()
-    with torch.no_grad():
-        for batch in batches:
-            sums.add(model(batch), quantized(batch))
-    return sums.sqnr_db()
 
 
 def test_bias_correction_gains_on_held_out_data_and_round_trips():

@@ -15,9 +15,9 @@ from qlint.rules.ql204_input_scale_spread import _SpectrumFrontEnd, _SquashedFro
 
 import qlint
 from qlint.advice.plan import FloatFunction, Provenance, QuantPlan, Rewrite, default_plan, plan_from_report
-from qlint.core.sqnr import SqnrSums
 from qlint.linter.mapping import qconfig_mapping
 from qlint.measure.normalize import find_normalizable_inputs, helper_modules, normalize_input
+from tests.models import output_sqnr
 
 USER = [Provenance(source="user", detail="test")]
 
@@ -95,14 +95,7 @@ def test_no_candidate_where_the_front_end_does_not_scale_with_the_input(model):
 
 def _sqnr(plan: QuantPlan, calibration, held_out) -> float:
     model = _SpectrumFrontEnd().eval()
-    quantized = plan.quantize(model, calibration)
-    sums = SqnrSums()
-    with torch.no_grad():
-        for batch in held_out:
-            sums.add(model(batch), quantized(batch))
-    db = sums.sqnr_db()
-    assert db is not None
-    return db
+    return output_sqnr(model, plan.quantize(model, calibration), held_out)
 
 
 def test_the_rewrite_alone_gains_on_held_out_batches_and_its_arithmetic_stays_float():

@@ -12,7 +12,7 @@ import torch.nn as nn
 import qlint
 from qlint.advice.plan import default_plan, plan_from_report
 from qlint.measure.rewrite import apply_requested_rewrites
-from tests.test_bias_correction import output_sqnr
+from tests.models import output_sqnr
 
 
 class Relu6Net(nn.Module):

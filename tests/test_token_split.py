@@ -8,9 +8,9 @@ from qlint.rules.ql205_leading_token_outlier import _dynamic, _TokenMixer, _toke
 
 import qlint
 from qlint.advice.plan import ModuleDecision, Provenance, Rewrite, default_plan, plan_from_report
-from qlint.core.sqnr import SqnrSums
 from qlint.errors import QlintError
 from qlint.measure.token_split import copy_name, split_leading_token
+from tests.models import output_sqnr
 
 USER = [Provenance(source="user", detail="test")]
 
@@ -40,14 +40,7 @@ def test_the_split_is_exact_and_shares_the_weights():
 
 def _sqnr(plan, calibration) -> float:
     model = _TokenMixer().eval()
-    quantized = plan.quantize(model, calibration)
-    sums = SqnrSums()
-    with torch.no_grad():
-        for batch in _held_out():
-            sums.add(model(batch), quantized(batch))
-    db = sums.sqnr_db()
-    assert db is not None
-    return db
+    return output_sqnr(model, plan.quantize(model, calibration), _held_out())
 
 
 def test_the_copy_follows_the_original_decision_and_the_split_gains_on_held_out_batches():

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch.fx as fx
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.backends import BackendInfo
@@ -36,6 +37,21 @@ class LintContext:
     trial: TrialResult | None = None
     trial_bench: TrialBench | None = None  # for rules that measure their own fix (QL106)
     trial_skipped: str = "no trial quantization was run"
+
+    def traced_model(self) -> fx.GraphModule | None:
+        """A fresh private copy of the traced model when it is an fx GraphModule (rules that
+        walk or run the graph), else None."""
+        model = self.model_factory() if self.model_factory is not None else None
+        return model if isinstance(model, fx.GraphModule) else None
+
+    def data_batches(self) -> list[Any]:
+        """Every batch the trial had, its calibration part then the later ones it evaluates on
+        (the example inputs without a trial): for rules that measure the data themselves."""
+        if self.trial_bench is None:
+            return [self.example_inputs or ()]
+        calibration, evaluation = self.trial_bench.calibration, self.trial_bench.evaluation
+        seen = {id(batch) for batch in calibration}  # one batch can be both (a single-batch run)
+        return [*calibration, *(batch for batch in evaluation if id(batch) not in seen)]
 
     @property
     def eager_flow(self) -> bool:

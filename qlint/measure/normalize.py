@@ -219,11 +219,11 @@ def find_normalizable_inputs(gm: fx.GraphModule) -> Iterator[Candidate]:
 def normalize_input(gm: fx.GraphModule, placeholder: str, layers: list[str]) -> None:
     """Apply the rewrite to ``gm`` in place (recompile after); ``layers`` must be the
     candidate's biased layers, which the plan recorded."""
-    candidate = next((c for c in find_normalizable_inputs(gm) if c.placeholder == placeholder), None)
-    if candidate is None or sorted(candidate.layers) != sorted(layers):
-        raise QlintError(f"{KIND}: input {placeholder!r} no longer reaches {', '.join(layers)} through scaling ops")
     graph = gm.graph
-    source = next(n for n in graph.nodes if n.op == "placeholder" and n.target == placeholder)
+    source: fx.Node | None = next((n for n in graph.nodes if n.op == "placeholder" and n.target == placeholder), None)
+    ends = _region_ends(gm, source) if source is not None else None
+    if source is None or ends is None or sorted(str(n.target) for n in ends) != sorted(layers):
+        raise QlintError(f"{KIND}: input {placeholder!r} no longer reaches {', '.join(layers)} through scaling ops")
     gm.add_submodule(normalizer_name(placeholder), SampleNormalize())
     users = list(source.users)
     with graph.inserting_after(source):
@@ -234,7 +234,7 @@ def normalize_input(gm: fx.GraphModule, placeholder: str, layers: list[str]) -> 
         scale = graph.call_function(operator.getitem, (pair, 1))
     for user in users:
         user.replace_input_with(source, normalized)
-    for layer in candidate.layer_nodes:
+    for layer in ends:
         module = gm.get_submodule(str(layer.target))
         weight, bias = module.weight, module.bias
         if not (isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor)):
