@@ -15,7 +15,7 @@ held-out batches are used for nothing but the numbers printed here:
   and its ``generate_qconfig_mapping()``, quantized the same way;
 * **qlint**: ``qlint.lint`` with the calibration batches (its trial calibrates and evaluates
   on them) → ``plan_from_report`` → ``verify`` (decisions selected on the last 4 calibration
-  batches, ``--max-trials`` trial quantizations, ``--target-sqnr`` with at most 10% of
+  batches, ``--max-trials`` trial quantizations (verify's default), ``--target-sqnr`` with at most 10% of
   conv+linear layers float) → the verified plan as JSON → ``QuantPlan.quantize(model,
   calibration)``, the documented path, evaluated on the held-out batches.
 
@@ -264,10 +264,13 @@ def targets(default: dict[str, Any], anchor: dict[str, Any], ours: dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))
+    from qlint.advice.verify import DEFAULT_MAX_TRIALS  # verify's own default, unless --max-trials
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(REAL_MODELS))
     parser.add_argument("--real-models", default=DEFAULT_REAL_MODELS)
-    parser.add_argument("--max-trials", type=int, default=6)
+    parser.add_argument("--max-trials", type=int, default=DEFAULT_MAX_TRIALS)
     parser.add_argument("--target-sqnr", type=float, default=TARGET_DB)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)

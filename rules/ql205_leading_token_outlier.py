@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -14,8 +15,12 @@ from torch.ao.quantization import QConfigMapping, default_dynamic_qconfig, get_d
 
 from qlint.core.batches import call_model
 from qlint.linter.context import LintContext
-from qlint.linter.findings import Finding, LayerRow, Severity
+from qlint.linter.findings import Finding, Impact, LayerRow, Severity
+from qlint.linter.mapping import qconfig_mapping
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.suggestions import ModuleDecision, Provenance, Suggestions
+from qlint.measure.rewrite import fanout_follows_original
+from qlint.measure.token_split import split_leading_token
 
 
 class LeadingTokenOutlier(Rule):
@@ -35,7 +40,9 @@ class LeadingTokenOutlier(Rule):
     gets one quantization range per tensor (per call, when dynamic), so the first token sets
     the step and the other tokens keep a few levels. A Linear acts on the last dimension
     only, so the first token can run on a copy of the layer that shares its weights, each
-    part with its own range, and the outputs be joined: exact in float.
+    part with its own range, and the outputs be joined: exact in float. The split pays
+    where each call gets its own range, as a dynamic Linear does; under a static mapping
+    both parts read one observer (a slice shares its input's), so it gains little there.
 
     ## Example
     ```python
@@ -65,7 +72,9 @@ class LeadingTokenOutlier(Rule):
     requires = frozenset({Need.GRAPH, Need.QCONFIG, Need.STATISTICS, Need.MODEL})
 
     class Options(RuleOptions):
-        min_ratio: float = Field(4.0, gt=1, description="First-token magnitude over the others' that flags a Linear.")
+        min_ratio: float = Field(
+            2.0, gt=1, description="First-token magnitude over the others' that flags a Linear (2: one bit)."
+        )
 
     options: Options  # this rule's own Options, so the type checker knows its fields
 
@@ -94,9 +103,9 @@ class LeadingTokenOutlier(Rule):
                 verdict="flagged" if hit else "ok",
             )
         if flagged:
-            yield self._finding(flagged)
+            yield self._finding(ctx, flagged)
 
-    def _finding(self, flagged: list[dict[str, Any]]) -> Finding:
+    def _finding(self, ctx: LintContext, flagged: list[dict[str, Any]]) -> Finding:
         worst = max(flagged, key=lambda layer: layer["ratio"])
         bits = min(8.0, math.log2(worst["ratio"]))
         message = (
@@ -106,12 +115,62 @@ class LeadingTokenOutlier(Rule):
             f"{bits:.1f} of their 8 bits. Run the first token on a weight-sharing copy of each layer, "
             "exact in float: the split_leading_token rewrite."
         )
+        targets = [layer["target"] for layer in flagged]
+        impact, measured = _measure_split(ctx, targets)
         return self.finding(
             worst["target"],
-            message,
+            message + measured,
             data={"kind": "leading-token-outlier", "layers": flagged, "bits_lost": bits},
-            suggestion={"action": "split_leading_token", "modules": [layer["target"] for layer in flagged]},
+            suggestion={"action": "split_leading_token", "modules": targets},
+            impact=impact,
         )
+
+
+def _measure_split(ctx: LintContext, targets: Sequence[str]) -> tuple[Impact | None, str]:
+    """The split's measured gain (the larger of: under the intended mapping, and with every
+    Linear dynamic where the backend can), and a sentence that gives both; (None, "") without a trial."""
+    bench, intended, trial = ctx.trial_bench, ctx.qconfig_mapping, ctx.trial
+    if bench is None or intended is None or trial is None or trial.output_sqnr_db is None:
+        return None, ""
+    model = bench.model_factory()  # the model the trial quantized
+    if not isinstance(model, fx.GraphModule):
+        return None, ""
+    linears = [str(n.target) for n in model.graph.nodes if n.op == "call_module" and _is_linear(model, n)]
+    for fqn in targets:
+        split_leading_token(model, fqn)
+    model.recompile()
+    split = bench.variant(lambda: copy.deepcopy(model))
+    static = split.output_sqnr(fanout_follows_original(intended, model))
+    impact = (
+        None
+        if static is None
+        else Impact.measured(trial.output_sqnr_db, static, "rule-trial", "the split applied in a trial")
+    )
+    said = (
+        f" Measured: output SQNR {trial.output_sqnr_db:.2f} → "
+        + ("a failed conversion" if static is None else f"{static:.2f} dB")
+        + " with the split under the intended mapping"
+    )
+    if ctx.backend.has_dynamic_int8("linear"):
+        recipe = _dynamic_recipe(ctx.backend.name, list(dict.fromkeys(linears)))
+        before, after = bench.output_sqnr(recipe), split.output_sqnr(fanout_follows_original(recipe, model))
+        if before is not None and after is not None:
+            said += f"; {before:.2f} → {after:.2f} dB with every Linear dynamic and the rest float"
+            if impact is None or after - before > impact.db:
+                how = "the split applied in a trial with every Linear dynamic (torch's quantize_dynamic recipe)"
+                impact = Impact.measured(before, after, "rule-trial", how)
+    return impact, said + "."
+
+
+def _is_linear(model: fx.GraphModule, node: fx.Node) -> bool:
+    return isinstance(model.get_submodule(str(node.target)), nn.Linear)
+
+
+def _dynamic_recipe(backend: str, linears: Sequence[str]) -> QConfigMapping:
+    """torch's quantize_dynamic recipe as a mapping: every Linear dynamic int8, everything else float."""
+    measured = Provenance(source="measurement", detail="QL205 dynamic-recipe trial")
+    decisions = [ModuleDecision(fqn=fqn, mode="dynamic", provenance=[measured]) for fqn in linears]
+    return qconfig_mapping(Suggestions(backend=backend, modules=decisions, float_by_default=True))
 
 
 def _called_once(model: fx.GraphModule) -> list[str]:

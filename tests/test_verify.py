@@ -266,7 +266,8 @@ def test_a_plan_that_loses_to_the_default_as_a_whole_is_replaced_by_it():
         assert any("lost to the backend default" in note for note in result.notes)
     else:
         assert group[0].sqnr_without_db >= group[0].sqnr_with_db - 1e-3
-        assert not result.verified_plan.modules  # nothing the lint suggested survived
+        # nothing the lint suggested survived (verify's own scheme search may add decisions)
+        assert not [d for d in result.verified_plan.modules if any(p.source == "finding" for p in d.provenance)]
     assert result.plan.sqnr_db >= result.default.sqnr_db - 0.05
 
 

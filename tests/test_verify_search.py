@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from qlint.advice.plan import ModuleDecision, Provenance, default_plan
 from qlint.advice.verify import SQNR_TOLERANCE_DB, verify
+from qlint.advice.verify_session import Session
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -98,9 +99,12 @@ def test_every_rejected_flip_lowered_sqnr_or_coverage(drift_report):
             assert d.sqnr_with_db <= d.sqnr_without_db + SQNR_TOLERANCE_DB or "int8 conv+linear" in d.detail
 
 
-def test_search_keeps_no_flip_when_static_is_better():
+def test_search_keeps_no_flip_when_static_is_better(monkeypatch):
     """A large feature the layers ignore (zero weight column) shows up in a few rows: a percentile
     observer clips it, while dynamic quantization spends its whole per-batch range on it."""
+    import qlint.advice.verify_search as search
+
+    monkeypatch.setattr(search, "host_vnni", lambda: None)  # 7-bit activations throughout: only flips change
     torch.manual_seed(0)
     model = TwoHeads().eval()
     with torch.no_grad():
@@ -125,17 +129,18 @@ def test_search_keeps_no_flip_when_static_is_better():
     assert report.plan.sqnr_db == pytest.approx(report.requested.sqnr_db, abs=1e-3)
 
 
-def test_trial_budget_tries_the_lowest_sqnr_layer():
+def test_the_sensitivity_pass_orders_layers_by_their_own_error():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(5)
     batches = [(x, torch.randn(32, 16, generator=g)) for x in _drifting(g, 7)]
     # selection on the eval batches themselves, so that the report's per-layer table shows the ranking
-    report = verify(TwoInputs().eval(), None, batches[:4], batches[4:], selection_data=batches[4:], max_scheme_trials=1)
-    trials = _scheme(report)
-    assert len(trials) == 1
+    report = verify(TwoInputs().eval(), None, batches[:4], batches[4:], selection_data=batches[4:], max_scheme_trials=0)
     by_layer = {row.fqn: row.default_sqnr_db for row in report.layers}
     assert by_layer["fc_a"] < by_layer["fc_b"]  # the drifting one; graph order alone would pick fc_b
-    assert trials[0].target == "fc_a"
+    # with fewer trials than candidates, the search tries the layers in this order
+    session = Session(TwoInputs().eval(), batches[:4], batches[4:], batches[4:], max_trials=1)
+    assert session.sensitivity_order(default_plan("x86"), ["fc_b", "fc_a"]) == ["fc_a", "fc_b"]
+    assert session.trials == 1  # the sensitivity pass is a quantization like any trial's
 
 
 def test_no_prune_leaves_plan_decisions_unflipped(drift):
@@ -188,3 +193,26 @@ def test_search_finds_the_quantize_dynamic_recipe_where_static_ops_cannot_stay()
     assert mapping.global_qconfig is None and not mapping.object_type_qconfigs
     assert set(mapping.module_name_qconfigs) == {"fc_a", "fc_b"}
     assert "QConfigMapping()" in plan.to_python()
+
+
+@pytest.mark.parametrize("vnni", ["avx512_vnni", None])
+def test_8_bit_activations_are_tried_only_on_a_vnni_cpu(monkeypatch, vnni):
+    """x86 quantizes activations to 7 bits for CPUs whose kernels sum in 16 bits; on a CPU with
+    VNNI verify measures the eighth bit, and the kept plan says which CPUs it needs."""
+    import qlint.advice.verify_search as search
+
+    monkeypatch.setattr(search, "host_vnni", lambda: vnni)  # our CPU probe, not torch
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    g = torch.Generator().manual_seed(1)
+    calibration, eval_data = [torch.randn(64, 16, generator=g) for _ in range(6)], [torch.randn(64, 16, generator=g)]
+    report = verify(model, None, calibration, eval_data, search_schemes=False)
+    tried = [d for d in report.decisions if d.kind == "activation_bits"]
+    if vnni is None:
+        assert tried == [] and report.verified_plan.activation.reduce_range
+        return
+    (decision,) = tried
+    assert decision.kept and decision.sqnr_with_db > decision.sqnr_without_db + 3.0  # one bit is ~6 dB
+    assert not report.verified_plan.activation.reduce_range
+    assert any("VNNI" in note for note in report.verified_plan.notes)
+    assert report.plan.sqnr_db > report.default.sqnr_db + 3.0

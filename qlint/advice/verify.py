@@ -16,17 +16,23 @@ users: the plan's float-preserving rewrites, equalization and mapping, calibrate
 A model whose default quantization fails (``.view`` on a quantized tensor, a missing
 kernel) is reported as failed, and the plan is still measured.
 
-Then it improves the plan within a budget of ``max_trials`` trial quantizations:
+Then it improves the plan within a budget of ``max_trials`` trial quantizations, shared
+in order (``max_prune_trials`` for the first two steps, ``max_scheme_trials`` for the third,
+the rest for the last):
 
-1. **prune**: each decision (module decision, equalization pair, rewrite) is dropped when
+1. **bias correction**: one trial, kept when it gains more than 0.1 dB;
+2. **prune**: each decision (module decision, equalization pair, rewrite) is dropped when
    removing it does not lower SQNR. Decisions are tried from the least measured gain up
    (lint measured each finding's fix; unmeasured decisions come first), so the budget goes
    where a decision is most likely useless. A plan that as a whole loses to the default is
    replaced by it (no trial: the default is measured anyway).
-2. **scheme search**: Linears flipped static <-> dynamic where that raises SQNR
-   (:func:`qlint.advice.verify_search.scheme_search`).
-3. **target fallback**: with ``target_sqnr``, the most sensitive conv/linear layers kept
-   float, as few as reach the target (:func:`qlint.advice.verify_search.float_fallback`).
+3. **scheme search**: Linears flipped static <-> dynamic where that raises SQNR
+   (:func:`qlint.advice.verify_search.scheme_search`). When a flip is kept, what the two
+   steps before rejected is tried once more on top of it, in one trial: a decision's worth
+   depends on the scheme (a token split gains nothing under one static range).
+4. **target fallback**: with ``target_sqnr``, the layers with the most error of their own
+   kept float, one at a time while the output SQNR rises, until the target is met or the
+   float-layer budget is spent (:func:`qlint.advice.verify_search.float_fallback`).
 
 Decisions are selected on the **selection** batches (by default the last calibration
 batches; ``selection_data`` to pass others). The report's numbers come from ``eval_data``,
@@ -42,6 +48,7 @@ from typing import Any
 import torch.nn as nn
 
 from qlint.advice.plan import (
+    BiasCorrection,
     EqualizationPair,
     FloatFunction,
     ModuleDecision,
@@ -51,7 +58,7 @@ from qlint.advice.plan import (
     default_plan,
 )
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, RunResult, VerifyReport
-from qlint.advice.verify_search import bias_correction_step, float_fallback, scheme_search
+from qlint.advice.verify_search import activation_bits_step, bias_correction_step, float_fallback, scheme_search
 from qlint.advice.verify_session import (
     FAILED,
     SQNR_TOLERANCE_DB,
@@ -67,7 +74,11 @@ from qlint.advice.verify_session import (
 from qlint.core.preserve import preserved_state
 from qlint.measure.rewrite import AppliedRewrite, apply_rewrites, rewrite_key
 
-DEFAULT_MAX_TRIALS = 6  # trial quantizations beyond the default, the plan as given and the verified plan
+DEFAULT_MAX_TRIALS = 10  # trial quantizations beyond the default, the plan as given and the verified plan
+# Shares of that budget, taken in order (a smaller budget goes to the first steps): bias
+# correction and pruning, then the scheme search, then the target-SQNR fallback (the rest).
+DEFAULT_PRUNE_TRIALS = 6
+DEFAULT_SCHEME_TRIALS = 4
 SELECTION_BATCHES = 4  # calibration batches (the last ones) that select decisions by default
 
 _Item = ModuleDecision | EqualizationPair | Rewrite | FloatFunction
@@ -107,6 +118,15 @@ class _Decision:
         gains = [p.gain_db for p in self.item.provenance if p.gain_db is not None]
         return max(gains) if gains else FAILED
 
+    def added_to(self, plan: QuantPlan) -> QuantPlan:
+        if isinstance(self.item, ModuleDecision):
+            return plan.model_copy(update={"modules": [*plan.modules, self.item]})
+        if isinstance(self.item, EqualizationPair):
+            return plan.model_copy(update={"equalization": [*plan.equalization, self.item]})
+        if isinstance(self.item, FloatFunction):
+            return plan.model_copy(update={"float_functions": [*plan.float_functions, self.item]})
+        return plan.model_copy(update={"rewrites": [*plan.rewrites, self.item]})
+
     def removed_from(self, plan: QuantPlan) -> QuantPlan:
         if isinstance(self.item, ModuleDecision):
             return plan.model_copy(update={"modules": [d for d in plan.modules if d != self.item]})
@@ -133,12 +153,15 @@ def _prune(
     default: Measured,
     outcomes: list[DecisionOutcome],
     notes: list[str],
-) -> tuple[QuantPlan, float]:
-    """Drop every decision whose removal does not lower SQNR (within the trial budget), then
-    fall back to the backend default when the pruned plan as a whole loses to it."""
+    until: int,
+) -> tuple[QuantPlan, float, list[_Decision]]:
+    """Drop every decision whose removal does not lower SQNR (until the trial count reaches
+    ``until``), then fall back to the backend default when the pruned plan as a whole loses
+    to it. Returns (plan, its SQNR, the decisions dropped one by one)."""
     decisions = _decisions(plan)
+    dropped: list[_Decision] = []
     unmeasured = [d for d in decisions if d.measured_gain == FAILED]
-    if len(unmeasured) > 1 and session.can_try():
+    if len(unmeasured) > 1 and session.can_try(until):
         # One trial first for every decision no measurement credited (rewrites found in the graph,
         # user decisions): when dropping them all costs nothing, none is worth a trial of its own.
         trial = plan
@@ -160,9 +183,9 @@ def _prune(
             plan, best = trial, max(best, without)
             decisions = [d for d in decisions if d not in unmeasured]
     for done, decision in enumerate(decisions):
-        if not session.can_try():
+        if not session.can_try(until):
             notes.append(
-                f"pruning stopped at the trial budget ({session.max_trials}): {len(decisions) - done} decision(s) "
+                f"pruning stopped at its share of the trial budget: {len(decisions) - done} decision(s) "
                 "with the most measured gain were kept without a trial of their own"
             )
             break
@@ -181,6 +204,7 @@ def _prune(
         )
         if drop:
             plan, best = trial, max(best, without)
+            dropped.append(decision)
     # Every kept decision helps given the others, yet decisions interact: together they
     # can still lose to the backend default. Then none of them is worth keeping.
     if best < default.selection_sqnr - SQNR_TOLERANCE_DB:
@@ -198,8 +222,44 @@ def _prune(
             f"the pruned plan ({best:.2f} dB) lost to the backend default ({default.selection_sqnr:.2f} dB) "
             "on the selection batches: verify continued from the default"
         )
-        return default_plan(plan.backend, model=plan.model), default.selection_sqnr
-    return plan, best
+        return default_plan(plan.backend, model=plan.model), default.selection_sqnr, []
+    return plan, best, dropped
+
+
+def _retry_dropped(
+    session: Session,
+    plan: QuantPlan,
+    best: float,
+    dropped: Sequence[_Decision],
+    bias_rejected: bool,
+    until: int,
+) -> tuple[QuantPlan, float, DecisionOutcome | None]:
+    """One trial of ``plan`` with what pruning dropped and, when its trial lost, bias correction,
+    all added back: kept when it gains. Decisions interact, and the scheme search can change
+    what a decision does (a token split is worth nothing while its Linear's input has one
+    static range, and several dB once the Linear quantizes each call dynamically)."""
+    taken = {d.fqn for d in plan.modules}
+    back = [d for d in dropped if not (isinstance(d.item, ModuleDecision) and d.item.fqn in taken)]
+    if not (back or bias_rejected) or not session.can_try(until):
+        return plan, best, None
+    trial = plan
+    for decision in back:
+        trial = decision.added_to(trial)
+    if bias_rejected:
+        tried = Provenance(source="measurement", detail="qlint verify: retried after the scheme search")
+        trial = trial.model_copy(update={"bias_correction": BiasCorrection(provenance=[tried])})
+    value = session.trial(f"{len(back)} dropped decision(s) again", trial).selection_sqnr
+    keep = value > best + SQNR_TOLERANCE_DB
+    what = [d.target for d in back] + (["bias correction"] if bias_rejected else [])
+    outcome = DecisionOutcome(
+        kind="group",
+        target=f"{len(what)} decision(s) dropped before the scheme search",
+        kept=keep,
+        sqnr_with_db=_rounded(value),
+        sqnr_without_db=_rounded(best),
+        detail=", ".join(what)[:300],
+    )
+    return (trial, value, outcome) if keep else (plan, best, outcome)
 
 
 def _rounded(value: float) -> float | None:
@@ -275,10 +335,11 @@ def verify(
     equalization_qconfig: Any = None,
     prune: bool = True,
     max_trials: int = DEFAULT_MAX_TRIALS,
+    max_prune_trials: int = DEFAULT_PRUNE_TRIALS,
     max_float_fraction: float = 1.0,
-    max_sensitivity_trials: int = 12,
+    max_sensitivity_trials: int = DEFAULT_MAX_TRIALS,
     search_schemes: bool = True,
-    max_scheme_trials: int = 24,
+    max_scheme_trials: int = DEFAULT_SCHEME_TRIALS,
     bias_correction: bool = True,
     model_name: str | None = None,
     progress: Progress | None = None,
@@ -289,8 +350,9 @@ def verify(
     tensor, a tuple of positional tensors, or a dict of keyword tensors). Decisions are
     chosen on ``selection_data`` (default: the last ``SELECTION_BATCHES`` calibration
     batches) and the report's numbers come from ``eval_data``. ``max_trials`` bounds the
-    trial quantizations of pruning and both searches together (``max_scheme_trials`` and
-    ``max_sensitivity_trials`` bound each search within it). ``eval_fn(quantized_model,
+    trial quantizations of every step together; within it, bias correction and pruning take
+    at most ``max_prune_trials``, the scheme search ``max_scheme_trials``, and the target
+    fallback what is left (at most ``max_sensitivity_trials``). ``eval_fn(quantized_model,
     eval_data) -> float`` adds the user's metric (also computed for the float model).
     The plan's equalization pairs are realized by :func:`qlint.measure.rewrite.apply_equalization`
     (a float-preserving cross-layer rescale using calibration ranges); pass torch's
@@ -334,6 +396,7 @@ def verify(
             selected_on=selected_on,
             target_sqnr=target_sqnr,
             prune=prune,
+            max_prune_trials=max_prune_trials,
             max_float_fraction=max_float_fraction,
             max_sensitivity_trials=max_sensitivity_trials,
             search_schemes=search_schemes,
@@ -350,6 +413,7 @@ def _verify(
     selected_on: str,
     target_sqnr: float | None,
     prune: bool,
+    max_prune_trials: int,
     max_float_fraction: float,
     max_sensitivity_trials: int,
     search_schemes: bool,
@@ -370,16 +434,29 @@ def _verify(
 
     # 2. bias correction (one trial, first in the budget; --no-prune keeps a plan's own), then pruning
     outcomes: list[DecisionOutcome] = []
+    until = session.share(max_prune_trials)
+    dropped: list[_Decision] = []
     if bias_correction and (prune or current.bias_correction is None):
-        current, best, outcomes = bias_correction_step(session, current, best)
+        current, best, outcomes = bias_correction_step(session, current, best, until)
+    bias_rejected = bias_correction and prune and current.bias_correction is None and bool(outcomes)
     if prune:
-        current, best = _prune(session, current, best, default, outcomes, notes)
-
-    # 3. scheme search, then the target-SQNR fallback (qlint/advice/verify_search.py)
-    if search_schemes:
-        frozen = [] if prune else [d.fqn for d in plan.modules]  # --no-prune: plan decisions stay as given
-        current, best, tried = scheme_search(session, current, best, max_trials=max_scheme_trials, frozen=frozen)
+        current, best, tried = activation_bits_step(session, current, best, until)
         outcomes += tried
+    if prune:
+        current, best, dropped = _prune(session, current, best, default, outcomes, notes, until)
+
+    # 3. scheme search, what it makes worth trying again, then the target-SQNR fallback
+    if search_schemes:
+        until = session.share(max_scheme_trials)
+        frozen = [] if prune else [d.fqn for d in plan.modules]  # --no-prune: plan decisions stay as given
+        searched, after, tried = scheme_search(
+            session, current, best, max_trials=max_scheme_trials, frozen=frozen, until=until
+        )
+        outcomes += tried
+        if searched is not current:  # a flip was kept: what the flip changes may revive a dropped decision
+            current, best = searched, after
+            current, best, retried = _retry_dropped(session, current, best, dropped, bias_rejected, session.max_trials)
+            outcomes += [retried] if retried else []
     kept_float: list[str] = []
     target_met: bool | None = None
     if target_sqnr is not None:

@@ -36,7 +36,9 @@ class LayerComparison(_Model):
 
 
 class DecisionOutcome(_Model):
-    kind: str  # module | equalization | rewrite | group | plan | bias_correction | scheme | keep_float
+    kind: (
+        str  # module | equalization | rewrite | group | plan | bias_correction | activation_bits | scheme | keep_float
+    )
     target: str
     kept: bool
     sqnr_with_db: float | None = None

@@ -22,9 +22,10 @@ Then, after greedy pruning:
    (no clipping, no histogram guess) and its output stays float, which removes one
    per-tensor requantization (e.g. of the model output).
 2. **Target-SQNR float fallback** (:func:`float_fallback`). When a target is given and
-   not met, the layers whose float fallback alone gains most are kept float, as few as
-   reach the target, within a budget of conv+linear layers. Dynamic layers are candidates
-   like static ones.
+   not met, one sensitivity pass measures each quantized layer's own (shadow) SQNR; the
+   worst layers are then kept float one at a time, each kept when the output SQNR rises,
+   until the target is met or the budget of conv+linear layers is spent. Dynamic layers are
+   candidates like static ones.
 
 Every trial is recorded as a :class:`~qlint.advice.verify.DecisionOutcome` (kind
 ``bias_correction``, ``scheme`` or ``keep_float``); kept decisions carry a ``Provenance(source="measurement")``.
@@ -37,10 +38,10 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
-from qlint.advice.plan import BiasCorrection, ModuleDecision, Provenance, QuantPlan
+from qlint.advice.plan import ActivationSpec, BiasCorrection, ModuleDecision, Provenance, QuantPlan
 from qlint.advice.verify_report import DecisionOutcome
-from qlint.advice.verify_session import SQNR_TOLERANCE_DB, Session, conv_linear_modules, functional_owners
-from qlint.core.backends import backend_info
+from qlint.advice.verify_session import FAILED, SQNR_TOLERANCE_DB, Session, conv_linear_modules, functional_owners
+from qlint.core.backends import backend_info, host_vnni
 from qlint.core.ops import CONV_OR_LINEAR_KINDS, NORM_KINDS, module_kind
 
 # Op kinds the search may flip. LSTM/GRU also have dynamic kernels, but FX leaves them
@@ -49,16 +50,9 @@ _DYNAMIC_KINDS = ("linear",)
 BIAS_CORRECTION_MIN_GAIN_DB = 0.1
 
 
-def _dynamic_int8(backend: str, kind: str) -> bool:
-    return any(
-        o.is_dynamic and o.input_dtype == "torch.quint8" and o.weight_dtype == "torch.qint8"
-        for o in backend_info(backend).dtype_options(kind)
-    )
-
-
 def scheme_candidates(gm: fx.GraphModule, plan: QuantPlan, backend: str, frozen: Sequence[str] = ()) -> list[str]:
     """Called modules (graph order) that can run static or dynamic int8 and that the plan quantizes."""
-    kinds = [kind for kind in _DYNAMIC_KINDS if _dynamic_int8(backend, kind)]
+    kinds = [kind for kind in _DYNAMIC_KINDS if backend_info(backend).has_dynamic_int8(kind)]
     called = dict.fromkeys(str(n.target) for n in gm.graph.nodes if n.op == "call_module")
     out = []
     for fqn in called:
@@ -103,12 +97,12 @@ def _flipped(plan: QuantPlan, fqns: Sequence[str], gain: float) -> QuantPlan:
 
 
 def bias_correction_step(
-    session: Session, plan: QuantPlan, best: float
+    session: Session, plan: QuantPlan, best: float, until: int | None = None
 ) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
     """The plan with bias correction switched, measured once; returns (plan, its SQNR, outcomes).
 
     Bias correction is kept on only when measured to gain more than ``BIAS_CORRECTION_MIN_GAIN_DB``."""
-    if not session.can_try():
+    if not session.can_try(until):
         return plan, best, []
     trying_on = plan.bias_correction is None
     tried = Provenance(source="measurement", detail="qlint verify bias-correction trial")
@@ -138,8 +132,63 @@ def bias_correction_step(
     return plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[*earlier, measured])}), on, [outcome]
 
 
+def activation_bits_step(
+    session: Session, plan: QuantPlan, best: float, until: int | None = None
+) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
+    """8-bit activations instead of 7 (``reduce_range=False``), measured once; returns (plan,
+    its SQNR, outcomes).
+
+    x86/fbgemm default to 7-bit activations because, on CPUs without VNNI, their kernels add
+    pairs of u8*s8 products in 16 bits, which 8-bit activations can saturate. With VNNI the
+    products accumulate in 32 bits, and torch's own onednn default is 8-bit. Tried only on a
+    host that has VNNI (the kernels measured are the ones that run here), and the kept
+    decision says which CPUs it needs. Fixed-qparams activations keep their range."""
+    vnni = host_vnni()
+    if vnni is None or not backend_info(plan.backend).wants_reduce_range or not session.can_try(until):
+        return plan, best, []
+    trial = _full_range(plan)
+    if trial == plan:
+        return plan, best, []
+    value = session.trial("8-bit activations", trial).selection_sqnr
+    keep = value > best + SQNR_TOLERANCE_DB
+    outcome = DecisionOutcome(
+        kind="activation_bits",
+        target="every 7-bit activation observer",
+        kept=keep,
+        sqnr_with_db=round(value, 4),
+        sqnr_without_db=round(best, 4),
+        detail=f"reduce_range=False; safe on CPUs with VNNI (this one has {vnni}), not on older x86",
+    )
+    if not keep:
+        return plan, best, [outcome]
+    note = (
+        f"8-bit activations (reduce_range=False), measured +{value - best:.2f} dB on a CPU with {vnni}: "
+        "deploy on CPUs with VNNI (AVX512-VNNI, AVX-VNNI or AMX); without it fbgemm's 16-bit sums can saturate"
+    )
+    return trial.model_copy(update={"notes": [*trial.notes, note]}), value, [outcome]
+
+
+def _full_range(plan: QuantPlan) -> QuantPlan:
+    """``plan`` with every observed (not fixed-qparams) 7-bit activation spec made 8-bit."""
+
+    def widened(spec: ActivationSpec) -> ActivationSpec:
+        return spec.changed(reduce_range=False) if spec.reduce_range and spec.observer != "fixed" else spec
+
+    modules = [
+        d.model_copy(update={"activation": widened(d.activation)}) if d.activation is not None else d
+        for d in plan.modules
+    ]
+    return plan.model_copy(update={"activation": widened(plan.activation), "modules": modules})
+
+
 def scheme_search(
-    session: Session, plan: QuantPlan, best: float, *, max_trials: int, frozen: Sequence[str] = ()
+    session: Session,
+    plan: QuantPlan,
+    best: float,
+    *,
+    max_trials: int,
+    frozen: Sequence[str] = (),
+    until: int | None = None,
 ) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
     """Static <-> dynamic flips of Linear layers; returns (plan, its SQNR, one outcome per trial).
 
@@ -154,34 +203,29 @@ def scheme_search(
     dynamic" is not monotone in k, and only all of them together beat the static plan by
     the most). So:
 
-    1. one group trial first: every candidate dynamic at once (torch's classic
-       ``quantize_dynamic`` recipe for Linear layers), kept on the same rule;
+    1. one group trial first: every candidate dynamic at once, kept on the same rule; when
+       it is not kept, torch's ``quantize_dynamic`` recipe (every Linear dynamic, everything
+       else float), kept on the same rule;
     2. then single flips, from the model's output backwards (reverse graph order), so
        that a flip to dynamic meets consumers that are already dynamic, and a flip back
        to static is tried where the chain starts;
     3. when that pass keeps a flip, the layers it rejected *before* its last kept flip
        (they were measured against an older plan) are tried once more.
 
-    At most ``max_trials`` trial quantizations in all, within the session's budget; with
-    more candidates than that, the ones with the lowest per-layer activation SQNR under
-    ``plan`` (on the selection batches) are searched; the ``quantize_dynamic`` recipe's group
-    trial takes every Linear.
+    At most ``max_trials`` trial quantizations in all (and none past the trial count
+    ``until``); with more single-flip candidates than the trials left, a sensitivity pass
+    picks the ones with the lowest own (shadow) SQNR under ``plan``.
     No randomness: the result depends only on the measurements.
     """
     every = scheme_candidates(session.traced, plan, plan.backend, frozen)
-    candidates = every
-    if not candidates or max_trials <= 0 or not session.can_try():
+    end = session.share(max_trials) if until is None else min(until, session.share(max_trials))
+    if not every or not session.can_try(end):
         return plan, best, []
-    if len(candidates) > max_trials:
-        chosen = set(session.sensitivity_order(plan, candidates)[:max_trials])
-        candidates = [f for f in candidates if f in chosen]
     int8 = session.measure("current plan", plan, evaluate=False).result.int8_layers
     outcomes: list[DecisionOutcome] = []
-    trials = 0
 
     def attempt(fqns: list[str], note: str, float_rest: bool = False) -> bool:
-        nonlocal plan, best, int8, trials
-        trials += 1
+        nonlocal plan, best, int8
         before = _mode(plan, fqns[0])
         trial = _flipped(plan, fqns, 0.0)
         if float_rest:
@@ -209,22 +253,24 @@ def scheme_search(
                 plan = plan.model_copy(update={"float_by_default": True})
         return keep
 
-    static = [f for f in candidates[::-1] if _mode(plan, f) == "static"]
-    if len(static) > 1 and session.can_try():
+    static = [f for f in every[::-1] if _mode(plan, f) == "static"]
+    if len(static) > 1:
         kept = attempt(static, f", all {len(static)} at once")
-        if not kept and not plan.float_by_default and session.can_try() and trials < max_trials:
-            # torch's quantize_dynamic recipe, over every Linear (a Linear left out would go
-            # float): a static op between dynamic Linears hands them quantized tensors they have
-            # no kernel for, so the rest stays float; kept only where int8 coverage does not
-            # fall (a model whose convs would go float is refused)
-            everyone = [f for f in every[::-1] if _mode(plan, f) == "static"]
-            attempt(everyone, f", all {len(everyone)} at once, everything else float", float_rest=True)
+        if not kept and not plan.float_by_default and session.can_try(end):
+            # torch's quantize_dynamic recipe: a static op between dynamic Linears hands them
+            # quantized tensors they have no kernel for, so the rest stays float; kept only
+            # where int8 coverage does not fall (a model whose convs would go float is refused)
+            attempt(static, f", all {len(static)} at once, everything else float", float_rest=True)
+    candidates = every
+    if len(candidates) > end - session.trials >= 2:  # the sensitivity pass is a trial of its own
+        chosen = set(session.sensitivity_order(plan, candidates)[: end - session.trials])
+        candidates = [f for f in candidates if f in chosen]
     pending = candidates[::-1]
     for note in ("", " (pass 2)"):
         rejected: list[str] = []
         retry: list[str] = []
         for fqn in pending:
-            if trials >= max_trials or not session.can_try():
+            if not session.can_try(end):
                 break
             if attempt([fqn], note):
                 retry = list(rejected)
@@ -270,61 +316,94 @@ def float_fallback(
     max_trials: int,
     total_layers: int,
 ) -> tuple[QuantPlan, float, list[str], list[DecisionOutcome], str | None]:
-    """Keep the most sensitive layers float until ``target_sqnr`` is met.
+    """Keep the layers that add the most error float, one at a time, until ``target_sqnr`` is met.
 
     Returns (plan, its SQNR, layers kept float, outcomes, a note when the target is missed).
-    At most ``max_float_fraction`` of the ``total_layers`` conv+linear layers are kept float
-    (norm layers cost no coverage); with more candidates than ``max_trials``, the ones
-    with the lowest per-layer SQNR are measured.
+    One sensitivity pass (a trial) measures every candidate's own (shadow) SQNR under the
+    plan; then the layers are tried from the worst up, each on top of those kept before, and
+    kept when the output SQNR rises. At most ``max_float_fraction`` of the ``total_layers``
+    conv+linear layers are kept float (norm layers cost no coverage), with at most
+    ``max_trials`` trials in all. When the target is out of reach, the fallback still keeps
+    each layer that gains within that budget: a better model at nearly the same coverage.
+
+    The pass is skipped when even removing the error of every layer the budget allows could
+    not gain ``MIN_FALLBACK_GAIN_DB`` (assuming each layer's relative error reaches the output
+    unchanged, as the lint impact estimate does): the trials would be spent for nothing.
     """
     outcomes: list[DecisionOutcome] = []
     kept_float: list[str] = []
     conv_linear = set(conv_linear_modules(session.traced)) | set(functional_owners(session.traced))
-    candidates = [
-        f for f in _fallback_candidates(session.traced) if (decision := plan.decision(f)) is None or decision.quantize
-    ]
+    candidates = [f for f in _fallback_candidates(session.traced) if _quantized_by(plan, f)]
     budget = int(math.floor(max_float_fraction * max(1, total_layers) + 1e-9))
-    if best < target_sqnr and candidates and session.can_try():
-        if len(candidates) > max_trials:
-            candidates = session.sensitivity_order(plan, candidates)[:max_trials]
-        gains: dict[str, float] = {}
-        for fqn in candidates:  # most sensitive first: the budget goes where a fallback can gain most
-            if not session.can_try():
+    end = session.share(max_trials)
+    note = None
+    if best < target_sqnr and candidates and budget > 0 and best > FAILED and session.can_try(end - 1):
+        own = session.own_errors(plan, candidates)
+        ranked = _affordable(sorted(own, key=lambda f: own[f]), conv_linear, budget)[: max(0, end - session.trials)]
+        predicted = _predicted_gain(best, [own[f] for f in ranked])
+        if predicted < MIN_FALLBACK_GAIN_DB:
+            ranked = []
+            note = (
+                f"the target fallback tried no layer: keeping the {len(own)} measured layers' worst float "
+                f"could gain about {predicted:.2f} dB at most"
+            )
+        for fqn in ranked:
+            if best >= target_sqnr or not session.can_try(end):
                 break
-            gains[fqn] = session.trial(f"{fqn} kept float", _keep_float(plan, fqn, 0.0)).selection_sqnr - best
-        candidates = list(gains)
-        used = 0
-        for fqn in sorted(candidates, key=lambda f: -gains[f]):
-            if best >= target_sqnr or gains[fqn] <= SQNR_TOLERANCE_DB:
-                break
-            costs = fqn in conv_linear
-            if costs and used >= budget:
-                continue
-            trial = _keep_float(plan, fqn, gains[fqn])
-            if not session.known(trial) and not session.can_try():
-                break
+            trial = _keep_float(plan, fqn, 0.0)
             value = session.trial(f"{', '.join([*kept_float, fqn])} kept float", trial).selection_sqnr
+            keep = value > best + SQNR_TOLERANCE_DB
             outcomes.append(
                 DecisionOutcome(
                     kind="keep_float",
                     target=fqn,
-                    kept=value > best,
+                    kept=keep,
                     sqnr_with_db=round(value, 4),
                     sqnr_without_db=round(best, 4),
-                    detail=f"alone: {gains[fqn]:+.2f} dB",
+                    detail=f"own SQNR {own[fqn]:.2f} dB",
                 )
             )
-            if value > best:
-                plan, best = trial, value
+            if keep:
+                plan, best = _keep_float(plan, fqn, value - best), value
                 kept_float.append(fqn)
-                used += int(costs)
-    note = None
     if best < target_sqnr:
-        note = (
+        note = note or (
             f"target {target_sqnr:g} dB not reached: best {best:.2f} dB with {len(kept_float)} "
             f"layer(s) kept float (conv/linear budget {budget})"
         )
     return plan, best, kept_float, outcomes, note
 
 
-__all__ = ["bias_correction_step", "scheme_search", "scheme_candidates", "float_fallback"]
+MIN_FALLBACK_GAIN_DB = 0.5
+
+
+def _quantized_by(plan: QuantPlan, fqn: str) -> bool:
+    """Whether ``plan`` quantizes module ``fqn`` (a float-by-default plan only what it lists)."""
+    decision = plan.decision(fqn)
+    if decision is None:
+        return not plan.float_by_default
+    return decision.quantize
+
+
+def _affordable(ranked: Sequence[str], conv_linear: set[str], budget: int) -> list[str]:
+    """``ranked`` cut where the conv/linear budget runs out (norm layers cost no coverage)."""
+    out, used = [], 0
+    for fqn in ranked:
+        costs = fqn in conv_linear
+        if costs and used >= budget:
+            continue
+        out.append(fqn)
+        used += int(costs)
+    return out
+
+
+def _predicted_gain(output_db: float, own_db: Sequence[float]) -> float:
+    """Output SQNR gained if the layers with these own SQNRs added no error: each layer's
+    relative noise power is taken to reach the output unchanged (at most 20 dB credited)."""
+    at_output = 10 ** (-output_db / 10)
+    removed = sum(10 ** (-db / 10) for db in own_db)
+    remaining = max(at_output - removed, at_output / 100)
+    return 10 * math.log10(at_output / remaining)
+
+
+__all__ = ["activation_bits_step", "bias_correction_step", "scheme_search", "scheme_candidates", "float_fallback"]

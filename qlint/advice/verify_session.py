@@ -293,9 +293,14 @@ class Session:
         self._measured[key] = measured
         return measured
 
-    def can_try(self) -> bool:
-        """Whether the trial budget allows one more trial."""
-        return self.trials < self.max_trials
+    def can_try(self, until: int | None = None) -> bool:
+        """Whether the trial budget allows one more trial (and, with ``until``, a step's share of
+        it: the trial count at which that step stops)."""
+        return self.trials < (self.max_trials if until is None else min(until, self.max_trials))
+
+    def share(self, trials: int) -> int:
+        """The trial count at which a step given ``trials`` more trials stops (within the budget)."""
+        return min(self.trials + max(0, trials), self.max_trials)
 
     def known(self, plan: QuantPlan) -> bool:
         return plan_key(plan) in self._measured
@@ -349,14 +354,51 @@ class Session:
                 h.remove()
         return {fqn: round(s.sqnr_db() or 0.0, 4) for fqn, s in sums.items()}
 
-    def sensitivity_order(self, plan: QuantPlan, fqns: Sequence[str]) -> list[str]:
-        """``fqns`` from the lowest per-layer SQNR under ``plan`` (on the selection batches) up."""
+    def own_errors(self, plan: QuantPlan, fqns: Sequence[str]) -> dict[str, float]:
+        """Each of ``fqns``' own error under ``plan``: its shadow SQNR (torch NS's definition: the
+        float layer, from the prepared model, run on the dequantized input the quantized layer
+        really gets) on the selection batches. Each layer's pair is compared the moment it is
+        made, so nothing is held across layers. One quantization, counted as a trial; empty
+        when the plan cannot be quantized."""
         self.trials += 1  # a quantization like any trial's
         if self.progress is not None:
             self.progress("per-layer sensitivity", self.trials, self.max_trials)
         try:
             q = self.quantize(plan, keep_prepared=True)
         except QuantizeError:
-            return list(fqns)
-        per_layer = self.layer_sqnr(q, fqns, self.selection)
-        return sorted(fqns, key=lambda f: per_layer.get(f, SQNR_CAP_DB))
+            return {}
+        if q.prepared is None:
+            return {}
+        sums: dict[str, SqnrSums] = {}
+
+        def compare(_m: nn.Module, args: tuple[Any, ...], output: Any, fqn: str, reference: nn.Module) -> None:
+            x = args[0] if len(args) == 1 else None
+            if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
+                return
+            expected = reference(x.dequantize() if x.is_quantized else x)
+            got = output.dequantize() if output.is_quantized else output
+            if isinstance(expected, torch.Tensor) and expected.shape == got.shape:
+                sums.setdefault(fqn, SqnrSums()).add(expected, got)
+
+        handles = []
+        for fqn in fqns:
+            try:
+                layer, reference = q.converted.get_submodule(fqn), q.prepared.get_submodule(fqn)
+            except AttributeError:
+                continue
+            hook = functools.partial(compare, fqn=fqn, reference=reference)
+            handles.append(layer.register_forward_hook(hook))
+        try:
+            for batch in self.selection:
+                self.run(q.converted, batch)
+        except Exception:  # noqa: BLE001  # a converted model that fails to run has no ranking
+            return {}
+        finally:
+            for h in handles:
+                h.remove()
+        return {fqn: value for fqn, s in sums.items() if (value := s.sqnr_db()) is not None}
+
+    def sensitivity_order(self, plan: QuantPlan, fqns: Sequence[str]) -> list[str]:
+        """``fqns`` from the lowest own (shadow) SQNR under ``plan`` up; unmeasured ones last."""
+        own = self.own_errors(plan, fqns)
+        return sorted(fqns, key=lambda f: own.get(f, SQNR_CAP_DB))

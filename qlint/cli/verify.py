@@ -103,6 +103,8 @@ def trial_progress() -> Iterator[Callable[[str, int, int], None]]:
 
 
 def _verify_parser() -> argparse.ArgumentParser:
+    from qlint.advice.verify import DEFAULT_MAX_TRIALS, DEFAULT_PRUNE_TRIALS, DEFAULT_SCHEME_TRIALS
+
     parser = Parser(
         prog="qlint verify",
         description="Quantize with the backend default and with a plan; "
@@ -129,10 +131,11 @@ def _verify_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-trials",
         type=int,
-        default=6,
+        default=DEFAULT_MAX_TRIALS,
         metavar="N",
-        help="at most N trial quantizations to prune and search the plan (default 6); "
-        "each costs about one prepare + calibrate + convert",
+        help=f"at most N trial quantizations in all (default {DEFAULT_MAX_TRIALS}): up to "
+        f"{DEFAULT_PRUNE_TRIALS} for bias correction and pruning, up to --max-scheme-trials for the scheme "
+        "search, the rest for the --target-sqnr fallback; each costs about one prepare + calibrate + convert",
     )
     parser.add_argument("--target-sqnr", type=float, metavar="DB")
     parser.add_argument(
@@ -154,9 +157,9 @@ def _verify_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-scheme-trials",
         type=int,
-        default=24,
+        default=DEFAULT_SCHEME_TRIALS,
         metavar="N",
-        help="at most N trial quantizations in the scheme search (default 24)",
+        help=f"at most N trial quantizations in the scheme search (default {DEFAULT_SCHEME_TRIALS})",
     )
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the report to FILE")

@@ -67,6 +67,13 @@ class BackendInfo:
     def dtype_options(self, kind: str) -> tuple[DTypeSupport, ...]:
         return self.dtypes.get(kind, ())
 
+    def has_dynamic_int8(self, kind: str) -> bool:
+        """Whether ``kind`` has a dynamic kernel: quint8 inputs quantized per call, qint8 weights."""
+        return any(
+            o.is_dynamic and o.input_dtype == "torch.quint8" and o.weight_dtype == "torch.qint8"
+            for o in self.dtype_options(kind)
+        )
+
 
 def _kind_of_pattern_element(element: Any) -> str | None:
     if isinstance(element, type) and issubclass(element, torch.nn.Module):
@@ -108,6 +115,26 @@ def _describe(dtype_config: Any) -> DTypeSupport:
         weight_quant_min=w_min,
         weight_quant_max=w_max,
     )
+
+
+# CPU flags of the integer dot-product instructions that accumulate u8*s8 products in 32
+# bits: with one of them, fbgemm/x86 kernels cannot saturate on 8-bit activations.
+_VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+@functools.cache
+def host_vnni() -> str | None:
+    """The VNNI flag of this machine's CPU (Linux /proc/cpuinfo), or None where it has none or
+    cannot tell: then 8-bit activations are not known to be safe on fbgemm/x86 here."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.partition(":")[2].split())
+                    return next((flag for flag in _VNNI_FLAGS if flag in flags), None)
+    except OSError:
+        return None
+    return None
 
 
 def backend_config(name: str) -> BackendConfig:

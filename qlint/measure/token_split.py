@@ -5,10 +5,11 @@ every other token. A Linear's input is quantized with one range per tensor (per 
 dynamic), so that one token sets the step for all the others. Because a Linear acts on the
 last dimension only, it can run on the two parts separately and the outputs be joined::
 
-    linear(x) = cat([linear(x[:, :1]), linear(x[:, 1:])], dim=1)
+    linear(x) = cat([linear(x.narrow(1, 0, 1)), linear(x.narrow(1, 1, T - 1))], dim=1)
 
 The first part runs on a copy of the Linear (``<fqn>_qlint_token0``) that shares its weight
-and bias, so each part is quantized over its own range. The copy follows the original's
+and bias, so that a dynamic Linear quantizes each part over its own range (under a static
+mapping both parts share one observer: the rewrite is valid there, and gains nothing). The copy follows the original's
 qconfig (``qlint_fanout_of``, as the fan-out copies do): the rewrite changes no decision.
 """
 
@@ -52,8 +53,12 @@ def split_leading_token(gm: fx.GraphModule, fqn: str) -> None:
     gm.add_submodule(name, _shared_copy(module, fqn))
     graph = gm.graph
     with graph.inserting_before(node):
-        lead = graph.call_function(operator.getitem, (source, (slice(None), slice(0, 1))))
-        rest = graph.call_function(operator.getitem, (source, (slice(None), slice(1, None))))
+        # torch.narrow, not x[:, :1]: prepare_fx treats narrow as sharing its input's observer,
+        # so a quantized input stays valid (a getitem is read as a float op, and convert_fx
+        # then quantizes its already quantized output a second time).
+        lead = graph.call_function(torch.narrow, (source, 1, 0, 1))
+        tokens = graph.call_method("size", (source, 1))
+        rest = graph.call_function(torch.narrow, (source, 1, 1, graph.call_function(operator.sub, (tokens, 1))))
         lead_out = graph.call_module(name, (lead,))
     node.args = (rest,)
     users = list(node.users)

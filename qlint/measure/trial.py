@@ -322,7 +322,7 @@ class TrialBench:
             if not measure_layers or prepared is None:
                 return base
             # a fix trial (measure_layers=False) never pays for this copy of the float model
-            layers = self._layer_errors(self._model().eval(), converted)
+            layers = layer_errors(self._model().eval(), converted, self.evaluation)
             activations = activation_sqnr(prepared, converted, self.evaluation)
         return dataclasses.replace(base, layers=layers, activation_sqnr_db=activations, model=converted)
 
@@ -362,27 +362,30 @@ class TrialBench:
             sums.add(expected, call_model(converted, batch))
         return sums.sqnr_db()
 
-    def _layer_errors(self, float_model: nn.Module, converted: nn.Module) -> tuple[LayerError, ...]:
-        match = match_layers(float_model, converted)
-        shadow = {layer.name: PairwiseErrorStats() for layer in match.layers}
-        propagated = {layer.name: PairwiseErrorStats() for layer in match.layers}
-        runner = PairedRunner(
-            float_model,
-            converted,
-            match,
-            on_propagated=lambda layer, ref, q, scale: propagated[layer.name].update(ref, q, scale),
-            on_shadow=lambda layer, ref, q, scale: shadow[layer.name].update(ref, q, scale),
-        )
-        with runner:
-            for _ in runner.run(self.evaluation):
-                pass
-        layers = []
-        for layer in match.layers:
-            local, at_output = shadow[layer.name].sqnr_db(), propagated[layer.name].sqnr_db()
-            if local is None and at_output is None:
-                continue  # integer-valued ops (shape arithmetic) carry no signal
-            layers.append(LayerError(layer.name, layer.kind, local, at_output))
-        return tuple(layers)
+
+def layer_errors(float_model: nn.Module, converted: nn.Module, batches: Sequence[Any]) -> tuple[LayerError, ...]:
+    """Per layer of ``converted``: its own (shadow, torch NS's definition) and propagated SQNR
+    against ``float_model`` (the model it was converted from) on ``batches``."""
+    match = match_layers(float_model, converted)
+    shadow = {layer.name: PairwiseErrorStats() for layer in match.layers}
+    propagated = {layer.name: PairwiseErrorStats() for layer in match.layers}
+    runner = PairedRunner(
+        float_model,
+        converted,
+        match,
+        on_propagated=lambda layer, ref, q, scale: propagated[layer.name].update(ref, q, scale),
+        on_shadow=lambda layer, ref, q, scale: shadow[layer.name].update(ref, q, scale),
+    )
+    with runner:
+        for _ in runner.run(batches):
+            pass
+    layers = []
+    for layer in match.layers:
+        local, at_output = shadow[layer.name].sqnr_db(), propagated[layer.name].sqnr_db()
+        if local is None and at_output is None:
+            continue  # integer-valued ops (shape arithmetic) carry no signal
+        layers.append(LayerError(layer.name, layer.kind, local, at_output))
+    return tuple(layers)
 
 
 def _view_on_quantized(failure: TrialFailure | None) -> bool:
