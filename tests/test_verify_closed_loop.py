@@ -85,7 +85,11 @@ def test_decisions_are_selected_on_selection_batches_and_reported_on_eval_batche
     calibration, eval_data = _batches(2, 6, (4, 3, 12, 12)), _batches(3, 2, (4, 3, 12, 12))
     model = make_same_conv_net()
     report = verify(model, None, calibration, eval_data)
-    assert report.selection_batches == 4 and report.selected_on == "the last 4 of 6 calibration batches"
+    assert report.selection_batches == 4
+    assert report.selected_on == (
+        "the last 4 of 6 calibration batches; bias correction and 8-bit activations judged on trials calibrated "
+        "on the other 2"
+    )
     assert report.eval_batches == 2
     # a decision's "with" number is its selection SQNR, so it differs from the eval SQNR reported
     kept = [d for d in report.decisions if d.kept and d.sqnr_with_db is not None]

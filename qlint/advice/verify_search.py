@@ -40,7 +40,14 @@ import torch.fx as fx
 
 from qlint.advice.plan import ActivationSpec, BiasCorrection, ModuleDecision, Provenance, QuantPlan
 from qlint.advice.verify_report import DecisionOutcome
-from qlint.advice.verify_session import FAILED, SQNR_TOLERANCE_DB, Session, conv_linear_modules, functional_owners
+from qlint.advice.verify_session import (
+    FAILED,
+    SQNR_TOLERANCE_DB,
+    Session,
+    conv_linear_modules,
+    functional_owners,
+    plan_key,
+)
 from qlint.core.backends import backend_info, host_vnni
 from qlint.core.ops import CONV_OR_LINEAR_KINDS, NORM_KINDS, module_kind
 
@@ -106,9 +113,9 @@ def bias_correction_step(
         return plan, best, []
     trying_on = plan.bias_correction is None
     tried = Provenance(source="measurement", detail="qlint verify bias-correction trial")
-    trial = plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[tried]) if trying_on else None})
-    value = session.trial("bias correction" if trying_on else "without bias correction", trial).selection_sqnr
-    on, off = (value, best) if trying_on else (best, value)
+    switched = plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[tried]) if trying_on else None})
+    on_plan, off_plan = (switched, plan) if trying_on else (plan, switched)
+    on, off = _fitted_pair(session, "bias correction", on_plan, off_plan)
     keep = on > off + BIAS_CORRECTION_MIN_GAIN_DB
     outcome = DecisionOutcome(
         kind="bias_correction",
@@ -116,10 +123,11 @@ def bias_correction_step(
         kept=keep,
         sqnr_with_db=round(on, 4),
         sqnr_without_db=round(off, 4),
-        detail="bias lowered by the mean output shift of the int8 weights, on the calibration data",
+        detail="bias lowered by the mean output shift of the int8 weights, fitted and judged on separate batches",
     )
     if not keep:
-        return plan.model_copy(update={"bias_correction": None}), off, [outcome]
+        off_plan = off_plan.model_copy(update={"bias_correction": None})
+        return off_plan, _full_sqnr(session, off_plan, plan, best, "without bias correction"), [outcome]
     gain = round(on - off, 4)
     measured = Provenance(
         source="measurement",
@@ -129,7 +137,24 @@ def bias_correction_step(
         detail="qlint verify bias-correction trial",
     )
     earlier = [] if plan.bias_correction is None else plan.bias_correction.provenance
-    return plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[*earlier, measured])}), on, [outcome]
+    chosen = plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[*earlier, measured])})
+    return chosen, _full_sqnr(session, chosen, plan, best, "bias correction"), [outcome]
+
+
+def _fitted_pair(session: Session, what: str, with_plan: QuantPlan, without_plan: QuantPlan) -> tuple[float, float]:
+    """Selection SQNR with and without a data-fitted change, each calibrated on the batches that do not select."""
+    return (
+        session.fitted_trial(f"{what} (calibrated apart from the selection batches)", with_plan),
+        session.fitted_trial(f"without {what} (calibrated apart from the selection batches)", without_plan),
+    )
+
+
+def _full_sqnr(session: Session, chosen: QuantPlan, before: QuantPlan, best: float, label: str) -> float:
+    """The selection SQNR later steps compare with: ``best`` when the plan did not change (by what
+    quantizes), else a trial of the chosen plan calibrated on every batch, as every other trial is."""
+    if plan_key(chosen) == plan_key(before):
+        return best
+    return session.trial(label, chosen).selection_sqnr
 
 
 def activation_bits_step(
@@ -149,23 +174,34 @@ def activation_bits_step(
     trial = _full_range(plan)
     if trial == plan:
         return plan, best, []
-    value = session.trial("8-bit activations", trial).selection_sqnr
-    keep = value > best + SQNR_TOLERANCE_DB
+    value, before = _fitted_pair(session, "8-bit activations", trial, plan)
+    keep = value > before + SQNR_TOLERANCE_DB
+    detail = "reduce_range=False, judged on batches it was not calibrated on"
+    if keep and session.fit is not session.calibration:
+        # An observer's range is what this decision changes, and a few batches' worth of range
+        # is noisy: it must also gain with the two halves of the calibration data swapped.
+        other, other_before = (
+            session.fitted_trial("8-bit activations (folds swapped)", trial, swapped=True),
+            session.fitted_trial("7-bit activations (folds swapped)", plan, swapped=True),
+        )
+        keep = other > other_before + SQNR_TOLERANCE_DB
+        detail += f" (folds swapped: {other:.2f} vs {other_before:.2f} dB)"
     outcome = DecisionOutcome(
         kind="activation_bits",
         target="every 7-bit activation observer",
         kept=keep,
         sqnr_with_db=round(value, 4),
-        sqnr_without_db=round(best, 4),
-        detail=f"reduce_range=False; safe on CPUs with VNNI (this one has {vnni}), not on older x86",
+        sqnr_without_db=round(before, 4),
+        detail=f"{detail}; safe on CPUs with VNNI (this one has {vnni}), not on older x86",
     )
     if not keep:
         return plan, best, [outcome]
     note = (
-        f"8-bit activations (reduce_range=False), measured +{value - best:.2f} dB on a CPU with {vnni}: "
+        f"8-bit activations (reduce_range=False), measured +{value - before:.2f} dB on a CPU with {vnni}: "
         "deploy on CPUs with VNNI (AVX512-VNNI, AVX-VNNI or AMX); without it fbgemm's 16-bit sums can saturate"
     )
-    return trial.model_copy(update={"notes": [*trial.notes, note]}), value, [outcome]
+    chosen = trial.model_copy(update={"notes": [*trial.notes, note]})
+    return chosen, _full_sqnr(session, chosen, plan, best, "8-bit activations"), [outcome]
 
 
 def _full_range(plan: QuantPlan) -> QuantPlan:

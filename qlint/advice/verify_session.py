@@ -176,6 +176,11 @@ class Session:
                 "(aten) graph such as a .pt2 holds; verify the nn.Module instead (module:factory with --weights)"
             )
         self.calibration, self.selection, self.eval_data = calibration, selection, eval_data
+        # A decision that fits ranges or biases to the data (8-bit activations, bias correction)
+        # is judged on trials calibrated on the calibration batches that do not select
+        # (fitted_trial); with no batch to spare, on them all.
+        held_back = [batch for batch in calibration if not any(batch is chosen for chosen in selection)]
+        self.fit = held_back if held_back and len(held_back) < len(calibration) else calibration
         self.equalization_qconfig, self.eval_fn = equalization_qconfig, eval_fn
         self.max_trials, self.progress = max_trials, progress
         self.trials = 0
@@ -183,6 +188,8 @@ class Session:
         self._selection_reference = [float_tensors(self.run(self.model, batch)) for batch in selection]
         self._eval_reference = [float_tensors(self.run(self.model, batch)) for batch in eval_data]
         self._measured: dict[str, Measured] = {}
+        self._fitted: dict[str, float] = {}
+        self._fit_reference: list[Any] | None = None  # float outputs on ``fit``, for swapped folds
         self._last_rewritten: tuple[str, fx.GraphModule, list[AppliedRewrite]] | None = None
         try:
             # shares the private copy's modules: nothing verify runs writes them (rewrites copy first)
@@ -196,8 +203,11 @@ class Session:
             return call_model(model, batch)
 
     # --- quantize -------------------------------------------------------------------
-    def quantize(self, plan: QuantPlan, *, keep_prepared: bool = False) -> Quantized:
-        """``plan`` applied to the traced model exactly as ``QuantPlan.quantize`` applies it."""
+    def quantize(
+        self, plan: QuantPlan, *, keep_prepared: bool = False, calibration: list[Any] | None = None
+    ) -> Quantized:
+        """``plan`` applied to the traced model exactly as ``QuantPlan.quantize`` applies it, calibrated
+        on ``calibration`` (default: every calibration batch)."""
         kwargs: dict[str, Any] = {}
         if plan.equalization and self.equalization_qconfig is not None:
             kwargs["_equalization_config"] = plan.to_equalization_mapping(self.equalization_qconfig)
@@ -206,7 +216,7 @@ class Session:
         return quantize_rewritten(
             copy_sharing_parameters(gm),
             plan,
-            self.calibration,
+            self.calibration if calibration is None else calibration,
             applied,
             keep_prepared=keep_prepared,
             prepare_kwargs=kwargs,
@@ -304,6 +314,29 @@ class Session:
 
     def known(self, plan: QuantPlan) -> bool:
         return plan_key(plan) in self._measured
+
+    def fitted_trial(self, label: str, plan: QuantPlan, *, swapped: bool = False) -> float:
+        """The SQNR of ``plan`` calibrated on ``fit`` (the calibration batches that do not select) and
+        run on the selection batches, or, ``swapped``, calibrated on the selection batches and run
+        on ``fit``: two folds of held-apart data. One trial of the budget unless measured before;
+        a plain trial when there is no batch to spare."""
+        if self.fit is self.calibration:
+            return self.trial(label, plan).selection_sqnr
+        key = ("swapped:" if swapped else "fit:") + plan_key(plan)
+        if key not in self._fitted:
+            self.trials += 1
+            if self.progress is not None:
+                self.progress(label, self.trials, self.max_trials)
+            if swapped and self._fit_reference is None:
+                self._fit_reference = [float_tensors(self.run(self.model, batch)) for batch in self.fit]
+            calibration, judged = (self.selection, self.fit) if swapped else (self.fit, self.selection)
+            references = self._fit_reference if swapped else self._selection_reference
+            try:
+                q = self.quantize(plan, calibration=calibration)
+                self._fitted[key] = self._output_sqnr(q.converted, judged, references or [])
+            except QuantizeError:
+                self._fitted[key] = FAILED
+        return self._fitted[key]
 
     def trial(self, label: str, plan: QuantPlan) -> Measured:
         """A plan measured to decide something (on the selection batches only): one trial of the
