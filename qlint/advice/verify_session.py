@@ -22,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import io
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -149,6 +150,14 @@ def plan_key(plan: QuantPlan) -> str:
     )
 
 
+def _release_models() -> None:
+    """Free the models of the trial that just ended. A GraphModule and its graph refer to each
+    other, so a quantized model (weights, observers, packed params) outlives its last use until
+    Python's cycle collector runs; collecting after each trial keeps verify's memory flat
+    instead of growing with every trial (EfficientNet-Lite0: peak 1392 -> 922 MB over 10 trials)."""
+    gc.collect()
+
+
 # Progress callback: (what the trial is, trials done, trial budget).
 Progress = Callable[[str, int, int], None]
 
@@ -256,6 +265,12 @@ class Session:
         return SQNR_CAP_DB if value is None else value
 
     def measure(self, label: str, plan: QuantPlan, *, layers: Sequence[str] = (), evaluate: bool = True) -> Measured:
+        try:
+            return self._measure(label, plan, layers=layers, evaluate=evaluate)
+        finally:
+            _release_models()  # the quantized model is out of scope here
+
+    def _measure(self, label: str, plan: QuantPlan, *, layers: Sequence[str] = (), evaluate: bool = True) -> Measured:
         """``plan`` quantized, run on the selection and eval batches, and measured (cached).
 
         With ``layers``, the per-layer activation SQNR of those modules on the eval batches
@@ -332,11 +347,18 @@ class Session:
             calibration, judged = (self.selection, self.fit) if swapped else (self.fit, self.selection)
             references = self._fit_reference if swapped else self._selection_reference
             try:
-                q = self.quantize(plan, calibration=calibration)
-                self._fitted[key] = self._output_sqnr(q.converted, judged, references or [])
+                self._fitted[key] = self._sqnr_when_calibrated(plan, calibration, judged, references or [])
             except QuantizeError:
                 self._fitted[key] = FAILED
+            finally:
+                _release_models()  # the quantized model is out of scope here
         return self._fitted[key]
+
+    def _sqnr_when_calibrated(
+        self, plan: QuantPlan, calibration: list[Any], batches: list[Any], references: list[Any]
+    ) -> float:
+        q = self.quantize(plan, calibration=calibration)
+        return self._output_sqnr(q.converted, batches, references)
 
     def trial(self, label: str, plan: QuantPlan) -> Measured:
         """A plan measured to decide something (on the selection batches only): one trial of the
@@ -429,6 +451,8 @@ class Session:
         finally:
             for h in handles:
                 h.remove()
+            del q
+            _release_models()
         return {fqn: value for fqn, s in sums.items() if (value := s.sqnr_db()) is not None}
 
     def sensitivity_order(self, plan: QuantPlan, fqns: Sequence[str]) -> list[str]:
