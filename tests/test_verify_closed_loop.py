@@ -87,8 +87,7 @@ def test_decisions_are_selected_on_selection_batches_and_reported_on_eval_batche
     report = verify(model, None, calibration, eval_data)
     assert report.selection_batches == 4
     assert report.selected_on == (
-        "the last 4 of 6 calibration batches; bias correction and 8-bit activations judged on trials calibrated "
-        "on the other 2"
+        "the last 4 of 6 calibration batches; 8-bit activations judged on trials calibrated on the other 2"
     )
     assert report.eval_batches == 2
     # a decision's "with" number is its selection SQNR, so it differs from the eval SQNR reported

@@ -185,9 +185,9 @@ class Session:
                 "(aten) graph such as a .pt2 holds; verify the nn.Module instead (module:factory with --weights)"
             )
         self.calibration, self.selection, self.eval_data = calibration, selection, eval_data
-        # A decision that fits ranges or biases to the data (8-bit activations, bias correction)
-        # is judged on trials calibrated on the calibration batches that do not select
-        # (fitted_trial); with no batch to spare, on them all.
+        # 8-bit activations, a change to every observer's range, are judged on trials calibrated
+        # on the calibration batches that do not select (fitted_trial); with no batch to spare,
+        # on them all.
         held_back = [batch for batch in calibration if not any(batch is chosen for chosen in selection)]
         self.fit = held_back if held_back and len(held_back) < len(calibration) else calibration
         self.equalization_qconfig, self.eval_fn = equalization_qconfig, eval_fn
