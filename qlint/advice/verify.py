@@ -81,7 +81,7 @@ from qlint.measure.rewrite import AppliedRewrite, apply_rewrites, rewrite_key
 DEFAULT_MAX_TRIALS = 10  # trial quantizations beyond the default, the plan as given and the verified plan
 # Shares of that budget, taken in order (a smaller budget goes to the first steps): bias
 # correction and pruning, then the scheme search, then the target-SQNR fallback (the rest).
-DEFAULT_PRUNE_TRIALS = 6
+DEFAULT_PRUNE_TRIALS = 5
 DEFAULT_SCHEME_TRIALS = 4
 SELECTION_BATCHES = 4  # calibration batches (the last ones) that select decisions by default
 

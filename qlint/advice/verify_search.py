@@ -114,7 +114,6 @@ def bias_correction_step(
     trying_on = plan.bias_correction is None
     tried = Provenance(source="measurement", detail="qlint verify bias-correction trial")
     switched = plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[tried]) if trying_on else None})
-    on_plan, off_plan = (switched, plan) if trying_on else (plan, switched)
     # Judged on trials calibrated on every batch, with a margin: judged apart from the selection
     # batches instead, the README example's calibration (batch peaks from 100 to 15,000) clips
     # every trial so hard that the correction's +1.2 dB vanishes into the clipping.
@@ -130,7 +129,7 @@ def bias_correction_step(
         detail="bias lowered by the mean output shift of the int8 weights, on the calibration data",
     )
     if not keep:
-        return off_plan.model_copy(update={"bias_correction": None}), off, [outcome]
+        return plan.model_copy(update={"bias_correction": None}), off, [outcome]
     gain = round(on - off, 4)
     measured = Provenance(
         source="measurement",
@@ -144,7 +143,7 @@ def bias_correction_step(
 
 
 def _fitted_pair(session: Session, what: str, with_plan: QuantPlan, without_plan: QuantPlan) -> tuple[float, float]:
-    """Selection SQNR with and without a data-fitted change, each calibrated on the batches that do not select."""
+    """Selection SQNR with and without a change to observer ranges, each calibrated on the batches that do not select."""
     return (
         session.fitted_trial(f"{what} (calibrated apart from the selection batches)", with_plan),
         session.fitted_trial(f"without {what} (calibrated apart from the selection batches)", without_plan),
