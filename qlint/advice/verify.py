@@ -236,7 +236,6 @@ def _retry_dropped(
     best: float,
     dropped: Sequence[_Decision],
     bias_rejected: bool,
-    until: int,
 ) -> tuple[QuantPlan, float, DecisionOutcome | None]:
     """One trial of ``plan`` with what pruning dropped and, when its trial lost, bias correction,
     all added back: kept when it gains. Decisions interact, and the scheme search can change
@@ -244,7 +243,7 @@ def _retry_dropped(
     static range, and several dB once the Linear quantizes each call dynamically)."""
     taken = {d.fqn for d in plan.modules}
     back = [d for d in dropped if not (isinstance(d.item, ModuleDecision) and d.item.fqn in taken)]
-    if not (back or bias_rejected) or not session.can_try(until):
+    if not (back or bias_rejected) or not session.can_try():
         return plan, best, None
     trial = plan
     for decision in back:
@@ -448,7 +447,6 @@ def _verify(
     if prune:
         current, best, tried = activation_bits_step(session, current, best, until)
         outcomes += tried
-    if prune:
         current, best, dropped = _prune(session, current, best, default, outcomes, notes, until)
 
     # 3. scheme search, what it makes worth trying again, then the target-SQNR fallback
@@ -461,7 +459,7 @@ def _verify(
         outcomes += tried
         if searched is not current:  # a flip was kept: what the flip changes may revive a dropped decision
             current, best = searched, after
-            current, best, retried = _retry_dropped(session, current, best, dropped, bias_rejected, session.max_trials)
+            current, best, retried = _retry_dropped(session, current, best, dropped, bias_rejected)
             outcomes += [retried] if retried else []
     kept_float: list[str] = []
     target_met: bool | None = None

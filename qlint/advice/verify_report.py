@@ -36,9 +36,8 @@ class LayerComparison(_Model):
 
 
 class DecisionOutcome(_Model):
-    kind: (
-        str  # module | equalization | rewrite | group | plan | bias_correction | activation_bits | scheme | keep_float
-    )
+    # module | equalization | rewrite | group | plan | bias_correction | activation_bits | scheme | keep_float
+    kind: str
     target: str
     kept: bool
     sqnr_with_db: float | None = None

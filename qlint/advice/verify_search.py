@@ -46,7 +46,6 @@ from qlint.advice.verify_session import (
     Session,
     conv_linear_modules,
     functional_owners,
-    plan_key,
 )
 from qlint.core.backends import backend_info, host_vnni
 from qlint.core.ops import CONV_OR_LINEAR_KINDS, NORM_KINDS, module_kind
@@ -142,22 +141,6 @@ def bias_correction_step(
     return plan.model_copy(update={"bias_correction": BiasCorrection(provenance=[*earlier, measured])}), on, [outcome]
 
 
-def _fitted_pair(session: Session, what: str, with_plan: QuantPlan, without_plan: QuantPlan) -> tuple[float, float]:
-    """Selection SQNR with and without a change to observer ranges, each calibrated on the batches that do not select."""
-    return (
-        session.fitted_trial(f"{what} (calibrated apart from the selection batches)", with_plan),
-        session.fitted_trial(f"without {what} (calibrated apart from the selection batches)", without_plan),
-    )
-
-
-def _full_sqnr(session: Session, chosen: QuantPlan, before: QuantPlan, best: float, label: str) -> float:
-    """The selection SQNR later steps compare with: ``best`` when the plan did not change (by what
-    quantizes), else a trial of the chosen plan calibrated on every batch, as every other trial is."""
-    if plan_key(chosen) == plan_key(before):
-        return best
-    return session.trial(label, chosen).selection_sqnr
-
-
 def activation_bits_step(
     session: Session, plan: QuantPlan, best: float, until: int | None = None
 ) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
@@ -175,16 +158,16 @@ def activation_bits_step(
     trial = _full_range(plan)
     if trial == plan:
         return plan, best, []
-    value, before = _fitted_pair(session, "8-bit activations", trial, plan)
+    apart = "calibrated apart from the selection batches"
+    value = session.fitted_trial(f"8-bit activations ({apart})", trial)
+    before = session.fitted_trial(f"7-bit activations ({apart})", plan)
     keep = value > before + SQNR_TOLERANCE_DB
     detail = "reduce_range=False, judged on batches it was not calibrated on"
     if keep and session.fit is not session.calibration:
         # An observer's range is what this decision changes, and a few batches' worth of range
         # is noisy: it must also gain with the two halves of the calibration data swapped.
-        other, other_before = (
-            session.fitted_trial("8-bit activations (folds swapped)", trial, swapped=True),
-            session.fitted_trial("7-bit activations (folds swapped)", plan, swapped=True),
-        )
+        other = session.fitted_trial("8-bit activations (folds swapped)", trial, swapped=True)
+        other_before = session.fitted_trial("7-bit activations (folds swapped)", plan, swapped=True)
         keep = other > other_before + SQNR_TOLERANCE_DB
         detail += f" (folds swapped: {other:.2f} vs {other_before:.2f} dB)"
     outcome = DecisionOutcome(
@@ -202,7 +185,8 @@ def activation_bits_step(
         "deploy on CPUs with VNNI (AVX512-VNNI, AVX-VNNI or AMX); without it fbgemm's 16-bit sums can saturate"
     )
     chosen = trial.model_copy(update={"notes": [*trial.notes, note]})
-    return chosen, _full_sqnr(session, chosen, plan, best, "8-bit activations"), [outcome]
+    # later steps compare with trials calibrated on every batch, as the verified plan is
+    return chosen, session.trial("8-bit activations", chosen).selection_sqnr, [outcome]
 
 
 def _full_range(plan: QuantPlan) -> QuantPlan:
