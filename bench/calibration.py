@@ -4,6 +4,9 @@
                                 [--modes plain,qlint,modelreport] [--repeats 3] [--loops 3]
                                 [--real-models /work/shared/real_models]
 
+Two more modes split qlint's cost: ``qlint-minmax`` (every observer, computing only
+min, max and counts) and ``qlint-calls`` (an identity module at every observed point).
+
 Models: two built-in ones with random weights and data (a ResNet-18-shaped CNN
 on 8x3x224x224 batches, a 4-block transformer encoder on 8x128x256 batches;
 ``--batches`` and ``--batch-size`` apply to them) and the four pretrained models
@@ -155,22 +158,35 @@ def real_kit_available(real_models):
     return (Path(real_models) / "models.py").is_file()
 
 
+QLINT_MODES = ("qlint", "qlint-minmax", "qlint-calls")
+
+
 def make_runner(mode, model, example):
-    """The module whose forward passes each mode times (plain: the model itself)."""
+    """The module whose forward passes each mode times (plain: the model itself).
+
+    Two controls split qlint's cost: ``qlint-minmax`` keeps every observer but computes
+    only per-channel min, max and counts (no reference quantile); ``qlint-calls`` puts an
+    identity module at every observed point (the observed graph and its module calls only)."""
     if mode == "plain":
         return model
-    if mode == "qlint":
+    if mode in QLINT_MODES:
         from qlint.linter.calibration import insert_observers, resolve_point_needs, resolve_points
         from qlint.linter.engine import analyse, instantiate_rules
         from qlint.linter.registry import Registry
 
         analysis = analyse(model, example, "x86")
         rules = instantiate_rules(Registry.default(include_plugins=False).select(["QL201", "QL202", "QL203"], None), {})
-        runner, _, _ = insert_observers(
+        runner, observers, _ = insert_observers(
             analysis.traced.graph_module,
             resolve_points(analysis.graph, rules),
             needs=resolve_point_needs(analysis.graph, rules),
         )
+        for name, module in list(runner.named_children()):
+            if module in observers.values():
+                if mode == "qlint-calls":
+                    setattr(runner, name, nn.Identity())
+                elif mode == "qlint-minmax":
+                    module.percentile = module.histogram = module.moments = False
         return runner
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.fx._model_report.detector import (
@@ -193,7 +209,7 @@ def make_runner(mode, model, example):
 def time_batches(runner, mode, data):
     """(wall seconds, CPU seconds of this process) for one pass over the batches, the way each mode runs them."""
     start, cpu_start = time.perf_counter(), time.process_time()
-    if mode == "qlint":  # qlint's own batch loop, as `qlint --calibration` and qlint.lint run it
+    if mode in QLINT_MODES:  # qlint's own batch loop, as `qlint --calibration` and qlint.lint run it
         from qlint.linter.calibration import run_calibration
 
         run_calibration(runner, data, quiet=True)

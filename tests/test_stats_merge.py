@@ -303,6 +303,37 @@ def test_hostile_batches_do_not_crash_and_count_correctly(batch):
     assert int(stats.batches) == 2
 
 
+@pytest.mark.parametrize("channel_axis", [1, None])
+@pytest.mark.parametrize("poison", [None, math.nan, math.inf, -math.inf])
+def test_without_moments_everything_else_is_unchanged_and_moments_are_unknown(channel_axis, poison):
+    """``moments=False`` checks finiteness from the extrema alone: a NaN or Inf must still send
+    the batch down the counting path, and every other statistic equals the full computation."""
+    generator = torch.Generator().manual_seed(7)
+    batches = [torch.randn(4, 6, 8, 8, generator=generator).relu() for _ in range(3)]
+    if poison is not None:
+        batches[1][2, 3, 4, 5] = poison
+    full = stream_stats(batches, channel_axis)
+    lean = stream_stats(batches, channel_axis, moments=False)
+    for name in EXACT_FIELDS:
+        assert torch.equal(getattr(lean, name), getattr(full, name)), name
+    torch.testing.assert_close(lean.percentile_ratio_sum, full.percentile_ratio_sum, rtol=1e-12, atol=0)
+    assert bool(lean.sum.isnan().all()) and bool(lean.sum_of_squares.isnan().all())
+    assert bool(lean.channel_mean().isnan().all()) and not bool(full.channel_mean().isnan().any())
+    if poison is not None:
+        assert int(lean.nan_count.sum() + lean.inf_count.sum()) == 1
+
+
+def test_a_stream_cannot_mix_summaries_with_and_without_moments():
+    from qlint.stats.batch import summarize_values
+    from qlint.stats.fold import RunningStats
+
+    batch = torch.randn(4, 3)
+    running = RunningStats(3, "cpu")
+    running.add(summarize_values(batch, 1, 0.975))
+    with pytest.raises(ValueError, match="moments"):
+        running.add(summarize_values(batch, 1, 0.975, moments=False))
+
+
 def test_float64_beyond_float32_range_goes_to_top_finite_bin():
     stats = stream_stats([torch.tensor([[1e300], [-1e300], [math.inf]], dtype=torch.float64).T], channel_axis=1)
     assert stats.histogram[0, 254] == 1 and stats.histogram[1, 254] == 1

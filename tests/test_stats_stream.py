@@ -144,3 +144,32 @@ def test_inserted_observers_allocate_their_buffers_before_calibration():
     assert widths == {points[0]: 12, points[1]: 20, points[2]: 1}
     observed(torch.randn(5, 12))
     assert [int(observers[point].stats.batches) for point in points] == [1, 1, 1]
+
+
+def test_observers_of_one_tensor_summarize_it_once_across_other_settings(monkeypatch):
+    """The q/k/v pattern: three per-channel observers of one tensor, each followed by a
+    per-tensor observer of another tensor. The tensor is summarized once; an in-place change
+    in between makes the next observer summarize it again; the stats equal separate streams."""
+    import qlint.stats.observer as observer_module
+
+    calls = []
+    real = observer_module.summarize_values
+
+    def counting(value, *args, **kwargs):
+        calls.append(value.shape)
+        return real(value, *args, **kwargs)
+
+    monkeypatch.setattr(observer_module, "summarize_values", counting)
+    shared = torch.randn(2, 5, 8)
+    per_channel = [StatsObserver(-1) for _ in range(3)]
+    per_tensor = [StatsObserver(None) for _ in range(3)]
+    for channel_observer, tensor_observer in zip(per_channel, per_tensor):
+        channel_observer(shared)
+        tensor_observer(torch.randn(2, 5, 4))
+    assert len(calls) == 1 + 3  # the shared tensor once, each other tensor once
+    for observer in per_channel[1:]:
+        assert_stats_equal(observer.stats, per_channel[0].stats)
+    assert_stats_equal(per_channel[0].stats, summarize_batch(shared, -1))
+    shared.mul_(2.0)
+    StatsObserver(-1)(shared)
+    assert len(calls) == 5

@@ -48,8 +48,9 @@ class ObservationSpec:
     channel_axis) point, shared by every rule that asks for it.
     ``channel_axis="features"`` means axis 1 for conv inputs and the last axis for
     linear inputs; None means per-tensor statistics only. ``percentile`` and
-    ``histogram`` ask for the two costly statistics; min/max, ranges, moments and
-    NaN/Inf counts are always there.
+    ``histogram`` ask for the two costly statistics, ``moments`` for per-channel
+    sums and sums of squares (mean, variance); min/max, ranges and NaN/Inf counts
+    are always there. No built-in rule reads the moments.
     """
 
     kinds: frozenset[str]
@@ -58,6 +59,7 @@ class ObservationSpec:
     channel_axis: Any = 1
     percentile: bool = False
     histogram: bool = False
+    moments: bool = False
 
 
 class RuleOptions(BaseModel):

@@ -1,7 +1,7 @@
 """One batch reduced to a :class:`BatchSummary`: the only step that reads an activation.
 
-A summary is a few per-channel vectors (min, max, sum, sum of squares, the
-reference quantile, counts) and the histogram; :mod:`qlint.stats.fold` folds
+A summary is a few per-channel vectors (min, max, counts, and where asked
+for: sum and sum of squares, the reference quantile, the histogram); :mod:`qlint.stats.fold` folds
 summaries into running statistics.
 
 Layout: the channel axis splits a batch into a view ``(outer, channels,
@@ -11,10 +11,10 @@ all read where they lie, with one torch op per statistic. The reference
 quantile is selected from a bounded sample of each channel
 (:mod:`qlint.stats.selection`).
 
-Finite CPU batches of moderate magnitude take a fast path that sums in
-float32 per batch (float64 across batches) after one host read; other
-batches, and every batch off-CPU, take a general path that masks NaN/Inf,
-sums in float64 and never reads a device value back.
+Finite CPU batches of moderate magnitude take a fast path (sums in float32
+per batch, float64 across batches) after one host read that checks them;
+other batches, and every batch off-CPU, take a general path that masks
+NaN/Inf, sums in float64 and never reads a device value back.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class BatchSummary:
     channels: int
     channel_min: torch.Tensor
     channel_max: torch.Tensor
-    sum: torch.Tensor
-    sum_of_squares: torch.Tensor
+    sum: torch.Tensor | None  # None: moments were not requested
+    sum_of_squares: torch.Tensor | None
     count: PerChannel
     nan_count: PerChannel
     inf_count: PerChannel
@@ -80,9 +80,14 @@ def summarize_values(
     sync_free: bool | None = None,
     percentile: bool = True,
     histogram: bool = True,
+    moments: bool = True,
     percentile_sample: int | None = PERCENTILE_SAMPLE,
 ) -> BatchSummary | None:
-    """Reduce one floating batch to its :class:`BatchSummary` (None for an empty batch)."""
+    """Reduce one floating batch to its :class:`BatchSummary` (None for an empty batch).
+
+    ``percentile``, ``histogram``, ``moments``: compute the reference quantile, the
+    histogram, the per-channel sums and sums of squares; a point whose rules read none
+    of them pays for min, max and counts only."""
     if not batch.is_floating_point():
         raise TypeError(f"summarize_batch needs a floating tensor, got {batch.dtype}")
     if not 0.0 < reference_percentile < 1.0:
@@ -105,9 +110,9 @@ def summarize_values(
     width = outer * inner
     summary = None
     if not sync_free:
-        summary = _summarize_finite(data, dims, width, channels, reference_percentile, sample, hist, scratch)
+        summary = _summarize_finite(data, dims, width, channels, reference_percentile, sample, hist, moments, scratch)
     if summary is None:
-        summary = _summarize_any(data, dims, width, channels, reference_percentile, sample, hist, scratch)
+        summary = _summarize_any(data, dims, width, channels, reference_percentile, sample, hist, moments, scratch)
     return summary
 
 
@@ -193,20 +198,27 @@ def _summarize_finite(
     q: float,
     sample_size: int | None,
     histogram: torch.Tensor | None,
+    moments: bool,
     scratch: ScratchBuffers,
 ) -> BatchSummary | None:
     """Fast path for finite batches of moderate magnitude; None (after a host read) otherwise.
 
     ``sample_size`` 0: no percentile; None: the exact reference."""
+    channel_sum = sum_of_squares = None
     if channels == 1:  # a whole-tensor point: one-pass full reductions, 0-d results
         flat = data.reshape(-1)
         channel_min, channel_max = torch.aminmax(flat)
-        channel_sum, sum_of_squares = flat.sum(), torch.dot(flat, flat)
+        if moments:
+            channel_sum, sum_of_squares = flat.sum(), torch.dot(flat, flat)
     else:
         channel_min, channel_max = data.amin(dims), data.amax(dims)
-        channel_sum = data.sum(dims)
-        sum_of_squares = _sum_of_squares(data, dims, scratch)
-    if not _trusted_squares(sum_of_squares, channel_min, channel_max):
+        if moments:
+            channel_sum = data.sum(dims)
+            sum_of_squares = _sum_of_squares(data, dims, scratch)
+    if sum_of_squares is not None:
+        if not _trusted_squares(sum_of_squares, channel_min, channel_max):
+            return None
+    elif not _finite_extrema(channel_min, channel_max):
         return None
     reference = None
     if sample_size != 0:
@@ -260,6 +272,14 @@ def _trusted_squares(sum_of_squares: torch.Tensor, channel_min: torch.Tensor, ch
     return not bool((tiny & ((channel_max != 0) | (channel_min != 0))).any())
 
 
+def _finite_extrema(channel_min: torch.Tensor, channel_max: torch.Tensor) -> bool:
+    """Whether every value was finite, read from the extrema alone (one host read; CPU only).
+
+    amin/amax propagate NaN and keep +-Inf, so a non-finite value makes its channel's range
+    non-finite; so does a range beyond float32 (that batch merely takes the general path)."""
+    return math.isfinite(float((channel_max - channel_min).sum()))
+
+
 # --------------------------------------------------------------- general path
 def _summarize_any(
     data: torch.Tensor,
@@ -269,6 +289,7 @@ def _summarize_any(
     q: float,
     sample_size: int | None,
     histogram: torch.Tensor | None,
+    moments: bool,
     scratch: ScratchBuffers,
 ) -> BatchSummary:
     """General path: tolerates NaN/Inf, sums in float64 and never reads a device value back."""
@@ -276,7 +297,10 @@ def _summarize_any(
     nan_count = torch.isnan(data).sum(dims)
     count = finite.sum(dims)
     inf_count = width - count - nan_count
-    finite_or_zero = data.masked_fill(~finite, 0).to(torch.float64)
+    channel_sum = sum_of_squares = None
+    if moments:
+        finite_or_zero = data.masked_fill(~finite, 0).to(torch.float64)
+        channel_sum, sum_of_squares = finite_or_zero.sum(dims), finite_or_zero.square().sum(dims)
     channel_max = data.masked_fill(~finite, -math.inf).amax(dims)
     reference = None
     if sample_size != 0:
@@ -302,8 +326,8 @@ def _summarize_any(
         channels,
         data.masked_fill(~finite, math.inf).amin(dims),
         channel_max,
-        finite_or_zero.sum(dims),
-        finite_or_zero.square().sum(dims),
+        channel_sum,
+        sum_of_squares,
         count,
         nan_count,
         inf_count,

@@ -33,7 +33,8 @@ class RunningStats:
     ``add`` a :class:`BatchSummary` per batch; ``stats()`` gives the ``TensorStats`` of
     every batch added so far (a snapshot: later batches do not change it)."""
 
-    _FLOAT_ROWS = ("channel_min", "channel_max", "sum", "sum_of_squares", "reference")
+    # The moments come last: a stream without them fills only the first three rows.
+    _FLOAT_ROWS = ("channel_min", "channel_max", "reference", "sum", "sum_of_squares")
     _COUNT_ROWS = ("count", "nan_count", "inf_count")
 
     def __init__(self, channels: int, device: torch.device | str, capacity: int | None = None) -> None:
@@ -48,7 +49,8 @@ class RunningStats:
         self._uniform_counts: list[int | None] = [None] * capacity
         self._pending_counts: torch.Tensor | None = None
         self._size = 0
-        self._with_reference: bool | None = None
+        self._with_reference: bool | None = None  # both set by the first summary
+        self._with_moments: bool | None = None
         # Totals, laid out as TensorStats packs them.
         self._extrema = torch.tensor([[float("inf")], [float("-inf")]], **f64).expand(2, channels).clone()
         self._channel_sums = torch.zeros(3, channels, **f64)  # sum, sum of squares, ratio sum
@@ -71,22 +73,22 @@ class RunningStats:
                 f"summary of {summary.channels} channels on {summary.device} does not fit running "
                 f"stats of {self.channels} channels on {self.device}"
             )
-        with_reference = summary.reference is not None
+        with_reference, with_moments = summary.reference is not None, summary.sum is not None
         if self._with_reference is None:
-            self._with_reference = with_reference
-        elif with_reference != self._with_reference:
-            raise ValueError("summaries with and without the percentile cannot share a stream")
+            self._with_reference, self._with_moments = with_reference, with_moments
+        elif with_reference != self._with_reference or with_moments != self._with_moments:
+            raise ValueError("summaries with and without the percentile or the moments cannot share a stream")
         row = self._size
         floats = [
             summary.channel_min,
             summary.channel_max,
-            summary.sum,
-            summary.sum_of_squares,
-            summary.reference if summary.reference is not None else summary.channel_max,
-        ]  # the last row is unused then
+            summary.reference if summary.reference is not None else summary.channel_max,  # unused then
+        ]
+        if summary.sum is not None and summary.sum_of_squares is not None:
+            floats += [summary.sum, summary.sum_of_squares]
         # Stacked in the summary's dtype, then copied: a stack straight into float64 is ~3x slower.
         stacked = torch.stack(floats)
-        self._pending_rows[row].copy_(stacked if stacked.dim() == 2 else stacked.unsqueeze(1))
+        self._pending_rows[row][: len(floats)].copy_(stacked if stacked.dim() == 2 else stacked.unsqueeze(1))
         counts = (summary.count, summary.nan_count, summary.inf_count)
         if all(isinstance(value, int) for value in counts) and counts[1] == counts[2] == 0:
             self._uniform_counts[row] = int(counts[0])
@@ -126,7 +128,7 @@ class RunningStats:
         if not size:
             return
         pending = self._pending[:size]  # (batches, field, C)
-        channel_min, channel_max, reference = pending[:, 0], pending[:, 1], pending[:, 4]
+        channel_min, channel_max, reference = pending[:, 0], pending[:, 1], pending[:, 2]
         uniform = self._uniform_counts[:size]
         if self._pending_counts is None:  # every batch finite (the common case): no count tensors
             has_values = None
@@ -143,7 +145,10 @@ class RunningStats:
             range_batches = has_values.any(1)
         torch.minimum(self._extrema[0], channel_min.amin(0), out=self._extrema[0])
         torch.maximum(self._extrema[1], channel_max.amax(0), out=self._extrema[1])
-        self._channel_sums[:2] += pending[:, 2:4].sum(0)
+        if self._with_moments:
+            self._channel_sums[:2] += pending[:, 3:5].sum(0)
+        else:  # not observed: unknown, and stays so through merges
+            self._channel_sums[:2] = float("nan")
         constant = channel_max == channel_min
         if self._with_reference:
             counted = reference != 0
@@ -183,6 +188,7 @@ def summarize_batch(
     sync_free: bool | None = None,
     percentile: bool = True,
     histogram: bool = True,
+    moments: bool = True,
     percentile_sample: int | None = PERCENTILE_SAMPLE,
 ) -> TensorStats:
     """Stats of one batch, on the batch's device.
@@ -196,7 +202,8 @@ def summarize_batch(
     the host-read path sums a finite batch in float32 (~1e-7 relative).
     ``percentile=False`` skips the percentile ratio and ``histogram=False`` the
     histogram (they stay zero): they are the two costly statistics, and a point
-    whose rules read neither should not pay for them. ``percentile_sample``:
+    whose rules read neither should not pay for them; ``moments=False`` skips the
+    sums and sums of squares (they are NaN). ``percentile_sample``:
     the most values per channel the reference quantile is estimated from
     (None: always exact); see :mod:`qlint.stats.selection`.
     """
@@ -208,6 +215,7 @@ def summarize_batch(
         sync_free=sync_free,
         percentile=percentile,
         histogram=histogram,
+        moments=moments,
         percentile_sample=percentile_sample,
     )
     if summary is None:

@@ -19,6 +19,7 @@ from qlint.linter.calibration.observers import DEFAULT_REFERENCE_PERCENTILE, ins
 from qlint.linter.calibration.points import (
     FEATURES,
     ObservationPoint,
+    StatisticNeeds,
     resolve_channel_axis,
     resolve_point_needs,
     resolve_points,
@@ -32,6 +33,7 @@ __all__ = [
     "CalibrationOptions",
     "CalibrationStatistics",
     "ObservationPoint",
+    "StatisticNeeds",
     "collect_statistics",
     "insert_hook_observers",
     "insert_observers",

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from qlint.core.graph import ModelGraph
 from qlint.core.nested import first_tensor
-from qlint.linter.calibration.points import ObservationPoint
+from qlint.linter.calibration.points import ALL_STATISTICS, ObservationPoint, StatisticNeeds
 from qlint.stats import StatsObserver
 from qlint.stats.batch import channel_count
 
@@ -22,17 +22,18 @@ _OBSERVER_PREFIX = "qlint_stats_observer_"
 def _new_observer(
     point: ObservationPoint,
     reference_percentile: float,
-    needs: Mapping[ObservationPoint, tuple[bool, bool]] | None,
+    needs: Mapping[ObservationPoint, StatisticNeeds] | None,
     traced_shape: Sequence[Any] | None,
 ) -> StatsObserver:
     """Without ``needs`` an observer computes everything; with it, only what its rules read.
     ``traced_shape``: the observed tensor's shape as shape propagation saw it, if known."""
-    percentile, histogram = needs.get(point, (True, True)) if needs is not None else (True, True)
+    wanted = needs.get(point, ALL_STATISTICS) if needs is not None else ALL_STATISTICS
     return StatsObserver(
         point.channel_axis,
         reference_percentile,
-        percentile=percentile,
-        histogram=histogram,
+        percentile=wanted.percentile,
+        histogram=wanted.histogram,
+        moments=wanted.moments,
         expected_channels=_traced_channels(traced_shape, point.channel_axis),
     )
 
@@ -55,7 +56,7 @@ def insert_observers(
     graph_module: fx.GraphModule,
     points: Sequence[ObservationPoint],
     reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
-    needs: Mapping[ObservationPoint, tuple[bool, bool]] | None = None,
+    needs: Mapping[ObservationPoint, StatisticNeeds] | None = None,
 ):
     """A new GraphModule, sharing ``graph_module``'s modules, with a StatsObserver at every point.
 
@@ -99,7 +100,7 @@ def insert_hook_observers(
     graph: ModelGraph,
     points: Sequence[ObservationPoint],
     reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
-    needs: Mapping[ObservationPoint, tuple[bool, bool]] | None = None,
+    needs: Mapping[ObservationPoint, StatisticNeeds] | None = None,
 ):
     """For graphs from the eager-hooks front end: observers fed by forward hooks.
 

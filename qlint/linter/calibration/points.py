@@ -32,8 +32,24 @@ class ObservationPoint:
     channel_axis: int | None
 
 
-# Each point: (whether a rule reads its percentile, whether a rule reads its histogram).
-PointNeeds = dict[ObservationPoint, tuple[bool, bool]]
+@dataclasses.dataclass(frozen=True)
+class StatisticNeeds:
+    """Which optional statistics some rule observing a point reads (min, max and counts are always there)."""
+
+    percentile: bool = False
+    histogram: bool = False
+    moments: bool = False
+
+    def with_spec(self, spec: ObservationSpec) -> StatisticNeeds:
+        return StatisticNeeds(
+            self.percentile or spec.percentile, self.histogram or spec.histogram, self.moments or spec.moments
+        )
+
+
+# What an observer computes when no rule says: everything.
+ALL_STATISTICS = StatisticNeeds(percentile=True, histogram=True, moments=True)
+
+PointNeeds = dict[ObservationPoint, StatisticNeeds]
 
 
 def resolve_channel_axis(spec_axis: Any, kind: str) -> int | None:
@@ -53,7 +69,7 @@ def in_graph_order(graph: ModelGraph, points: Iterable[ObservationPoint]) -> lis
 
 
 def resolve_point_needs(graph: ModelGraph, rules: Iterable[Rule]) -> PointNeeds:
-    """Each distinct point → (percentile, histogram): whether any rule observing it needs them."""
+    """Each distinct point → the optional statistics any rule observing it reads."""
     needs: PointNeeds = {}
     for rule in rules:
         for spec in _specs_of(rule):
@@ -61,8 +77,7 @@ def resolve_point_needs(graph: ModelGraph, rules: Iterable[Rule]) -> PointNeeds:
                 if node.kind in spec.kinds:
                     axis = resolve_channel_axis(spec.channel_axis, node.kind)
                     point = ObservationPoint(node.name, spec.side, spec.index, axis)
-                    percentile, histogram = needs.get(point, (False, False))
-                    needs[point] = (percentile or spec.percentile, histogram or spec.histogram)
+                    needs[point] = needs.get(point, StatisticNeeds()).with_spec(spec)
     return needs
 
 
