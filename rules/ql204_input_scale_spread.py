@@ -145,17 +145,19 @@ class SampleSpread:
 
     @property
     def ratio(self) -> float:
-        return self.largest / self.median if self.median > 0 else math.inf
+        return self.largest / self.median  # measure() never builds a spread with a silent median
 
     @property
     def bits_lost(self) -> float:
         """Levels the median sample does not reach, in bits: never more than the dtype has."""
-        return min(float(_ACTIVATION_BITS), max(0.0, math.log2(self.ratio))) if self.median > 0 else _ACTIVATION_BITS
+        return min(float(_ACTIVATION_BITS), max(0.0, math.log2(self.ratio)))
 
 
 def measure(batches: Sequence[Any], position: int, name: str) -> SampleSpread | None:
     """Each sample's largest magnitude of one input over ``batches`` (one number per sample:
-    the input itself is never kept)."""
+    the input itself is never kept). None where there is no spread to measure: fewer than two
+    samples, a sample holding NaN or Inf (it has no scale; QL203 reports non-finite values),
+    or a silent median sample (all zeros: quantizing it loses nothing)."""
     magnitudes: list[float] = []
     for batch in batches:
         args, kwargs = as_call(batch)
@@ -163,9 +165,10 @@ def measure(batches: Sequence[Any], position: int, name: str) -> SampleSpread | 
         if not isinstance(value, torch.Tensor) or value.dim() < 2 or not value.is_floating_point():
             return None
         magnitudes += value.detach().abs().flatten(1).amax(dim=1).tolist()
-    if len(magnitudes) < 2:
+    if len(magnitudes) < 2 or not all(math.isfinite(magnitude) for magnitude in magnitudes):
         return None
-    return SampleSpread(len(magnitudes), max(magnitudes), statistics.median(magnitudes), min(magnitudes))
+    spread = SampleSpread(len(magnitudes), max(magnitudes), statistics.median(magnitudes), min(magnitudes))
+    return spread if spread.median > 0 else None
 
 
 class _SpectrumFrontEnd(nn.Module):

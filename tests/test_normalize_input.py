@@ -149,3 +149,21 @@ def test_a_function_kept_float_reaches_every_export():
 def test_a_plan_names_only_functions_of_operator_torch_and_functional(path):
     with pytest.raises(ValidationError):
         FloatFunction(function=path, provenance=USER)
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "silent"])
+def test_spread_is_not_measured_where_a_sample_has_no_scale(poison):
+    """Found by the fuzz: a NaN or Inf sample made QL204 store a non-finite float in its
+    finding and crash; a mostly silent calibration set gave an infinite ratio. Both have no
+    spread to measure: the rule stays quiet and nothing crashes."""
+    calibration = _waveforms(3.0)(4)
+    if poison == "nan":
+        calibration[1][3, 5] = float("nan")
+    elif poison == "inf":
+        calibration[2][0, 0] = float("inf")
+    else:
+        calibration = [batch * (torch.arange(8) >= 6).unsqueeze(1) for batch in calibration]
+    report = qlint.lint(_SpectrumFrontEnd(), (calibration[0],), calibration=calibration, select=["QL204"])
+    assert not any("crashed" in notice.message for notice in report.notices)
+    assert not [f for f in report.findings if f.rule == "QL204"]
+    assert not any(s.rule == "QL204" and s.crashed for s in report.skipped)

@@ -323,7 +323,10 @@ class TrialBench:
                 return base
             # a fix trial (measure_layers=False) never pays for this copy of the float model
             layers = layer_errors(self._model().eval(), converted, self.evaluation)
-            activations = activation_sqnr(prepared, converted, self.evaluation)
+            try:
+                activations = activation_sqnr(prepared, converted, self.evaluation)
+            except Exception:  # torch's observers reject the evaluation data (Inf in a histogram)
+                activations = ()  # evidence only: the trial's results stand without it
         return dataclasses.replace(base, layers=layers, activation_sqnr_db=activations, model=converted)
 
     def _model(self) -> nn.Module:
