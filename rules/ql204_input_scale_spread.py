@@ -109,7 +109,9 @@ class InputScaleSpread(Rule):
         message = (
             f"the samples of input {candidate.placeholder!r} differ in scale: the loudest reaches "
             f"{spread.largest:.4g}, the median {spread.median:.4g} and the quietest {spread.smallest:.4g} "
-            f"({spread.samples} calibration samples). One int8 scale costs the median sample "
+            f"({spread.samples} calibration samples"
+            + (f", {spread.silent} silent ones left out" if spread.silent else "")
+            + "). One int8 scale costs the median sample "
             f"{spread.bits_lost:.1f} of its {_ACTIVATION_BITS} bits in every quantized op up to {layers}. "
             f"Divide the input by each sample's maximum and restore {layers}'s output (exact in float): "
             "the normalize_input rewrite."
@@ -125,6 +127,7 @@ class InputScaleSpread(Rule):
                 "largest": spread.largest,
                 "median": spread.median,
                 "smallest": spread.smallest,
+                "silent_samples": spread.silent,
                 "ratio": spread.ratio,
                 "bits_lost": spread.bits_lost,
             },
@@ -138,14 +141,15 @@ def _layer_nodes(ctx: LintContext, candidate: Candidate) -> list[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class SampleSpread:
-    samples: int
+    samples: int  # samples that are not silent
     largest: float
     median: float
     smallest: float
+    silent: int = 0  # all-zero samples, left out
 
     @property
     def ratio(self) -> float:
-        return self.largest / self.median  # measure() never builds a spread with a silent median
+        return self.largest / self.median  # measure() leaves silent samples out: the median is > 0
 
     @property
     def bits_lost(self) -> float:
@@ -155,9 +159,10 @@ class SampleSpread:
 
 def measure(batches: Sequence[Any], position: int, name: str) -> SampleSpread | None:
     """Each sample's largest magnitude of one input over ``batches`` (one number per sample:
-    the input itself is never kept). None where there is no spread to measure: fewer than two
-    samples, a sample holding NaN or Inf (it has no scale; QL203 reports non-finite values),
-    or a silent median sample (all zeros: quantizing it loses nothing)."""
+    the input itself is never kept). Silent samples (all zeros) lose nothing to any scale and
+    are left out of the spread. None where there is no spread to measure: fewer than two
+    samples that are not silent, or a sample holding NaN or Inf (it has no scale; QL203
+    reports non-finite values)."""
     magnitudes: list[float] = []
     for batch in batches:
         args, kwargs = as_call(batch)
@@ -165,10 +170,14 @@ def measure(batches: Sequence[Any], position: int, name: str) -> SampleSpread | 
         if not isinstance(value, torch.Tensor) or value.dim() < 2 or not value.is_floating_point():
             return None
         magnitudes += value.detach().abs().flatten(1).amax(dim=1).tolist()
-    if len(magnitudes) < 2 or not all(math.isfinite(magnitude) for magnitude in magnitudes):
+    if not all(math.isfinite(magnitude) for magnitude in magnitudes):
         return None
-    spread = SampleSpread(len(magnitudes), max(magnitudes), statistics.median(magnitudes), min(magnitudes))
-    return spread if spread.median > 0 else None
+    audible = [magnitude for magnitude in magnitudes if magnitude > 0]
+    if len(audible) < 2:
+        return None
+    return SampleSpread(
+        len(audible), max(audible), statistics.median(audible), min(audible), len(magnitudes) - len(audible)
+    )
 
 
 class _SpectrumFrontEnd(nn.Module):

@@ -173,3 +173,14 @@ def test_observers_of_one_tensor_summarize_it_once_across_other_settings(monkeyp
     shared.mul_(2.0)
     StatsObserver(-1)(shared)
     assert len(calls) == 5
+
+
+def test_an_observer_works_under_inference_mode():
+    """Inference tensors have no version counter: the summary reuse must not need one."""
+    observer = StatsObserver(1)
+    with torch.inference_mode():
+        batch = torch.randn(4, 3, 5)
+        observer(batch)
+        observer(batch)
+    assert int(observer.stats.batches) == 2
+    assert torch.equal(observer.stats.count, torch.full((3,), 40))

@@ -325,7 +325,7 @@ class TrialBench:
             layers = layer_errors(self._model().eval(), converted, self.evaluation)
             try:
                 activations = activation_sqnr(prepared, converted, self.evaluation)
-            except Exception:  # torch's observers reject the evaluation data (Inf in a histogram)
+            except RuntimeError:  # torch's observers reject the evaluation data (Inf in a histogram)
                 activations = ()  # evidence only: the trial's results stand without it
         return dataclasses.replace(base, layers=layers, activation_sqnr_db=activations, model=converted)
 

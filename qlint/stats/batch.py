@@ -276,7 +276,8 @@ def _finite_extrema(channel_min: torch.Tensor, channel_max: torch.Tensor) -> boo
     """Whether every value was finite, read from the extrema alone (one host read; CPU only).
 
     amin/amax propagate NaN and keep +-Inf, so a non-finite value makes its channel's range
-    non-finite; so does a range beyond float32 (that batch merely takes the general path)."""
+    non-finite; so does a float32 range beyond float32 (that batch merely takes the general
+    path)."""
     return math.isfinite(float((channel_max - channel_min).sum()))
 
 

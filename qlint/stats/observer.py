@@ -40,6 +40,8 @@ def thread_scratch_buffers() -> ScratchBuffers:
 # with the last 8 kept).
 def _recent_summary(value: torch.Tensor, settings: tuple) -> BatchSummary | None:
     """The summary made for this very tensor (same object, unchanged since) with these settings, if last."""
+    if value.is_inference():  # no version counter to tell an in-place change: never reused
+        return None
     recent = getattr(_thread_local, "recent", None)
     entry = recent.get(settings) if recent is not None else None
     # The weak reference tells a live tensor from a new one at a reused id; the version
@@ -50,6 +52,8 @@ def _recent_summary(value: torch.Tensor, settings: tuple) -> BatchSummary | None
 
 
 def _remember_summary(value: torch.Tensor, settings: tuple, summary: BatchSummary) -> None:
+    if value.is_inference():
+        return
     recent = getattr(_thread_local, "recent", None)
     if recent is None:
         recent = _thread_local.recent = {}
@@ -120,7 +124,13 @@ class StatsObserver(nn.Module):
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
-            self._observe(value)
+            if value.is_inference():
+                # Statistics made under inference_mode would be inference tensors, which
+                # cannot be updated in place once the mode is left: make them normal ones.
+                with torch.inference_mode(False):
+                    self._observe(value)
+            else:
+                self._observe(value)
         return value
 
     def _observe(self, value: torch.Tensor) -> None:
