@@ -145,7 +145,7 @@ class SampleSpread:
     largest: float
     median: float
     smallest: float
-    silent: int = 0  # all-zero samples, left out
+    silent: int  # all-zero samples, left out
 
     @property
     def ratio(self) -> float:

@@ -50,7 +50,7 @@ class ObservationSpec:
     linear inputs; None means per-tensor statistics only. ``percentile`` and
     ``histogram`` ask for the two costly statistics, ``moments`` for per-channel
     sums and sums of squares (mean, variance); min/max, ranges and NaN/Inf counts
-    are always there. No built-in rule reads the moments.
+    are always there.
     """
 
     kinds: frozenset[str]

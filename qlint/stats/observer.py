@@ -40,8 +40,6 @@ def thread_scratch_buffers() -> ScratchBuffers:
 # with the last 8 kept).
 def _recent_summary(value: torch.Tensor, settings: tuple) -> BatchSummary | None:
     """The summary made for this very tensor (same object, unchanged since) with these settings, if last."""
-    if value.is_inference():  # no version counter to tell an in-place change: never reused
-        return None
     recent = getattr(_thread_local, "recent", None)
     entry = recent.get(settings) if recent is not None else None
     # The weak reference tells a live tensor from a new one at a reused id; the version
@@ -52,8 +50,6 @@ def _recent_summary(value: torch.Tensor, settings: tuple) -> BatchSummary | None
 
 
 def _remember_summary(value: torch.Tensor, settings: tuple, summary: BatchSummary) -> None:
-    if value.is_inference():
-        return
     recent = getattr(_thread_local, "recent", None)
     if recent is None:
         recent = _thread_local.recent = {}
@@ -127,13 +123,15 @@ class StatsObserver(nn.Module):
             if value.is_inference():
                 # Statistics made under inference_mode would be inference tensors, which
                 # cannot be updated in place once the mode is left: make them normal ones.
+                # An inference tensor has no version counter to tell an in-place change,
+                # so its summary is never reused.
                 with torch.inference_mode(False):
-                    self._observe(value)
+                    self._observe(value, reusable=False)
             else:
-                self._observe(value)
+                self._observe(value, reusable=True)
         return value
 
-    def _observe(self, value: torch.Tensor) -> None:
+    def _observe(self, value: torch.Tensor, reusable: bool) -> None:
         running = self._running
         width = running.channels if running is not None and len(running) else self._base.num_channels
         channels = channel_count(value.shape, self.channel_axis)
@@ -147,7 +145,7 @@ class StatsObserver(nn.Module):
             self.moments,
             self.percentile_sample,
         )
-        summary = _recent_summary(value, settings)
+        summary = _recent_summary(value, settings) if reusable else None
         if summary is None:
             summary = summarize_values(
                 value,
@@ -161,7 +159,8 @@ class StatsObserver(nn.Module):
             )
             if summary is None:
                 return  # an empty batch: forward() only passes non-empty ones
-            _remember_summary(value, settings, summary)
+            if reusable:
+                _remember_summary(value, settings, summary)
         if running is None or not running.accepts(summary):
             # First batch, another device, or another width than expected: start a stream there.
             self.stats = self.stats
