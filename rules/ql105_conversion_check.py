@@ -55,9 +55,16 @@ class ConversionCheck(Rule):
     module cannot take (e.g. per-channel weights on ConvTranspose), data- or
     shape-dependent Python control flow, or a dtype mismatch.
 
+    For an exported (aten) graph, such as a `.pt2` holds, the trial is the pt2e flow
+    instead: `prepare_pt2e` with torchao's X86InductorQuantizer (x86 backends, the
+    `qlint[pt2e]` extra), calibration, `convert_pt2e`; the layers then have propagated
+    SQNRs only.
+
     When every step succeeds it reports the output SQNR (dB) of the converted model
     against the float model: info when it is at least `warn_below_db` (20 dB), a warning
-    below that and an error below `error_below_db` (10 dB). A low SQNR names the layer
+    below that and an error below `error_below_db` (10 dB). When fewer than half of the
+    conv/linear/recurrent/attention ops run in int8 the message says so: a high SQNR then
+    only says the model stayed float (QL106 names each op left float). A low SQNR names the layer
     where the error starts: the first layer, in forward order, whose output SQNR
     (propagated) is below `warn_below_db`, or, when the error builds up gradually, the
     layer adding the most error itself (lowest shadow SQNR). Its fix keeps float the one
@@ -175,14 +182,29 @@ class ConversionCheck(Rule):
             severity = Severity.ERROR
         elif sqnr is not None and sqnr < self.options.warn_below_db:
             severity = Severity.WARNING
+        # a high SQNR that only says the model stayed float: QL106 warns where a fix exists
+        mostly_float = 2 * trial.int8_ops < trial.weighted_ops
         if severity is Severity.INFO and not self.options.report_success_sqnr:
             return
+        steps = (
+            "prepare_pt2e, calibration, convert_pt2e"
+            if trial.converter == "convert_pt2e"
+            else ("prepare_fx, calibration, convert_fx")
+        )
         message = (
-            f"prepare_fx, calibration, convert_fx and a quantized forward pass all succeed "
+            f"{steps} and a quantized forward pass all succeed "
             f"({where}); output SQNR of the converted model vs float: {text}."
         )
+        if mostly_float:
+            message += (
+                f" But only {trial.int8_ops} of the model's {trial.weighted_ops} conv/linear/recurrent/attention "
+                f"ops run in int8 after {trial.converter}: most of the quantized model is the float model. "
+                "No single fix applies: QL106 lists each op left float, why, and its fix where one exists."
+            )
         data: dict[str, Any] = {
-            "kind": "conversion-ok" if severity is Severity.INFO else "low-output-sqnr",
+            "kind": "mostly-float"
+            if mostly_float
+            else ("conversion-ok" if severity is Severity.INFO else "low-output-sqnr"),
             "backend": ctx.backend.name,
             "sqnr_db": None if sqnr is None else round(sqnr, 3),
         }

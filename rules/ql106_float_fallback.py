@@ -32,7 +32,16 @@ _WHY = {
         "pattern the backend config quantizes"
     ),
     "no-static-kernel": "the backend config has no static int8 pattern for it with this qconfig",
+    "not-annotated": (
+        "the pt2e quantizer (X86InductorQuantizer) has no annotation for this op, so prepare_pt2e puts "
+        "no observer around it"
+    ),
 }
+_PT2E_NO_FIX = (
+    " No quantizer setting of the pt2e flow quantizes it (X86InductorQuantizer quantizes conv2d and "
+    "linear ops, and only linear ones dynamically): to quantize it, lint and quantize the nn.Module "
+    "with prepare_fx, or keep it float on purpose."
+)
 
 
 class FloatFallback(Rule):
@@ -48,7 +57,12 @@ class FloatFallback(Rule):
       Linear layers inside it are never quantized;
     - **recurrent**: `nn.LSTM`/`nn.GRU` have no static int8 kernel and need a dynamic qconfig;
     - **functional**: `F.linear`/`F.conv2d` with a weight the backend config cannot quantize;
-    - **no static kernel** for the op with this qconfig.
+    - **no static kernel** for the op with this qconfig;
+    - **not annotated** (exported graphs, quantized with the pt2e flow): torchao's
+      X86InductorQuantizer puts no observer around the op. It quantizes conv2d and linear
+      ops it finds by their source module or function, so a conv1d, a recurrent op, or a
+      conv inside a custom `nn.Conv2d` subclass stays float; no quantizer setting changes
+      that, and the finding says so.
 
     Layers the mapping itself keeps float (a `None` qconfig) are intended and not reported.
     For recurrent layers the fix is a dynamic-quantization entry in the mapping; for a
@@ -127,12 +141,14 @@ class FloatFallback(Rule):
         what = f"{layer.target} ({layer.kind.removeprefix('module:')}"
         what += f", {len(layer.inner)} weighted layers inside)" if layer.inner else ")"
         message = (
-            f"{what} stays float after convert_fx: {_WHY[layer.reason]}. int8 coverage of the model's "
+            f"{what} stays float after {trial.converter}: {_WHY[layer.reason]}. int8 coverage of the model's "
             f"conv/linear/recurrent/attention ops: {coverage}."
         )
         suggestion: dict[str, Any] | None = None
         impact = None
-        if layer.reason == "recurrent":
+        if trial.converter == "convert_pt2e" and layer.reason in ("recurrent", "not-annotated"):
+            message += _PT2E_NO_FIX
+        elif layer.reason == "recurrent":
             suggestion = {"action": "set_qconfig", "targets": [layer.target], "mode": "dynamic"}
             fixed = _dynamic_entry_sqnr(ctx, suggestion, self.finding(layer.target, "", suggestion=suggestion))
             message += (

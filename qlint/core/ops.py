@@ -408,6 +408,13 @@ def _kind_from_class_name(name: str) -> str | None:
     return None
 
 
+def kind_of_type_name(type_name: str) -> str | None:
+    """The kind of a torch module class from its (dotted) name, as ``nn_module_stack`` records
+    it in exported graphs; None when unknown."""
+    short = type_name.rpartition(".")[2]
+    return next((kind for base, kind in MODULE_KINDS if base.__name__ == short), None)
+
+
 def _float_counterpart(cls: type) -> type:
     """QAT and quantized modules (torch.ao.nn.*) keep a float base class or a _FLOAT_MODULE."""
     float_module = getattr(cls, "_FLOAT_MODULE", None)

@@ -24,7 +24,7 @@ from torch.nn.parameter import is_lazy
 
 from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.core.intent import CallDescription, NodeQConfig
-from qlint.core.ops import MODULE_KINDS, function_kind, method_kind, module_kind
+from qlint.core.ops import MODULE_KINDS, function_kind, kind_of_type_name, method_kind, module_kind
 from qlint.core.preserve import cloned, preserved_state, stored_proxies
 from qlint.errors import StateError, TraceError
 
@@ -310,7 +310,7 @@ class GraphBuilder:
         if owner is not None and owner.cls is not None and _kind_of_class(owner.cls) == kind:
             owning_module = owner
         elif owner is not None and owner.cls is None and self.traced.exported:
-            owning_module = owner if _kind_from_type_name(owner.type_name) == kind else None
+            owning_module = owner if kind_of_type_name(owner.type_name) == kind else None
         weight, bias = self._weight_refs(node, kind)
         training = self._training_flag(node, kind, owning_module)
         info = OpNode(
@@ -432,14 +432,6 @@ def _flat_args(node: fx.Node) -> list[fx.Node]:
 def _kind_of_class(cls: type) -> str | None:
     for base, kind in MODULE_KINDS:
         if issubclass(cls, base):
-            return kind
-    return None
-
-
-def _kind_from_type_name(type_name: str) -> str | None:
-    short = type_name.rpartition(".")[2]
-    for base, kind in MODULE_KINDS:
-        if base.__name__ == short:
             return kind
     return None
 

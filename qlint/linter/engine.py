@@ -373,7 +373,7 @@ def _lint(
         notices.extend(calibration_notices)
         timings.append(Timing(stage="calibrate", seconds=time.perf_counter() - stage))
     bench, trial = None, None
-    blocker = trial_blocker(analysis, example, trial_options)
+    blocker = trial_blocker(analysis, example, trial_options, backend)
     if blocker is None and analysis.qconfig_mapping is not None and example is not None:
         stage = time.perf_counter()
         bench = trial_bench(analysis, example, calibration, backend, trial_options)

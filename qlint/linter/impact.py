@@ -156,6 +156,8 @@ class ImpactMeter:
         if key in self._measured:
             return self._measured[key]
         bench = self.bench
+        if family == "keep-float" and all(self._already_float(finding.target) for finding in findings):
+            return self.result.output_sqnr_db  # the same model as the trial: no trial needed
         if family == "qconfig":
             mapping = fix_mapping(self.base, findings, bench.backend)
         elif family == "keep-float":
@@ -177,12 +179,18 @@ class ImpactMeter:
         self._measured[key] = bench.output_sqnr(mapping)
         return self._measured[key]
 
+    def _already_float(self, target: str) -> bool:
+        return any(layer.target == target for layer in self.result.float_layers)
+
     def impact(self, finding: Finding) -> Impact | None:
         """The finding's fix measured alone; None past the single-trial budget, or when no trial
         expresses it (the caller decides)."""
         base = self.result.output_sqnr_db
         if base is None:
             return None
+        if self._already_float(finding.target):
+            detail = f"{finding.target} already runs in float in the trial: keeping it float changes nothing"
+            return Impact.measured(base, base, "keep-float-trial", detail)
         for family in self.families(finding):
             if self.exhausted():
                 return None
@@ -266,6 +274,8 @@ class ImpactMeter:
         return model if applied_any else None
 
     def estimate(self, target: str) -> Impact | None:
+        if self._already_float(target):
+            return None  # a float layer adds no error of its own; its output carries upstream error
         return local_error_estimate(self.result, target, self.aliases.get(target, ()))
 
     def combined(self, findings: Sequence[Finding]) -> float | None:

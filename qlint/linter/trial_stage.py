@@ -21,6 +21,7 @@ from qlint.errors import ConfigError
 from qlint.linter.context import INTENT_DEFAULT, INTENT_MAPPING
 from qlint.linter.findings import TrialSummary
 from qlint.linter.rule import RuleOptions
+from qlint.measure.pt2e_trial import Pt2eBench, pt2e_blocker
 from qlint.measure.trial import TrialBench, TrialResult
 
 
@@ -56,7 +57,7 @@ class TrialOptions(RuleOptions):
             raise ConfigError(f"bad trial options: {'; '.join(line.strip() for line in detail[1:3])}") from error
 
 
-def trial_blocker(analysis: Any, example: Sequence[Any] | None, options: TrialOptions) -> str | None:
+def trial_blocker(analysis: Any, example: Sequence[Any] | None, options: TrialOptions, backend: str) -> str | None:
     """Why no trial can run for this analysis; None when one can."""
     if not options.enabled:
         return "the trial quantization is turned off"
@@ -64,11 +65,10 @@ def trial_blocker(analysis: Any, example: Sequence[Any] | None, options: TrialOp
         return "no example inputs (pass --input-shape or --example-inputs)"
     if analysis.traced is None:
         return "the model could not be traced with torch.fx, so prepare_fx cannot quantize it"
-    if analysis.graph.frontend.startswith("torch.export"):
-        return (
-            "the model is an exported (aten) graph; prepare_fx quantizes nn.Modules "
-            "(for .pt2 models use the pt2e flow, or lint the nn.Module)"
-        )
+    if analysis.traced.exported:
+        blocker = pt2e_blocker(backend)
+        if blocker is not None:
+            return blocker
     if analysis.intent not in (INTENT_DEFAULT, INTENT_MAPPING) or analysis.qconfig_mapping is None:
         return f"the quantization intent is a {analysis.intent}, not a QConfigMapping prepare_fx can take"
     return None
@@ -109,6 +109,16 @@ def trial_bench(
         why = "" if calibration is None else " (the calibration data is a one-shot iterator)"
         calibrated_on = f"the example inputs{why}"
         evaluated_on = "the example inputs (the data it was calibrated on)"
+    if analysis.traced.exported:  # an aten graph: the pt2e flow quantizes it
+        return Pt2eBench(
+            lambda: copy.deepcopy(graph_module),
+            backend,
+            calibration_batches,
+            evaluation,
+            calibrated_on,
+            evaluated_on,
+            analysis.qconfig_mapping,
+        )
     return TrialBench(
         lambda: copy.deepcopy(graph_module), backend, calibration_batches, evaluation, calibrated_on, evaluated_on
     )

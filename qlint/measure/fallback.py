@@ -18,7 +18,7 @@ from torch.ao.quantization import QConfigMapping
 
 from qlint.core.ops import CONV_OR_LINEAR_KINDS, TRANSPOSED_CONV_KINDS, function_op, module_kind, quantized_form
 
-FallbackReason = Literal["tracer-leaf", "recurrent", "functional", "kept-float", "no-static-kernel"]
+FallbackReason = Literal["tracer-leaf", "recurrent", "functional", "kept-float", "no-static-kernel", "not-annotated"]
 
 RECURRENT_KINDS = frozenset({"lstm", "gru", "rnn", "lstm_cell", "gru_cell", "rnn_cell"})
 ATTENTION_KINDS = frozenset({"multihead_attention"})

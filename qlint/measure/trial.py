@@ -99,6 +99,7 @@ class TrialResult:
     # tensor, the measurements come from the same model with those views as reshapes
     # (identical in float); this says so. `failure` still holds what failed as intended.
     workaround: str | None = None
+    converter: str = "convert_fx"  # the step that built the int8 model (convert_pt2e for exported graphs)
 
     @property
     def converted(self) -> bool:

@@ -1,0 +1,370 @@
+"""The trial quantization of an exported (aten) graph, such as a ``.pt2`` holds: torch's pt2e flow.
+
+prepare_fx quantizes torch-level graphs of nn.Modules; an exported program is an aten
+graph, and the flow its users run is pt2e: ``prepare_pt2e`` with a quantizer,
+calibration, ``convert_pt2e``. For the x86 backends the quantizer is torchao's
+``X86InductorQuantizer`` (the optional extra ``qlint[pt2e]``). The converted graph holds
+quantize/dequantize pairs around the float ops (torch's reference representation):
+running it gives the int8 model's numerics.
+
+The intent is a QConfigMapping, as for the FX trial, translated into the quantizer by
+:func:`quantizer_for`: the global qconfig becomes the quantizer's static config; a None
+qconfig by module name, module type or function leaves those ops float; a dynamic
+qconfig on a Linear becomes the quantizer's dynamic config. Any other change from the
+intended mapping (an observer, a dtype, a scheme) has no pt2e equivalent, because
+X86InductorQuantizer chooses its own observers: such a trial is not run.
+
+What the trial records (:class:`~qlint.measure.trial.TrialResult`, as the FX trial):
+
+- the output SQNR on the evaluation batches;
+- per conv/linear op its propagated SQNR (the error at its output, everything upstream
+  included). No shadow (local) SQNR: the converted graph has no module to re-run on the
+  float input;
+- the weighted ops left float, and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.ao.quantization import QConfigMapping
+from torch.ao.quantization.qconfig import qconfig_equals
+
+from qlint.core.batches import as_call, call_model
+from qlint.core.nested import first_float
+from qlint.core.ops import CONV_OR_LINEAR_KINDS, TRANSPOSED_CONV_KINDS, function_op, kind_of_type_name
+from qlint.core.sqnr import SqnrSums
+from qlint.measure.fallback import RECURRENT_KINDS, FallbackReason, FloatLayer
+from qlint.measure.trial import (
+    STAGE_CALIBRATE,
+    STAGE_FLOAT,
+    STAGE_RUN,
+    LayerError,
+    TrialBench,
+    TrialFailure,
+    TrialResult,
+)
+
+STAGE_PREPARE_PT2E, STAGE_CONVERT_PT2E = "prepare_pt2e", "convert_pt2e"
+PT2E_BACKENDS = ("x86", "fbgemm", "onednn")
+_QUANTIZER_MODULE = "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer"
+_FLOW_MODULE = "torchao.quantization.pt2e.quantize_pt2e"
+# aten recurrent ops and the layer kind each computes
+_RECURRENT_OPS = {
+    "lstm": "lstm",
+    "gru": "gru",
+    "rnn_tanh": "rnn",
+    "rnn_relu": "rnn",
+    "lstm_cell": "lstm_cell",
+    "gru_cell": "gru_cell",
+    "rnn_tanh_cell": "rnn_cell",
+    "rnn_relu_cell": "rnn_cell",
+}
+_DEQUANTIZE_PREFIX = "dequantize_per_"
+# torchao's first import logs warnings about its optional CUDA kernels, and torch's pytree
+# one about the enums torchao registers: noise in a CPU lint run
+_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def _torchao(module: str) -> Any:
+    """Import a torchao module without its import-time warnings (the loggers' levels are restored)."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with contextlib.ExitStack() as stack:
+        for logger, level in zip(loggers, levels):
+            stack.callback(logger.setLevel, level)
+            logger.setLevel(logging.ERROR)
+        return importlib.import_module(module)
+
+
+def pt2e_blocker(backend: str) -> str | None:
+    """Why the pt2e trial cannot run for this backend here; None when it can."""
+    if backend not in PT2E_BACKENDS:
+        return (
+            f"the model is an exported (aten) graph, quantized with the pt2e flow, and qlint's pt2e "
+            f"trial supports the {', '.join(PT2E_BACKENDS)} backends (X86InductorQuantizer), not {backend}"
+        )
+    try:
+        _torchao(_QUANTIZER_MODULE)
+    except ImportError:
+        return "the model is an exported (aten) graph; its pt2e trial needs torchao: pip install 'qlint[pt2e]'"
+    return None
+
+
+def _is_dynamic(qconfig: Any) -> bool:
+    activation = qconfig.activation()
+    return bool(getattr(activation, "is_dynamic", False))
+
+
+def quantizer_for(mapping: QConfigMapping, intended: QConfigMapping, layer_kinds: Mapping[str, str]) -> Any | None:
+    """An X86InductorQuantizer that quantizes as ``mapping`` asks; None when ``mapping`` differs
+    from ``intended`` in a way pt2e cannot express.
+
+    ``layer_kinds``: module fqn → layer kind, for the module-name entries (a dynamic config
+    applies to Linear layers only)."""
+    quantizer_module = _torchao(_QUANTIZER_MODULE)
+    quantizer = quantizer_module.X86InductorQuantizer()
+
+    def config(dynamic: bool = False) -> Any:
+        return quantizer_module.get_default_x86_inductor_quantization_config(is_dynamic=dynamic)
+
+    default = mapping.global_qconfig
+    if default is not None:
+        if _is_dynamic(default):
+            return None
+        quantizer.set_global(config())
+    for fqn, qconfig in mapping.module_name_qconfigs.items():
+        if qconfig is None:
+            quantizer.set_module_name_qconfig(fqn, None)
+        elif _is_dynamic(qconfig):
+            if layer_kinds.get(fqn) != "linear":
+                return None  # X86InductorQuantizer quantizes only Linear layers dynamically
+            quantizer.set_module_name_qconfig(fqn, config(dynamic=True))
+        elif default is not None and qconfig_equals(qconfig, default):
+            continue
+        elif fqn in intended.module_name_qconfigs and qconfig_equals(qconfig, intended.module_name_qconfigs[fqn]):
+            quantizer.set_module_name_qconfig(fqn, config())
+        else:
+            return None  # an observer or dtype of its own: the quantizer picks its own
+    planned_types = intended.object_type_qconfigs
+    for kind, qconfig in mapping.object_type_qconfigs.items():
+        if qconfig is None and isinstance(kind, type) and issubclass(kind, nn.Module):
+            quantizer.set_module_type_qconfig(kind, None)
+        elif qconfig is None and callable(kind):
+            quantizer.set_function_type_qconfig(kind, None)
+        elif qconfig is None or kind not in planned_types or not qconfig_equals(qconfig, planned_types[kind]):
+            return None  # a method left float, or a type-wide change of observer: no pt2e equivalent
+    if mapping.module_name_regex_qconfigs or mapping.module_name_object_type_order_qconfigs:
+        return None
+    return quantizer
+
+
+@dataclasses.dataclass(frozen=True)
+class _WeightedOp:
+    node: str  # node name (kept by prepare_pt2e / convert_pt2e)
+    target: str  # the owning module's fqn when it is this layer, else the node name
+    kind: str
+
+
+def _owner(node: fx.Node) -> tuple[str, str | None] | None:
+    """(fqn, kind) of the innermost module that called this node, from ``nn_module_stack``
+    (None at the top level)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, type_ref = list(stack.values())[-1]
+    if not path:
+        return None
+    type_name = type_ref if isinstance(type_ref, str) else f"{type_ref.__module__}.{type_ref.__qualname__}"
+    return str(path), kind_of_type_name(type_name)
+
+
+def _weighted_ops(graph_module: fx.GraphModule) -> list[_WeightedOp]:
+    """Conv, linear and recurrent ops of an aten graph, named by their module where they are one."""
+    found = []
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        kind = function_op(node.target).kind
+        if kind.startswith("aten:") and kind.removeprefix("aten:") in _RECURRENT_OPS:
+            kind = _RECURRENT_OPS[kind.removeprefix("aten:")]
+        elif kind not in CONV_OR_LINEAR_KINDS | TRANSPOSED_CONV_KINDS:
+            continue
+        owner = _owner(node)
+        # named as lint's graph names it: by the module when the module is this layer (an
+        # nn.Conv2d calling conv2d), else by the node
+        target = node.name
+        if owner is not None and (owner[1] == kind or owner[1] in RECURRENT_KINDS):
+            target = owner[0]
+        found.append(_WeightedOp(node.name, target, kind))
+    # a module whose forward holds several weighted ops (a block) is named by node, not by fqn
+    targets = [op.target for op in found]
+    return [op if targets.count(op.target) == 1 else dataclasses.replace(op, target=op.node) for op in found]
+
+
+def _dequantized(value: Any) -> bool:
+    return isinstance(value, fx.Node) and value.op == "call_function" and _DEQUANTIZE_PREFIX in str(value.target)
+
+
+def _asks_float(mapping: QConfigMapping, fqn: str) -> bool:
+    path = fqn
+    while path:
+        if path in mapping.module_name_qconfigs:
+            return mapping.module_name_qconfigs[path] is None
+        path = path.rpartition(".")[0]
+    return mapping.global_qconfig is None
+
+
+def pt2e_float_layers(converted: fx.GraphModule, mapping: QConfigMapping) -> tuple[list[FloatLayer], int, int]:
+    """The weighted ops ``converted`` runs in float with their reasons, the int8 ones, and all of them.
+
+    An op runs in int8 when its input and its weight both come through a dequantize."""
+    nodes = {node.name: node for node in converted.graph.nodes}
+    fallbacks, int8 = [], 0
+    ops = _weighted_ops(converted)
+    for op in ops:
+        args = nodes[op.node].args
+        if len(args) >= 2 and _dequantized(args[0]) and _dequantized(args[1]):
+            int8 += 1
+            continue
+        reason: FallbackReason
+        if _asks_float(mapping, op.target):
+            reason = "kept-float"
+        elif op.kind in RECURRENT_KINDS:
+            reason = "recurrent"
+        else:
+            reason = "not-annotated"
+        fallbacks.append(FloatLayer(op.target, op.kind, reason))
+    return fallbacks, int8, len(ops)
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph node by node and keeps the float outputs of the named nodes (one batch)."""
+
+    def __init__(self, graph_module: fx.GraphModule, names: frozenset[str]) -> None:
+        super().__init__(graph_module)
+        self.names = names
+        self.outputs: dict[str, torch.Tensor | None] = {}
+
+    def run_node(self, node: fx.Node) -> Any:
+        value = super().run_node(node)
+        if node.name in self.names:
+            self.outputs[node.name] = first_float(value)
+        return value
+
+
+def propagated_errors(
+    float_model: fx.GraphModule, converted: fx.GraphModule, batches: Sequence[Any]
+) -> tuple[LayerError, ...]:
+    """Per weighted op of ``converted``, the SQNR of its output against the float model's (the
+    error it shows with everything upstream of it quantized). Batches of positional tensors only:
+    the graphs run node by node on their flat inputs."""
+    ops = _weighted_ops(converted)
+    names = frozenset(op.node for op in ops)
+    sums = {name: SqnrSums() for name in names}
+    for batch in batches:
+        args, kwargs = as_call(batch)
+        if kwargs or not all(isinstance(arg, torch.Tensor) for arg in args):
+            return ()
+        expected, actual = _Recorder(float_model, names), _Recorder(converted, names)
+        with torch.no_grad():
+            expected.run(*args)
+            actual.run(*args)
+        for name in names:
+            reference, value = expected.outputs.get(name), actual.outputs.get(name)
+            if reference is not None and value is not None:
+                sums[name].add(reference, value)
+    layers = []
+    for op in ops:
+        measured = sums[op.node].sqnr_db()
+        if measured is not None:
+            layers.append(LayerError(op.target, op.kind, None, measured))
+    return tuple(layers)
+
+
+class Pt2eBench(TrialBench):
+    """A :class:`TrialBench` whose trials run the pt2e flow on an exported (aten) graph.
+
+    ``intended``: the mapping the lint run quantizes with; fix trials may differ from it only
+    in ways :func:`quantizer_for` can express."""
+
+    converter = STAGE_CONVERT_PT2E
+
+    def __init__(
+        self,
+        model_factory: Callable[[], nn.Module],
+        backend: str,
+        calibration: Sequence[Any],
+        evaluation: Sequence[Any],
+        calibrated_on: str,
+        evaluated_on: str,
+        intended: QConfigMapping,
+    ) -> None:
+        super().__init__(model_factory, backend, calibration, evaluation, calibrated_on, evaluated_on)
+        self.intended = intended
+        self._layer_kinds: dict[str, str] | None = None
+
+    def variant(self, model_factory: Callable[[], nn.Module]) -> Pt2eBench:
+        return Pt2eBench(
+            model_factory,
+            self.backend,
+            self.calibration,
+            self.evaluation,
+            self.calibrated_on,
+            self.evaluated_on,
+            self.intended,
+        )
+
+    def reference(self) -> list[Any]:
+        # an exported module refuses .eval() (it was exported in the mode it runs in)
+        if self._reference is None:
+            model = self.model_factory()
+            with torch.no_grad():
+                self._reference = [call_model(model, batch) for batch in self.evaluation]
+        return self._reference
+
+    def float_sqnr_of(self, model: nn.Module) -> float | None:
+        with torch.no_grad():
+            return self._output_sqnr(model, self.reference())
+
+    def layer_kinds(self) -> dict[str, str]:
+        if self._layer_kinds is None:
+            model = self.model_factory()
+            self._layer_kinds = (
+                {op.target: op.kind for op in _weighted_ops(model)} if isinstance(model, fx.GraphModule) else {}
+            )
+        return self._layer_kinds
+
+    def _reshape_views(self) -> list[str]:
+        return []  # the reference representation keeps float layouts: no channels-last views
+
+    def _run(self, mapping: QConfigMapping, measure_layers: bool) -> TrialResult:
+        base = TrialResult(self.backend, self.calibrated_on, self.evaluated_on, converter=self.converter)
+        quantizer = quantizer_for(mapping, self.intended, self.layer_kinds())
+        if quantizer is None:
+            error = ValueError("the mapping asks for a change the pt2e quantizer cannot express")
+            return dataclasses.replace(base, failure=TrialFailure(STAGE_PREPARE_PT2E, error, None))
+        try:
+            reference = self.reference()
+        except Exception as error:  # the float model itself fails: QL105 reports it
+            return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, self.model_factory()))
+        flow = _torchao(_FLOW_MODULE)
+        model = self.model_factory()
+        try:
+            prepared = flow.prepare_pt2e(model, quantizer)
+        except Exception as error:  # torch raises many kinds for graphs it cannot annotate
+            return dataclasses.replace(base, failure=TrialFailure(STAGE_PREPARE_PT2E, error, model))
+        try:
+            with torch.no_grad():
+                for batch in self.calibration:
+                    call_model(prepared, batch)
+        except Exception as error:
+            return dataclasses.replace(base, failure=TrialFailure(STAGE_CALIBRATE, error, prepared))
+        try:
+            converted = flow.convert_pt2e(prepared)
+        except Exception as error:
+            return dataclasses.replace(base, failure=TrialFailure(STAGE_CONVERT_PT2E, error, prepared))
+        try:
+            with torch.no_grad():
+                output = self._output_sqnr(converted, reference)
+        except Exception as error:
+            return dataclasses.replace(base, failure=TrialFailure(STAGE_RUN, error, converted))
+        fallbacks, int8, total = pt2e_float_layers(converted, mapping)
+        base = dataclasses.replace(
+            base, output_sqnr_db=output, float_layers=tuple(fallbacks), int8_ops=int8, weighted_ops=total
+        )
+        if not measure_layers:
+            return base
+        float_model = self.model_factory()
+        layers: tuple[LayerError, ...] = ()
+        if isinstance(float_model, fx.GraphModule):
+            layers = propagated_errors(float_model, converted, self.evaluation)
+        return dataclasses.replace(base, layers=layers, model=converted)

@@ -1,0 +1,152 @@
+"""The trial of an exported (aten) graph runs torch's pt2e flow (prepare_pt2e / convert_pt2e with
+torchao's X86InductorQuantizer), as a user of a .pt2 model would quantize it."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.ao.quantization import MinMaxObserver, QConfig, default_weight_observer
+
+import qlint
+from qlint.core.intent import default_mapping
+from qlint.core.sqnr import SqnrSums
+from qlint.measure.pt2e_trial import Pt2eBench, pt2e_blocker, quantizer_for
+
+pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e  # noqa: E402
+from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (  # noqa: E402
+    X86InductorQuantizer,
+    get_default_x86_inductor_quantization_config,
+)
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.fc(self.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+class _AudioNet(nn.Module):
+    """conv1d (X86InductorQuantizer annotates conv2d only) and an LSTMCell (recurrent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 8, 5)
+        self.cell = nn.LSTMCell(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h, _ = self.cell(torch.relu(self.conv(x)).mean(2))
+        return self.head(h)
+
+
+def _exported(model: nn.Module, example: torch.Tensor):
+    torch.manual_seed(0)
+    model.eval()
+    with torch.no_grad():  # BN statistics that are not the identity
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+    return torch.export.export(model, (example,))
+
+
+def _lint(program, batches, **kwargs):
+    return qlint.lint(
+        program.module(),
+        (batches[0],),
+        exported_program=program,
+        calibration=batches,
+        calibration_options={"quiet": True},
+        **kwargs,
+    )
+
+
+def test_lint_of_an_exported_graph_measures_the_model_pt2e_builds():
+    torch.manual_seed(1)
+    batch = torch.randn(4, 3, 12, 12)
+    program = _exported(_ConvNet(), batch)
+    report = _lint(program, [batch], select=["QL105"], options={"QL105": {"report_success_sqnr": True}})
+    assert report.trial is not None and report.trial.converted
+    assert (report.trial.int8_ops, report.trial.weighted_ops) == (2, 2)
+    # the reference: the same flow run by hand, calibrated and evaluated on the one batch
+    quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(copy.deepcopy(program.module()), quantizer)
+    prepared(batch)
+    converted = convert_pt2e(prepared)
+    sums = SqnrSums()
+    sums.add(program.module()(batch), converted(batch))
+    expected = sums.sqnr_db()
+    assert expected is not None and 20 < expected < 80
+    assert report.trial.output_sqnr_db == pytest.approx(expected, abs=2e-3)
+    (finding,) = report.findings
+    assert "prepare_pt2e" in finding.message and "convert_pt2e" in finding.message
+
+
+def test_layers_are_named_by_module_and_the_last_one_carries_the_output_error():
+    torch.manual_seed(2)
+    batch = torch.randn(4, 3, 12, 12)
+    program = _exported(_ConvNet(), batch)
+    mapping = default_mapping("x86")
+    bench = Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", [batch], [batch], "b", "b", mapping)
+    result = bench.run(mapping)
+    assert result.converted and result.converter == "convert_pt2e"
+    assert {layer.name for layer in result.layers} == {"conv", "fc"}
+    fc = result.layer("fc")
+    assert fc is not None and fc.shadow_db is None  # no module to re-run on the float input
+    assert fc.propagated_db == pytest.approx(result.output_sqnr_db, abs=1e-3)  # fc's output is the model's
+
+
+def test_a_keep_float_entry_reaches_the_quantizer_and_an_observer_change_is_not_expressed():
+    torch.manual_seed(3)
+    batch = torch.randn(4, 3, 12, 12)
+    program = _exported(_ConvNet(), batch)
+    intended = default_mapping("x86")
+    bench = Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", [batch], [batch], "b", "b", intended)
+    kept = copy.deepcopy(intended).set_module_name("fc", None)
+    result = bench.run(kept)
+    assert [(layer.target, layer.reason) for layer in result.float_layers] == [("fc", "kept-float")]
+    assert (result.int8_ops, result.weighted_ops) == (1, 2)
+    own_observer = QConfig(activation=MinMaxObserver.with_args(quant_max=100), weight=default_weight_observer)
+    changed = copy.deepcopy(intended).set_module_name("fc", own_observer)
+    assert quantizer_for(changed, intended, {"fc": "linear"}) is None
+    assert bench.output_sqnr(changed) is None  # not run: pt2e would build the default
+
+
+def test_ops_pt2e_leaves_float_are_reported_with_their_reason_and_no_trial_is_spent_on_them():
+    torch.manual_seed(4)
+    batches = [torch.randn(6, 1, 40) for _ in range(3)]
+    program = _exported(_AudioNet(), batches[0])
+    report = _lint(program, batches, select=["QL105", "QL106"], options={"QL105": {"report_success_sqnr": True}})
+    assert report.trial is not None and report.trial.converted
+    assert (report.trial.int8_ops, report.trial.weighted_ops) == (1, 3)
+    by_target = {f.target: f for f in report.findings if f.rule == "QL106"}
+    assert set(by_target) == {"conv", "cell"}
+    assert "no annotation" in by_target["conv"].message
+    assert "recurrent" in by_target["cell"].message
+    for finding in by_target.values():
+        assert "convert_pt2e" in finding.message and "prepare_fx" in finding.message  # the way out
+        assert finding.impact is not None and finding.impact.db == 0.0
+        assert "already runs in float" in finding.impact.detail
+    assert report.trial.fix_trials == 0
+    (overall,) = [f for f in report.findings if f.rule == "QL105"]
+    assert overall.data["kind"] == "mostly-float" and "only 1 of the model's 3" in overall.message
+
+
+def test_non_x86_backends_and_a_missing_quantizer_say_why_no_trial_runs():
+    reason = pt2e_blocker("qnnpack")
+    assert reason is not None and "x86" in reason
+    assert pt2e_blocker("x86") is None
+    torch.manual_seed(5)
+    batch = torch.randn(2, 3, 12, 12)
+    program = _exported(_ConvNet(), batch)
+    report = _lint(program, [batch], backend="qnnpack", select=["QL105"])
+    assert report.trial is None
+    assert any("X86InductorQuantizer" in skipped.reason for skipped in report.skipped)
