@@ -90,26 +90,30 @@ def test_lint_of_an_exported_graph_measures_the_model_pt2e_builds():
     assert "prepare_pt2e" in finding.message and "convert_pt2e" in finding.message
 
 
-def test_layers_are_named_by_module_and_the_last_one_carries_the_output_error():
-    torch.manual_seed(2)
+def _conv_net_bench(seed: int):
+    """A bench of the exported conv net, calibrated and evaluated on one batch; and the intended mapping."""
+    torch.manual_seed(seed)
     batch = torch.randn(4, 3, 12, 12)
     program = _exported(_ConvNet(), batch)
-    mapping = default_mapping("x86")
-    bench = Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", [batch], [batch], "b", "b", mapping)
+    intended = default_mapping("x86")
+    return Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", [batch], [batch], "b", "b", intended), intended
+
+
+def test_layers_are_named_by_module_and_the_last_one_carries_the_output_error():
+    bench, mapping = _conv_net_bench(2)
     result = bench.run(mapping)
     assert result.converted and result.converter == "convert_pt2e"
     assert {layer.name for layer in result.layers} == {"conv", "fc"}
     fc = result.layer("fc")
     assert fc is not None and fc.shadow_db is None  # no module to re-run on the float input
     assert fc.propagated_db == pytest.approx(result.output_sqnr_db, abs=1e-3)  # fc's output is the model's
+    conv = result.layer("conv")
+    # compared with the float conv after prepare_pt2e folded the BN into it, not before the BN
+    assert conv is not None and conv.propagated_db is not None and conv.propagated_db > 25
 
 
 def test_a_keep_float_entry_reaches_the_quantizer_and_an_observer_change_is_not_expressed():
-    torch.manual_seed(3)
-    batch = torch.randn(4, 3, 12, 12)
-    program = _exported(_ConvNet(), batch)
-    intended = default_mapping("x86")
-    bench = Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", [batch], [batch], "b", "b", intended)
+    bench, intended = _conv_net_bench(3)
     kept = copy.deepcopy(intended).set_module_name("fc", None)
     result = bench.run(kept)
     assert [(layer.target, layer.reason) for layer in result.float_layers] == [("fc", "kept-float")]

@@ -15,30 +15,26 @@ from qlint.core.ops import resolve_function
 from qlint.errors import ConfigError
 from qlint.linter.mapping import rewrite_float_modules
 from qlint.linter.suggestions import Suggestions
-
-_X86_FAMILY = ("x86", "fbgemm", "onednn")
+from qlint.measure.pt2e_trial import PT2E_BACKENDS, QUANTIZER_MODULE, import_torchao
 
 
 def to_pt2e_quantizer(plan: Suggestions) -> Any:
     try:
-        from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-            X86InductorQuantizer,
-            get_default_x86_inductor_quantization_config,
-        )
+        quantizer_module = import_torchao(QUANTIZER_MODULE)
     except ImportError as error:
         raise ConfigError("pt2e export needs torchao: pip install 'qlint[pt2e]'") from error
-    if plan.backend not in _X86_FAMILY:
+    if plan.backend not in PT2E_BACKENDS:
         raise ConfigError(
-            f"pt2e export supports the {', '.join(_X86_FAMILY)} backends; for "
+            f"pt2e export supports the {', '.join(PT2E_BACKENDS)} backends; for "
             f"{plan.backend} use ExecuTorch's XNNPACKQuantizer with the plan's decisions"
         )
 
     def config(dynamic: bool = False):
-        return get_default_x86_inductor_quantization_config(
+        return quantizer_module.get_default_x86_inductor_quantization_config(
             is_dynamic=dynamic, reduce_range=bool(plan.activation.reduce_range)
         )
 
-    quantizer = X86InductorQuantizer()
+    quantizer = quantizer_module.X86InductorQuantizer()
     if not plan.float_by_default:
         quantizer.set_global(config())
     for decision in plan.modules:

@@ -39,8 +39,9 @@ class FloatLayer:
         return max(1, len(self.inner))
 
 
-def _explicitly_float(mapping: QConfigMapping | None, fqn: str, module: nn.Module) -> bool:
-    """The mapping itself asks for float here (a None qconfig by name, prefix or type)."""
+def asks_float(mapping: QConfigMapping | None, fqn: str, module_type: type | None = None) -> bool:
+    """The mapping itself asks for float at ``fqn`` (a None qconfig by name or prefix, by the
+    module's type, or as the global default)."""
     if mapping is None:
         return False
     by_name = mapping.module_name_qconfigs
@@ -50,8 +51,8 @@ def _explicitly_float(mapping: QConfigMapping | None, fqn: str, module: nn.Modul
             return by_name[path] is None
         path = path.rpartition(".")[0]
     by_type = mapping.object_type_qconfigs
-    if type(module) in by_type:
-        return by_type[type(module)] is None
+    if module_type is not None and module_type in by_type:
+        return by_type[module_type] is None
     return mapping.global_qconfig is None
 
 
@@ -80,7 +81,7 @@ def _module_fallback(fqn: str, module: nn.Module, mapping: QConfigMapping | None
     if kind in COUNTED_KINDS:
         if quantized_form(module) is not None:
             return None
-        if _explicitly_float(mapping, fqn, module):
+        if asks_float(mapping, fqn, type(module)):
             return FloatLayer(fqn, kind, "kept-float")
         if kind in RECURRENT_KINDS:
             return FloatLayer(fqn, kind, "recurrent")
@@ -90,7 +91,7 @@ def _module_fallback(fqn: str, module: nn.Module, mapping: QConfigMapping | None
     if kind.startswith("module:") and type(module).__module__.startswith("torch.nn"):
         inner = _inner_layers(module)
         if inner:  # a torch container the tracer treats as one opaque call (TransformerEncoder)
-            reason: FallbackReason = "kept-float" if _explicitly_float(mapping, fqn, module) else "tracer-leaf"
+            reason: FallbackReason = "kept-float" if asks_float(mapping, fqn, type(module)) else "tracer-leaf"
             return FloatLayer(fqn, kind, reason, inner)
     return None
 

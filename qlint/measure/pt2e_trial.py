@@ -26,6 +26,7 @@ What the trial records (:class:`~qlint.measure.trial.TrialResult`, as the FX tri
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import logging
@@ -42,7 +43,7 @@ from qlint.core.batches import as_call, call_model
 from qlint.core.nested import first_float
 from qlint.core.ops import CONV_OR_LINEAR_KINDS, TRANSPOSED_CONV_KINDS, function_op, kind_of_type_name
 from qlint.core.sqnr import SqnrSums
-from qlint.measure.fallback import RECURRENT_KINDS, FallbackReason, FloatLayer
+from qlint.measure.fallback import RECURRENT_KINDS, FallbackReason, FloatLayer, asks_float
 from qlint.measure.trial import (
     STAGE_CALIBRATE,
     STAGE_FLOAT,
@@ -55,7 +56,7 @@ from qlint.measure.trial import (
 
 STAGE_PREPARE_PT2E, STAGE_CONVERT_PT2E = "prepare_pt2e", "convert_pt2e"
 PT2E_BACKENDS = ("x86", "fbgemm", "onednn")
-_QUANTIZER_MODULE = "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer"
+QUANTIZER_MODULE = "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer"
 _FLOW_MODULE = "torchao.quantization.pt2e.quantize_pt2e"
 # aten recurrent ops and the layer kind each computes
 _RECURRENT_OPS = {
@@ -74,7 +75,7 @@ _DEQUANTIZE_PREFIX = "dequantize_per_"
 _IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
-def _torchao(module: str) -> Any:
+def import_torchao(module: str) -> Any:
     """Import a torchao module without its import-time warnings (the loggers' levels are restored)."""
     loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
     levels = [logger.level for logger in loggers]
@@ -93,7 +94,7 @@ def pt2e_blocker(backend: str) -> str | None:
             f"trial supports the {', '.join(PT2E_BACKENDS)} backends (X86InductorQuantizer), not {backend}"
         )
     try:
-        _torchao(_QUANTIZER_MODULE)
+        import_torchao(QUANTIZER_MODULE)
     except ImportError:
         return "the model is an exported (aten) graph; its pt2e trial needs torchao: pip install 'qlint[pt2e]'"
     return None
@@ -110,7 +111,7 @@ def quantizer_for(mapping: QConfigMapping, intended: QConfigMapping, layer_kinds
 
     ``layer_kinds``: module fqn → layer kind, for the module-name entries (a dynamic config
     applies to Linear layers only)."""
-    quantizer_module = _torchao(_QUANTIZER_MODULE)
+    quantizer_module = import_torchao(QUANTIZER_MODULE)
     quantizer = quantizer_module.X86InductorQuantizer()
 
     def config(dynamic: bool = False) -> Any:
@@ -194,15 +195,6 @@ def _dequantized(value: Any) -> bool:
     return isinstance(value, fx.Node) and value.op == "call_function" and _DEQUANTIZE_PREFIX in str(value.target)
 
 
-def _asks_float(mapping: QConfigMapping, fqn: str) -> bool:
-    path = fqn
-    while path:
-        if path in mapping.module_name_qconfigs:
-            return mapping.module_name_qconfigs[path] is None
-        path = path.rpartition(".")[0]
-    return mapping.global_qconfig is None
-
-
 def pt2e_float_layers(converted: fx.GraphModule, mapping: QConfigMapping) -> tuple[list[FloatLayer], int, int]:
     """The weighted ops ``converted`` runs in float with their reasons, the int8 ones, and all of them.
 
@@ -216,7 +208,7 @@ def pt2e_float_layers(converted: fx.GraphModule, mapping: QConfigMapping) -> tup
             int8 += 1
             continue
         reason: FallbackReason
-        if _asks_float(mapping, op.target):
+        if asks_float(mapping, op.target):
             reason = "kept-float"
         elif op.kind in RECURRENT_KINDS:
             reason = "recurrent"
@@ -276,8 +268,6 @@ class Pt2eBench(TrialBench):
     ``intended``: the mapping the lint run quantizes with; fix trials may differ from it only
     in ways :func:`quantizer_for` can express."""
 
-    converter = STAGE_CONVERT_PT2E
-
     def __init__(
         self,
         model_factory: Callable[[], nn.Module],
@@ -303,17 +293,9 @@ class Pt2eBench(TrialBench):
             self.intended,
         )
 
-    def reference(self) -> list[Any]:
-        # an exported module refuses .eval() (it was exported in the mode it runs in)
-        if self._reference is None:
-            model = self.model_factory()
-            with torch.no_grad():
-                self._reference = [call_model(model, batch) for batch in self.evaluation]
-        return self._reference
-
-    def float_sqnr_of(self, model: nn.Module) -> float | None:
-        with torch.no_grad():
-            return self._output_sqnr(model, self.reference())
+    @staticmethod
+    def _in_eval(model: nn.Module) -> nn.Module:
+        return model  # an exported module refuses .eval(): it runs in the mode it was exported in
 
     def layer_kinds(self) -> dict[str, str]:
         if self._layer_kinds is None:
@@ -327,7 +309,7 @@ class Pt2eBench(TrialBench):
         return []  # the reference representation keeps float layouts: no channels-last views
 
     def _run(self, mapping: QConfigMapping, measure_layers: bool) -> TrialResult:
-        base = TrialResult(self.backend, self.calibrated_on, self.evaluated_on, converter=self.converter)
+        base = TrialResult(self.backend, self.calibrated_on, self.evaluated_on, converter=STAGE_CONVERT_PT2E)
         quantizer = quantizer_for(mapping, self.intended, self.layer_kinds())
         if quantizer is None:
             error = ValueError("the mapping asks for a change the pt2e quantizer cannot express")
@@ -336,7 +318,7 @@ class Pt2eBench(TrialBench):
             reference = self.reference()
         except Exception as error:  # the float model itself fails: QL105 reports it
             return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, self.model_factory()))
-        flow = _torchao(_FLOW_MODULE)
+        flow = import_torchao(_FLOW_MODULE)
         model = self.model_factory()
         try:
             prepared = flow.prepare_pt2e(model, quantizer)
@@ -348,6 +330,9 @@ class Pt2eBench(TrialBench):
                     call_model(prepared, batch)
         except Exception as error:
             return dataclasses.replace(base, failure=TrialFailure(STAGE_CALIBRATE, error, prepared))
+        # prepare_pt2e folds batch norms into the convs before them, quantized or not: the float
+        # model the layers compare with is the prepared one (its observers pass values through)
+        folded = copy.deepcopy(prepared) if measure_layers else None
         try:
             converted = flow.convert_pt2e(prepared)
         except Exception as error:
@@ -361,10 +346,7 @@ class Pt2eBench(TrialBench):
         base = dataclasses.replace(
             base, output_sqnr_db=output, float_layers=tuple(fallbacks), int8_ops=int8, weighted_ops=total
         )
-        if not measure_layers:
+        if folded is None:
             return base
-        float_model = self.model_factory()
-        layers: tuple[LayerError, ...] = ()
-        if isinstance(float_model, fx.GraphModule):
-            layers = propagated_errors(float_model, converted, self.evaluation)
+        layers = propagated_errors(folded, converted, self.evaluation)
         return dataclasses.replace(base, layers=layers, model=converted)

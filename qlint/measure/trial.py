@@ -264,16 +264,21 @@ class TrialBench:
             model_factory, self.backend, self.calibration, self.evaluation, self.calibrated_on, self.evaluated_on
         )
 
+    @staticmethod
+    def _in_eval(model: nn.Module) -> nn.Module:
+        """The float model as it is compared (in eval mode)."""
+        return model.eval()
+
     def float_sqnr_of(self, model: nn.Module) -> float | None:
         """SQNR of another float model's outputs against this bench's float model (how much a
         float change changes the outputs; 200 dB when it changes nothing)."""
         with _quiet():
-            return self._output_sqnr(model.eval(), self.reference())
+            return self._output_sqnr(self._in_eval(model), self.reference())
 
     def reference(self) -> list[Any]:
         """The float model's outputs on the evaluation batches (computed once)."""
         if self._reference is None:
-            model = self.model_factory().eval()
+            model = self._in_eval(self.model_factory())
             with _quiet():
                 self._reference = [call_model(model, batch) for batch in self.evaluation]
         return self._reference
@@ -304,7 +309,7 @@ class TrialBench:
             try:
                 reference = self.reference()
             except Exception as error:  # the float model itself fails: QL105 locates the node on a copy
-                return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, self._model().eval()))
+                return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, self._in_eval(self._model())))
             try:
                 converted, prepared = quantize_fx(
                     self._model(), mapping, self.backend, self.calibration, keep_prepared=measure_layers
@@ -323,7 +328,7 @@ class TrialBench:
             if not measure_layers or prepared is None:
                 return base
             # a fix trial (measure_layers=False) never pays for this copy of the float model
-            layers = layer_errors(self._model().eval(), converted, self.evaluation)
+            layers = layer_errors(self._in_eval(self._model()), converted, self.evaluation)
             try:
                 activations = activation_sqnr(prepared, converted, self.evaluation)
             except RuntimeError:  # torch's observers reject the evaluation data (Inf in a histogram)
