@@ -277,7 +277,8 @@ class UnfusedPattern(Rule):
         saturating range, measured together with that range."""
         lines, rounding = [], []
         for chain, _pattern, clamp in clamps:
-            measured = ctx.trial.activation(chain[-1].name) if ctx.trial is not None else None
+            found = ctx.trial.activation(chain[-1].name) if ctx.trial is not None else None
+            measured = found.sqnr_db if found is not None else None
             rounding.append(measured)
             text = f"{' → '.join(n.display for n in chain)} → {clamp.display}"
             lines.append(text + (f" (rounding before {clamp.kind}: {measured:.1f} dB)" if measured is not None else ""))

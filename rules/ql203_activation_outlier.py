@@ -17,6 +17,7 @@ from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
 from qlint.linter.json_values import json_float
 from qlint.linter.rule import Example, Need, ObservationSpec, Rule, RuleOptions
+from qlint.measure.trial import ActivationError
 from qlint.stats import TensorStats
 
 KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv"})
@@ -181,7 +182,8 @@ class ActivationOutlier(Rule):
         full = float(high[finite].max() - low[finite].min()) if bool(finite.any()) else math.nan
         rest = ~mask & finite
         without = float(high[rest].max() - low[rest].min()) if bool(rest.any()) else math.nan
-        bits = _activation_bits(node)
+        quantized_input = _quantized_input(ctx, node)
+        bits = _activation_bits(node, quantized_input)
         loss_bits = _physical_bits(math.log2(full / without) if full > 0 and without > 0 else math.nan, bits)
         maxima = [json_float(high[c]) for c in outliers]
         ratios = [json_float(ratios_all[c]) for c in outliers]
@@ -191,7 +193,7 @@ class ActivationOutlier(Rule):
         # never more than the dtype has.
         channel_bits = _physical_bits(math.log2(max(dense_ratios)) if dense_ratios else math.nan, bits)
         producer = _producer(ctx, node)
-        measured_db = ctx.trial.activation(producer.name) if ctx.trial is not None and producer else None
+        measured_db = quantized_input.sqnr_db if quantized_input is not None else None
         clip = _clip_value(stats, dense or outliers)
         message = (
             f"{len(outliers)} input channel(s) of {node.display} have outliers (channels {_short(outliers)}: "
@@ -255,8 +257,11 @@ class ActivationOutlier(Rule):
 CLIP_PERCENTILE = 99.99  # what the suggested clipping observer keeps: rare spikes above it saturate
 
 
-def _activation_bits(node: OpNode) -> int:
-    """Bits the layer's input is quantized to: log2 of its observer's level count (7 with reduce_range)."""
+def _activation_bits(node: OpNode, measured: ActivationError | None) -> int:
+    """Bits the layer's input is quantized to: log2 of its observer's level count (7 with
+    reduce_range): as measured in the trial, else as the intended qconfig says."""
+    if measured is not None:
+        return max(1, math.ceil(math.log2(measured.levels)))
     spec = node.qconfig.activation if node.qconfig is not None else None
     if spec is not None and spec.quant_min is not None and spec.quant_max is not None:
         return max(1, math.ceil(math.log2(spec.quant_max - spec.quant_min + 1)))
@@ -308,6 +313,22 @@ def _producer(ctx: LintContext, node: OpNode) -> OpNode | None:
             break
         current = upstream[0]
     return current
+
+
+def _quantized_input(ctx: LintContext, node: OpNode) -> ActivationError | None:
+    """The trial's measurement of the tensor quantized as ``node``'s input: the nearest one up
+    the qparam-sharing ops (prepare_fx observes the producer's output, pt2e the input edge)."""
+    if ctx.trial is None:
+        return None
+    producers = ctx.graph.producers(node.name)
+    current = producers[0] if producers else None
+    while current is not None:
+        found = ctx.trial.activation(current.name)
+        if found is not None or current.kind not in _SHARES_INPUT_QPARAMS:
+            return found
+        upstream = ctx.graph.producers(current.name)
+        current = upstream[0] if upstream else None
+    return None
 
 
 def _clip_value(stats: TensorStats, channels: list[int]) -> float:

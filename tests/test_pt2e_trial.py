@@ -105,11 +105,68 @@ def test_layers_are_named_by_module_and_the_last_one_carries_the_output_error():
     assert result.converted and result.converter == "convert_pt2e"
     assert {layer.name for layer in result.layers} == {"conv", "fc"}
     fc = result.layer("fc")
-    assert fc is not None and fc.shadow_db is None  # no module to re-run on the float input
+    assert fc is not None
     assert fc.propagated_db == pytest.approx(result.output_sqnr_db, abs=1e-3)  # fc's output is the model's
     conv = result.layer("conv")
     # compared with the float conv after prepare_pt2e folded the BN into it, not before the BN
     assert conv is not None and conv.propagated_db is not None and conv.propagated_db > 25
+    # the conv reads the graph input: what it gets in the int8 model is what its shadow run gets
+    assert conv.shadow_db == pytest.approx(conv.propagated_db, abs=1e-6)
+
+
+def test_shadow_and_activation_errors_follow_torch_ns_definitions():
+    """The reference: the prepared graph's own observers, frozen into fake-quant by hand. The
+    fc's shadow run gets the float mean rounded with its observer's qparams, and its weight
+    rounded per channel; each activation is its float value rounded with its observer's qparams."""
+    torch.manual_seed(3)
+    batch = torch.randn(4, 3, 12, 12)
+    program = _exported(_ConvNet(), batch)
+    intended = default_mapping("x86")
+    bench = Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", [batch], [batch], "b", "b", intended)
+    result = bench.run(intended)
+    quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(copy.deepcopy(program.module()), quantizer)
+    prepared(batch)
+    observers = {
+        node.args[0].name: prepared.get_submodule(node.target)
+        for node in prepared.graph.nodes
+        if node.op == "call_module" and "activation_post_process" in str(node.target)
+    }
+    captured = {}
+    hooks = [
+        observer.register_forward_pre_hook(lambda _m, args, name=name: captured.setdefault(name, args[0]))
+        for name, observer in observers.items()
+    ]
+    with torch.no_grad():
+        prepared(batch)
+    for hook in hooks:
+        hook.remove()
+
+    def rounded(name):
+        observer = observers[name]
+        scale, zero_point = observer.calculate_qparams()
+        if scale.numel() > 1:
+            return torch.fake_quantize_per_channel_affine(
+                captured[name], scale.float(), zero_point.int(), 0, observer.quant_min, observer.quant_max
+            )
+        return torch.fake_quantize_per_tensor_affine(
+            captured[name], float(scale), int(zero_point), observer.quant_min, observer.quant_max
+        )
+
+    for activation in ("x", "mean"):
+        sums = SqnrSums()
+        sums.add(captured[activation], rounded(activation))
+        measured = result.activation(activation)
+        assert measured is not None and measured.sqnr_db == pytest.approx(sums.sqnr_db(), abs=1e-3)
+        assert measured.levels == 256  # X86InductorQuantizer: uint8 over 0..255, no reduce_range
+    fc = prepared.get_submodule("fc")
+    expected = torch.nn.functional.linear(captured["mean"], fc.weight, fc.bias)
+    shadow = torch.nn.functional.linear(rounded("mean"), rounded("fc_weight"), fc.bias)
+    sums = SqnrSums()
+    sums.add(expected, shadow)
+    layer = result.layer("fc")
+    assert layer is not None and layer.shadow_db == pytest.approx(sums.sqnr_db(), abs=1e-3)
+    assert layer.shadow_db > layer.propagated_db  # its own error is part of what reaches its output
 
 
 def test_a_keep_float_entry_reaches_the_quantizer_and_an_observer_change_is_not_expressed():

@@ -17,9 +17,8 @@ X86InductorQuantizer chooses its own observers: such a trial is not run.
 What the trial records (:class:`~qlint.measure.trial.TrialResult`, as the FX trial):
 
 - the output SQNR on the evaluation batches;
-- per conv/linear op its propagated SQNR (the error at its output, everything upstream
-  included). No shadow (local) SQNR: the converted graph has no module to re-run on the
-  float input;
+- per conv/linear op its propagated SQNR, and per int8 one its shadow SQNR; per quantized
+  activation the SQNR under the qparams it got (:mod:`qlint.measure.pt2e_errors`);
 - the weighted ops left float, and why.
 """
 
@@ -39,11 +38,9 @@ import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 from torch.ao.quantization.qconfig import qconfig_equals
 
-from qlint.core.batches import as_call, call_model
-from qlint.core.nested import first_float
-from qlint.core.ops import CONV_OR_LINEAR_KINDS, TRANSPOSED_CONV_KINDS, function_op, kind_of_type_name
-from qlint.core.sqnr import SqnrSums
+from qlint.core.batches import call_model
 from qlint.measure.fallback import RECURRENT_KINDS, FallbackReason, FloatLayer, asks_float
+from qlint.measure.pt2e_errors import measure_errors, runs_int8, weighted_ops
 from qlint.measure.trial import (
     STAGE_CALIBRATE,
     STAGE_FLOAT,
@@ -58,18 +55,6 @@ STAGE_PREPARE_PT2E, STAGE_CONVERT_PT2E = "prepare_pt2e", "convert_pt2e"
 PT2E_BACKENDS = ("x86", "fbgemm", "onednn")
 QUANTIZER_MODULE = "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer"
 _FLOW_MODULE = "torchao.quantization.pt2e.quantize_pt2e"
-# aten recurrent ops and the layer kind each computes
-_RECURRENT_OPS = {
-    "lstm": "lstm",
-    "gru": "gru",
-    "rnn_tanh": "rnn",
-    "rnn_relu": "rnn",
-    "lstm_cell": "lstm_cell",
-    "gru_cell": "gru_cell",
-    "rnn_tanh_cell": "rnn_cell",
-    "rnn_relu_cell": "rnn_cell",
-}
-_DEQUANTIZE_PREFIX = "dequantize_per_"
 # torchao's first import logs warnings about its optional CUDA kernels, and torch's pytree
 # one about the enums torchao registers: noise in a CPU lint run
 _IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
@@ -148,63 +133,15 @@ def quantizer_for(mapping: QConfigMapping, intended: QConfigMapping, layer_kinds
     return quantizer
 
 
-@dataclasses.dataclass(frozen=True)
-class _WeightedOp:
-    node: str  # node name (kept by prepare_pt2e / convert_pt2e)
-    target: str  # the owning module's fqn when it is this layer, else the node name
-    kind: str
-
-
-def _owner(node: fx.Node) -> tuple[str, str | None] | None:
-    """(fqn, kind) of the innermost module that called this node, from ``nn_module_stack``
-    (None at the top level)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return None
-    path, type_ref = list(stack.values())[-1]
-    if not path:
-        return None
-    type_name = type_ref if isinstance(type_ref, str) else f"{type_ref.__module__}.{type_ref.__qualname__}"
-    return str(path), kind_of_type_name(type_name)
-
-
-def _weighted_ops(graph_module: fx.GraphModule) -> list[_WeightedOp]:
-    """Conv, linear and recurrent ops of an aten graph, named by their module where they are one."""
-    found = []
-    for node in graph_module.graph.nodes:
-        if node.op != "call_function":
-            continue
-        kind = function_op(node.target).kind
-        if kind.startswith("aten:") and kind.removeprefix("aten:") in _RECURRENT_OPS:
-            kind = _RECURRENT_OPS[kind.removeprefix("aten:")]
-        elif kind not in CONV_OR_LINEAR_KINDS | TRANSPOSED_CONV_KINDS:
-            continue
-        owner = _owner(node)
-        # named as lint's graph names it: by the module when the module is this layer (an
-        # nn.Conv2d calling conv2d), else by the node
-        target = node.name
-        if owner is not None and (owner[1] == kind or owner[1] in RECURRENT_KINDS):
-            target = owner[0]
-        found.append(_WeightedOp(node.name, target, kind))
-    # a module whose forward holds several weighted ops (a block) is named by node, not by fqn
-    targets = [op.target for op in found]
-    return [op if targets.count(op.target) == 1 else dataclasses.replace(op, target=op.node) for op in found]
-
-
-def _dequantized(value: Any) -> bool:
-    return isinstance(value, fx.Node) and value.op == "call_function" and _DEQUANTIZE_PREFIX in str(value.target)
-
-
 def pt2e_float_layers(converted: fx.GraphModule, mapping: QConfigMapping) -> tuple[list[FloatLayer], int, int]:
     """The weighted ops ``converted`` runs in float with their reasons, the int8 ones, and all of them.
 
     An op runs in int8 when its input and its weight both come through a dequantize."""
     nodes = {node.name: node for node in converted.graph.nodes}
     fallbacks, int8 = [], 0
-    ops = _weighted_ops(converted)
+    ops = weighted_ops(converted)
     for op in ops:
-        args = nodes[op.node].args
-        if len(args) >= 2 and _dequantized(args[0]) and _dequantized(args[1]):
+        if runs_int8(nodes[op.node]):
             int8 += 1
             continue
         reason: FallbackReason
@@ -216,50 +153,6 @@ def pt2e_float_layers(converted: fx.GraphModule, mapping: QConfigMapping) -> tup
             reason = "not-annotated"
         fallbacks.append(FloatLayer(op.target, op.kind, reason))
     return fallbacks, int8, len(ops)
-
-
-class _Recorder(fx.Interpreter):
-    """Runs a graph node by node and keeps the float outputs of the named nodes (one batch)."""
-
-    def __init__(self, graph_module: fx.GraphModule, names: frozenset[str]) -> None:
-        super().__init__(graph_module)
-        self.names = names
-        self.outputs: dict[str, torch.Tensor | None] = {}
-
-    def run_node(self, node: fx.Node) -> Any:
-        value = super().run_node(node)
-        if node.name in self.names:
-            self.outputs[node.name] = first_float(value)
-        return value
-
-
-def propagated_errors(
-    float_model: fx.GraphModule, converted: fx.GraphModule, batches: Sequence[Any]
-) -> tuple[LayerError, ...]:
-    """Per weighted op of ``converted``, the SQNR of its output against the float model's (the
-    error it shows with everything upstream of it quantized). Batches of positional tensors only:
-    the graphs run node by node on their flat inputs."""
-    ops = _weighted_ops(converted)
-    names = frozenset(op.node for op in ops)
-    sums = {name: SqnrSums() for name in names}
-    for batch in batches:
-        args, kwargs = as_call(batch)
-        if kwargs or not all(isinstance(arg, torch.Tensor) for arg in args):
-            return ()
-        expected, actual = _Recorder(float_model, names), _Recorder(converted, names)
-        with torch.no_grad():
-            expected.run(*args)
-            actual.run(*args)
-        for name in names:
-            reference, value = expected.outputs.get(name), actual.outputs.get(name)
-            if reference is not None and value is not None:
-                sums[name].add(reference, value)
-    layers = []
-    for op in ops:
-        measured = sums[op.node].sqnr_db()
-        if measured is not None:
-            layers.append(LayerError(op.target, op.kind, None, measured))
-    return tuple(layers)
 
 
 class Pt2eBench(TrialBench):
@@ -301,7 +194,7 @@ class Pt2eBench(TrialBench):
         if self._layer_kinds is None:
             model = self.model_factory()
             self._layer_kinds = (
-                {op.target: op.kind for op in _weighted_ops(model)} if isinstance(model, fx.GraphModule) else {}
+                {op.target: op.kind for op in weighted_ops(model)} if isinstance(model, fx.GraphModule) else {}
             )
         return self._layer_kinds
 
@@ -348,5 +241,6 @@ class Pt2eBench(TrialBench):
         )
         if folded is None:
             return base
-        layers = propagated_errors(folded, converted, self.evaluation)
-        return dataclasses.replace(base, layers=layers, model=converted)
+        errors = measure_errors(folded, converted, self.evaluation)
+        layers = tuple(LayerError(op.target, op.kind, shadow, propagated) for op, shadow, propagated in errors.layers)
+        return dataclasses.replace(base, layers=layers, activations=errors.activations, model=converted)

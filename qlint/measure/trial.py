@@ -82,6 +82,15 @@ class LayerError:
 
 
 @dataclasses.dataclass(frozen=True)
+class ActivationError:
+    """The error of quantizing one activation with the qparams its observer chose."""
+
+    name: str  # the node whose output is quantized
+    sqnr_db: float
+    levels: int  # the observer's level count (quant_max - quant_min + 1): 128 with reduce_range
+
+
+@dataclasses.dataclass(frozen=True)
 class TrialResult:
     backend: str
     calibrated_on: str  # "calibration data (12 batches)" or "the example inputs"
@@ -89,7 +98,7 @@ class TrialResult:
     failure: TrialFailure | None = None
     output_sqnr_db: float | None = None
     layers: tuple[LayerError, ...] = ()
-    activation_sqnr_db: tuple[tuple[str, float], ...] = ()  # (observed node, SQNR under its observer)
+    activations: tuple[ActivationError, ...] = ()
     float_layers: tuple[FloatLayer, ...] = ()
     int8_ops: int = 0  # conv/linear/recurrent/attention ops running in int8 ...
     weighted_ops: int = 0  # ... out of all of them (a tracer leaf counts each layer inside)
@@ -114,8 +123,8 @@ class TrialResult:
     def layer(self, name: str) -> LayerError | None:
         return next((layer for layer in self.layers if layer.name == name), None)
 
-    def activation(self, node: str) -> float | None:
-        return next((value for name, value in self.activation_sqnr_db if name == node), None)
+    def activation(self, node: str) -> ActivationError | None:
+        return next((found for found in self.activations if found.name == node), None)
 
 
 @contextlib.contextmanager
@@ -333,7 +342,7 @@ class TrialBench:
                 activations = activation_sqnr(prepared, converted, self.evaluation)
             except RuntimeError:  # torch's observers reject the evaluation data (Inf in a histogram)
                 activations = ()  # evidence only: the trial's results stand without it
-        return dataclasses.replace(base, layers=layers, activation_sqnr_db=activations, model=converted)
+        return dataclasses.replace(base, layers=layers, activations=activations, model=converted)
 
     def _model(self) -> nn.Module:
         return copy.deepcopy(self._reshaped) if self._reshaped is not None else self.model_factory()
@@ -445,14 +454,15 @@ _DTYPE_RANGE = {torch.quint8: (0, 255), torch.qint8: (-128, 127)}
 
 def activation_sqnr(
     prepared: fx.GraphModule, converted: fx.GraphModule, batches: Sequence[Any]
-) -> tuple[tuple[str, float], ...]:
+) -> tuple[ActivationError, ...]:
     """Per observed activation, the SQNR of the float tensor rounded and clipped with the
-    qparams the converted model runs with: (name of the observed node, dB).
+    qparams the converted model runs with.
 
     The float values come from ``prepared`` (a calibrated copy: its observers pass values
     through); the qparams from ``converted``, so no observer searches its qparams twice."""
     qparams = converted_qparams(converted)
     observed: dict[str, tuple[str, float, int, int, int]] = {}
+    levels: dict[str, int] = {}
     for node in prepared.graph.nodes:
         if node.op != "call_module" or not node.args or not isinstance(node.args[0], fx.Node):
             continue
@@ -474,6 +484,9 @@ def activation_sqnr(
             except (TypeError, ValueError, RuntimeError):  # per-channel, or never ran
                 continue
         observed[str(node.target)] = (source, scale, zero_point, *dtype_range)
+        # the level count the observer spreads its range over (the dtype's, or fewer with reduce_range)
+        low, high = getattr(module, "quant_min", dtype_range[0]), getattr(module, "quant_max", dtype_range[1])
+        levels[str(node.target)] = int(high) - int(low) + 1
     sums = {target: SqnrSums() for target in observed}
     handles = []
     for target, (_, scale, zero_point, low, high) in observed.items():
@@ -492,9 +505,9 @@ def activation_sqnr(
     finally:
         for handle in handles:
             handle.remove()
-    result: dict[str, float] = {}
+    result: dict[str, ActivationError] = {}
     for target, (source, *_rest) in observed.items():
         value = sums[target].sqnr_db()
         if value is not None:
-            result.setdefault(source, round(value, 4))
-    return tuple(result.items())
+            result.setdefault(source, ActivationError(source, round(value, 4), levels[target]))
+    return tuple(result.values())
