@@ -185,7 +185,7 @@ class UnfusedPattern(Rule):
             reasons.append((REASON_QCONFIG, detail))
         if self.options.report_training_bn and any(n.kind == "batch_norm" and n.training for n in chain):
             reasons.append((REASON_TRAINING, ""))
-        if not graph.frontend.startswith("torch.export"):
+        if not graph.exported:
             for node in chain:
                 if node.op != "module" and node.kind in _MODULE_ONLY_KINDS and (chain[0].kind != "add"):
                     reasons.append((REASON_FUNCTIONAL, node.kind))

@@ -46,7 +46,7 @@ class ActivationOutlier(Rule):
     this ratio exceeds `ratio_threshold` and the ratio could be computed in at least
     `fraction_batches_used_threshold` of the batches. It reports the outlier channels,
     their maxima and how many bits of int8 resolution they cost the other channels,
-    never more bits than the activation's dtype has (7 with `reduce_range`). The channel
+    never more bits than the activation's observer has (7 with `reduce_range`). The channel
     axis is axis 1 for conv inputs and the last axis for Linear inputs (the features of a
     `(B, D)` or `(B, T, D)` tensor). A channel whose reference quantile is 0 (mostly zeros,
     as after a ReLU) is listed but not counted as losing resolution: int8 holds zero
@@ -57,8 +57,12 @@ class ActivationOutlier(Rule):
     percentile) on the module whose output observer quantizes this input (prepare_fx shares
     observers through ReLU, pooling and reshapes, so that is the producer upstream), or,
     when the producer is a functional op with no qconfig of its own, keeping the layer
-    float. The trial measures the fix; where it does not gain the impact threshold the
-    finding is info.
+    float. In an exported graph (`.pt2`, quantized with pt2e) every input edge has its own
+    observer, so the clipping observer goes on the layer's input; qlint's pt2e quantizer
+    (`QuantPlan.to_pt2e_quantizer()`) applies it. The trial measures the fix; where it does
+    not gain the impact threshold the finding is info. The bits lost are counted in the
+    level count of the observer the trial measured (8 for X86InductorQuantizer's uint8,
+    7 for prepare_fx's x86 default with `reduce_range`).
     It also reports channels that are constant over all calibration data (severity
     info) and NaN or Inf activations (severity error).
 
@@ -341,13 +345,18 @@ def _clip_value(stats: TensorStats, channels: list[int]) -> float:
 
 def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -> tuple[str, dict, str]:
     """Where a clipping observer goes: the input's observer belongs to the module producing it
-    (prepare_fx reuses the producer's output observer), or to the layer for a graph input."""
+    (prepare_fx reuses the producer's output observer), or to the layer for a graph input; in
+    an exported graph (pt2e) to the layer, whose input edge has an observer of its own."""
     clip_text = (
         f" (the flagged channels' {CLIP_PERCENTILE:g}-percentile band ends near {clip:.4g})"
         if math.isfinite(clip)
         else ""
     )
-    if producer is not None and producer.op == "module" and producer.module:
+    subject = None
+    if ctx.graph.exported and node.module:
+        # pt2e observes each input edge: qlint's pt2e quantizer gives the layer's own ops the observer
+        target, subject = node.module, f"{node.module}'s input (its own observer in the pt2e flow)"
+    elif producer is not None and producer.op == "module" and producer.module:
         target = producer.module
     elif producer is None or producer.op == "input":
         target = node.display
@@ -362,7 +371,7 @@ def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -
     return (
         target,
         {"action": "set_activation_observer", "targets": [target], "percentile": CLIP_PERCENTILE},
-        f"Fix: give {target} a clipping activation observer{clip_text}: "
+        f"Fix: give {subject or target} a clipping activation observer{clip_text}: "
         f"PercentileObserver(percentile={CLIP_PERCENTILE:g}) instead of the default histogram search, so "
         "the rare spikes saturate and the bulk keeps its resolution; or clip/normalise these channels "
         "upstream, or keep the layer float.",

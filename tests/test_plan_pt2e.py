@@ -64,3 +64,33 @@ def test_non_x86_backend_is_refused_with_a_clear_error():
 
     with pytest.raises(ConfigError, match="XNNPACK"):
         default_plan("qnnpack").to_pt2e_quantizer()
+
+
+def test_an_exported_observer_choice_builds_the_model_the_trial_measured():
+    """A plan clipping fc's input (QL203's fix): the exported quantizer converts to the same
+    model, to the last bit of output SQNR, as the pt2e trial of the plan's mapping."""
+    from qlint.advice.plan import ModuleDecision, Provenance, default_plan
+    from qlint.core.intent import default_mapping
+    from qlint.core.sqnr import SqnrSums
+    from qlint.measure.pt2e_trial import Pt2eBench
+
+    torch.manual_seed(1)
+    model = Net().eval()
+    batches = [torch.randn(4, 3, 16, 16) for _ in range(3)]
+    batches[1][0, 0, 0, 0] = 40.0  # a spike the clipping observer saturates
+    base = default_plan("x86")
+    clip = base.activation.changed(observer="percentile", percentile=99.0)
+    source = Provenance(source="user", detail="test")
+    plan = base.model_copy(update={"modules": [ModuleDecision(fqn="fc", activation=clip, provenance=[source])]})
+    quantizer = plan.to_pt2e_quantizer()
+    converted = _quantize(model, quantizer, batches)
+    program = torch.export.export(copy.deepcopy(model), (batches[0],))
+    bench = Pt2eBench(lambda: program.module(), "x86", batches, batches, "c", "e", default_mapping("x86"))
+    measured = bench.output_sqnr(plan.to_qconfig_mapping())
+    sums = SqnrSums()
+    with torch.no_grad():
+        for batch in batches:
+            sums.add(model(batch), converted(batch))
+    assert measured is not None and measured == pytest.approx(sums.sqnr_db(), abs=1e-6)
+    unclipped = bench.output_sqnr(default_plan("x86").to_qconfig_mapping())
+    assert unclipped is not None and unclipped != pytest.approx(measured, abs=1e-3)  # the choice changed the model

@@ -11,6 +11,8 @@ from torch.ao.quantization import MinMaxObserver, QConfig, default_weight_observ
 import qlint
 from qlint.core.intent import default_mapping
 from qlint.core.sqnr import SqnrSums
+from qlint.linter.fixes import SetActivationObserver
+from qlint.linter.mapping import PercentileObserver
 from qlint.measure.pt2e_trial import Pt2eBench, pt2e_blocker, quantizer_for
 
 pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
@@ -169,16 +171,53 @@ def test_shadow_and_activation_errors_follow_torch_ns_definitions():
     assert layer.shadow_db > layer.propagated_db  # its own error is part of what reaches its output
 
 
-def test_a_keep_float_entry_reaches_the_quantizer_and_an_observer_change_is_not_expressed():
+def test_a_keep_float_entry_reaches_the_quantizer_and_a_change_of_number_format_is_not_expressed():
     bench, intended = _conv_net_bench(3)
     kept = copy.deepcopy(intended).set_module_name("fc", None)
     result = bench.run(kept)
     assert [(layer.target, layer.reason) for layer in result.float_layers] == [("fc", "kept-float")]
     assert (result.int8_ops, result.weighted_ops) == (1, 2)
-    own_observer = QConfig(activation=MinMaxObserver.with_args(quant_max=100), weight=default_weight_observer)
-    changed = copy.deepcopy(intended).set_module_name("fc", own_observer)
-    assert quantizer_for(changed, intended, {"fc": "linear"}) is None
-    assert bench.output_sqnr(changed) is None  # not run: pt2e would build the default
+    weight = intended.global_qconfig.weight
+    own_range = QConfig(activation=MinMaxObserver.with_args(quant_min=0, quant_max=100), weight=weight)
+    own_weight = QConfig(activation=intended.global_qconfig.activation, weight=default_weight_observer)
+    for qconfig in (own_range, own_weight):
+        changed = copy.deepcopy(intended).set_module_name("fc", qconfig)
+        assert quantizer_for(changed, intended, {"fc": "linear"}) is None
+        assert bench.output_sqnr(changed) is None  # not run: pt2e would build the default
+    changed_global = copy.deepcopy(intended).set_global(own_range)
+    assert quantizer_for(changed_global, intended, {}) is None
+
+
+def test_an_activation_observer_choice_reaches_the_input_edge_of_the_module_in_pt2e():
+    """QL203's clipping observer for fc: X86InductorQuantizer's histogram observer on fc's input
+    edge becomes a percentile-band observer, in the quantizer's own number format (0..255)."""
+    bench, intended = _conv_net_bench(5)
+    planned = intended.global_qconfig
+    clip = QConfig(activation=PercentileObserver.with_args(percentile=99.0, reduce_range=True), weight=planned.weight)
+    changed = copy.deepcopy(intended).set_module_name("fc", clip)
+    quantizer = quantizer_for(changed, intended, {"conv": "conv2d", "fc": "linear"})
+    assert quantizer is not None
+    prepared = prepare_pt2e(bench.model_factory(), quantizer)
+    for batch in bench.calibration:
+        prepared(batch)
+    observers = {
+        node.args[0].name: prepared.get_submodule(node.target)
+        for node in prepared.graph.nodes
+        if node.op == "call_module" and "activation_post_process" in str(node.target)
+    }
+    chosen, graph_input = observers["mean"], observers["x"]
+    assert chosen.percentile == 99.0 and (chosen.quant_min, chosen.quant_max) == (0, 255)
+    assert type(graph_input).__name__ == "HistogramObserver"  # the conv's input keeps the quantizer's choice
+    # the band it keeps is the one torch.ao's twin keeps on the same values
+    captured = []
+    hook = chosen.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    prepared(bench.calibration[0])
+    hook.remove()
+    twin = PercentileObserver(percentile=99.0, quant_min=0, quant_max=255)
+    twin(captured[0])
+    assert torch.allclose(chosen.calculate_qparams()[0], twin.calculate_qparams()[0])
+    base, clipped = bench.output_sqnr(intended), bench.output_sqnr(changed)
+    assert base is not None and clipped is not None and clipped != pytest.approx(base, abs=1e-6)
 
 
 def test_ops_pt2e_leaves_float_are_reported_with_their_reason_and_no_trial_is_spent_on_them():
@@ -211,3 +250,36 @@ def test_non_x86_backends_and_a_missing_quantizer_say_why_no_trial_runs():
     report = _lint(program, [batch], backend="qnnpack", select=["QL105"])
     assert report.trial is None
     assert any("X86InductorQuantizer" in skipped.reason for skipped in report.skipped)
+
+
+class _SpikyNet(nn.Module):
+    """fc1 passes its input through (identity weights), so one input feature's rare spikes
+    reach fc2's input: QL203's outlier channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.fc1.weight.copy_(torch.eye(8))
+            self.fc1.bias.zero_()
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
+def test_ql203_on_an_exported_graph_clips_the_layer_input_and_measures_that_fix():
+    torch.manual_seed(6)
+    batches = [torch.randn(64, 8) for _ in range(6)]
+    for batch in batches:
+        batch[0, 0] = 40.0  # one spike per batch in feature 0
+    program = _exported(_SpikyNet(), batches[0])
+    report = _lint(program, batches, select=["QL203"])
+    findings = {f.target: f for f in report.findings if f.rule == "QL203" and f.data.get("kind") == "outlier"}
+    assert set(findings) == {"fc1", "fc2"}  # the spike enters as fc1's input and passes on to fc2's
+    for target, finding in findings.items():
+        # in pt2e each input edge has an observer: the clip goes on the layer itself
+        assert f"{target}'s input" in finding.message
+        assert finding.suggestion == SetActivationObserver(targets=[target], percentile=99.99)
+        assert finding.data["dtype_bits"] == 8  # X86InductorQuantizer's uint8, as the trial measured
+        assert finding.impact is not None and finding.impact.basis == "fix-trial"  # the clip itself was run

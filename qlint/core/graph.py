@@ -100,6 +100,12 @@ class ModelGraph:
 
     # --- structure ---------------------------------------------------------------
     @property
+    def exported(self) -> bool:
+        """An aten graph from torch.export (every such front end's name starts so): its users
+        quantize it with the pt2e flow, not prepare_fx."""
+        return self.frontend.startswith("torch.export")
+
+    @property
     def dag(self) -> nx.DiGraph:
         """The frozen networkx graph; node attribute ``op`` holds the OpNode."""
         return self._dag

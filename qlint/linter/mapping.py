@@ -28,40 +28,16 @@ from qlint.core.ops import resolve_function
 from qlint.errors import ConfigError
 from qlint.linter.suggestions import ActivationSpec, ModuleDecision, Suggestions, WeightSpec, backend_defaults
 from qlint.measure.normalize import helper_modules
+from qlint.stats.band import PercentileBand
 
 
-class PercentileObserver(MinMaxObserver):
+class PercentileObserver(PercentileBand, MinMaxObserver):
     """MinMaxObserver whose range is the running [100-p, p] percentile band, clipping outliers.
 
     Each batch contributes its lower and upper percentile; the observer keeps the
     widest of them (like MinMaxObserver keeps min/max), so qparams ignore the
     rare extreme values that would otherwise stretch the int8 step.
     """
-
-    _MAX_SAMPLES = 1 << 20
-
-    def __init__(self, percentile: float = 99.99, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if not 50.0 < percentile <= 100.0:
-            raise ValueError(f"percentile must be in (50, 100], got {percentile}")
-        self.percentile = float(percentile)
-
-    def forward(self, x_orig: torch.Tensor) -> torch.Tensor:
-        if x_orig.numel() == 0:
-            return x_orig
-        x = x_orig.detach().to(self.min_val.dtype if self.min_val.is_floating_point() else torch.float32)
-        flat = x.flatten()
-        if flat.numel() > self._MAX_SAMPLES:  # torch.quantile has an input-size limit
-            step = (flat.numel() + self._MAX_SAMPLES - 1) // self._MAX_SAMPLES
-            flat = flat[::step]
-        q = torch.tensor([1.0 - self.percentile / 100.0, self.percentile / 100.0], dtype=flat.dtype)
-        low, high = torch.quantile(flat.float(), q.float()).to(flat.dtype)
-        self.min_val.copy_(torch.minimum(low, self.min_val) if self.min_val.numel() else low)
-        self.max_val.copy_(torch.maximum(high, self.max_val) if self.max_val.numel() else high)
-        return x_orig
-
-    def extra_repr(self) -> str:
-        return f"percentile={self.percentile}, " + super().extra_repr()
 
 
 OBSERVERS = {

@@ -10,9 +10,11 @@ running it gives the int8 model's numerics.
 The intent is a QConfigMapping, as for the FX trial, translated into the quantizer by
 :func:`quantizer_for`: the global qconfig becomes the quantizer's static config; a None
 qconfig by module name, module type or function leaves those ops float; a dynamic
-qconfig on a Linear becomes the quantizer's dynamic config. Any other change from the
-intended mapping (an observer, a dtype, a scheme) has no pt2e equivalent, because
-X86InductorQuantizer chooses its own observers: such a trial is not run.
+qconfig on a Linear becomes the quantizer's dynamic config. A module-name entry that
+changes only the activation observer (a clipping percentile, min/max or histogram observer)
+re-annotates that module's activations (:mod:`qlint.measure.pt2e_quantizer`). Any other
+change (a weight observer, a dtype, a scheme, a type-wide observer) has no pt2e equivalent
+here, and such a trial is not run.
 
 What the trial records (:class:`~qlint.measure.trial.TrialResult`, as the FX trial):
 
@@ -102,7 +104,22 @@ def quantizer_for(mapping: QConfigMapping, intended: QConfigMapping, layer_kinds
     def config(dynamic: bool = False) -> Any:
         return quantizer_module.get_default_x86_inductor_quantization_config(is_dynamic=dynamic)
 
+    choices: dict[str, Any] = {}  # module fqn → its activations' QuantizationSpec
+
+    def _observer_choice(qconfig: Any, reference: Any) -> Any | None:
+        """The quantizer's activation spec observed as ``qconfig`` asks; None unless only the
+        activation observer differs from ``reference``."""
+        from qlint.measure.pt2e_quantizer import observer_choice  # needs torchao, imported above
+
+        if reference is None or not _same_observer(qconfig.weight(), reference.weight()):
+            return None
+        return observer_choice(qconfig.activation(), reference.activation(), config().input_activation)
+
     default = mapping.global_qconfig
+    if (default is None) != (intended.global_qconfig is None) or (
+        default is not None and not qconfig_equals(default, intended.global_qconfig)
+    ):
+        return None  # the quantizer's global config is its own: a changed global has no equivalent
     if default is not None:
         if _is_dynamic(default):
             return None
@@ -119,7 +136,11 @@ def quantizer_for(mapping: QConfigMapping, intended: QConfigMapping, layer_kinds
         elif fqn in intended.module_name_qconfigs and qconfig_equals(qconfig, intended.module_name_qconfigs[fqn]):
             quantizer.set_module_name_qconfig(fqn, config())
         else:
-            return None  # an observer or dtype of its own: the quantizer picks its own
+            choice = _observer_choice(qconfig, intended.module_name_qconfigs.get(fqn) or intended.global_qconfig)
+            if choice is None:
+                return None  # a dtype, weight or observer of its own that pt2e cannot express
+            quantizer.set_module_name_qconfig(fqn, config())
+            choices[fqn] = choice
     planned_types = intended.object_type_qconfigs
     for kind, qconfig in mapping.object_type_qconfigs.items():
         if qconfig is None and isinstance(kind, type) and issubclass(kind, nn.Module):
@@ -130,7 +151,17 @@ def quantizer_for(mapping: QConfigMapping, intended: QConfigMapping, layer_kinds
             return None  # a method left float, or a type-wide change of observer: no pt2e equivalent
     if mapping.module_name_regex_qconfigs or mapping.module_name_object_type_order_qconfigs:
         return None
+    if choices:
+        from qlint.measure.pt2e_quantizer import ActivationObservers
+
+        return ActivationObservers(quantizer, choices)
     return quantizer
+
+
+def _same_observer(first: Any, second: Any) -> bool:
+    """Two observer instances that quantize alike (same class, number format and axis)."""
+    fields = ("dtype", "qscheme", "quant_min", "quant_max", "ch_axis")
+    return type(first) is type(second) and all(getattr(first, f, None) == getattr(second, f, None) for f in fields)
 
 
 def pt2e_float_layers(converted: fx.GraphModule, mapping: QConfigMapping) -> tuple[list[FloatLayer], int, int]:
