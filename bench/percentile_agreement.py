@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import calibration as bench  # noqa: E402  (bench/calibration.py: models and batches)
-from qlint.rules.ql203_activation_outlier import outlier_metric  # noqa: E402
+from qlint.rules._ql203_measure import outlier_metric  # noqa: E402
 
 from qlint.linter.calibration import insert_observers, resolve_point_needs, resolve_points, run_calibration  # noqa: E402
 from qlint.linter.engine import analyse, instantiate_rules  # noqa: E402

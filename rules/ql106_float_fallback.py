@@ -16,6 +16,7 @@ from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.impact import fix_mapping
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 from qlint.measure.fallback import FloatLayer
+from qlint.measure.pt2e_trial import as_torch_layers, missed_by_class, repeated_calls
 from qlint.measure.trial import TrialResult
 
 _WHY = {
@@ -60,9 +61,16 @@ class FloatFallback(Rule):
     - **no static kernel** for the op with this qconfig;
     - **not annotated** (exported graphs, quantized with the pt2e flow): torchao's
       X86InductorQuantizer puts no observer around the op. It quantizes conv2d and linear
-      ops it finds by their source module or function, so a conv1d, a recurrent op, or a
-      conv inside a custom `nn.Conv2d` subclass stays float; no quantizer setting changes
-      that, and the finding says so.
+      ops it finds by the class of the module calling them, compared by name with
+      `torch.nn.Conv2d`/`torch.nn.Linear` (torch.export records class names), and by fusion
+      patterns of those. A conv1d or a recurrent op stays float whatever the quantizer's
+      settings, and the finding says so. Convs and linears called by a module of another
+      class (a custom `nn.Conv2d` subclass such as EfficientNet's
+      `Conv2dStaticSamePadding`) are reported together in one finding, with the fix: make
+      them torch's own modules before export, and give each call of a module called twice
+      (a shared `nn.ReLU6`) a module of its own, since X86InductorQuantizer's fusion
+      patterns refuse those. That fix is measured on the same float graph with those ops
+      recorded as torch's layers: the int8 coverage and output SQNR it gives.
 
     Layers the mapping itself keeps float (a `None` qconfig) are intended and not reported.
     For recurrent layers the fix is a dynamic-quantization entry in the mapping; for a
@@ -124,7 +132,12 @@ class FloatFallback(Rule):
         if trial is None or not trial.measured:
             return
         coverage = f"{trial.int8_ops}/{trial.weighted_ops}"
+        by_class = [layer for layer in trial.float_layers if missed_by_class(layer)]
+        if by_class:
+            yield self._missed_by_class(ctx, trial, by_class, coverage)
         for layer in trial.float_layers:
+            if layer in by_class:
+                continue
             if layer.reason == "kept-float":
                 if self.options.report_kept_float:
                     yield self.finding(
@@ -175,6 +188,58 @@ class FloatFallback(Rule):
         if impact is not None and impact.fixed_sqnr_db is not None:
             message += f" Measured: output SQNR {impact.base_sqnr_db:.1f} → {impact.fixed_sqnr_db:.1f} dB with the fix."
         return self.finding(layer.target, message, data=_data(layer, trial), suggestion=suggestion, impact=impact)
+
+    def _missed_by_class(
+        self, ctx: LintContext, trial: TrialResult, layers: list[FloatLayer], coverage: str
+    ) -> Finding:
+        """One finding for the conv2d/linear ops pt2e left float because the module calling them
+        is not torch's own class, measured with those ops seen as torch layers."""
+        classes = sorted({layer.called_by or "" for layer in layers})
+        targets = [layer.target for layer in layers]
+        listed = ", ".join(targets[:8]) + (f", ... ({len(targets)} in all)" if len(targets) > 8 else "")
+        message = (
+            f"{len(layers)} conv2d/linear op(s) stay float after convert_pt2e ({listed}): X86InductorQuantizer "
+            "finds conv2d and linear ops by the class of the module calling them, compared by name with "
+            "torch.nn.Conv2d / torch.nn.Linear (torch.export records class names in nn_module_stack), and "
+            f"these are called by {', '.join(classes)}. int8 coverage of the model's "
+            f"conv/linear/recurrent/attention ops: {coverage}. Fix: make these layers torch.nn.Conv2d / "
+            "torch.nn.Linear modules before torch.export (a subclass whose forward pads first: an "
+            "nn.ZeroPad2d module, then an nn.Conv2d with the same weights; the float model stays the "
+            "same)"
+        )
+        impact = None
+        bench = ctx.trial_bench
+        reused = repeated_calls(bench.model_factory()) if bench is not None else []
+        if reused:
+            shown = ", ".join(reused[:4]) + (f", ... ({len(reused)} in all)" if len(reused) > 4 else "")
+            message += (
+                f", and give each call of a module called more than once ({shown}) a module of its own: "
+                "X86InductorQuantizer's fusion patterns refuse a module whose calls form one partition"
+            )
+        message += "; or lint and quantize the nn.Module with prepare_fx."
+        if bench is not None and ctx.qconfig_mapping is not None and trial.output_sqnr_db is not None:
+            wanted = frozenset(targets)
+            variant = bench.variant(lambda: as_torch_layers(bench.model_factory(), wanted))
+            fixed = variant.run(ctx.qconfig_mapping, measure_layers=False)
+            if fixed.output_sqnr_db is not None:
+                gained = fixed.int8_ops - trial.int8_ops
+                impact = _coverage_impact(
+                    trial, fixed.output_sqnr_db, gained, "the layers as torch.nn modules, one per call"
+                )
+                message += (
+                    f" Measured with that fix (the same float graph): int8 coverage {fixed.int8_ops}/"
+                    f"{fixed.weighted_ops}, output SQNR {trial.output_sqnr_db:.1f} → {fixed.output_sqnr_db:.1f} dB."
+                )
+        data = {
+            "kind": "not-annotated-class",
+            "op": layers[0].kind,
+            "layers": targets,
+            "called_by": classes,
+            "repeated_calls": reused,
+            "int8_ops": trial.int8_ops,
+            "weighted_ops": trial.weighted_ops,
+        }
+        return self.finding(targets[0], message, data=data, impact=impact)
 
 
 def _data(layer: FloatLayer, trial: TrialResult) -> dict[str, Any]:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 from pydantic import Field
+from qlint.rules._ql203_measure import (
+    OutlierMeasurement,
+    clip_value,
+    input_producer,
+    measure,
+    measured_input,
+)
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
 from qlint.core.graph import OpNode
@@ -17,23 +23,10 @@ from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
 from qlint.linter.json_values import json_float
 from qlint.linter.rule import Example, Need, ObservationSpec, Rule, RuleOptions
+from qlint.measure.pt2e_trial import PT2E_ACTIVATION_LEVELS
 from qlint.measure.trial import ActivationError
-from qlint.stats import TensorStats
 
 KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv"})
-
-
-def outlier_metric(average_ratio: torch.Tensor) -> torch.Tensor:
-    """torch's per-channel p_r after its sign/flip fix-up, as torch *intends* it.
-
-    p = average over batches of max / q-quantile. torch makes a negative p positive
-    ("we care more about magnitude") and flips p < 1 to 1/p. (torch's code flips the
-    original negative value, so its p stays negative and is never an outlier; qlint
-    uses |p| as the comment intends.) Channels with no counted batch get NaN.
-    """
-    p = average_ratio.to(torch.float64).abs()
-    flipped = torch.where(p < 1, 1 / p, p)
-    return torch.where(average_ratio == 0, math.nan, flipped)
 
 
 class ActivationOutlier(Rule):
@@ -186,8 +179,8 @@ class ActivationOutlier(Rule):
         full = float(high[finite].max() - low[finite].min()) if bool(finite.any()) else math.nan
         rest = ~mask & finite
         without = float(high[rest].max() - low[rest].min()) if bool(rest.any()) else math.nan
-        quantized_input = _quantized_input(ctx, node)
-        bits = _activation_bits(node, quantized_input)
+        quantized_input = measured_input(ctx, node)
+        bits = _activation_bits(node, quantized_input, ctx.graph.exported)
         loss_bits = _physical_bits(math.log2(full / without) if full > 0 and without > 0 else math.nan, bits)
         maxima = [json_float(high[c]) for c in outliers]
         ratios = [json_float(ratios_all[c]) for c in outliers]
@@ -196,9 +189,9 @@ class ActivationOutlier(Rule):
         # (below the reference percentile) only 1/ratio of the range: log2(ratio) bits lost,
         # never more than the dtype has.
         channel_bits = _physical_bits(math.log2(max(dense_ratios)) if dense_ratios else math.nan, bits)
-        producer = _producer(ctx, node)
+        producer = input_producer(ctx, node)
         measured_db = quantized_input.sqnr_db if quantized_input is not None else None
-        clip = _clip_value(stats, dense or outliers)
+        clip = clip_value(stats, dense or outliers)
         message = (
             f"{len(outliers)} input channel(s) of {node.display} have outliers (channels {_short(outliers)}: "
             f"max / {self.options.reference_percentile:g}-quantile > {self.options.ratio_threshold:g}, max up to "
@@ -261,11 +254,13 @@ class ActivationOutlier(Rule):
 CLIP_PERCENTILE = 99.99  # what the suggested clipping observer keeps: rare spikes above it saturate
 
 
-def _activation_bits(node: OpNode, measured: ActivationError | None) -> int:
+def _activation_bits(node: OpNode, measured: ActivationError | None, exported: bool) -> int:
     """Bits the layer's input is quantized to: log2 of its observer's level count (7 with
-    reduce_range): as measured in the trial, else as the intended qconfig says."""
-    if measured is not None:
-        return max(1, math.ceil(math.log2(measured.levels)))
+    reduce_range): as measured in the trial, else as the pt2e quantizer (an exported graph)
+    or the intended qconfig says."""
+    levels = measured.levels if measured is not None else PT2E_ACTIVATION_LEVELS if exported else None
+    if levels is not None:
+        return max(1, math.ceil(math.log2(levels)))
     spec = node.qconfig.activation if node.qconfig is not None else None
     if spec is not None and spec.quant_min is not None and spec.quant_max is not None:
         return max(1, math.ceil(math.log2(spec.quant_max - spec.quant_min + 1)))
@@ -277,70 +272,6 @@ def _physical_bits(value: float, bits: int) -> float:
     if not math.isfinite(value):
         return float(bits) if value == math.inf else math.nan
     return min(max(value, 0.0), float(bits))
-
-
-# Ops whose int8 output reuses their input's qparams (prepare_fx shares the observer), and
-# BatchNorm, which fuses into the conv before it: the observer that sets a layer's input
-# range belongs to the first op upstream that is none of these.
-_SHARES_INPUT_QPARAMS = frozenset(
-    {
-        "relu",
-        "relu6",
-        "hardtanh",
-        "max_pool",
-        "adaptive_avg_pool",
-        "avg_pool",
-        "flatten",
-        "view",
-        "reshape",
-        "permute",
-        "transpose",
-        "dropout",
-        "identity",
-        "contiguous",
-        "squeeze",
-        "unsqueeze",
-        "getitem",
-        "batch_norm",
-        "clamp",
-    }
-)
-
-
-def _producer(ctx: LintContext, node: OpNode) -> OpNode | None:
-    """The op whose output observer quantizes ``node``'s input (through qparam-sharing ops)."""
-    producers = ctx.graph.producers(node.name)
-    current = producers[0] if producers else None
-    while current is not None and current.kind in _SHARES_INPUT_QPARAMS:
-        upstream = ctx.graph.producers(current.name)
-        if not upstream:
-            break
-        current = upstream[0]
-    return current
-
-
-def _quantized_input(ctx: LintContext, node: OpNode) -> ActivationError | None:
-    """The trial's measurement of the tensor quantized as ``node``'s input: the nearest one up
-    the qparam-sharing ops (prepare_fx observes the producer's output, pt2e the input edge)."""
-    if ctx.trial is None:
-        return None
-    producers = ctx.graph.producers(node.name)
-    current = producers[0] if producers else None
-    while current is not None:
-        found = ctx.trial.activation(current.name)
-        if found is not None or current.kind not in _SHARES_INPUT_QPARAMS:
-            return found
-        upstream = ctx.graph.producers(current.name)
-        current = upstream[0] if upstream else None
-    return None
-
-
-def _clip_value(stats: TensorStats, channels: list[int]) -> float:
-    """The largest reference quantile over the flagged channels: above it only the spikes lie."""
-    maxima = stats.channel_max.cpu().to(torch.float64)
-    ratios = stats.average_percentile_ratio().cpu().to(torch.float64).abs()
-    values = [float(maxima[c] / ratios[c]) for c in channels if float(ratios[c]) > 0]
-    return max(values) if values else math.nan
 
 
 def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -> tuple[str, dict, str]:
@@ -375,37 +306,6 @@ def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -
         f"PercentileObserver(percentile={CLIP_PERCENTILE:g}) instead of the default histogram search, so "
         "the rare spikes saturate and the bulk keeps its resolution; or clip/normalise these channels "
         "upstream, or keep the layer float.",
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class OutlierMeasurement:
-    """torch's OutlierDetector quantities for the input of one layer (per-channel tensors on CPU)."""
-
-    metric: torch.Tensor  # average percentile ratio per channel (NaN: no batch counted)
-    outlier: torch.Tensor  # bool: sufficient batches and metric > ratio_threshold
-    sufficient: torch.Tensor  # bool: enough batches counted
-    constant: torch.Tensor  # bool: min == max over all data
-    nan_count: int
-    inf_count: int
-    stats: TensorStats
-
-
-def measure(
-    statistics, node: OpNode, ratio_threshold: float, fraction_batches_used_threshold: float
-) -> OutlierMeasurement | None:
-    """Percentile-ratio outliers, constant channels and NaN/Inf at the input of ``node``."""
-    stats = statistics.get(node.name, "input", 0)
-    if stats is None or int(stats.batches) == 0:
-        return None
-    metric = outlier_metric(stats.average_percentile_ratio()).cpu()
-    used = stats.percentile_batches_tracked().cpu().to(torch.float64)
-    sufficient = used / float(stats.batches) >= fraction_batches_used_threshold
-    outlier = sufficient & (metric > ratio_threshold)  # NaN compares False
-    has_values = stats.count.cpu() > 0
-    constant = has_values & (stats.channel_min.cpu() == stats.channel_max.cpu())
-    return OutlierMeasurement(
-        metric, outlier, sufficient, constant, int(stats.nan_count.sum()), int(stats.inf_count.sum()), stats
     )
 
 

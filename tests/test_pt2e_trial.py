@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.ao.quantization import MinMaxObserver, QConfig, default_weight_observer
 
 import qlint
@@ -13,7 +14,7 @@ from qlint.core.intent import default_mapping
 from qlint.core.sqnr import SqnrSums
 from qlint.linter.fixes import SetActivationObserver
 from qlint.linter.mapping import PercentileObserver
-from qlint.measure.pt2e_trial import Pt2eBench, pt2e_blocker, quantizer_for
+from qlint.measure.pt2e_trial import Pt2eBench, as_torch_layers, pt2e_blocker, quantizer_for
 
 pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e  # noqa: E402
@@ -283,3 +284,71 @@ def test_ql203_on_an_exported_graph_clips_the_layer_input_and_measures_that_fix(
         assert finding.suggestion == SetActivationObserver(targets=[target], percentile=99.99)
         assert finding.data["dtype_bits"] == 8  # X86InductorQuantizer's uint8, as the trial measured
         assert finding.impact is not None and finding.impact.basis == "fix-trial"  # the clip itself was run
+
+
+class _PaddedConv(nn.Conv2d):
+    """A custom nn.Conv2d subclass, as EfficientNet's Conv2dStaticSamePadding: it pads, then convolves."""
+
+    def forward(self, x):
+        return F.conv2d(F.pad(x, (1, 1, 1, 1)), self.weight, self.bias)
+
+
+class _PaddedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = _PaddedConv(3, 8, 3), _PaddedConv(8, 8, 3)
+        self.act = nn.ReLU6()  # called twice
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(self.act(self.conv2(self.act(self.conv1(x)))).mean((2, 3)))
+
+
+class _TorchLayersNet(nn.Module):
+    """_PaddedNet as the fix makes it: torch's own Conv2d after a ZeroPad2d, one ReLU6 per call."""
+
+    def __init__(self, padded: _PaddedNet) -> None:
+        super().__init__()
+        self.pad1, self.pad2 = nn.ZeroPad2d(1), nn.ZeroPad2d(1)
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)
+        self.act1, self.act2 = nn.ReLU6(), nn.ReLU6()
+        self.fc = padded.fc
+        self.conv1.load_state_dict(padded.conv1.state_dict())
+        self.conv2.load_state_dict(padded.conv2.state_dict())
+
+    def forward(self, x):
+        y = self.act2(self.conv2(self.pad2(self.act1(self.conv1(self.pad1(x))))))
+        return self.fc(y.mean((2, 3)))
+
+
+def test_layers_of_a_custom_conv_class_are_named_by_module_and_their_fix_is_measured():
+    torch.manual_seed(7)
+    batches = [torch.randn(4, 3, 10, 10) for _ in range(6)]
+    model = _PaddedNet().eval()
+    program = _exported(model, batches[0])
+    report = _lint(program, batches, select=["QL106"])
+    assert report.trial is not None and (report.trial.int8_ops, report.trial.weighted_ops) == (1, 3)
+    (finding,) = [f for f in report.findings if f.rule == "QL106"]
+    # module fqns, never aten node names: a plan entry on them reaches the quantizer
+    assert finding.target == "conv1" and finding.data["layers"] == ["conv1", "conv2"]
+    assert finding.data["called_by"] == [f"{_PaddedConv.__module__}.{_PaddedConv.__qualname__}"]
+    assert finding.data["repeated_calls"] == ["act"]
+    assert finding.impact is not None and finding.impact.kind == "coverage" and finding.impact.int8_ops_gained == 2
+
+    # the measured fix is the model the fix builds: torch's layers, one module per call
+    mapping = default_mapping("x86")
+    bench = Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", batches[:3], batches[3:], "c", "e", mapping)
+    emulated = bench.variant(lambda: as_torch_layers(copy.deepcopy(program.module()), frozenset({"conv1", "conv2"})))
+    measured = emulated.run(mapping, measure_layers=False)
+    assert (measured.int8_ops, measured.weighted_ops) == (3, 3)
+    fixed = _exported(_TorchLayersNet(model), batches[0]).module()
+    quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(fixed, quantizer)
+    for batch in batches[:3]:
+        prepared(batch)
+    converted = convert_pt2e(prepared)
+    sums = SqnrSums()
+    with torch.no_grad():
+        for batch in batches[3:]:
+            sums.add(model(batch), converted(batch))
+    assert measured.output_sqnr_db == pytest.approx(sums.sqnr_db(), abs=1e-4)

@@ -24,7 +24,15 @@ from torch.nn.parameter import is_lazy
 
 from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.core.intent import CallDescription, NodeQConfig
-from qlint.core.ops import MODULE_KINDS, function_kind, kind_of_type_name, method_kind, module_kind
+from qlint.core.ops import (
+    CONV_OR_LINEAR_KINDS,
+    MODULE_KINDS,
+    TRANSPOSED_CONV_KINDS,
+    function_kind,
+    kind_of_type_name,
+    method_kind,
+    module_kind,
+)
 from qlint.core.preserve import cloned, preserved_state, stored_proxies
 from qlint.errors import StateError, TraceError
 
@@ -211,6 +219,24 @@ def _stack(node: fx.Node) -> list[_Owner]:
     return owners
 
 
+LAYER_OP_KINDS = CONV_OR_LINEAR_KINDS | TRANSPOSED_CONV_KINDS
+
+
+def sole_layer_scopes(graph: fx.Graph) -> frozenset[str]:
+    """Module paths (innermost ``nn_module_stack`` entries of an exported graph) whose own ops
+    hold exactly one conv or linear op: such a module is that layer whatever its class (a
+    custom ``nn.Conv2d`` subclass with a forward of its own), so the op is named by it."""
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or isinstance(node.target, str):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack and function_kind(node.target) in LAYER_OP_KINDS:
+            path = str(list(stack.values())[-1][0])
+            counts[path] = counts.get(path, 0) + 1
+    return frozenset(path for path, count in counts.items() if path and count == 1)
+
+
 class GraphBuilder:
     """Builds a ModelGraph from a traced GraphModule; qconfigs come from ``resolve``."""
 
@@ -221,6 +247,7 @@ class GraphBuilder:
         self.resolve = resolve  # callable(CallDescription, fx.Node, OpNode) -> NodeQConfig|None
         self._folded: dict[fx.Node, fx.Node] = {}
         self._observer_of: dict[fx.Node, nn.Module] = {}
+        self._sole_layers = sole_layer_scopes(self.gm.graph) if traced.exported else frozenset()
 
     def build(self) -> ModelGraph:
         nodes: list[OpNode] = []
@@ -310,7 +337,13 @@ class GraphBuilder:
         if owner is not None and owner.cls is not None and _kind_of_class(owner.cls) == kind:
             owning_module = owner
         elif owner is not None and owner.cls is None and self.traced.exported:
-            owning_module = owner if kind_of_type_name(owner.type_name) == kind else None
+            owner_kind = kind_of_type_name(owner.type_name)
+            # a class lint cannot import (the archive's own): the module is this layer when its
+            # name says so, or when this is the only conv/linear op it computes
+            if owner_kind == kind or (
+                owner_kind is None and kind in LAYER_OP_KINDS and owner.path in self._sole_layers
+            ):
+                owning_module = owner
         weight, bias = self._weight_refs(node, kind)
         training = self._training_flag(node, kind, owning_module)
         info = OpNode(

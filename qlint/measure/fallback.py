@@ -33,6 +33,7 @@ class FloatLayer:
     kind: str  # "linear", "lstm", "multihead_attention", or "module:TransformerEncoder" for a leaf
     reason: FallbackReason
     inner: tuple[str, ...] = ()  # for a tracer leaf: the conv/linear/attention modules inside it
+    called_by: str | None = None  # exported graphs: the class name of the module calling the op
 
     @property
     def weighted_ops(self) -> int:

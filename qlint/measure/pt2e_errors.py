@@ -28,6 +28,7 @@ from qlint.core.batches import as_call
 from qlint.core.nested import first_float
 from qlint.core.ops import CONV_OR_LINEAR_KINDS, TRANSPOSED_CONV_KINDS, function_op, kind_of_type_name
 from qlint.core.sqnr import SqnrSums
+from qlint.core.trace import sole_layer_scopes
 from qlint.measure.fallback import RECURRENT_KINDS
 from qlint.measure.trial import ActivationError
 
@@ -51,6 +52,7 @@ class WeightedOp:
     node: str  # node name (kept by prepare_pt2e / convert_pt2e)
     target: str  # the owning module's fqn when it is this layer, else the node name
     kind: str
+    called_by: str | None = None  # the class name of the innermost module calling it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +63,9 @@ class Pt2eErrors:
     activations: tuple[ActivationError, ...]
 
 
-def _owner(node: fx.Node) -> tuple[str, str | None] | None:
-    """(fqn, kind) of the innermost module that called this node, from ``nn_module_stack``
-    (None at the top level)."""
+def _owner(node: fx.Node) -> tuple[str, str | None, str] | None:
+    """(fqn, kind, class name) of the innermost module that called this node, from
+    ``nn_module_stack`` (None at the top level)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return None
@@ -71,12 +73,13 @@ def _owner(node: fx.Node) -> tuple[str, str | None] | None:
     if not path:
         return None
     type_name = type_ref if isinstance(type_ref, str) else f"{type_ref.__module__}.{type_ref.__qualname__}"
-    return str(path), kind_of_type_name(type_name)
+    return str(path), kind_of_type_name(type_name), type_name
 
 
 def weighted_ops(graph_module: fx.GraphModule) -> list[WeightedOp]:
     """Conv, linear and recurrent ops of an aten graph, named by their module where they are one."""
     found = []
+    sole = sole_layer_scopes(graph_module.graph)
     for node in graph_module.graph.nodes:
         if node.op != "call_function":
             continue
@@ -87,11 +90,14 @@ def weighted_ops(graph_module: fx.GraphModule) -> list[WeightedOp]:
             continue
         owner = _owner(node)
         # named as lint's graph names it: by the module when the module is this layer (an
-        # nn.Conv2d calling conv2d), else by the node
+        # nn.Conv2d calling conv2d, or a module of another class whose only conv/linear op it
+        # is), else by the node
         target = node.name
-        if owner is not None and (owner[1] == kind or owner[1] in RECURRENT_KINDS):
+        if owner is not None and (
+            owner[1] == kind or owner[1] in RECURRENT_KINDS or (owner[1] is None and owner[0] in sole)
+        ):
             target = owner[0]
-        found.append(WeightedOp(node.name, target, kind))
+        found.append(WeightedOp(node.name, target, kind, owner[2] if owner is not None else None))
     # a module whose forward holds several weighted ops (a block) is named by node, not by fqn
     targets = [op.target for op in found]
     return [op if targets.count(op.target) == 1 else dataclasses.replace(op, target=op.node) for op in found]

@@ -54,6 +54,9 @@ from qlint.measure.trial import (
 )
 
 STAGE_PREPARE_PT2E, STAGE_CONVERT_PT2E = "prepare_pt2e", "convert_pt2e"
+# X86InductorQuantizer's activations: uint8 over 0..255, the number format quantizer_for and
+# the plan's pt2e export keep for every activation
+PT2E_ACTIVATION_LEVELS = 256
 PT2E_BACKENDS = ("x86", "fbgemm", "onednn")
 QUANTIZER_MODULE = "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer"
 _FLOW_MODULE = "torchao.quantization.pt2e.quantize_pt2e"
@@ -182,8 +185,60 @@ def pt2e_float_layers(converted: fx.GraphModule, mapping: QConfigMapping) -> tup
             reason = "recurrent"
         else:
             reason = "not-annotated"
-        fallbacks.append(FloatLayer(op.target, op.kind, reason))
+        fallbacks.append(FloatLayer(op.target, op.kind, reason, called_by=op.called_by))
     return fallbacks, int8, len(ops)
+
+
+# X86InductorQuantizer finds these ops by the class of the module calling them, compared by
+# name with torch's own (torch.fx's source partitions read nn_module_stack, which holds names)
+TORCH_LAYER_CLASSES = {"conv2d": "torch.nn.modules.conv.Conv2d", "linear": "torch.nn.modules.linear.Linear"}
+
+
+def missed_by_class(layer: FloatLayer) -> bool:
+    """A conv2d/linear op pt2e left unannotated because the module calling it is not torch's own
+    Conv2d/Linear class (a custom subclass, or a module whose forward calls F.conv2d/F.linear)."""
+    return (
+        layer.reason == "not-annotated"
+        and layer.kind in TORCH_LAYER_CLASSES
+        and layer.called_by is not None
+        and layer.called_by != TORCH_LAYER_CLASSES[layer.kind]
+    )
+
+
+def repeated_calls(model: nn.Module) -> list[str]:
+    """Module paths an exported graph calls more than once (torch.export keys their later calls
+    ``name@1``, ``name@2``): X86InductorQuantizer's fusion patterns refuse such a module, whose
+    ops form one partition with several outputs."""
+    found: list[str] = []
+    for node in model.graph.nodes if isinstance(model, fx.GraphModule) else ():
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            key, (path, _type) = list(stack.items())[-1]
+            if "@" in str(key) and path not in found:
+                found.append(str(path))
+    return found
+
+
+def as_torch_layers(model: nn.Module, targets: frozenset[str]) -> nn.Module:
+    """``model`` (an exported graph, changed in place) as it would be with the modules named
+    ``targets`` torch's own Conv2d/Linear, and one module per call of every module it calls
+    twice: the float graph is the same; only what the pt2e quantizer can match changes."""
+    if not isinstance(model, fx.GraphModule):
+        return model
+    scopes = {op.target: TORCH_LAYER_CLASSES[op.kind] for op in weighted_ops(model) if op.kind in TORCH_LAYER_CLASSES}
+    for node in model.graph.nodes:
+        stack = dict(node.meta.get("nn_module_stack") or {})
+        if not stack:
+            continue
+        key = list(stack)[-1]
+        path, type_name = stack[key]
+        if path in targets and path in scopes:  # every op of the module's own forward, as torch's layer holds
+            type_name = scopes[path]
+        if "@" in str(key):  # a later call of a module: a module of its own
+            path = f"{path}@{str(key).rpartition('@')[2]}"
+        stack[key] = (path, type_name)
+        node.meta["nn_module_stack"] = stack
+    return model
 
 
 class Pt2eBench(TrialBench):
