@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from qlint.core.sqnr import SqnrSums
 from qlint.measure.metrics import sqnr_db
 
 pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
@@ -71,7 +72,6 @@ def test_an_exported_observer_choice_builds_the_model_the_trial_measured():
     model, to the last bit of output SQNR, as the pt2e trial of the plan's mapping."""
     from qlint.advice.plan import ModuleDecision, Provenance, default_plan
     from qlint.core.intent import default_mapping
-    from qlint.core.sqnr import SqnrSums
     from qlint.measure.pt2e_trial import Pt2eBench
 
     torch.manual_seed(1)
@@ -94,3 +94,55 @@ def test_an_exported_observer_choice_builds_the_model_the_trial_measured():
     assert measured is not None and measured == pytest.approx(sums.sqnr_db(), abs=1e-6)
     unclipped = bench.output_sqnr(default_plan("x86").to_qconfig_mapping())
     assert unclipped is not None and unclipped != pytest.approx(measured, abs=1e-3)  # the choice changed the model
+
+
+class PooledNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)
+        self.relu, self.relu2, self.pool = nn.ReLU(), nn.ReLU(), nn.MaxPool2d(2)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.relu2(self.conv2(self.pool(self.relu(self.conv1(x)))))
+        return self.fc(y.mean((2, 3)))
+
+
+def test_a_clipping_choice_reaches_the_observer_a_max_pool_shares():
+    """conv2 reads conv1's ReLU output through a max-pool, whose int8 output shares its input's
+    observer (and prepare_pt2e joins observers of one tensor by number format alone): the
+    choice must change that shared observer, and nothing else, in the trial and the export alike."""
+    from qlint.advice.plan import ModuleDecision, Provenance, default_plan
+    from qlint.core.intent import default_mapping
+    from qlint.measure.pt2e_trial import Pt2eBench
+
+    torch.manual_seed(2)
+    model = PooledNet().eval()
+    batches = [torch.randn(4, 3, 14, 14) for _ in range(3)]
+    base = default_plan("x86")
+    clip = base.activation.changed(observer="percentile", percentile=99.0)
+    source = Provenance(source="user", detail="test")
+    plan = base.model_copy(update={"modules": [ModuleDecision(fqn="conv2", activation=clip, provenance=[source])]})
+    program = torch.export.export(copy.deepcopy(model), (batches[0],))
+    prepared = pt2e.prepare_pt2e(copy.deepcopy(program.module()), plan.to_pt2e_quantizer())
+    kinds = {
+        node.args[0].name: type(prepared.get_submodule(node.target)).__name__
+        for node in prepared.graph.nodes
+        if node.op == "call_module"
+        and "activation_post_process" in str(node.target)
+        and "weight" not in node.args[0].name
+    }
+    assert kinds["max_pool2d"] == kinds["relu"] == "Pt2ePercentileObserver"  # the pool's shared observer
+    assert kinds["x"] == "HistogramObserver" and kinds["mean"] == "HistogramObserver"  # the others keep theirs
+    bench = Pt2eBench(lambda: program.module(), "x86", batches, batches, "c", "e", default_mapping("x86"))
+    measured = bench.output_sqnr(plan.to_qconfig_mapping())
+    converted = _quantize(model, plan.to_pt2e_quantizer(), batches)
+    sums = SqnrSums()
+    with torch.no_grad():
+        for batch in batches:
+            sums.add(model(batch), converted(batch))
+    assert measured is not None and measured == pytest.approx(sums.sqnr_db(), abs=1e-6)
+    # the default keeps all four int8 ops (the choice must not break conv2's fusion with its ReLU)
+    default = bench.run(default_mapping("x86"), measure_layers=False)
+    chosen = bench.run(plan.to_qconfig_mapping(), measure_layers=False)
+    assert chosen.int8_ops == default.int8_ops == 3

@@ -1,5 +1,6 @@
 """qlint.advice.verify and the `qlint verify` / `qlint fix` commands, on real quantization runs."""
 
+import copy
 import json
 
 import pytest
@@ -271,33 +272,65 @@ def test_a_plan_that_loses_to_the_default_as_a_whole_is_replaced_by_it():
     assert result.plan.sqnr_db >= result.default.sqnr_db - 0.05
 
 
-def test_pt2_verify_is_refused_with_one_line_not_reported_as_200_db(run_cli, cli_files, data):
-    """prepare_fx on an exported (aten) graph quantizes nothing; verify says so instead of
-    reporting "0/0 int8, 200 dB" as a success."""
+def test_pt2_verify_runs_the_pt2e_flow_and_measures_what_it_builds(run_cli, cli_files, data):
+    """An exported graph (.pt2) is verified with prepare_pt2e/convert_pt2e and the plan's pt2e
+    quantizer (prepare_fx would quantize nothing and report "0/0 int8, 200 dB"): the numbers
+    are those of the same flow run by hand, a decision that changes nothing is pruned, and
+    the steps pt2e does not run are named."""
+    pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
     import importlib.util
+
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qlint.core.sqnr import SqnrSums
 
     spec = importlib.util.spec_from_file_location("netmod", cli_files / "netmod.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     calibration, eval_data = data
-    program = torch.export.export(module.build(), (calibration[0],))
+    float_model = module.build().eval()
+    program = torch.export.export(float_model, (calibration[0],))
     torch.export.save(program, cli_files / "net.pt2")
-    result = run_cli(
-        "verify",
-        "net.pt2",
-        "--plan",
-        "plan.json",
-        "--calibration",
-        "cal.pt",
-        "--eval-data",
-        "eval.pt",
-        cwd=cli_files,
-    )
-    assert result.returncode == 2, result.stdout
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "exported (aten) graph" in lines[0], result.stderr
-    assert "200" not in result.stdout
-    from qlint.errors import QlintError
+    args = ["verify", "net.pt2", "--plan", "plan.json", "--calibration", "cal.pt", "--eval-data", "eval.pt"]
+    result = run_cli(*args, "--format", "json", cwd=cli_files)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert "prepare_pt2e" in payload["selected_on"]
+    default = payload["default"]
+    # really quantized: the Linear; the three SameConv2d (a custom nn.Conv2d subclass) stay float, as
+    # X86InductorQuantizer matches convs by module class name (QL106 reports it)
+    assert (default["int8_layers"], default["total_layers"]) == (1, 4) and default["sqnr_db"] < 100
+    quantizer = default_plan("x86").to_pt2e_quantizer()
+    prepared = prepare_pt2e(copy.deepcopy(program.module()), quantizer)
+    for batch in calibration:
+        prepared(batch)
+    converted = convert_pt2e(prepared)
+    sums = SqnrSums()
+    with torch.no_grad():
+        for batch in eval_data:
+            sums.add(float_model(batch), converted(batch))
+    assert default["sqnr_db"] == pytest.approx(sums.sqnr_db(), abs=1e-3)
+    # the plan's one decision restates the global weight: pruned, and the verified plan is the default's
+    (outcome,) = [d for d in payload["decisions"] if d["target"] == "fc"]
+    assert not outcome["kept"] and payload["verified_plan"]["modules"] == []
+    assert any("scheme search: not run" in note for note in payload["notes"])
+    text = run_cli(*args, cwd=cli_files)
+    assert text.returncode == 0 and "verified plan" in text.stdout, text.stderr
 
-    with pytest.raises(QlintError, match="aten"):
-        verify(program.module(), QuantPlan.load(str(cli_files / "plan.json")), calibration, eval_data)
+
+def test_pt2e_verify_leaves_out_what_the_pt2e_flow_cannot_apply():
+    pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
+    from qlint.advice.plan import BiasCorrection, WeightSpec
+    from qlint.advice.verify_pt2e import pt2e_plan
+
+    source = Provenance(source="user", detail="test")
+    base = default_plan("x86")
+    per_tensor = ModuleDecision(fqn="fc", weight=WeightSpec(per_channel=False, symmetric=True), provenance=[source])
+    clip = ModuleDecision(fqn="conv", activation=base.activation.changed(observer="percentile"), provenance=[source])
+    plan = base.model_copy(
+        update={"modules": [per_tensor, clip], "bias_correction": BiasCorrection(provenance=[source])}
+    )
+    kept, notes = pt2e_plan(plan)
+    assert [d.fqn for d in kept.modules] == ["conv"] and kept.bias_correction is None
+    assert any(note.startswith("fc: a weight decision") for note in notes)
+    assert any("bias correction left out" in note for note in notes)

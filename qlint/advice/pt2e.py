@@ -21,7 +21,7 @@ from qlint.linter.suggestions import Suggestions
 from qlint.measure.pt2e_trial import PT2E_BACKENDS, QUANTIZER_MODULE, import_torchao
 
 
-def to_pt2e_quantizer(plan: Suggestions) -> Any:
+def _quantizer_module(plan: Suggestions) -> Any:
     try:
         quantizer_module = import_torchao(QUANTIZER_MODULE)
     except ImportError as error:
@@ -31,30 +31,60 @@ def to_pt2e_quantizer(plan: Suggestions) -> Any:
             f"pt2e export supports the {', '.join(PT2E_BACKENDS)} backends; for "
             f"{plan.backend} use ExecuTorch's XNNPACKQuantizer with the plan's decisions"
         )
+    return quantizer_module
 
-    from qlint.measure.pt2e_quantizer import ActivationObservers, observer_choice  # needs torchao, imported above
 
-    def config(dynamic: bool = False):
-        return quantizer_module.get_default_x86_inductor_quantization_config(is_dynamic=dynamic)
+def _config(quantizer_module: Any, dynamic: bool = False) -> Any:
+    return quantizer_module.get_default_x86_inductor_quantization_config(is_dynamic=dynamic)
+
+
+def _activation_choices(plan: Suggestions, quantizer_module: Any) -> dict[str, Any | None]:
+    """Per static module decision with an activation of its own: its QuantizationSpec, or None
+    where pt2e cannot express it (another number format or observer kind)."""
+    from qlint.measure.pt2e_quantizer import observer_choice  # needs torchao, imported by the caller
 
     planned = activation_recipe(plan.activation, plan.backend).factory()()
-    choices = {}
+    base = _config(quantizer_module).input_activation
+    choices: dict[str, Any | None] = {}
+    for decision in plan.modules:
+        if decision.quantize and decision.mode == "static" and decision.activation not in (None, plan.activation):
+            observer = activation_recipe(decision.activation, plan.backend).factory()()
+            choices[decision.fqn] = observer_choice(observer, planned, base)
+    return choices
+
+
+def pt2e_gaps(plan: Suggestions) -> list[tuple[str, str]]:
+    """(module fqn, why) for each module decision :func:`to_pt2e_quantizer` cannot express."""
+    quantizer_module = _quantizer_module(plan)
+    gaps = [
+        (fqn, "an activation number format or observer the pt2e quantizer does not express")
+        for fqn, choice in _activation_choices(plan, quantizer_module).items()
+        if choice is None
+    ]
+    gaps += [
+        (d.fqn, "a weight decision: X86InductorQuantizer quantizes weights its own way (int8, per channel)")
+        for d in plan.modules
+        if d.quantize and d.weight is not None and d.weight != plan.weight
+    ]
+    return gaps
+
+
+def to_pt2e_quantizer(plan: Suggestions) -> Any:
+    """The plan as a pt2e quantizer; decisions it cannot express (:func:`pt2e_gaps`) are left out."""
+    from qlint.measure.pt2e_quantizer import ActivationObservers  # needs torchao, imported below
+
+    quantizer_module = _quantizer_module(plan)
+    choices = {fqn: spec for fqn, spec in _activation_choices(plan, quantizer_module).items() if spec is not None}
     quantizer = quantizer_module.X86InductorQuantizer()
     if not plan.float_by_default:
-        quantizer.set_global(config())
+        quantizer.set_global(_config(quantizer_module))
     for decision in plan.modules:
         if not decision.quantize:
             quantizer.set_module_name_qconfig(decision.fqn, None)
         elif decision.mode == "dynamic":
-            quantizer.set_module_name_qconfig(decision.fqn, config(dynamic=True))
-        else:
-            if plan.float_by_default:
-                quantizer.set_module_name_qconfig(decision.fqn, config())
-            if decision.activation is not None and decision.activation != plan.activation:
-                observer = activation_recipe(decision.activation, plan.backend).factory()()
-                choice = observer_choice(observer, planned, config().input_activation)
-                if choice is not None:
-                    choices[decision.fqn] = choice
+            quantizer.set_module_name_qconfig(decision.fqn, _config(quantizer_module, dynamic=True))
+        elif plan.float_by_default:
+            quantizer.set_module_name_qconfig(decision.fqn, _config(quantizer_module))
     for helper in rewrite_float_modules(plan):
         quantizer.set_module_name_qconfig(helper, None)
     for kept in plan.float_functions:

@@ -41,11 +41,15 @@ again with the two halves swapped (on the MNIST CNN they gained on the batches t
 calibrated on and lost 3 dB on held-out ones); the other trials calibrate on every batch, as
 the verified plan does. The report's numbers come from ``eval_data``,
 which decides nothing, so the verified plan's SQNR there is an unbiased estimate.
+
+An exported (aten) graph, such as a ``.pt2`` holds, is verified with the pt2e flow instead
+(:mod:`qlint.advice.verify_pt2e`): default and plan measured, the plan pruned; the steps
+above that change an nn.Module (bias correction, rewrites, the scheme search, the fallback)
+are not run there, and the report says so.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,18 +57,17 @@ import torch.nn as nn
 
 from qlint.advice.plan import (
     BiasCorrection,
-    EqualizationPair,
-    FloatFunction,
     ModuleDecision,
     Provenance,
     QuantPlan,
     Rewrite,
     default_plan,
 )
+from qlint.advice.verify_prune import Decision, prune_decisions, rounded
+from qlint.advice.verify_pt2e import verify_pt2e
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, RunResult, VerifyReport
 from qlint.advice.verify_search import activation_bits_step, bias_correction_step, float_fallback, scheme_search
 from qlint.advice.verify_session import (
-    FAILED,
     SQNR_TOLERANCE_DB,
     Measured,
     Progress,
@@ -75,6 +78,7 @@ from qlint.advice.verify_session import (
     conv_linear_modules,
     state_dict_bytes,
 )
+from qlint.core.ops import is_aten_graph
 from qlint.core.preserve import preserved_state
 from qlint.measure.rewrite import AppliedRewrite, apply_rewrites, rewrite_key
 
@@ -85,156 +89,12 @@ DEFAULT_PRUNE_TRIALS = 5
 DEFAULT_SCHEME_TRIALS = 4
 SELECTION_BATCHES = 4  # calibration batches (the last ones) that select decisions by default
 
-_Item = ModuleDecision | EqualizationPair | Rewrite | FloatFunction
-
-
-@dataclasses.dataclass(frozen=True)
-class _Decision:
-    """One decision of a plan that pruning may drop."""
-
-    kind: str  # module | equalization | rewrite | function
-    item: _Item
-
-    @property
-    def target(self) -> str:
-        if isinstance(self.item, ModuleDecision):
-            return self.item.fqn
-        if isinstance(self.item, EqualizationPair):
-            return self.item.module
-        if isinstance(self.item, FloatFunction):
-            return self.item.function
-        nodes = self.item.params.get("nodes")
-        return rewrite_key(self.item.kind, nodes if isinstance(nodes, list) else self.item.modules)
-
-    @property
-    def detail(self) -> str:
-        if isinstance(self.item, ModuleDecision):
-            return self.item.describe()
-        if isinstance(self.item, Rewrite):
-            return ", ".join(self.item.modules)
-        if isinstance(self.item, FloatFunction):
-            return "keep float"
-        return ""
-
-    @property
-    def measured_gain(self) -> float:
-        """The most a measurement credited this decision with (dB); -inf when none measured it."""
-        gains = [p.gain_db for p in self.item.provenance if p.gain_db is not None]
-        return max(gains) if gains else FAILED
-
-    def added_to(self, plan: QuantPlan) -> QuantPlan:
-        if isinstance(self.item, ModuleDecision):
-            return plan.model_copy(update={"modules": [*plan.modules, self.item]})
-        if isinstance(self.item, EqualizationPair):
-            return plan.model_copy(update={"equalization": [*plan.equalization, self.item]})
-        if isinstance(self.item, FloatFunction):
-            return plan.model_copy(update={"float_functions": [*plan.float_functions, self.item]})
-        return plan.model_copy(update={"rewrites": [*plan.rewrites, self.item]})
-
-    def removed_from(self, plan: QuantPlan) -> QuantPlan:
-        if isinstance(self.item, ModuleDecision):
-            return plan.model_copy(update={"modules": [d for d in plan.modules if d != self.item]})
-        if isinstance(self.item, EqualizationPair):
-            return plan.model_copy(update={"equalization": [p for p in plan.equalization if p != self.item]})
-        if isinstance(self.item, FloatFunction):
-            return plan.model_copy(update={"float_functions": [f for f in plan.float_functions if f != self.item]})
-        return plan.model_copy(update={"rewrites": [r for r in plan.rewrites if r != self.item]})
-
-
-def _decisions(plan: QuantPlan) -> list[_Decision]:
-    """Every decision of the plan, in the order pruning tries them: least measured gain first."""
-    decisions = [_Decision("module", d) for d in plan.modules]
-    decisions += [_Decision("equalization", pair) for pair in plan.equalization]
-    decisions += [_Decision("rewrite", r) for r in plan.rewrites]
-    decisions += [_Decision("function", f) for f in plan.float_functions]
-    return sorted(decisions, key=lambda d: d.measured_gain)
-
-
-def _prune(
-    session: Session,
-    plan: QuantPlan,
-    best: float,
-    default: Measured,
-    outcomes: list[DecisionOutcome],
-    notes: list[str],
-    until: int,
-) -> tuple[QuantPlan, float, list[_Decision]]:
-    """Drop every decision whose removal does not lower SQNR (until the trial count reaches
-    ``until``), then fall back to the backend default when the pruned plan as a whole loses
-    to it. Returns (plan, its SQNR, the decisions dropped one by one)."""
-    decisions = _decisions(plan)
-    dropped: list[_Decision] = []
-    unmeasured = [d for d in decisions if d.measured_gain == FAILED]
-    if len(unmeasured) > 1 and session.can_try(until):
-        # One trial first for every decision no measurement credited (rewrites found in the graph,
-        # user decisions): when dropping them all costs nothing, none is worth a trial of its own.
-        trial = plan
-        for decision in unmeasured:
-            trial = decision.removed_from(trial)
-        without = session.trial(f"without {len(unmeasured)} unmeasured decisions", trial).selection_sqnr
-        drop = without >= best - SQNR_TOLERANCE_DB
-        outcomes.append(
-            DecisionOutcome(
-                kind="group",
-                target=f"{len(unmeasured)} unmeasured decisions",
-                kept=not drop,
-                sqnr_with_db=_rounded(best),
-                sqnr_without_db=_rounded(without),
-                detail=", ".join(d.target for d in unmeasured)[:300],
-            )
-        )
-        if drop:
-            plan, best = trial, max(best, without)
-            decisions = [d for d in decisions if d not in unmeasured]
-    for done, decision in enumerate(decisions):
-        if not session.can_try(until):
-            notes.append(
-                f"pruning stopped at its share of the trial budget: {len(decisions) - done} decision(s) "
-                "with the most measured gain were kept without a trial of their own"
-            )
-            break
-        trial = decision.removed_from(plan)
-        without = session.trial(f"without {decision.kind} {decision.target}", trial).selection_sqnr
-        drop = without >= best - SQNR_TOLERANCE_DB
-        outcomes.append(
-            DecisionOutcome(
-                kind=decision.kind,
-                target=decision.target,
-                kept=not drop,
-                sqnr_with_db=_rounded(best),
-                sqnr_without_db=_rounded(without),
-                detail=decision.detail,
-            )
-        )
-        if drop:
-            plan, best = trial, max(best, without)
-            dropped.append(decision)
-    # Every kept decision helps given the others, yet decisions interact: together they
-    # can still lose to the backend default. Then none of them is worth keeping.
-    if best < default.selection_sqnr - SQNR_TOLERANCE_DB:
-        outcomes.append(
-            DecisionOutcome(
-                kind="plan",
-                target="every remaining decision",
-                kept=False,
-                sqnr_with_db=_rounded(best),
-                sqnr_without_db=_rounded(default.selection_sqnr),
-                detail="together they lose to the backend default",
-            )
-        )
-        notes.append(
-            f"the pruned plan ({best:.2f} dB) lost to the backend default ({default.selection_sqnr:.2f} dB) "
-            "on the selection batches: verify continued from the default"
-        )
-        return default_plan(plan.backend, model=plan.model), default.selection_sqnr, []
-    return plan, best, dropped
-
 
 def _retry_dropped(
     session: Session,
     plan: QuantPlan,
     best: float,
-    dropped: Sequence[_Decision],
+    dropped: Sequence[Decision],
     bias_rejected: bool,
 ) -> tuple[QuantPlan, float, DecisionOutcome | None]:
     """One trial of ``plan`` with what pruning dropped and, when its trial lost, bias correction,
@@ -258,15 +118,11 @@ def _retry_dropped(
         kind="group",
         target=f"{len(what)} decision(s) dropped before the scheme search",
         kept=keep,
-        sqnr_with_db=_rounded(value),
-        sqnr_without_db=_rounded(best),
+        sqnr_with_db=rounded(value),
+        sqnr_without_db=rounded(best),
         detail=", ".join(what)[:300],
     )
     return (trial, value, outcome) if keep else (plan, best, outcome)
-
-
-def _rounded(value: float) -> float | None:
-    return None if value == FAILED else round(value, 4)
 
 
 def _layers(fqns: Sequence[str], session: Session, default: Measured, verified: Measured) -> list[LayerComparison]:
@@ -378,6 +234,27 @@ def verify(
     )
     # verify runs forward only on copies of the model; the guard gives back RNG, logging and attributes.
     with preserved_state(model, watch_parameters=False):
+        if is_aten_graph(model):
+            asked = [
+                ("bias correction", bias_correction),
+                ("the scheme search", search_schemes),
+                ("the target-SQNR fallback", target_sqnr is not None),
+            ]
+            return verify_pt2e(
+                model,
+                plan,
+                calibration,
+                selection,
+                batch_list(eval_data, "eval"),
+                selected_on=_selected_on(selection, calibration, selection_data is not None),
+                prune=prune,
+                max_trials=max_trials,
+                max_prune_trials=max_prune_trials,
+                eval_fn=eval_fn,
+                skipped=[step for step, wanted in asked if wanted],
+                model_name=model_name or plan.model or "exported model",
+                progress=progress,
+            )
         session = Session(
             model,
             calibration,
@@ -388,11 +265,7 @@ def verify(
             max_trials=max_trials,
             progress=progress,
         )
-        selected_on = (
-            f"{len(selection)} selection batches"
-            if selection_data is not None
-            else f"the last {len(selection)} of {len(calibration)} calibration batches"
-        )
+        selected_on = _selected_on(selection, calibration, selection_data is not None)
         if session.fit is not session.calibration:
             selected_on += f"; 8-bit activations judged on trials calibrated on the other {len(session.fit)}"
         return _verify(
@@ -409,6 +282,12 @@ def verify(
             bias_correction=bias_correction,
             model_name=model_name or plan.model or type(model).__name__,
         )
+
+
+def _selected_on(selection: list[Any], calibration: list[Any], given: bool) -> str:
+    if given:
+        return f"{len(selection)} selection batches"
+    return f"the last {len(selection)} of {len(calibration)} calibration batches"
 
 
 def _verify(
@@ -440,14 +319,14 @@ def _verify(
     # 2. bias correction (one trial, first in the budget; --no-prune keeps a plan's own), then pruning
     outcomes: list[DecisionOutcome] = []
     until = session.share(max_prune_trials)
-    dropped: list[_Decision] = []
+    dropped: list[Decision] = []
     if bias_correction and (prune or current.bias_correction is None):
         current, best, outcomes = bias_correction_step(session, current, best, until)
     bias_rejected = bias_correction and prune and current.bias_correction is None and bool(outcomes)
     if prune:
         current, best, tried = activation_bits_step(session, current, best, until)
         outcomes += tried
-        current, best, dropped = _prune(session, current, best, default, outcomes, notes, until)
+        current, best, dropped = prune_decisions(session, current, best, default, outcomes, notes, until)
 
     # 3. scheme search, what it makes worth trying again, then the target-SQNR fallback
     if search_schemes:

@@ -177,13 +177,7 @@ class Session:
         max_trials: int = 6,
         progress: Progress | None = None,
     ) -> None:
-        self.model = copy.deepcopy(model).eval()
-        if is_aten_graph(self.model):
-            # prepare_fx on aten ops quantizes nothing, and "0/0 int8, 200 dB" would be a lie
-            raise VerifyError(
-                "verify quantizes nn.Modules with prepare_fx/convert_fx, and this model is an exported "
-                "(aten) graph such as a .pt2 holds; verify the nn.Module instead (module:factory with --weights)"
-            )
+        self.model = self._float_copy(model)
         self.calibration, self.selection, self.eval_data = calibration, selection, eval_data
         # 8-bit activations, a change to every observer's range, are judged on trials calibrated
         # on the calibration batches that do not select (fitted_trial); with no batch to spare,
@@ -200,11 +194,31 @@ class Session:
         self._fitted: dict[str, float] = {}
         self._fit_reference: list[Any] | None = None  # float outputs on ``fit``, for swapped folds
         self._last_rewritten: tuple[str, fx.GraphModule, list[AppliedRewrite]] | None = None
+        self.traced = self._graph()
+
+    @staticmethod
+    def _float_copy(model: nn.Module) -> nn.Module:
+        """The private float model, in eval mode."""
+        copied = copy.deepcopy(model).eval()
+        if is_aten_graph(copied):
+            # prepare_fx on aten ops quantizes nothing, and "0/0 int8, 200 dB" would be a lie
+            raise VerifyError(
+                "prepare_fx quantizes nn.Modules, and this model is an exported (aten) graph such as a "
+                ".pt2 holds: verify it with the pt2e flow (qlint.advice.verify_pt2e)"
+            )
+        return copied
+
+    def _graph(self) -> fx.GraphModule:
+        """The fx graph the plans' rewrites and the searches read."""
         try:
             # shares the private copy's modules: nothing verify runs writes them (rewrites copy first)
-            self.traced = symbolic_graph(self.model)
+            return symbolic_graph(self.model)
         except TraceError as error:
             raise VerifyError(f"cannot trace the model with torch.fx: {error}") from error
+
+    def coverage(self, converted: fx.GraphModule) -> tuple[int, int, list[str]]:
+        """(int8 conv/linear ops, all of them, the float ones' names) of a quantized model."""
+        return conv_linear_coverage(converted)
 
     @staticmethod
     def run(model: nn.Module, batch: Any) -> Any:
@@ -301,7 +315,7 @@ class Session:
             measured = Measured(FAILED, failed, {} if layers else None)
             self._measured[key] = measured
             return measured
-        int8, total, floats = conv_linear_coverage(q.converted)
+        int8, total, floats = self.coverage(q.converted)
         metric = float(self.eval_fn(q.converted, self.eval_data)) if self.eval_fn is not None and evaluate else None
         result = RunResult(
             label=label,

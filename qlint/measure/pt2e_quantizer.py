@@ -5,8 +5,9 @@ X86InductorQuantizer picks its observers itself (a histogram search for activati
 per-module settings only switch quantization on, off or to dynamic. A lint fix that clips an
 activation (QL203's percentile observer) or uses another observer kind has to change the
 annotation itself: after X86InductorQuantizer annotated the graph, every per-tensor
-activation spec of a chosen module's ops (their input edges and outputs), and of the edges
-its output feeds into other ops, gets the chosen observer. dtype, range and scheme stay the
+activation spec of a chosen module's ops (their input edges and outputs, and the observed
+output of an op feeding them, such as a max-pool), and of the edges its output feeds into
+other ops, gets the chosen observer. dtype, range and scheme stay the
 quantizer's: pt2e expresses the observer choice, the number format is X86InductorQuantizer's.
 
 Needs torchao (the extra ``qlint[pt2e]``): import this module only after
@@ -24,12 +25,18 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver, MovingAverageMinMaxObserver
 from torchao.quantization.pt2e import observer as pt2e_observer
-from torchao.quantization.pt2e.quantizer import QuantizationSpec, Quantizer, get_module_name_filter
+from torchao.quantization.pt2e.quantizer import (
+    QuantizationSpec,
+    Quantizer,
+    SharedQuantizationSpec,
+    get_module_name_filter,
+)
 
 from qlint.stats.band import PercentileBand
 
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 _ANNOTATION = "quantization_annotation"  # the node.meta key pt2e quantizers annotate under
+_MAX_SHARED_HOPS = 32  # shared specs form chains (max-pool → its input); a cycle would be a quantizer bug
 
 
 class Pt2ePercentileObserver(PercentileBand, pt2e_observer.MinMaxObserver):
@@ -73,6 +80,36 @@ def _replaceable(spec: Any) -> bool:
     return isinstance(spec, QuantizationSpec) and not spec.is_dynamic and spec.qscheme in _PER_TENSOR
 
 
+def _choose_shared_root(source: fx.Node, chosen: QuantizationSpec) -> None:
+    """Give ``chosen`` to the spec that the observed output of ``source`` shares (itself, or the
+    edge or output its SharedQuantizationSpec points to, followed to the end)."""
+    annotation = source.meta.get(_ANNOTATION)
+    if annotation is None:
+        return
+    owner: tuple[Any, fx.Node | None] = (annotation, None)  # (annotation, input node; None: its output)
+    spec = annotation.output_qspec
+    for _ in range(_MAX_SHARED_HOPS):
+        if not isinstance(spec, SharedQuantizationSpec):
+            break
+        target = spec.edge_or_node
+        if isinstance(target, tuple):  # an edge (arg, user): the user's spec for that input
+            arg, user = target
+            found = user.meta.get(_ANNOTATION)
+            owner, spec = (found, arg), found.input_qspec_map.get(arg) if found is not None else None
+        else:
+            found = target.meta.get(_ANNOTATION)
+            owner, spec = (found, None), found.output_qspec if found is not None else None
+        if found is None:
+            return
+    if not _replaceable(spec):
+        return
+    annotation, arg = owner
+    if arg is None:
+        annotation.output_qspec = chosen
+    else:
+        annotation.input_qspec_map[arg] = chosen
+
+
 class ActivationObservers(Quantizer):
     """``base`` with the observers of ``choices`` (module fqn → spec) in place of its own."""
 
@@ -99,8 +136,14 @@ class ActivationObservers(Quantizer):
             for source, spec in list(annotation.input_qspec_map.items()):
                 # the consumer's choice, else the producer's: its output is what this edge quantizes
                 chosen = own if own is not None else self._choice(source)
-                if chosen is not None and source.op != "get_attr" and _replaceable(spec):
-                    annotation.input_qspec_map[source] = chosen
+                if chosen is None or source.op == "get_attr" or not _replaceable(spec):
+                    continue
+                annotation.input_qspec_map[source] = chosen
+                # prepare_pt2e shares one observer among the edges and the output of one tensor
+                # when their number formats agree (it does not compare observers): the observer
+                # of a producer's observed output, followed through shared specs (a max-pool
+                # shares its input's), is the one the edge gets, so it is the one to change
+                _choose_shared_root(source, chosen)
             if own is not None and _replaceable(annotation.output_qspec):
                 annotation.output_qspec = own
         return model

@@ -59,7 +59,7 @@ STAGE_PREPARE_PT2E, STAGE_CONVERT_PT2E = "prepare_pt2e", "convert_pt2e"
 PT2E_ACTIVATION_LEVELS = 256
 PT2E_BACKENDS = ("x86", "fbgemm", "onednn")
 QUANTIZER_MODULE = "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer"
-_FLOW_MODULE = "torchao.quantization.pt2e.quantize_pt2e"
+FLOW_MODULE = "torchao.quantization.pt2e.quantize_pt2e"
 # torchao's first import logs warnings about its optional CUDA kernels, and torch's pytree
 # one about the enums torchao registers: noise in a CPU lint run
 _IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
@@ -142,7 +142,8 @@ def quantizer_for(mapping: QConfigMapping, intended: QConfigMapping, layer_kinds
             choice = _observer_choice(qconfig, intended.module_name_qconfigs.get(fqn) or intended.global_qconfig)
             if choice is None:
                 return None  # a dtype, weight or observer of its own that pt2e cannot express
-            quantizer.set_module_name_qconfig(fqn, config())
+            if default is None:  # float by default: this module is quantized (as the plan export does)
+                quantizer.set_module_name_qconfig(fqn, config())
             choices[fqn] = choice
     planned_types = intended.object_type_qconfigs
     for kind, qconfig in mapping.object_type_qconfigs.items():
@@ -297,7 +298,7 @@ class Pt2eBench(TrialBench):
             reference = self.reference()
         except Exception as error:  # the float model itself fails: QL105 reports it
             return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, self.model_factory()))
-        flow = import_torchao(_FLOW_MODULE)
+        flow = import_torchao(FLOW_MODULE)
         model = self.model_factory()
         try:
             prepared = flow.prepare_pt2e(model, quantizer)

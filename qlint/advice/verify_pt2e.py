@@ -1,0 +1,152 @@
+"""Verify a QuantPlan on an exported (aten) graph, such as a ``.pt2`` holds, with torch's pt2e flow.
+
+prepare_fx cannot quantize an aten graph; a ``.pt2`` user quantizes it with ``prepare_pt2e``
+and the quantizer :meth:`QuantPlan.to_pt2e_quantizer` builds (torchao's
+X86InductorQuantizer with the plan's module decisions and activation observers), then
+calibration and ``convert_pt2e``. :class:`Pt2eSession` measures plans that way, on the same
+calibration, selection and eval batches as the prepare_fx verify, and
+:func:`verify_pt2e` runs its steps that the pt2e flow can express:
+
+1. the backend default and the plan as given, measured;
+2. **prune** (:func:`qlint.advice.verify_prune.prune_decisions`): each module decision and
+   float function dropped when removing it does not lower SQNR on the selection batches;
+3. the verified plan, measured on the eval batches.
+
+What the pt2e flow cannot apply is taken out of the plan first, each with a note: the
+float-preserving rewrites, equalization and bias correction (they change an nn.Module's
+graph or a converted module's bias), and the module decisions the quantizer cannot
+express (:func:`qlint.advice.pt2e.pt2e_gaps`). The scheme search and the target-SQNR
+fallback of the prepare_fx verify are not run (noted when asked for).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+import torch.nn as nn
+
+from qlint.advice.apply import Quantized, QuantizeError, first_line
+from qlint.advice.plan import QuantPlan, default_plan
+from qlint.advice.pt2e import pt2e_gaps
+from qlint.advice.verify_prune import prune_decisions
+from qlint.advice.verify_report import DecisionOutcome, VerifyReport
+from qlint.advice.verify_session import Progress, Session, VerifyError
+from qlint.core.batches import call_model
+from qlint.measure.pt2e_errors import runs_int8, weighted_ops
+from qlint.measure.pt2e_trial import FLOW_MODULE, import_torchao, pt2e_blocker
+
+
+class Pt2eSession(Session):
+    """A verify :class:`Session` whose plans quantize with the pt2e flow."""
+
+    @staticmethod
+    def _float_copy(model: nn.Module) -> nn.Module:
+        return copy.deepcopy(model)  # an exported module refuses .eval(): it runs as it was exported
+
+    def _graph(self) -> fx.GraphModule:
+        if not isinstance(self.model, fx.GraphModule):
+            raise VerifyError(f"the pt2e flow quantizes exported graphs, not a {type(self.model).__name__}")
+        return self.model
+
+    def coverage(self, converted: fx.GraphModule) -> tuple[int, int, list[str]]:
+        nodes = {node.name: node for node in converted.graph.nodes}
+        ops = weighted_ops(converted)
+        floats = [op.target for op in ops if not runs_int8(nodes[op.node])]
+        return len(ops) - len(floats), len(ops), floats
+
+    def quantize(
+        self, plan: QuantPlan, *, keep_prepared: bool = False, calibration: list[Any] | None = None
+    ) -> Quantized:
+        """``plan`` applied as a .pt2 user applies it: prepare_pt2e with ``plan.to_pt2e_quantizer()``,
+        calibration on ``calibration`` (default: every calibration batch), convert_pt2e."""
+        flow = import_torchao(FLOW_MODULE)
+        quantizer = plan.to_pt2e_quantizer()
+        try:
+            prepared = flow.prepare_pt2e(copy.deepcopy(self.model), quantizer)
+            for batch in self.calibration if calibration is None else calibration:
+                call_model(prepared, batch)
+            converted = flow.convert_pt2e(prepared)
+        except Exception as error:  # torch raises many kinds for graphs it cannot annotate or run
+            raise QuantizeError(f"the pt2e flow failed: {first_line(error)}") from error
+        return Quantized(converted, None, [])
+
+
+def pt2e_plan(plan: QuantPlan) -> tuple[QuantPlan, list[str]]:
+    """``plan`` without what the pt2e flow cannot apply, and a note for each part taken out."""
+    notes = []
+    if plan.rewrites or plan.equalization:
+        notes.append(
+            f"{len(plan.rewrites)} rewrite(s) and {len(plan.equalization)} equalization pair(s) left out: they "
+            "change the nn.Module's graph, and an exported graph is quantized as it is (apply them before "
+            "torch.export, with qlint fix on the nn.Module)"
+        )
+    if plan.bias_correction is not None:
+        notes.append("bias correction left out: convert_pt2e keeps float biases that qlint does not correct")
+    gaps = pt2e_gaps(plan)
+    notes += [f"{fqn}: {why}; left out" for fqn, why in gaps]
+    left_out = {fqn for fqn, _ in gaps}
+    kept = [decision for decision in plan.modules if decision.fqn not in left_out]
+    changed = plan.model_copy(update={"rewrites": [], "equalization": [], "bias_correction": None, "modules": kept})
+    return changed, notes
+
+
+def verify_pt2e(
+    model: nn.Module,
+    plan: QuantPlan,
+    calibration: list[Any],
+    selection: list[Any],
+    eval_data: list[Any],
+    *,
+    selected_on: str,
+    prune: bool,
+    max_trials: int,
+    max_prune_trials: int,
+    eval_fn: Callable[[nn.Module, Any], float] | None,
+    skipped: list[str],
+    model_name: str,
+    progress: Progress | None,
+) -> VerifyReport:
+    """Default vs ``plan`` on an exported graph, pruned, with the pt2e flow. ``skipped``: the
+    prepare_fx verify's steps asked for that the pt2e flow does not run (a note each)."""
+    blocker = pt2e_blocker(plan.backend)
+    if blocker is not None:
+        raise VerifyError(blocker)
+    session = Pt2eSession(
+        model, calibration, selection, eval_data, eval_fn=eval_fn, max_trials=max_trials, progress=progress
+    )
+    given_plan, notes = pt2e_plan(plan)
+    notes += [f"{step}: not run on an exported graph (the pt2e flow)" for step in skipped]
+    float_metric = float(eval_fn(session.model, eval_data)) if eval_fn is not None else None
+    default = session.measure("default quantizer", default_plan(plan.backend, model=plan.model))
+    given = session.measure("plan as given", given_plan)
+    current, best = given_plan, given.selection_sqnr
+    outcomes: list[DecisionOutcome] = []
+    if prune:
+        until = session.share(max_prune_trials)
+        current, best, _dropped = prune_decisions(session, current, best, default, outcomes, notes, until)
+    verified = session.measure("verified plan", current)
+    floats = verified.result.float_modules
+    if floats:
+        shown = ", ".join(floats[:6]) + (f", ... ({len(floats)} in all)" if len(floats) > 6 else "")
+        notes.append(f"{len(floats)} conv/linear op(s) stay float in the pt2e flow ({shown}): qlint's QL106 says why")
+    return VerifyReport(
+        backend=plan.backend,
+        model=model_name,
+        eval_batches=len(eval_data),
+        calibration_batches=len(calibration),
+        selection_batches=len(selection),
+        selected_on=selected_on + "; quantized with prepare_pt2e/convert_pt2e",
+        trials=session.trials,
+        max_trials=session.max_trials,
+        float_metric=float_metric,
+        default=default.result,
+        requested=given.result,
+        plan=verified.result,
+        decisions=outcomes,
+        float_layer_fraction=round(1.0 - verified.result.int8_fraction, 4),
+        verified_plan=current,
+        notes=notes,
+    )
