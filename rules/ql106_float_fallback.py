@@ -203,9 +203,9 @@ class FloatFallback(Rule):
             "torch.nn.Conv2d / torch.nn.Linear (torch.export records class names in nn_module_stack), and "
             f"these are called by {', '.join(classes)}. int8 coverage of the model's "
             f"conv/linear/recurrent/attention ops: {coverage}. Fix: make these layers torch.nn.Conv2d / "
-            "torch.nn.Linear modules before torch.export (a subclass whose forward pads first: an "
-            "nn.ZeroPad2d module, then an nn.Conv2d with the same weights; the float model stays the "
-            "same)"
+            "torch.nn.Linear modules before torch.export (what their forward does besides, such as "
+            "padding first, in a module of its own: an nn.ZeroPad2d, then an nn.Conv2d with the same "
+            "weights; the float model stays the same)"
         )
         impact = None
         bench = ctx.trial_bench

@@ -239,8 +239,8 @@ class ActivationOutlier(Rule):
                 "resolution_loss_bits": json_float(loss_bits),
                 "outlier_channel_bits_lost": json_float(channel_bits),
                 "dtype_bits": bits,
-                "int8_step": json_float(full / 255),
-                "int8_step_without_outliers": json_float(without / 255),
+                "int8_step": json_float(full / (2**bits - 1)),
+                "int8_step_without_outliers": json_float(without / (2**bits - 1)),
                 "activation_sqnr_db": measured_db,
                 "clip_value": json_float(clip),
                 "fix_target": target,
@@ -274,7 +274,7 @@ def _physical_bits(value: float, bits: int) -> float:
     return min(max(value, 0.0), float(bits))
 
 
-def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -> tuple[str, dict, str]:
+def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -> tuple[str, dict | None, str]:
     """Where a clipping observer goes: the input's observer belongs to the module producing it
     (prepare_fx reuses the producer's output observer), or to the layer for a graph input; in
     an exported graph (pt2e) to the layer, whose input edge has an observer of its own."""
@@ -285,8 +285,15 @@ def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -
     )
     subject = None
     if ctx.graph.exported and node.module:
-        # pt2e observes each input edge: qlint's pt2e quantizer gives the layer's own ops the observer
-        target, subject = node.module, f"{node.module}'s input (its own observer in the pt2e flow)"
+        # pt2e observes the tensors a module's ops read: qlint's pt2e quantizer changes that observer
+        target, subject = node.module, f"{node.module}'s input tensor (shared by every op reading it)"
+    elif ctx.graph.exported:
+        return (
+            node.display,
+            None,
+            f"Fix: {node.display} is an op of the exported graph with no module of its own, which no "
+            "per-module setting of the pt2e quantizer reaches: clip or normalise these channels before it.",
+        )
     elif producer is not None and producer.op == "module" and producer.module:
         target = producer.module
     elif producer is None or producer.op == "input":

@@ -138,3 +138,18 @@ def test_nonfinite_values_are_counted_not_propagated():
 def test_mismatched_sizes_are_rejected():
     with pytest.raises(ValueError):
         PairwiseErrorStats().update(torch.zeros(3), torch.zeros(4))
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_sqnr_of_a_non_finite_value_is_unknown_never_the_cap(bad):
+    """An Inf in the reference and in its approximation leaves NaN noise; min(200, nan) is 200 in
+    Python, so an unguarded clamp would report a perfect match. (PairwiseErrorStats, the numeric
+    suite's, drops non-finite pairs and counts them instead.)"""
+    from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
+
+    reference = torch.tensor([1.0, bad, 3.0])
+    sums = SqnrSums()
+    sums.add(reference, reference.clone())
+    assert sums.sqnr_db() is None
+    assert sqnr_db_from_powers(1.0, math.nan) is None and sqnr_db_from_powers(math.inf, 1.0) is None
+    assert sqnr_db_from_powers(1.0, 0.0) == 200.0  # an exact match is still the cap

@@ -146,3 +146,58 @@ def test_a_clipping_choice_reaches_the_observer_a_max_pool_shares():
     default = bench.run(default_mapping("x86"), measure_layers=False)
     chosen = bench.run(plan.to_qconfig_mapping(), measure_layers=False)
     assert chosen.int8_ops == default.int8_ops == 3
+
+
+class FanOutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv0, self.a, self.b = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 1)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        y = self.relu(self.conv0(x))
+        return self.a(y) + self.b(y)
+
+
+def test_an_observer_choice_belongs_to_the_tensor_every_reader_shares():
+    """Choosing for `a` or for `b` gives their one input tensor the observer, whichever is chosen
+    (prepare_pt2e gives a tensor one observer); the outputs of the chosen layer keep theirs."""
+    from qlint.advice.plan import ModuleDecision, Provenance, default_plan
+
+    model = FanOutNet().eval()
+    batch = torch.randn(2, 3, 10, 10)
+    program = torch.export.export(copy.deepcopy(model), (batch,))
+    base = default_plan("x86")
+    clip = base.activation.changed(observer="percentile", percentile=99.0)
+    source = Provenance(source="user", detail="test")
+    for chosen in ("a", "b"):
+        plan = base.model_copy(update={"modules": [ModuleDecision(fqn=chosen, activation=clip, provenance=[source])]})
+        prepared = pt2e.prepare_pt2e(copy.deepcopy(program.module()), plan.to_pt2e_quantizer())
+        kinds = {}
+        for node in prepared.graph.nodes:
+            if node.op == "call_module" and "activation_post_process" in str(node.target):
+                readers = tuple(sorted(user.name for user in node.users))
+                kinds[(node.args[0].name, readers)] = type(prepared.get_submodule(node.target)).__name__
+        assert kinds[("relu", ("conv2d_1", "conv2d_2"))] == "Pt2ePercentileObserver", chosen
+        outputs = [kind for (producer, _), kind in kinds.items() if producer in ("conv2d_1", "conv2d_2")]
+        assert outputs and all(kind == "HistogramObserver" for kind in outputs), chosen
+
+
+def test_a_dynamic_decision_beside_static_quantization_is_a_gap_not_a_silent_default():
+    """X86InductorQuantizer skips a dynamic config beside static ones (with a warning): the
+    export says so, and the trial does not run it (it would measure the default)."""
+    from qlint.advice.plan import ModuleDecision, Provenance, default_plan
+    from qlint.advice.pt2e import pt2e_gaps
+    from qlint.core.intent import default_mapping
+    from qlint.measure.pt2e_trial import quantizer_for
+
+    source = Provenance(source="user", detail="test")
+    plan = default_plan("x86").model_copy(
+        update={"modules": [ModuleDecision(fqn="fc", mode="dynamic", provenance=[source])]}
+    )
+    assert [fqn for fqn, _ in pt2e_gaps(plan)] == ["fc"]
+    with pytest.warns(UserWarning, match="leaves out 1 plan decision"):
+        plan.to_pt2e_quantizer()
+    assert quantizer_for(plan.to_qconfig_mapping(), default_mapping("x86"), {"fc": "linear"}) is None
+    only_dynamic = plan.model_copy(update={"float_by_default": True})
+    assert pt2e_gaps(only_dynamic) == []  # torch's quantize_dynamic recipe: every entry dynamic

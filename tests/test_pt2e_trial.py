@@ -352,3 +352,60 @@ def test_layers_of_a_custom_conv_class_are_named_by_module_and_their_fix_is_meas
         for batch in batches[3:]:
             sums.add(model(batch), converted(batch))
     assert measured.output_sqnr_db == pytest.approx(sums.sqnr_db(), abs=1e-4)
+
+
+class _BlockWithHead(nn.Module):
+    """A module whose own forward computes one conv and which holds a Linear child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 3, 3, 3) * 0.2)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(F.conv2d(x, self.weight).mean((2, 3)))
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _BlockWithHead()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_a_module_is_named_as_a_layer_only_when_its_whole_subtree_holds_that_one_layer():
+    from qlint.measure.pt2e_errors import weighted_ops
+
+    batch = torch.randn(2, 3, 8, 8)
+    program = _exported(_Outer(), batch)
+    # `block` computes a conv and holds `block.fc`: an entry on `block` would reach both
+    assert [(op.target, op.kind) for op in weighted_ops(program.module())] == [
+        ("conv2d", "conv2d"),
+        ("block.fc", "linear"),
+    ]
+    # the conv named by its node still gets its pt2e fix measured: as a torch layer of its own
+    mapping = default_mapping("x86")
+    bench = Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", [batch], [batch], "c", "e", mapping)
+    assert bench.run(mapping, measure_layers=False).int8_ops == 1
+    fixed = bench.variant(lambda: as_torch_layers(copy.deepcopy(program.module()), frozenset({"conv2d"})))
+    assert fixed.run(mapping, measure_layers=False).int8_ops == 2
+
+
+def test_nested_positional_batches_are_measured_layer_by_layer():
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fa, self.fb = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, pair):
+            return self.fa(pair[0]) + self.fb(pair[1])
+
+    torch.manual_seed(8)
+    batch = ((torch.randn(4, 4), torch.randn(4, 4)),)
+    program = torch.export.export(Pair().eval(), batch)
+    mapping = default_mapping("x86")
+    bench = Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", [batch], [batch], "c", "e", mapping)
+    result = bench.run(mapping)
+    assert {layer.name for layer in result.layers} == {"fa", "fb"} and len(result.activations) == 2

@@ -12,6 +12,7 @@ here and are not exported.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from qlint.core.ops import resolve_function
@@ -39,7 +40,7 @@ def _config(quantizer_module: Any, dynamic: bool = False) -> Any:
 
 
 def _activation_choices(plan: Suggestions, quantizer_module: Any) -> dict[str, Any | None]:
-    """Per static module decision with an activation of its own: its QuantizationSpec, or None
+    """Per static module decision with an activation of its own: its ObserverChoice, or None
     where pt2e cannot express it (another number format or observer kind)."""
     from qlint.measure.pt2e_quantizer import observer_choice  # needs torchao, imported by the caller
 
@@ -49,7 +50,7 @@ def _activation_choices(plan: Suggestions, quantizer_module: Any) -> dict[str, A
     for decision in plan.modules:
         if decision.quantize and decision.mode == "static" and decision.activation not in (None, plan.activation):
             observer = activation_recipe(decision.activation, plan.backend).factory()()
-            choices[decision.fqn] = observer_choice(observer, planned, base)
+            choices[decision.fqn] = observer_choice(decision.fqn, observer, planned, base)
     return choices
 
 
@@ -66,6 +67,13 @@ def pt2e_gaps(plan: Suggestions) -> list[tuple[str, str]]:
         for d in plan.modules
         if d.quantize and d.weight is not None and d.weight != plan.weight
     ]
+    static = not plan.float_by_default or any(d.quantize and d.mode == "static" for d in plan.modules)
+    if static:
+        gaps += [
+            (d.fqn, "a dynamic decision beside static quantization: X86InductorQuantizer does not mix them")
+            for d in plan.modules
+            if d.quantize and d.mode == "dynamic"
+        ]
     return gaps
 
 
@@ -74,7 +82,11 @@ def to_pt2e_quantizer(plan: Suggestions) -> Any:
     from qlint.measure.pt2e_quantizer import ActivationObservers  # needs torchao, imported below
 
     quantizer_module = _quantizer_module(plan)
-    choices = {fqn: spec for fqn, spec in _activation_choices(plan, quantizer_module).items() if spec is not None}
+    gaps = pt2e_gaps(plan)
+    if gaps:
+        left_out = "; ".join(f"{fqn}: {why}" for fqn, why in gaps)
+        warnings.warn(f"the pt2e quantizer leaves out {len(gaps)} plan decision(s): {left_out}", stacklevel=2)
+    choices = [choice for choice in _activation_choices(plan, quantizer_module).values() if choice is not None]
     quantizer = quantizer_module.X86InductorQuantizer()
     if not plan.float_by_default:
         quantizer.set_global(_config(quantizer_module))
@@ -82,7 +94,8 @@ def to_pt2e_quantizer(plan: Suggestions) -> Any:
         if not decision.quantize:
             quantizer.set_module_name_qconfig(decision.fqn, None)
         elif decision.mode == "dynamic":
-            quantizer.set_module_name_qconfig(decision.fqn, _config(quantizer_module, dynamic=True))
+            if not any(fqn == decision.fqn for fqn, _ in gaps):
+                quantizer.set_module_name_qconfig(decision.fqn, _config(quantizer_module, dynamic=True))
         elif plan.float_by_default:
             quantizer.set_module_name_qconfig(decision.fqn, _config(quantizer_module))
     for helper in rewrite_float_modules(plan):

@@ -18,8 +18,11 @@ from qlint.core.nested import float_tensors
 SQNR_CAP_DB = 200.0
 
 
-def sqnr_db_from_powers(signal_power: float, noise_power: float) -> float:
-    """10*log10(signal/noise), clamped to +-SQNR_CAP_DB so it stays finite."""
+def sqnr_db_from_powers(signal_power: float, noise_power: float) -> float | None:
+    """10*log10(signal/noise), clamped to +-SQNR_CAP_DB so it stays finite; None for a
+    non-finite power (NaN or Inf values: the SQNR is undefined, never the cap)."""
+    if not (math.isfinite(signal_power) and math.isfinite(noise_power)):
+        return None
     if noise_power <= 0.0:
         return SQNR_CAP_DB
     if signal_power <= 0.0:
@@ -59,7 +62,8 @@ class SqnrSums:
             self.pairs += 1
 
     def sqnr_db(self) -> float | None:
-        """The SQNR of everything added; None before any pair."""
+        """The SQNR of everything added; None before any pair, and when a value was NaN or
+        infinite (the SQNR is then undefined)."""
         if self.pairs == 0:
             return None
         return sqnr_db_from_powers(self.signal_power, self.noise_power)

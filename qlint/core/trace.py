@@ -223,17 +223,18 @@ LAYER_OP_KINDS = CONV_OR_LINEAR_KINDS | TRANSPOSED_CONV_KINDS
 
 
 def sole_layer_scopes(graph: fx.Graph) -> frozenset[str]:
-    """Module paths (innermost ``nn_module_stack`` entries of an exported graph) whose own ops
-    hold exactly one conv or linear op: such a module is that layer whatever its class (a
-    custom ``nn.Conv2d`` subclass with a forward of its own), so the op is named by it."""
+    """Module paths (``nn_module_stack`` entries of an exported graph) whose whole subtree holds
+    exactly one conv or linear op: such a module is that layer whatever its class (a custom
+    ``nn.Conv2d`` subclass with a forward of its own), so the op is named by it; a plan entry
+    on the name then reaches that op and nothing else."""
     counts: dict[str, int] = {}
     for node in graph.nodes:
         if node.op != "call_function" or isinstance(node.target, str):
             continue
         stack = node.meta.get("nn_module_stack") or {}
         if stack and function_kind(node.target) in LAYER_OP_KINDS:
-            path = str(list(stack.values())[-1][0])
-            counts[path] = counts.get(path, 0) + 1
+            for path in {str(path) for path, _type in stack.values()}:
+                counts[path] = counts.get(path, 0) + 1
     return frozenset(path for path, count in counts.items() if path and count == 1)
 
 

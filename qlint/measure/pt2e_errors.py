@@ -43,8 +43,10 @@ _RECURRENT_OPS = {
     "rnn_tanh_cell": "rnn_cell",
     "rnn_relu_cell": "rnn_cell",
 }
-_DEQUANTIZE_PREFIX = "dequantize_per_"
-_QUANTIZE_PER_TENSOR = "quantize_per_tensor"
+# the q/dq ops of convert_pt2e's reference representation, by their registered names
+_DEQUANTIZE_PREFIX = "quantized_decomposed.dequantize_per_"
+_QUANTIZE_PER_TENSOR = "quantized_decomposed.quantize_per_tensor"
+_OBSERVER_PREFIX = "activation_post_process_"  # prepare_pt2e's name for the observers it inserts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +58,19 @@ class WeightedOp:
 
 
 @dataclasses.dataclass(frozen=True)
-class Pt2eErrors:
-    """What :func:`measure_errors` found: per weighted op (shadow, propagated), per activation."""
+class OpError:
+    """One weighted op's error in the converted graph (dB)."""
 
-    layers: tuple[tuple[WeightedOp, float | None, float | None], ...]
+    op: WeightedOp
+    shadow_db: float | None  # the error it adds on the float input (int8 ops only)
+    propagated_db: float | None  # the error at its output, everything upstream included
+
+
+@dataclasses.dataclass(frozen=True)
+class Pt2eErrors:
+    """What :func:`measure_errors` found: per weighted op, per quantized activation."""
+
+    layers: tuple[OpError, ...]
     activations: tuple[ActivationError, ...]
 
 
@@ -105,7 +116,9 @@ def weighted_ops(graph_module: fx.GraphModule) -> list[WeightedOp]:
 
 def dequantized(value: Any) -> bool:
     """The value comes through a dequantize op (the int8 side of a q/dq pair)."""
-    return isinstance(value, fx.Node) and value.op == "call_function" and _DEQUANTIZE_PREFIX in str(value.target)
+    return (
+        isinstance(value, fx.Node) and value.op == "call_function" and str(value.target).startswith(_DEQUANTIZE_PREFIX)
+    )
 
 
 def runs_int8(node: fx.Node) -> bool:
@@ -123,7 +136,7 @@ def _requantizer(dequantize: fx.Node) -> Callable[[torch.Tensor], torch.Tensor] 
     quantize = dequantize.args[0]
     if not (isinstance(quantize, fx.Node) and quantize.op == "call_function"):
         return None
-    if _QUANTIZE_PER_TENSOR not in str(quantize.target):
+    if not str(quantize.target).startswith(_QUANTIZE_PER_TENSOR):
         return None
     q_rest, dq_rest = quantize.args[1:], dequantize.args[1:]
     if quantize.kwargs or dequantize.kwargs or not all(_literal(arg) for arg in (*q_rest, *dq_rest)):
@@ -137,7 +150,7 @@ def activation_qparams(converted: fx.GraphModule) -> dict[str, tuple[float, int,
     quantizes per tensor with literal qparams, keyed by the node producing the float value."""
     found: dict[str, tuple[float, int, int, int]] = {}
     for node in converted.graph.nodes:
-        if node.op != "call_function" or _QUANTIZE_PER_TENSOR not in str(node.target) or len(node.args) < 5:
+        if node.op != "call_function" or not str(node.target).startswith(_QUANTIZE_PER_TENSOR) or len(node.args) < 5:
             continue
         source, scale, zero_point, low, high = node.args[:5]
         if not isinstance(source, fx.Node) or source.op == "get_attr":  # a weight quantized at run time
@@ -162,6 +175,11 @@ class _FloatRun(fx.Interpreter):
         self.ops, self.qparams, self.activation_sums = ops, qparams, activation_sums
         self.inputs: dict[str, torch.Tensor | None] = {}
         self.outputs: dict[str, torch.Tensor | None] = {}
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if str(target).startswith(_OBSERVER_PREFIX):
+            return args[0]  # the calibrated observers pass values through; they need not observe these
+        return super().call_module(target, args, kwargs)
 
     def run_node(self, node: fx.Node) -> Any:
         if node.name in self.ops:
@@ -216,14 +234,14 @@ def measure_errors(float_model: fx.GraphModule, converted: fx.GraphModule, batch
     activation_sums = {name: SqnrSums() for name in qparams}
     for batch in batches:
         args, kwargs = as_call(batch)
-        if kwargs or not all(isinstance(arg, torch.Tensor) for arg in args):
+        if kwargs:  # the graphs run on flat positional inputs (nested ones are flattened by the interpreter)
             return Pt2eErrors((), ())
         reference = _FloatRun(float_model, frozenset(sums), qparams, activation_sums)
         with torch.no_grad():
             reference.run(*args)
             _ConvertedRun(converted, reference, sums).run(*args)
     layers = tuple(
-        (op, sums[op.node][0].sqnr_db(), sums[op.node][1].sqnr_db())
+        OpError(op, sums[op.node][0].sqnr_db(), sums[op.node][1].sqnr_db())
         for op in ops
         if sums[op.node][1].sqnr_db() is not None
     )

@@ -4,11 +4,13 @@ X86InductorQuantizer and changes the observers of chosen modules' activations.
 X86InductorQuantizer picks its observers itself (a histogram search for activations); its
 per-module settings only switch quantization on, off or to dynamic. A lint fix that clips an
 activation (QL203's percentile observer) or uses another observer kind has to change the
-annotation itself: after X86InductorQuantizer annotated the graph, every per-tensor
-activation spec of a chosen module's ops (their input edges and outputs, and the observed
-output of an op feeding them, such as a max-pool), and of the edges its output feeds into
-other ops, gets the chosen observer. dtype, range and scheme stay the
-quantizer's: pt2e expresses the observer choice, the number format is X86InductorQuantizer's.
+annotation itself: after X86InductorQuantizer annotated the graph, every activation tensor a
+chosen module's ops read gets the chosen observer. An observer belongs to a tensor, not to
+one reader: prepare_pt2e shares one observer among a tensor's edges (and the observed output
+they share, such as a max-pool's) whenever their number formats agree, so every reader of the
+tensor gets it, as prepare_fx shares a producer's output observer. dtype, range and scheme
+stay the quantizer's: pt2e expresses the observer choice, the number format is
+X86InductorQuantizer's.
 
 Needs torchao (the extra ``qlint[pt2e]``): import this module only after
 :func:`qlint.measure.pt2e_trial.import_torchao` succeeded.
@@ -17,7 +19,7 @@ Needs torchao (the extra ``qlint[pt2e]``): import this module only after
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,11 +46,21 @@ class Pt2ePercentileObserver(PercentileBand, pt2e_observer.MinMaxObserver):
     range is the widest [100-p, p] percentile band of any batch, so rare spikes saturate."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ObserverChoice:
+    """The observer of the activations one module's ops read."""
+
+    module: str  # fqn, as nn_module_stack records it
+    spec: QuantizationSpec
+
+
 _NUMBER_FORMAT = ("dtype", "qscheme", "quant_min", "quant_max")
 
 
-def observer_choice(observer: nn.Module, planned: nn.Module, base: QuantizationSpec) -> QuantizationSpec | None:
-    """``base`` (the quantizer's activation spec) observed as the torch.ao ``observer`` observes:
+def observer_choice(
+    module: str, observer: nn.Module, planned: nn.Module, base: QuantizationSpec
+) -> ObserverChoice | None:
+    """For ``module``: ``base`` (the quantizer's activation spec) observed as the torch.ao ``observer`` observes:
     percentile band, histogram search, min/max or moving-average min/max with its parameters.
 
     None when ``observer`` quantizes to another number format than ``planned`` (the activation
@@ -72,7 +84,7 @@ def observer_choice(observer: nn.Module, planned: nn.Module, base: QuantizationS
         constructor = pt2e_observer.HistogramObserver.with_args(bins=observer.bins, eps=eps)
     else:
         return None
-    return dataclasses.replace(base, observer_or_fake_quant_ctr=constructor)
+    return ObserverChoice(module, dataclasses.replace(base, observer_or_fake_quant_ctr=constructor))
 
 
 def _replaceable(spec: Any) -> bool:
@@ -111,14 +123,14 @@ def _choose_shared_root(source: fx.Node, chosen: QuantizationSpec) -> None:
 
 
 class ActivationObservers(Quantizer):
-    """``base`` with the observers of ``choices`` (module fqn → spec) in place of its own."""
+    """``base`` with the observers of ``choices`` in place of its own."""
 
-    def __init__(self, base: Quantizer, choices: Mapping[str, QuantizationSpec]) -> None:
+    def __init__(self, base: Quantizer, choices: Sequence[ObserverChoice]) -> None:
         super().__init__()
         self.base = base
         # innermost modules first: a node in several chosen modules gets the nearest one's choice
-        ordered = sorted(choices.items(), key=lambda item: item[0].count("."), reverse=True)
-        self._filters = [(get_module_name_filter(fqn), spec) for fqn, spec in ordered]
+        ordered = sorted(choices, key=lambda choice: choice.module.count("."), reverse=True)
+        self._filters = [(get_module_name_filter(choice.module), choice.spec) for choice in ordered]
 
     def _choice(self, node: fx.Node) -> QuantizationSpec | None:
         return next((spec for in_module, spec in self._filters if in_module(node)), None)
@@ -128,24 +140,24 @@ class ActivationObservers(Quantizer):
 
     def annotate(self, model: fx.GraphModule) -> fx.GraphModule:
         model = self.base.annotate(model)
+        chosen: dict[fx.Node, QuantizationSpec] = {}  # producer → the observer of its output tensor
         for node in model.graph.nodes:
-            annotation = node.meta.get(_ANNOTATION)
-            if annotation is None:
+            annotation, own = node.meta.get(_ANNOTATION), self._choice(node)
+            if annotation is None or own is None:
                 continue
-            own = self._choice(node)
-            for source, spec in list(annotation.input_qspec_map.items()):
-                # the consumer's choice, else the producer's: its output is what this edge quantizes
-                chosen = own if own is not None else self._choice(source)
-                if chosen is None or source.op == "get_attr" or not _replaceable(spec):
-                    continue
-                annotation.input_qspec_map[source] = chosen
-                # prepare_pt2e shares one observer among the edges and the output of one tensor
-                # when their number formats agree (it does not compare observers): the observer
-                # of a producer's observed output, followed through shared specs (a max-pool
-                # shares its input's), is the one the edge gets, so it is the one to change
-                _choose_shared_root(source, chosen)
-            if own is not None and _replaceable(annotation.output_qspec):
-                annotation.output_qspec = own
+            for source, spec in annotation.input_qspec_map.items():
+                if source.op != "get_attr" and _replaceable(spec):  # an activation, not a weight
+                    chosen[source] = own
+        for source, spec in chosen.items():
+            # prepare_pt2e gives one tensor one observer when its edges' number formats agree (it
+            # does not compare observers): every reader's edge, and the observed output the edges
+            # share (a max-pool's, shared with its input), get the choice, or the first one found
+            # would decide for all
+            for reader in source.users:
+                annotation = reader.meta.get(_ANNOTATION)
+                if annotation is not None and _replaceable(annotation.input_qspec_map.get(source)):
+                    annotation.input_qspec_map[source] = spec
+            _choose_shared_root(source, spec)
         return model
 
     def validate(self, model: fx.GraphModule) -> None:

@@ -107,16 +107,17 @@ def quantizer_for(mapping: QConfigMapping, intended: QConfigMapping, layer_kinds
     def config(dynamic: bool = False) -> Any:
         return quantizer_module.get_default_x86_inductor_quantization_config(is_dynamic=dynamic)
 
-    choices: dict[str, Any] = {}  # module fqn → its activations' QuantizationSpec
+    choices: list[Any] = []  # ObserverChoice (qlint.measure.pt2e_quantizer, imported with torchao)
+    dynamic = static = False  # module-name entries of either kind
 
-    def _observer_choice(qconfig: Any, reference: Any) -> Any | None:
+    def _observer_choice(fqn: str, qconfig: Any, reference: Any) -> Any | None:
         """The quantizer's activation spec observed as ``qconfig`` asks; None unless only the
         activation observer differs from ``reference``."""
         from qlint.measure.pt2e_quantizer import observer_choice  # needs torchao, imported above
 
         if reference is None or not _same_observer(qconfig.weight(), reference.weight()):
             return None
-        return observer_choice(qconfig.activation(), reference.activation(), config().input_activation)
+        return observer_choice(fqn, qconfig.activation(), reference.activation(), config().input_activation)
 
     default = mapping.global_qconfig
     if (default is None) != (intended.global_qconfig is None) or (
@@ -131,20 +132,27 @@ def quantizer_for(mapping: QConfigMapping, intended: QConfigMapping, layer_kinds
         if qconfig is None:
             quantizer.set_module_name_qconfig(fqn, None)
         elif _is_dynamic(qconfig):
-            if layer_kinds.get(fqn) != "linear":
-                return None  # X86InductorQuantizer quantizes only Linear layers dynamically
+            # X86InductorQuantizer quantizes only Linear layers dynamically, and skips (with a
+            # warning) a dynamic config beside static ones: the trial would measure the default
+            if layer_kinds.get(fqn) != "linear" or default is not None:
+                return None
+            dynamic = True
             quantizer.set_module_name_qconfig(fqn, config(dynamic=True))
         elif default is not None and qconfig_equals(qconfig, default):
             continue
         elif fqn in intended.module_name_qconfigs and qconfig_equals(qconfig, intended.module_name_qconfigs[fqn]):
+            static = True
             quantizer.set_module_name_qconfig(fqn, config())
         else:
-            choice = _observer_choice(qconfig, intended.module_name_qconfigs.get(fqn) or intended.global_qconfig)
+            choice = _observer_choice(fqn, qconfig, intended.module_name_qconfigs.get(fqn) or intended.global_qconfig)
             if choice is None:
                 return None  # a dtype, weight or observer of its own that pt2e cannot express
             if default is None:  # float by default: this module is quantized (as the plan export does)
+                static = True
                 quantizer.set_module_name_qconfig(fqn, config())
-            choices[fqn] = choice
+            choices.append(choice)
+    if dynamic and static:
+        return None  # see above: X86InductorQuantizer does not mix dynamic and static configs
     planned_types = intended.object_type_qconfigs
     for kind, qconfig in mapping.object_type_qconfigs.items():
         if qconfig is None and isinstance(kind, type) and issubclass(kind, nn.Module):
@@ -221,20 +229,30 @@ def repeated_calls(model: nn.Module) -> list[str]:
 
 
 def as_torch_layers(model: nn.Module, targets: frozenset[str]) -> nn.Module:
-    """``model`` (an exported graph, changed in place) as it would be with the modules named
-    ``targets`` torch's own Conv2d/Linear, and one module per call of every module it calls
-    twice: the float graph is the same; only what the pt2e quantizer can match changes."""
+    """``model`` (an exported graph, changed in place) as it would be with the layers named
+    ``targets`` torch's own Conv2d/Linear modules, and one module per call of every module it
+    calls twice: the float graph is the same; only what the pt2e quantizer can match changes.
+
+    A target that is a module (it computes only that layer) has every op of its forward
+    recorded as torch's class; a target named by its node (a module computing several layers)
+    gets a module path of its own for that op."""
     if not isinstance(model, fx.GraphModule):
         return model
-    scopes = {op.target: TORCH_LAYER_CLASSES[op.kind] for op in weighted_ops(model) if op.kind in TORCH_LAYER_CLASSES}
+    layers = [op for op in weighted_ops(model) if op.target in targets and op.kind in TORCH_LAYER_CLASSES]
+    scopes = {op.target: TORCH_LAYER_CLASSES[op.kind] for op in layers if op.target != op.node}
+    own = {op.node: TORCH_LAYER_CLASSES[op.kind] for op in layers if op.target == op.node}
     for node in model.graph.nodes:
         stack = dict(node.meta.get("nn_module_stack") or {})
+        if not stack and node.name in own:  # an op of the model's own forward
+            stack = {node.name: ("", "")}
         if not stack:
             continue
         key = list(stack)[-1]
         path, type_name = stack[key]
-        if path in targets and path in scopes:  # every op of the module's own forward, as torch's layer holds
+        if path in scopes:  # every op of the module's own forward, as torch's layer holds
             type_name = scopes[path]
+        if node.name in own:
+            path, type_name = f"{path}.{node.name}" if path else node.name, own[node.name]
         if "@" in str(key):  # a later call of a module: a module of its own
             path = f"{path}@{str(key).rpartition('@')[2]}"
         stack[key] = (path, type_name)
@@ -329,5 +347,7 @@ class Pt2eBench(TrialBench):
         if folded is None:
             return base
         errors = measure_errors(folded, converted, self.evaluation)
-        layers = tuple(LayerError(op.target, op.kind, shadow, propagated) for op, shadow, propagated in errors.layers)
+        layers = tuple(
+            LayerError(found.op.target, found.op.kind, found.shadow_db, found.propagated_db) for found in errors.layers
+        )
         return dataclasses.replace(base, layers=layers, activations=errors.activations, model=converted)
