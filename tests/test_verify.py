@@ -310,6 +310,13 @@ def test_pt2_verify_runs_the_pt2e_flow_and_measures_what_it_builds(run_cli, cli_
         for batch in eval_data:
             sums.add(float_model(batch), converted(batch))
     assert default["sqnr_db"] == pytest.approx(sums.sqnr_db(), abs=1e-3)
+    # per layer, named as lint names them: fc's output is the model's; the float convs add no error
+    layers = {layer["fqn"]: layer for layer in payload["layers"]}
+    assert set(layers) == {"convs.0", "convs.1", "convs.2", "fc"}
+    assert layers["fc"]["default_int8"] and layers["fc"]["default_sqnr_db"] == pytest.approx(
+        default["sqnr_db"], abs=1e-3
+    )
+    assert not layers["convs.0"]["default_int8"] and layers["convs.0"]["default_sqnr_db"] >= 150
     # the plan's one decision restates the global weight: pruned, and the verified plan is the default's
     (outcome,) = [d for d in payload["decisions"] if d["target"] == "fc"]
     assert not outcome["kept"] and payload["verified_plan"]["modules"] == []

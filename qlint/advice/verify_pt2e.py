@@ -7,7 +7,8 @@ calibration and ``convert_pt2e``. :class:`Pt2eSession` measures plans that way, 
 calibration, selection and eval batches as the prepare_fx verify, and
 :func:`verify_pt2e` runs its steps that the pt2e flow can express:
 
-1. the backend default and the plan as given, measured;
+1. the backend default and the plan as given, measured (and, for the default and the verified
+   plan, the propagated SQNR of every conv/linear op: :mod:`qlint.measure.pt2e_errors`);
 2. **prune** (:func:`qlint.advice.verify_prune.prune_decisions`): each module decision and
    float function dropped when removing it does not lower SQNR on the selection batches;
 3. the verified plan, measured on the eval batches.
@@ -22,7 +23,7 @@ fallback of the prepare_fx verify are not run (noted when asked for).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch.fx as fx
@@ -32,10 +33,11 @@ from qlint.advice.apply import Quantized, QuantizeError, first_line
 from qlint.advice.plan import QuantPlan, default_plan
 from qlint.advice.pt2e import pt2e_gaps
 from qlint.advice.verify_prune import prune_decisions
-from qlint.advice.verify_report import DecisionOutcome, VerifyReport
-from qlint.advice.verify_session import Progress, Session, VerifyError
+from qlint.advice.verify_report import DecisionOutcome, LayerComparison, VerifyReport
+from qlint.advice.verify_session import Measured, Progress, Session, VerifyError
 from qlint.core.batches import call_model
-from qlint.measure.pt2e_errors import runs_int8, weighted_ops
+from qlint.errors import QlintError
+from qlint.measure.pt2e_errors import measure_errors, runs_int8, weighted_ops
 from qlint.measure.pt2e_trial import FLOW_MODULE, import_torchao, pt2e_blocker
 
 
@@ -68,10 +70,24 @@ class Pt2eSession(Session):
             prepared = flow.prepare_pt2e(copy.deepcopy(self.model), quantizer)
             for batch in self.calibration if calibration is None else calibration:
                 call_model(prepared, batch)
+            # the float graph the layers compare with: batch norms folded, as the converted graph has them
+            kept = copy.deepcopy(prepared) if keep_prepared else None
             converted = flow.convert_pt2e(prepared)
         except Exception as error:  # torch raises many kinds for graphs it cannot annotate or run
             raise QuantizeError(f"the pt2e flow failed: {first_line(error)}") from error
-        return Quantized(converted, None, [])
+        return Quantized(converted, kept, [])
+
+    def layer_sqnr(self, q: Quantized, fqns: Iterable[str], batches: list[Any]) -> dict[str, float]:
+        """Propagated SQNR per weighted op (named as lint names it) of the converted graph."""
+        if q.prepared is None:
+            raise QlintError("per-layer SQNR needs the prepared model")
+        wanted = set(fqns)
+        errors = measure_errors(q.prepared, q.converted, batches)
+        return {
+            found.op.target: found.propagated_db
+            for found in errors.layers
+            if found.op.target in wanted and found.propagated_db is not None
+        }
 
 
 def pt2e_plan(plan: QuantPlan) -> tuple[QuantPlan, list[str]]:
@@ -120,14 +136,15 @@ def verify_pt2e(
     given_plan, notes = pt2e_plan(plan)
     notes += [f"{step}: not run on an exported graph (the pt2e flow)" for step in skipped]
     float_metric = float(eval_fn(session.model, eval_data)) if eval_fn is not None else None
-    default = session.measure("default quantizer", default_plan(plan.backend, model=plan.model))
+    layers = {op.target: op.kind for op in weighted_ops(session.traced)}
+    default = session.measure("default quantizer", default_plan(plan.backend, model=plan.model), layers=list(layers))
     given = session.measure("plan as given", given_plan)
     current, best = given_plan, given.selection_sqnr
     outcomes: list[DecisionOutcome] = []
     if prune:
         until = session.share(max_prune_trials)
         current, best, _dropped = prune_decisions(session, current, best, default, outcomes, notes, until)
-    verified = session.measure("verified plan", current)
+    verified = session.measure("verified plan", current, layers=list(layers))
     floats = verified.result.float_modules
     if floats:
         shown = ", ".join(floats[:6]) + (f", ... ({len(floats)} in all)" if len(floats) > 6 else "")
@@ -145,8 +162,25 @@ def verify_pt2e(
         default=default.result,
         requested=given.result,
         plan=verified.result,
+        layers=_layers(layers, default, verified),
         decisions=outcomes,
         float_layer_fraction=round(1.0 - verified.result.int8_fraction, 4),
         verified_plan=current,
         notes=notes,
     )
+
+
+def _layers(kinds: dict[str, str], default: Measured, verified: Measured) -> list[LayerComparison]:
+    """Per weighted op: propagated SQNR and int8-ness under the default and the verified plan."""
+    default_float, plan_float = set(default.result.float_modules), set(verified.result.float_modules)
+    return [
+        LayerComparison(
+            fqn=target,
+            kind=kind,
+            default_sqnr_db=(default.layers or {}).get(target),
+            plan_sqnr_db=(verified.layers or {}).get(target),
+            default_int8=None if default.result.failure else target not in default_float,
+            plan_int8=None if verified.result.failure else target not in plan_float,
+        )
+        for target, kind in kinds.items()
+    ]
