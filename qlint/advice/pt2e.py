@@ -56,10 +56,13 @@ def _activation_choices(plan: Suggestions, quantizer_module: Any) -> dict[str, A
 
 def pt2e_gaps(plan: Suggestions) -> list[tuple[str, str]]:
     """(module fqn, why) for each module decision :func:`to_pt2e_quantizer` cannot express."""
-    quantizer_module = _quantizer_module(plan)
+    return _gaps(plan, _activation_choices(plan, _quantizer_module(plan)))
+
+
+def _gaps(plan: Suggestions, choices: dict[str, Any | None]) -> list[tuple[str, str]]:
     gaps = [
         (fqn, "an activation number format or observer the pt2e quantizer does not express")
-        for fqn, choice in _activation_choices(plan, quantizer_module).items()
+        for fqn, choice in choices.items()
         if choice is None
     ]
     gaps += [
@@ -82,11 +85,12 @@ def to_pt2e_quantizer(plan: Suggestions) -> Any:
     from qlint.measure.pt2e_quantizer import ActivationObservers  # needs torchao, imported below
 
     quantizer_module = _quantizer_module(plan)
-    gaps = pt2e_gaps(plan)
+    by_module = _activation_choices(plan, quantizer_module)
+    gaps = _gaps(plan, by_module)
     if gaps:
         left_out = "; ".join(f"{fqn}: {why}" for fqn, why in gaps)
         warnings.warn(f"the pt2e quantizer leaves out {len(gaps)} plan decision(s): {left_out}", stacklevel=2)
-    choices = [choice for choice in _activation_choices(plan, quantizer_module).values() if choice is not None]
+    choices = [choice for choice in by_module.values() if choice is not None]
     quantizer = quantizer_module.X86InductorQuantizer()
     if not plan.float_by_default:
         quantizer.set_global(_config(quantizer_module))

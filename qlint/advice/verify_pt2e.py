@@ -35,10 +35,10 @@ from qlint.advice.pt2e import pt2e_gaps
 from qlint.advice.verify_prune import prune_decisions
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, VerifyReport
 from qlint.advice.verify_session import Measured, Progress, Session, VerifyError
-from qlint.core.batches import call_model
 from qlint.errors import QlintError
-from qlint.measure.pt2e_errors import measure_errors, runs_int8, weighted_ops
-from qlint.measure.pt2e_trial import FLOW_MODULE, import_torchao, pt2e_blocker
+from qlint.measure.pt2e_errors import measure_errors, weighted_ops
+from qlint.measure.pt2e_trial import pt2e_blocker, pt2e_float_layers, quantize_pt2e
+from qlint.measure.trial import TrialStepError
 
 
 class Pt2eSession(Session):
@@ -54,28 +54,22 @@ class Pt2eSession(Session):
         return self.model
 
     def coverage(self, converted: fx.GraphModule) -> tuple[int, int, list[str]]:
-        nodes = {node.name: node for node in converted.graph.nodes}
-        ops = weighted_ops(converted)
-        floats = [op.target for op in ops if not runs_int8(nodes[op.node])]
-        return len(ops) - len(floats), len(ops), floats
+        floats, int8, total = pt2e_float_layers(converted, None)
+        return int8, total, [layer.target for layer in floats]
 
     def quantize(
         self, plan: QuantPlan, *, keep_prepared: bool = False, calibration: list[Any] | None = None
     ) -> Quantized:
         """``plan`` applied as a .pt2 user applies it: prepare_pt2e with ``plan.to_pt2e_quantizer()``,
         calibration on ``calibration`` (default: every calibration batch), convert_pt2e."""
-        flow = import_torchao(FLOW_MODULE)
-        quantizer = plan.to_pt2e_quantizer()
+        batches = self.calibration if calibration is None else calibration
         try:
-            prepared = flow.prepare_pt2e(copy.deepcopy(self.model), quantizer)
-            for batch in self.calibration if calibration is None else calibration:
-                call_model(prepared, batch)
-            # the float graph the layers compare with: batch norms folded, as the converted graph has them
-            kept = copy.deepcopy(prepared) if keep_prepared else None
-            converted = flow.convert_pt2e(prepared)
-        except Exception as error:  # torch raises many kinds for graphs it cannot annotate or run
-            raise QuantizeError(f"the pt2e flow failed: {first_line(error)}") from error
-        return Quantized(converted, kept, [])
+            converted, prepared = quantize_pt2e(
+                copy.deepcopy(self.model), plan.to_pt2e_quantizer(), batches, keep_prepared
+            )
+        except TrialStepError as step:
+            raise QuantizeError(f"{step.failure.stage} failed: {first_line(step.failure.error)}") from step
+        return Quantized(converted, prepared, [])
 
     def layer_sqnr(self, q: Quantized, fqns: Iterable[str], batches: list[Any]) -> dict[str, float]:
         """Propagated SQNR per weighted op (named as lint names it) of the converted graph."""

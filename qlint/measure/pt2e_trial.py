@@ -51,6 +51,7 @@ from qlint.measure.trial import (
     TrialBench,
     TrialFailure,
     TrialResult,
+    TrialStepError,
 )
 
 STAGE_PREPARE_PT2E, STAGE_CONVERT_PT2E = "prepare_pt2e", "convert_pt2e"
@@ -176,7 +177,7 @@ def _same_observer(first: Any, second: Any) -> bool:
     return type(first) is type(second) and all(getattr(first, f, None) == getattr(second, f, None) for f in fields)
 
 
-def pt2e_float_layers(converted: fx.GraphModule, mapping: QConfigMapping) -> tuple[list[FloatLayer], int, int]:
+def pt2e_float_layers(converted: fx.GraphModule, mapping: QConfigMapping | None) -> tuple[list[FloatLayer], int, int]:
     """The weighted ops ``converted`` runs in float with their reasons, the int8 ones, and all of them.
 
     An op runs in int8 when its input and its weight both come through a dequantize."""
@@ -260,6 +261,32 @@ def as_torch_layers(model: nn.Module, targets: frozenset[str]) -> nn.Module:
     return model
 
 
+def quantize_pt2e(
+    model: nn.Module, quantizer: Any, calibration: Sequence[Any], keep_prepared: bool = False
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
+    """prepare_pt2e → run ``calibration`` → convert_pt2e on ``model`` itself (pass a copy), as a
+    .pt2 user quantizes. Returns (converted, prepared): prepared only with ``keep_prepared``, a
+    copy taken before convert_pt2e consumes it: prepare_pt2e folds batch norms into the convs
+    before them, so that copy (its observers pass values through) is the float graph the
+    converted one compares with. Raises :class:`TrialStepError`."""
+    flow = import_torchao(FLOW_MODULE)
+    try:
+        prepared = flow.prepare_pt2e(model, quantizer)
+    except Exception as error:  # torch raises many kinds for graphs it cannot annotate
+        raise TrialStepError(STAGE_PREPARE_PT2E, error, model) from error
+    try:
+        with torch.no_grad():
+            for batch in calibration:
+                call_model(prepared, batch)
+    except Exception as error:
+        raise TrialStepError(STAGE_CALIBRATE, error, prepared) from error
+    kept = copy.deepcopy(prepared) if keep_prepared else None
+    try:
+        return flow.convert_pt2e(prepared), kept
+    except Exception as error:
+        raise TrialStepError(STAGE_CONVERT_PT2E, error, prepared) from error
+
+
 class Pt2eBench(TrialBench):
     """A :class:`TrialBench` whose trials run the pt2e flow on an exported (aten) graph.
 
@@ -316,25 +343,10 @@ class Pt2eBench(TrialBench):
             reference = self.reference()
         except Exception as error:  # the float model itself fails: QL105 reports it
             return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, self.model_factory()))
-        flow = import_torchao(FLOW_MODULE)
-        model = self.model_factory()
         try:
-            prepared = flow.prepare_pt2e(model, quantizer)
-        except Exception as error:  # torch raises many kinds for graphs it cannot annotate
-            return dataclasses.replace(base, failure=TrialFailure(STAGE_PREPARE_PT2E, error, model))
-        try:
-            with torch.no_grad():
-                for batch in self.calibration:
-                    call_model(prepared, batch)
-        except Exception as error:
-            return dataclasses.replace(base, failure=TrialFailure(STAGE_CALIBRATE, error, prepared))
-        # prepare_pt2e folds batch norms into the convs before them, quantized or not: the float
-        # model the layers compare with is the prepared one (its observers pass values through)
-        folded = copy.deepcopy(prepared) if measure_layers else None
-        try:
-            converted = flow.convert_pt2e(prepared)
-        except Exception as error:
-            return dataclasses.replace(base, failure=TrialFailure(STAGE_CONVERT_PT2E, error, prepared))
+            converted, folded = quantize_pt2e(self.model_factory(), quantizer, self.calibration, measure_layers)
+        except TrialStepError as step:
+            return dataclasses.replace(base, failure=step.failure)
         try:
             with torch.no_grad():
                 output = self._output_sqnr(converted, reference)
