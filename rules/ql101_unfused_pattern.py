@@ -166,8 +166,9 @@ class UnfusedPattern(Rule):
             if clip is not None
         }
         meter = _RangeMeter(ctx, list(fixed_groups.values()), [c for c, _ in functional], observed)
+        folded = [h for h in (_head_module(chain[0]) for chain, _ in functional) if h is not None]
         for clip, group in by_range.items():
-            yield self._clamp_finding(ctx, group, clip, meter, observed)
+            yield self._clamp_finding(ctx, group, clip, meter, observed, folded)
 
     def _reasons(self, ctx: LintContext, chain: list[OpNode]) -> list[tuple[str, str]]:
         graph = ctx.graph
@@ -272,9 +273,11 @@ class UnfusedPattern(Rule):
         clip: tuple[float, float] | None,
         meter: _RangeMeter,
         observed: list[str],
+        folded: list[str],
     ) -> Finding:
         """One finding for the chains that stop short of their clipping activation and share one
-        saturating range, measured together with that range."""
+        saturating range, measured together with that range. ``folded``: the heads that are
+        functional convs, a module only once the fold rewrite has run (the fix asks for it)."""
         lines, rounding = [], []
         for chain, _pattern, clamp in clamps:
             found = ctx.trial.activation(chain[-1].name) if ctx.trial is not None else None
@@ -318,6 +321,8 @@ class UnfusedPattern(Rule):
                 f", with {', '.join(own_input[:4])} given an op of its own to quantize its input (no quantized "
                 "op produces it, so FX would squeeze it into the fixed range too)"
             )
+        if any(h in folded for h in targets):
+            message += ", each functional conv first made a module by folding its BN into it (the fold rewrite)"
         impact = meter.impact(targets)
         if impact is not None and impact.fixed_sqnr_db is not None:
             message += f"; measured {impact.base_sqnr_db:.1f} → {impact.fixed_sqnr_db:.1f} dB"
@@ -336,6 +341,7 @@ class UnfusedPattern(Rule):
                 "quant_min": fixed.quant_min,
                 "quant_max": fixed.quant_max,
                 "observe_inputs": [h for h in targets if h in observed],
+                "fold_functional": [h for h in targets if h in folded],
             },
         )
 

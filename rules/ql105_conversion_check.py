@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import traceback
 import warnings
@@ -15,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
+from qlint.rules._ql105_onset import best_keep_float, candidates, describe, error_onset
 from torch.ao.quantization import QConfigMapping, get_default_qconfig
 
 from qlint.core.ops import function_path
@@ -22,7 +22,7 @@ from qlint.core.preserve import cloned
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
-from qlint.measure.trial import STAGE_CONVERT, STAGE_FLOAT, STAGE_PREPARE, LayerError, TrialFailure, TrialResult
+from qlint.measure.trial import STAGE_CONVERT, STAGE_FLOAT, STAGE_PREPARE, TrialFailure, TrialResult
 
 DEFAULT_WARN_BELOW_DB = 20.0  # 10 % RMS error at the output: enough to move top-1 on many tasks
 DEFAULT_ERROR_BELOW_DB = 10.0  # 32 % RMS error: the int8 model computes something else
@@ -226,18 +226,24 @@ class ConversionCheck(Rule):
                     f" The error starts at {onset.name!r} ({onset.kind}): its own (shadow) SQNR is "
                     f"{_db(onset.shadow_db)} and the SQNR at its output {_db(onset.propagated_db)}."
                 )
-                best, impact = _best_keep_float(ctx, trial, _candidates(ctx, onset.name))
+                best, impact = best_keep_float(ctx, trial, candidates(ctx, onset.name))
                 if best is not None and impact is not None:
-                    data["fix_target"] = best
-                    if best in ctx.graph.modules:
-                        suggestion = {"action": "keep_float", "module": best}
-                        how = f"mapping.set_module_name({best!r}, None)"
+                    data["fix_target"] = best.node
+                    if best.module:
+                        suggestion = {"action": "keep_float", "module": best.node}
+                        how = f"mapping.set_module_name({best.node!r}, None)"
                     else:
-                        function = function_path(_function_of(ctx, best)) or ctx.graph.node(best).target
-                        suggestion = {"action": "keep_float_function", "node": best, "function": function}
-                        how = f"mapping.set_object_type({function}, None)"
+                        paths = [function_path(function) or str(function) for function in best.functions]
+                        suggestion = {
+                            "action": "keep_float_function",
+                            "node": best.node,
+                            "function": paths[0],
+                            "with_functions": paths[1:],
+                        }
+                        how = "; ".join(f"mapping.set_object_type({path}, None)" for path in paths)
                     message += (
-                        f" Keeping {best!r} float ({how}) measures {impact.fixed_sqnr_db:.1f} dB ({impact.db:+.1f} dB)."
+                        f" Keeping {describe(best)} float ({how}) measures {impact.fixed_sqnr_db:.1f} dB "
+                        f"({impact.db:+.1f} dB)."
                     )
                     if impact.db < 0.5:
                         message += (
@@ -466,89 +472,6 @@ def _quiet_run():
     with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
         yield
-
-
-_MAX_FUNCTION_CANDIDATES = 3  # each one costs a trial quantization
-
-
-def error_onset(trial: TrialResult, threshold_db: float) -> LayerError | None:
-    """Where the output error starts: the first layer, in forward order, whose output SQNR
-    (propagated) is below ``threshold_db``; when error only builds up gradually, the layer
-    adding the most error itself (lowest shadow SQNR)."""
-    for layer in trial.layers:
-        if layer.propagated_db is not None and layer.propagated_db < threshold_db:
-            return layer
-    own = [layer for layer in trial.layers if layer.shadow_db is not None]
-    return min(own, key=lambda layer: layer.shadow_db or 0.0) if own else None
-
-
-def _candidates(ctx: LintContext, onset: str) -> list[str]:
-    """The onset layer (a module, or a functional op), the quantized functional ops between it
-    and the nearest weighted module upstream (one per function: a function is kept float
-    everywhere at once), and that module: its output observer sets the onset's input range,
-    and the ops between round the values again, so the error may arrive from any of them."""
-    found = [onset] if onset in ctx.graph.modules or onset in ctx.graph else []
-    sites = (
-        ctx.graph.call_sites(onset)
-        if onset in ctx.graph.modules
-        else ([ctx.graph.node(onset)] if onset in ctx.graph else [])
-    )
-    frontier = [p for site in sites for p in ctx.graph.producers(site.name)]
-    seen: set[str] = set()
-    functions: set[str] = set()
-    upstream: list[str] = []
-    while frontier:
-        node = frontier.pop(0)
-        if node.name in seen:
-            continue
-        seen.add(node.name)
-        if node.op == "module" and node.module and node.weight is not None:
-            if node.module not in found:
-                upstream.append(node.module)
-            break
-        if node.op == "function" and node.is_quantized and node.target not in functions:
-            if len(functions) < _MAX_FUNCTION_CANDIDATES:
-                functions.add(node.target)
-                found.append(node.name)
-        frontier.extend(ctx.graph.producers(node.name))
-    return found + upstream
-
-
-def _best_keep_float(ctx: LintContext, trial: TrialResult, candidates: list[str]) -> tuple[str | None, Impact | None]:
-    """Keep each candidate float in a trial (a module by name; a functional op by its
-    function, with ``set_object_type``); the one recovering the most output SQNR."""
-    if ctx.trial_bench is None or ctx.qconfig_mapping is None or trial.output_sqnr_db is None:
-        return None, None
-    best: tuple[str | None, Impact | None] = (None, None)
-    for name in candidates:
-        mapping = copy.deepcopy(ctx.qconfig_mapping)
-        if name in ctx.graph.modules:
-            mapping.set_module_name(name, None)
-            label = name
-        else:
-            function = _function_of(ctx, name)
-            if function is None:
-                continue
-            mapping.set_object_type(function, None)
-            label = f"{name} ({getattr(function, '__name__', function)})"
-        fixed = ctx.trial_bench.output_sqnr(mapping)
-        if fixed is None:
-            continue
-        impact = Impact.measured(
-            trial.output_sqnr_db, fixed, "rule-trial", f"{label} kept float in a trial", kind="diagnosis"
-        )
-        if best[1] is None or impact.db > best[1].db:
-            best = (name, impact)
-    return best
-
-
-def _function_of(ctx: LintContext, node_name: str) -> Any:
-    """The function a call_function node of the traced model calls (None for anything else)."""
-    if ctx.model_factory is None or node_name not in ctx.graph or ctx.graph.node(node_name).op != "function":
-        return None
-    graph_module = ctx.model_factory()
-    node = next((n for n in graph_module.graph.nodes if n.name == node_name), None)
-    return node.target if node is not None and node.op == "call_function" and callable(node.target) else None
 
 
 def _rounded(value: float | None) -> float | None:

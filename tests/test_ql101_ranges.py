@@ -72,3 +72,41 @@ def test_observe_input_rewrite_is_exact_and_adds_one_op_before_the_conv():
     assert source.args[0].op == "placeholder"
     with torch.no_grad():
         assert torch.equal(gm(calibration[1]), model(calibration[1]))
+
+
+class FunctionalConv(nn.Module):
+    """A conv that calls F.conv2d on its own weight (as padding-same convs do): traced, it is a
+    call_function that no qconfig by module name reaches until its BN is folded into it."""
+
+    def __init__(self, channels_in: int, channels_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels_out, channels_in, 3, 3) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(channels_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # every argument positional and as lists, as convert_fx needs them (as padding-same convs pass them)
+        return nn.functional.conv2d(x, self.weight, self.bias, [1, 1], [1, 1], [1, 1], 1)
+
+
+class FunctionalRelu6Net(Relu6Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.conv2 = FunctionalConv(3, 16), FunctionalConv(16, 16)
+
+
+def test_fixed_ranges_on_functional_convs_ask_for_the_fold_and_the_report_measures_them_together():
+    torch.manual_seed(0)
+    model, (calibration, held_out) = FunctionalRelu6Net().eval(), _data()
+    report = qlint.lint(model, (calibration[0],), calibration=[(b,) for b in calibration], select=["QL101"])
+    [finding] = [f for f in report.findings if f.data.get("kind") == "unfusable-activation"]
+    fix = finding.suggestion
+    assert set(fix.targets) == {"stem", "conv2"} and set(fix.fold_functional) == {"stem", "conv2"}
+    assert finding.impact is not None and finding.impact.db > 3.0
+    # the report's "every warning's fix together" applies the fold the fix asks for: without it
+    # the fixed ranges would name no module and the trial would measure the default
+    assert report.trial is not None and report.trial.fixed_sqnr_db is not None
+    assert report.trial.fixed_sqnr_db > report.trial.output_sqnr_db + 3.0
+    plan = plan_from_report(report)
+    assert ("fold_bn_into_functional_conv", ["stem", "conv2"]) in [(r.kind, r.modules) for r in plan.rewrites]
+    default = output_sqnr(model, default_plan().quantize(model, calibration), held_out)
+    assert output_sqnr(model, plan.quantize(model, calibration), held_out) > default + 3.0

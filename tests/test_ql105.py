@@ -2,9 +2,11 @@
 
 import copy
 import math
+import operator
 
 import pytest
 import torch
+import torch.nn as nn
 from qlint.rules.ql105_conversion_check import (
     _ConvFlatten,
     _ConvView,
@@ -20,8 +22,10 @@ from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 import qlint
+from qlint.advice.plan import plan_from_report
+from qlint.core.ops import resolve_function
 from qlint.core.sqnr import sqnr_db as output_sqnr
-from qlint.linter.fixes import KeepFloat, ViewToReshape
+from qlint.linter.fixes import KeepFloat, KeepFloatFunction, ViewToReshape
 
 
 def _ql105(model, inputs, backend="x86", mapping=None, options=None):
@@ -167,3 +171,49 @@ def test_a_view_failure_is_measured_with_the_reshape_it_suggests():
     finally:
         torch.backends.quantized.engine = previous
     assert finding.impact.fixed_sqnr_db == pytest.approx(expected, abs=0.01)
+
+
+class _MaskedAttention(nn.Module):
+    """Attention with an additive padding mask, ``(1 - mask) * -10000``, as BERT-style encoders
+    build it: quantized, the mask op's range loses the -10000s, and the add that applies the
+    mask quantizes the same values again with a range of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        bias = (1.0 - mask[:, None, :]) * -10000.0
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4.0 + bias
+        return self.out(scores.softmax(-1) @ self.v(x))
+
+
+def test_an_additive_mask_is_kept_float_with_the_ops_that_apply_it():
+    torch.manual_seed(0)
+    model = _MaskedAttention().eval()
+    x = torch.randn(8, 12, 16, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(8, 12)
+    mask[:, 9:] = 0  # three padding tokens in every sequence
+    (finding,) = _ql105(model, (x, mask))
+    assert finding.severity.value == "error" and finding.data["onset"] == "mul", finding.message
+    fix = finding.suggestion
+    assert isinstance(fix, KeepFloatFunction) and fix.function == "operator.mul"
+    assert "operator.add" in fix.with_functions  # the mul kept float alone leaves the add to lose the mask
+    functions = [operator.mul, *(resolve_function(path) for path in fix.with_functions)]
+    # by hand: torch's pass with those functions float, calibrated and evaluated on the example
+    mapping = get_default_qconfig_mapping("x86")
+    for function in functions:
+        mapping.set_object_type(function, None)
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "x86"
+    try:
+        prepared = prepare_fx(copy.deepcopy(model), mapping, (x, mask))
+        with torch.no_grad():
+            prepared(x, mask)
+            expected = output_sqnr(model(x, mask), convert_fx(prepared)(x, mask))
+    finally:
+        torch.backends.quantized.engine = previous
+    assert finding.impact is not None and finding.impact.fixed_sqnr_db == pytest.approx(expected, abs=0.01)
+    assert finding.impact.db > 10.0
+    plan = plan_from_report(qlint.lint(model, (x, mask), select=["QL105"]))
+    assert {resolve_function(kept.function) for kept in plan.float_functions} == set(functions)

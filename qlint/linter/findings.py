@@ -141,6 +141,16 @@ class Finding(_Frozen):
         """Whether a trial applied this finding's fix (alone or in a group) and measured the gain."""
         return self.impact is not None and self.impact.basis in FIX_MEASURED_BASES
 
+    def recovers_output_sqnr(self) -> bool:
+        """A warning or error whose fix raised the output SQNR in a trial: its own gain, or for a
+        diagnosis (QL105) the best single fix tried. These are the fixes the report applies together."""
+        return (
+            self.severity is not Severity.INFO
+            and self.impact is not None
+            and self.impact.kind in ("sqnr-gain", "diagnosis")
+            and self.impact.db > 0
+        )
+
     def fix_measured_useless(self) -> bool:
         """The fix was measured and gained too little to stay a warning (it was made info)."""
         return self.fix_measured() and self.severity == Severity.INFO

@@ -52,6 +52,10 @@ class SetQConfig(_Fix):
     # targets whose input nothing quantized produces (a model input, a float pad): each needs an op
     # of its own to quantize that input (the observe_input rewrite), else FX uses this qconfig for it
     observe_inputs: list[str] = Field(default_factory=list)
+    # targets that are functional convs (F.conv2d on a module's weight) followed by a BN: the
+    # fold_bn_into_functional_conv rewrite first makes each a conv module, else no qconfig by
+    # module name reaches it
+    fold_functional: list[str] = Field(default_factory=list)
     source: str | None = Field(
         default=None,
         validation_alias=AliasChoices("source", "from"),
@@ -110,6 +114,8 @@ class KeepFloatFunction(_Fix):
     action: Literal["keep_float_function"] = "keep_float_function"
     node: str
     function: str
+    # more functions kept float with it: the fix was measured with all of them float at once
+    with_functions: list[str] = Field(default_factory=list)
 
 
 class Fuse(_Fix):

@@ -43,7 +43,7 @@ from qlint.core.sqnr import noise_power_ratio
 from qlint.errors import QlintError
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.mapping import module_recipe
-from qlint.linter.suggestions import collect_suggestions
+from qlint.linter.suggestions import Suggestions, collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
 from qlint.measure.rewrite import apply_equalization, apply_requested_rewrites, fanout_follows_original
 from qlint.measure.trial import TrialBench, TrialResult
@@ -70,6 +70,11 @@ def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str)
         return None
     if not (suggestions.modules or suggestions.float_functions):
         return None
+    return with_decisions(base, suggestions)
+
+
+def with_decisions(base: QConfigMapping, suggestions: Suggestions) -> QConfigMapping:
+    """A copy of ``base`` with the suggestions' per-module and keep-float-function decisions."""
     mapping = copy.deepcopy(base)
     for decision in suggestions.modules:
         recipe = module_recipe(suggestions, decision)
@@ -165,10 +170,12 @@ class ImpactMeter:
             for finding in findings:
                 mapping.set_module_name(finding.target, None)
         else:
+            # The rewrites, and with them the fixes' qconfig changes (a fix may ask for both).
             suggested = [(f.suggestion, f.provenance()) for f in findings if f.suggestion is not None]
-            rewritten = self._rewritten_model(collect_suggestions(bench.backend, None, suggested))
+            suggestions = collect_suggestions(bench.backend, None, suggested)
+            rewritten = self._rewritten_model(suggestions)
             if rewritten is not None:  # the rewritten copy is compared with its own float outputs
-                mapping = fanout_follows_original(self.base, rewritten)
+                mapping = fanout_follows_original(with_decisions(self.base, suggestions), rewritten)
                 bench = bench.variant(lambda: copy.deepcopy(rewritten))
             else:
                 mapping = None
@@ -279,9 +286,28 @@ class ImpactMeter:
         return local_error_estimate(self.result, target, self.aliases.get(target, ()))
 
     def combined(self, findings: Sequence[Finding]) -> float | None:
-        """Output SQNR with every given finding's qconfig fix applied at once (one trial)."""
-        expressible = [f for f in findings if fix_mapping(self.base, [f], self.bench.backend) is not None]
-        return self._trial(expressible, "qconfig") if expressible else None
+        """Output SQNR with every given finding's fix applied at once, in one trial: the qconfig
+        changes, on the model rewritten as the fixes ask where one asks for a rewrite. Fixes no
+        trial can apply (notes) are left out."""
+        applicable = [f for f in findings if _applicable_fix(f, self.bench.backend)]
+        if not applicable:
+            return None
+        if any("rewrite" in self.families(f) for f in applicable):
+            fixed = self._trial(applicable, "rewrite")
+            if fixed is not None:
+                return fixed
+            # no rewrite applied to this model: the qconfig changes alone
+            applicable = [f for f in applicable if fix_mapping(self.base, [f], self.bench.backend) is not None]
+        return self._trial(applicable, "qconfig") if applicable else None
+
+
+def _applicable_fix(finding: Finding, backend: str) -> bool:
+    """Whether a trial can apply the finding's fix (a qconfig change, a rewrite, or both)."""
+    if finding.suggestion is None:
+        return False
+    suggestions = collect_suggestions(backend, None, [(finding.suggestion, finding.provenance())])
+    changes = suggestions.modules or suggestions.float_functions or suggestions.rewrites or suggestions.equalization
+    return bool(changes) and not suggestions.notes
 
 
 def _fix_key(finding: Finding) -> str:
@@ -329,11 +355,7 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
             )
             finding = finding.model_copy(update={"severity": Severity.INFO, "message": finding.message + note})
         result.append(finding)
-    kept = [
-        f
-        for f in result
-        if f.severity is not Severity.INFO and f.impact is not None and f.impact.kind == "sqnr-gain" and f.impact.db > 0
-    ]
+    kept = [f for f in result if f.recovers_output_sqnr()]
     fixed = meter.combined(kept) if kept else None
     result.sort(key=lambda f: (-f.severity.rank, _impact_rank(f)))
     return result, fixed

@@ -377,6 +377,8 @@ def _apply_set_qconfig(b: _Builder, source: Provenance, fix: SetQConfig) -> None
             ),
         )
         return
+    if fix.fold_functional:
+        _rewrite(b, source, "fold_bn_into_functional_conv", list(fix.fold_functional), {})
     if fix.observe_inputs:
         _rewrite(b, source, "observe_input", list(fix.observe_inputs), {})
     for fqn in fix.target_modules(str(source.target)):
@@ -482,14 +484,15 @@ def _apply(b: _Builder, fix: Fix, source: Provenance) -> None:
             for fqn in fix.target_modules(target):
                 b.module(fqn, source)["quantize"] = False
         case KeepFloatFunction():
-            try:
-                resolve_function(fix.function)
-            except ValueError:
-                b.note(source, f"keep {fix.function} float: mapping.set_object_type({fix.function}, None)")
-            else:
-                sources = b.float_functions.setdefault(fix.function, [])
-                if source not in sources:
-                    sources.append(source)
+            for function in (fix.function, *fix.with_functions):
+                try:
+                    resolve_function(function)
+                except ValueError:
+                    b.note(source, f"keep {function} float: mapping.set_object_type({function}, None)")
+                else:
+                    sources = b.float_functions.setdefault(function, [])
+                    if source not in sources:
+                        sources.append(source)
         case ReplaceActivation():
             b.note(source, f"replace {', '.join(fix.modules)} with nn.ReLU (a change to the float model)")
         case QuantizeDynamicAfterConvert():

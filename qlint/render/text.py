@@ -238,11 +238,7 @@ def summary_line(report: Report) -> str:
 
 def _impact_summary(report: Report) -> str:
     """The findings that matter most, by measured output-SQNR gain, and what fixing them recovers."""
-    gains = [
-        f
-        for f in report.findings
-        if f.severity is not Severity.INFO and f.impact is not None and f.impact.kind == "sqnr-gain" and f.impact.db > 0
-    ]
+    gains = [f for f in report.findings if f.recovers_output_sqnr()]
     if not gains:
         return ""
     top = sorted(gains, key=lambda f: -f.impact.db if f.impact else 0.0)[:3]
@@ -254,7 +250,7 @@ def _impact_summary(report: Report) -> str:
     trial = report.trial
     if trial is not None and trial.recoverable_db is not None and trial.fixed_sqnr_db is not None:
         text += (
-            f" Their qconfig fixes together: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
+            f" Their fixes applied together in one trial: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
             f"({trial.recoverable_db:+.1f} dB, measured)."
         )
     return text
