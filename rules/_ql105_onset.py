@@ -5,18 +5,21 @@ come from the onset itself, from what rounds its input (the functional ops betwe
 nearest weighted module upstream, and that module's output observer), or from what rounds its
 output again: an additive attention mask (``(1 - mask) * -10000``) loses its -10000s in the
 mask op's int8 range, and keeping that op float is not enough while the add that applies the
-mask quantizes the same values with a range of its own. So besides each candidate alone, the
-onset is kept float together with the quantized functional ops downstream of it, up to the
-next weighted modules. Each candidate costs one trial quantization.
+mask quantizes the same values with a range of its own. So besides each candidate alone, a
+functional onset (not itself a conv or linear) is kept float together with the quantized
+functional ops downstream of it, never past a weighted layer. Each candidate costs one trial
+quantization.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from qlint.core.graph import OpNode
+from qlint.core.graph import ModelGraph, OpNode
+from qlint.core.ops import WEIGHTED_KINDS
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Impact
 from qlint.measure.trial import LayerError, TrialResult
@@ -49,7 +52,8 @@ def candidates(ctx: LintContext, onset: str) -> list[KeptFloat]:
     and the nearest weighted module upstream (one per function: a function is kept float
     everywhere at once), and that module: its output observer sets the onset's input range,
     and the ops between round the values again, so the error may arrive from any of them.
-    Last, a functional onset together with the quantized functional ops downstream of it."""
+    Last, a functional onset that is not a conv or linear, together with the quantized
+    functional ops downstream of it up to the next weighted layers."""
     graph = ctx.graph
     function_of = _functions(ctx)
     found: list[KeptFloat] = []
@@ -64,63 +68,71 @@ def candidates(ctx: LintContext, onset: str) -> list[KeptFloat]:
         sites = [graph.node(onset)]
     else:
         return []
-    upstream_module = None
-    for node in _functional_until_weighted(graph, sites, upstream=True):
-        if node.op == "module":
-            upstream_module = node.module
-            continue
-        function = function_of.get(node.name)
-        if function is not None and all(function not in kept.functions for kept in found):
+    met, upstream_layer = _functional_until_weighted(graph, sites, function_of, upstream=True)
+    for node in met:
+        function = function_of[node.name]
+        if all(function not in kept.functions for kept in found):
             found.append(KeptFloat(node.name, module=False, functions=(function,)))
-    if upstream_module is not None and upstream_module != onset:
-        found.append(KeptFloat(upstream_module, module=True))
-    if onset_function is not None:
-        downstream = [onset_function]
-        for node in _functional_until_weighted(graph, sites, upstream=False):
-            function = function_of.get(node.name)
-            if function is not None and function not in downstream:
-                downstream.append(function)
-        if len(downstream) > 1:
-            found.append(KeptFloat(onset, module=False, functions=tuple(downstream)))
+    if upstream_layer is not None and upstream_layer.op == "module" and upstream_layer.module not in (None, onset):
+        found.append(KeptFloat(str(upstream_layer.module), module=True))
+    if onset_function is not None and graph.node(onset).kind not in WEIGHTED_KINDS:
+        downstream, _ = _functional_until_weighted(graph, sites, function_of, upstream=False, skip=(onset_function,))
+        if downstream:
+            functions = (onset_function, *(function_of[node.name] for node in downstream))
+            found.append(KeptFloat(onset, module=False, functions=functions))
     return found
 
 
-def _functional_until_weighted(graph: Any, sites: list[OpNode], *, upstream: bool) -> list[OpNode]:
-    """Breadth first from ``sites`` (producers when ``upstream``, else consumers): the quantized
-    functional ops met (at most ``_MAX_FUNCTION_CANDIDATES`` functions) before a weighted module;
-    upstream, the first weighted module met closes the list."""
+def _functional_until_weighted(
+    graph: ModelGraph,
+    sites: list[OpNode],
+    function_of: dict[str, Any],
+    *,
+    upstream: bool,
+    skip: tuple[Any, ...] = (),
+) -> tuple[list[OpNode], OpNode | None]:
+    """Breadth first from ``sites`` (producers when ``upstream``, else consumers), never past a
+    weighted layer (a module or a functional conv/linear): the quantized functional ops met, one
+    per function not in ``skip`` and at most ``_MAX_FUNCTION_CANDIDATES``; and upstream, the
+    first weighted layer met (its output observer sets the sites' input range)."""
     step = graph.producers if upstream else graph.consumers
-    frontier = [n for site in sites for n in step(site.name)]
+    frontier = deque(n for site in sites for n in step(site.name))
     seen: set[str] = set()
-    functions: set[Any] = set()
+    functions: list[Any] = []
     met: list[OpNode] = []
     while frontier:
-        node = frontier.pop(0)
+        if not upstream and len(functions) >= _MAX_FUNCTION_CANDIDATES:
+            break
+        node = frontier.popleft()
         if node.name in seen:
             continue
         seen.add(node.name)
-        if node.op == "module" and node.module and node.weight is not None:
+        if node.weight is not None and node.kind in WEIGHTED_KINDS:
             if upstream:
-                met.append(node)
-                break
+                return met, node
             continue
-        if node.op == "function" and node.is_quantized and node.target not in functions:
-            if len(functions) < _MAX_FUNCTION_CANDIDATES:
-                functions.add(node.target)
-                met.append(node)
+        function = function_of.get(node.name) if node.is_quantized else None
+        if (
+            function is not None
+            and function not in functions
+            and function not in skip
+            and len(functions) < _MAX_FUNCTION_CANDIDATES
+        ):
+            functions.append(function)
+            met.append(node)
         frontier.extend(step(node.name))
-    return met
+    return met, None
 
 
 def best_keep_float(
-    ctx: LintContext, trial: TrialResult, candidates: list[KeptFloat]
+    ctx: LintContext, trial: TrialResult, tried: list[KeptFloat]
 ) -> tuple[KeptFloat | None, Impact | None]:
     """Keep each candidate float in a trial (a module by name; functional ops by their
     functions, with ``set_object_type``); the one recovering the most output SQNR."""
     if ctx.trial_bench is None or ctx.qconfig_mapping is None or trial.output_sqnr_db is None:
         return None, None
     best: tuple[KeptFloat | None, Impact | None] = (None, None)
-    for candidate in candidates:
+    for candidate in tried:
         mapping = copy.deepcopy(ctx.qconfig_mapping)
         if candidate.module:
             mapping.set_module_name(candidate.node, None)

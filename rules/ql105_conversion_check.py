@@ -71,7 +71,10 @@ class ConversionCheck(Rule):
     that recovers the most in a trial: that layer, the quantized functional ops between it
     and the weighted module before it (up to three functions, each kept float by
     `set_object_type`, e.g. the `add` of `sqrt(a**2 + b**2)`), or that module, whose
-    output range the layer's input inherits. Its impact is that trial's gain.
+    output range the layer's input inherits; and a functional layer (not a conv or linear)
+    together with the quantized functional ops after it, up to the next weighted layers:
+    an additive attention mask, `(1 - mask) * -10000`, loses its -10000s both in its own
+    int8 range and in the add that applies it. Its impact is that trial's gain.
 
     The trial costs what torch's own pass costs (`bench/scaling.py`) plus one paired run
     for the per-layer numbers, and torch's pass grows faster than the model: `prepare_fx`

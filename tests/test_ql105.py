@@ -7,6 +7,7 @@ import operator
 import pytest
 import torch
 import torch.nn as nn
+from qlint.rules._ql105_onset import _functional_until_weighted
 from qlint.rules.ql105_conversion_check import (
     _ConvFlatten,
     _ConvView,
@@ -25,6 +26,7 @@ import qlint
 from qlint.advice.plan import plan_from_report
 from qlint.core.ops import resolve_function
 from qlint.core.sqnr import sqnr_db as output_sqnr
+from qlint.linter.engine import analyse
 from qlint.linter.fixes import KeepFloat, KeepFloatFunction, ViewToReshape
 
 
@@ -97,7 +99,8 @@ def test_thresholds_turn_a_low_sqnr_into_a_warning_or_an_error():
     (low,) = _ql105(model, x, options={"warn_below_db": sqnr + 1.0})
     assert low.severity.value == "warning" and f"below {sqnr + 1.0:g} dB" in low.message
     assert low.data["kind"] == "low-output-sqnr" and low.data["onset"] in {"conv", "fc"}
-    assert low.suggestion == KeepFloat(module=low.data["onset"])
+    # the best of the onset and the weighted layer upstream of it (the conv: its BN is folded into it)
+    assert low.data["fix_target"] in {"conv", "fc"} and low.suggestion == KeepFloat(module=low.data["fix_target"])
     (bad,) = _ql105(model, x, options={"warn_below_db": sqnr + 2.0, "error_below_db": sqnr + 1.0})
     assert bad.severity.value == "error"
     assert _ql105(model, x, options={"report_success_sqnr": False}) == []
@@ -217,3 +220,32 @@ def test_an_additive_mask_is_kept_float_with_the_ops_that_apply_it():
     assert finding.impact.db > 10.0
     plan = plan_from_report(qlint.lint(model, (x, mask), select=["QL105"]))
     assert {resolve_function(kept.function) for kept in plan.float_functions} == set(functions)
+
+
+class _ScaledFunctionalConvs(nn.Module):
+    """A functional op between two functional convs (F.conv2d on a module's own weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 8, 3, padding=1)
+        self.w1, self.w2 = nn.Parameter(torch.randn(8, 8, 3, 3)), nn.Parameter(torch.randn(8, 8, 3, 3))
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c0(x) * 3.0
+        y = nn.functional.conv2d(y, self.w1, None, [1, 1], [1, 1], [1, 1], 1) + 1.0
+        y = torch.sigmoid(nn.functional.conv2d(y, self.w2, None, [1, 1], [1, 1], [1, 1], 1))
+        return self.fc(y.mean((2, 3)))
+
+
+def test_the_onset_search_never_walks_past_a_functional_conv():
+    model = _ScaledFunctionalConvs().eval()
+    analysis = analyse(model, (torch.randn(1, 3, 8, 8),), "x86")
+    graph, traced = analysis.graph, analysis.traced.graph_module
+    function_of = {n.name: n.target for n in traced.graph.nodes if n.op == "call_function" and n.name in graph}
+    [mul] = [n for n in graph.ops() if function_of.get(n.name) is operator.mul]
+    downstream, _ = _functional_until_weighted(graph, [mul], function_of, upstream=False)
+    assert downstream == []  # the conv right after the mul closes the path: nothing of it, nothing past it
+    [add] = [n for n in graph.ops() if function_of.get(n.name) is operator.add]
+    upstream, layer = _functional_until_weighted(graph, [add], function_of, upstream=True)
+    assert upstream == [] and layer is not None and function_of.get(layer.name) is nn.functional.conv2d

@@ -142,8 +142,9 @@ class Finding(_Frozen):
         return self.impact is not None and self.impact.basis in FIX_MEASURED_BASES
 
     def recovers_output_sqnr(self) -> bool:
-        """A warning or error whose fix raised the output SQNR in a trial: its own gain, or for a
-        diagnosis (QL105) the best single fix tried. These are the fixes the report applies together."""
+        """A warning or error whose impact is an output-SQNR gain above 0 (measured with its fix, or
+        with its target kept float, or estimated where no trial applies), or for a diagnosis (QL105)
+        the best single fix it tried. These are the fixes the report applies together."""
         return (
             self.severity is not Severity.INFO
             and self.impact is not None

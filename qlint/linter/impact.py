@@ -7,8 +7,8 @@ of single fix trials (``max_fix_trials``) lasts:
    dynamic): the model is quantized again with the intended mapping plus that change,
    and the impact is the output SQNR gained (``fix-trial``);
 2. the fix changes the float model without changing its function (a fusion, BN
-   folding, a reshape, equalization): a rewritten copy is quantized as intended
-   (``fix-trial``);
+   folding, a reshape, equalization): a rewritten copy is quantized with the intended
+   mapping plus the fix's own qconfig changes, where it has some (``fix-trial``);
 3. otherwise the target is kept float instead, and the impact is what quantizing it
    costs, the most any fix of it can recover (``keep-float-trial``).
 
@@ -51,7 +51,7 @@ from qlint.measure.trial import TrialBench, TrialResult
 Family = Literal["qconfig", "rewrite", "keep-float"]
 _FAMILY_DETAIL: dict[Family, str] = {
     "qconfig": "the fix applied in a trial",
-    "rewrite": "the fix's float-preserving rewrite applied in a trial",
+    "rewrite": "the fix's float-preserving rewrite (and its qconfig changes) applied in a trial",
     "keep-float": "the target kept float in a trial (the most a fix of it recovers)",
 }
 
@@ -322,7 +322,7 @@ def _order_key(meter: ImpactMeter, finding: Finding) -> tuple[int, float]:
 
 def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[Finding], float | None]:
     """Findings with their impact measured, below-threshold ones made info, sorted by impact;
-    and the output SQNR with every kept warning's fix (None when none is a qconfig change)."""
+    and the output SQNR with every kept warning's fix (None when no trial can apply any of them)."""
     threshold = meter.options.min_impact_db
     measured: dict[int, Finding] = {}
     pending: list[tuple[int, Finding]] = []

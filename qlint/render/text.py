@@ -250,7 +250,7 @@ def _impact_summary(report: Report) -> str:
     trial = report.trial
     if trial is not None and trial.recoverable_db is not None and trial.fixed_sqnr_db is not None:
         text += (
-            f" Their fixes applied together in one trial: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
+            f" Every such fix applied together in one trial: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
             f"({trial.recoverable_db:+.1f} dB, measured)."
         )
     return text
