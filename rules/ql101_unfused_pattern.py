@@ -15,6 +15,7 @@ from pydantic import Field
 from torch.ao.quantization import DeQuantStub, QConfig, QConfigMapping, QuantStub, get_default_qconfig_mapping
 from torch.ao.quantization.observer import FixedQParamsObserver
 
+from qlint.core.batches import call_model
 from qlint.core.graph import ModelGraph, OpNode
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
@@ -392,8 +393,11 @@ def _saturating_ranges(
     levels there. FX quantizes a conv's input with the conv's own qconfig when no quantized op
     produced it (a model input, or an op the backend leaves float such as a pad); such a conv
     gets the observe_input rewrite, so that the fixed range is its output's alone."""
-    batches = ctx.trial_bench.calibration if ctx.trial_bench is not None else [ctx.example_inputs or ()]
-    if ctx.model_factory is None or not batches or not batches[0]:
+    if ctx.trial_bench is not None:
+        batches = list(ctx.trial_bench.calibration)
+    else:
+        batches = [tuple(ctx.example_inputs)] if ctx.example_inputs else []
+    if ctx.model_factory is None or not batches:
         return [(None, False)] * len(clamps)
     model = ctx.model_factory().eval()
     highest: dict[str, float] = {}
@@ -410,8 +414,8 @@ def _saturating_ranges(
         producers = ctx.graph.producers(chain[0].name)
         own_input.append(not (producers and producers[0].op != "input" and ctx.backend.supports(producers[0].kind)))
     with torch.no_grad():
-        for batch in batches:
-            model(*batch)
+        for batch in batches:  # a tensor, a tuple of arguments or a mapping of keyword arguments
+            call_model(model, batch)
     ranges: list[tuple[tuple[float, float] | None, bool]] = []
     for (_, _, clamp), observe in zip(clamps, own_input, strict=True):
         high = 6.0

@@ -110,3 +110,12 @@ def test_fixed_ranges_on_functional_convs_ask_for_the_fold_and_the_report_measur
     assert ("fold_bn_into_functional_conv", ["stem", "conv2"]) in [(r.kind, r.modules) for r in plan.rewrites]
     default = output_sqnr(model, default_plan().quantize(model, calibration), held_out)
     assert output_sqnr(model, plan.quantize(model, calibration), held_out) > default + 3.0
+
+
+def test_bare_tensor_calibration_batches_are_read_as_one_argument_each():
+    torch.manual_seed(0)
+    model, (calibration, _) = Relu6Net().eval(), _data()
+    report = qlint.lint(model, (calibration[0],), calibration=calibration, select=["QL101"])
+    assert not report.skipped, report.skipped
+    [finding] = [f for f in report.findings if f.data.get("kind") == "unfusable-activation"]
+    assert set(finding.suggestion.targets) == {"stem", "conv2"} and finding.suggestion.scale * finding.suggestion.quant_max == 6.0
