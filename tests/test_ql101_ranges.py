@@ -118,4 +118,7 @@ def test_bare_tensor_calibration_batches_are_read_as_one_argument_each():
     report = qlint.lint(model, (calibration[0],), calibration=calibration, select=["QL101"])
     assert not report.skipped, report.skipped
     [finding] = [f for f in report.findings if f.data.get("kind") == "unfusable-activation"]
-    assert set(finding.suggestion.targets) == {"stem", "conv2"} and finding.suggestion.scale * finding.suggestion.quant_max == 6.0
+    assert (
+        set(finding.suggestion.targets) == {"stem", "conv2"}
+        and finding.suggestion.scale * finding.suggestion.quant_max == 6.0
+    )
