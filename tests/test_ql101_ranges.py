@@ -40,11 +40,20 @@ def _data():
     return calibration, held_out
 
 
+def _lint_ql101(model, images, *, as_tuples=True):
+    """QL101's report calibrated on ``images`` (each batch a one-tuple, or the bare tensor), and
+    its one fixed-range finding."""
+    calibration = [(b,) for b in images] if as_tuples else images
+    report = qlint.lint(model, (images[0],), calibration=calibration, select=["QL101"])
+    assert not report.skipped, report.skipped
+    [finding] = [f for f in report.findings if f.data.get("kind") == "unfusable-activation"]
+    return report, finding
+
+
 def test_fixed_ranges_with_the_stem_input_observed_gain_on_held_out_data():
     torch.manual_seed(0)
     model, (calibration, held_out) = Relu6Net().eval(), _data()
-    report = qlint.lint(model, (calibration[0],), calibration=[(b,) for b in calibration], select=["QL101"])
-    [finding] = [f for f in report.findings if f.data.get("kind") == "unfusable-activation"]
+    report, finding = _lint_ql101(model, calibration)
     fix = finding.suggestion
     assert fix.activation == "FixedQParamsObserver" and set(fix.targets) == {"stem", "conv2"}
     assert fix.zero_point == 0 and fix.scale * fix.quant_max == 6.0  # [0, 6]: the clip itself, not widened
@@ -97,8 +106,7 @@ class FunctionalRelu6Net(Relu6Net):
 def test_fixed_ranges_on_functional_convs_ask_for_the_fold_and_the_report_measures_them_together():
     torch.manual_seed(0)
     model, (calibration, held_out) = FunctionalRelu6Net().eval(), _data()
-    report = qlint.lint(model, (calibration[0],), calibration=[(b,) for b in calibration], select=["QL101"])
-    [finding] = [f for f in report.findings if f.data.get("kind") == "unfusable-activation"]
+    report, finding = _lint_ql101(model, calibration)
     fix = finding.suggestion
     assert set(fix.targets) == {"stem", "conv2"} and set(fix.fold_functional) == {"stem", "conv2"}
     assert finding.impact is not None and finding.impact.db > 3.0
@@ -115,9 +123,7 @@ def test_fixed_ranges_on_functional_convs_ask_for_the_fold_and_the_report_measur
 def test_bare_tensor_calibration_batches_are_read_as_one_argument_each():
     torch.manual_seed(0)
     model, (calibration, _) = Relu6Net().eval(), _data()
-    report = qlint.lint(model, (calibration[0],), calibration=calibration, select=["QL101"])
-    assert not report.skipped, report.skipped
-    [finding] = [f for f in report.findings if f.data.get("kind") == "unfusable-activation"]
+    _, finding = _lint_ql101(model, calibration, as_tuples=False)  # QL101 was skipped as crashed on these
     assert (
         set(finding.suggestion.targets) == {"stem", "conv2"}
         and finding.suggestion.scale * finding.suggestion.quant_max == 6.0

@@ -287,27 +287,17 @@ class ImpactMeter:
 
     def combined(self, findings: Sequence[Finding]) -> float | None:
         """Output SQNR with every given finding's fix applied at once, in one trial: the qconfig
-        changes, on the model rewritten as the fixes ask where one asks for a rewrite. Fixes no
-        trial can apply (notes) are left out."""
-        applicable = [f for f in findings if _applicable_fix(f, self.bench.backend)]
-        if not applicable:
-            return None
-        if any("rewrite" in self.families(f) for f in applicable):
+        changes, on the model rewritten as the fixes ask where one asks for a rewrite. Fixes that
+        only a keep-float bound measures are left out."""
+        ways = [(finding, self.families(finding)) for finding in findings]
+        applicable = [finding for finding, families in ways if "qconfig" in families or "rewrite" in families]
+        if any("rewrite" in families for _, families in ways):
             fixed = self._trial(applicable, "rewrite")
             if fixed is not None:
                 return fixed
             # no rewrite applied to this model: the qconfig changes alone
-            applicable = [f for f in applicable if fix_mapping(self.base, [f], self.bench.backend) is not None]
+            applicable = [finding for finding, families in ways if "qconfig" in families]
         return self._trial(applicable, "qconfig") if applicable else None
-
-
-def _applicable_fix(finding: Finding, backend: str) -> bool:
-    """Whether a trial can apply the finding's fix (a qconfig change, a rewrite, or both)."""
-    if finding.suggestion is None:
-        return False
-    suggestions = collect_suggestions(backend, None, [(finding.suggestion, finding.provenance())])
-    changes = suggestions.modules or suggestions.float_functions or suggestions.rewrites or suggestions.equalization
-    return bool(changes) and not suggestions.notes
 
 
 def _fix_key(finding: Finding) -> str:
