@@ -7,12 +7,14 @@ Models: the four real pretrained models of ``--real-models`` (efficientnet_lite0
 silero_vad, digit_cnn; skipped when the kit is absent) and the models of
 bench/findings_models.py (mobilenet_v2, transformer, lstm, gru).
 
-Each model is linted once with its calibration batches and example inputs. With the default
-``trial_options.batches`` (16), the lint's trial reads up to 20 batches, calibrates on the first
-ones and evaluates on the last ``min(4, len // 2)`` (qlint/linter/trial_stage.py), so the
-calibration passed here is ``calibration[:N] + held_out[:4]`` (N = ``--batches``, 8 by default):
-the trial calibrates on N calibration batches and its output SQNR is measured on the 4 held-out
-batches. (The data rules' statistics see all N + 4 batches.)
+Each model is linted once with its calibration batches (``--batches``, 8 by default) and example
+inputs; the held-out batches are never shown to lint. The lint's trial reads them all, calibrates
+on the first ones and evaluates on the last ``min(4, len // 2)`` (qlint/linter/trial_stage.py), so
+rules choose their fixes on calibration data only.
+
+Then, as a user applies the result: ``plan_from_report(report)`` (the kept findings' fixes) and the
+backend default are each quantized with ``QuantPlan.quantize`` on the same calibration batches and
+evaluated on the kit's held-out batches, which chose nothing.
 
 For each model it prints every warning and error with its impact (dB, basis, kind) and the
 output SQNR of the trial as intended beside the SQNR with that finding's fix applied, the trial
@@ -46,12 +48,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from findings_models import MODELS as BENCH_MODELS  # noqa: E402
 
 import qlint  # noqa: E402
+from qlint.advice.plan import default_plan, plan_from_report  # noqa: E402
+from qlint.core.sqnr import SqnrSums  # noqa: E402
+from qlint.errors import QlintError  # noqa: E402
 from qlint.linter.findings import Finding, Report, Severity  # noqa: E402
 
 DEFAULT_REAL_MODELS = "/work/shared/real_models"
 REAL_MODELS = ("efficientnet_lite0", "minilm_l6", "silero_vad", "digit_cnn")
 TRIAL_BATCHES = 16  # TrialOptions.batches's default: the trial evaluates on the last 4 batches it reads
-EVALUATION_BATCHES = 4
 THRESHOLD_DB = 0.5  # TrialOptions.min_impact_db's default, and the issue's "gains at least 0.5 dB"
 NO_SINGLE_FIX_KINDS = ("coverage", "diagnosis")
 # group-trial: the fix applied together with other findings of its rule (adaptive group testing past
@@ -198,6 +202,36 @@ def print_report(name: str, report: Report, wall: float, threshold: float) -> tu
     return accepted, not bits
 
 
+def held_out_sqnr(model, quantized, held_out) -> float | None:
+    import torch
+
+    from qlint.core.batches import call_model
+
+    sums = SqnrSums()
+    with torch.no_grad():
+        for batch in held_out:
+            sums.add(call_model(model, batch), call_model(quantized, batch))
+    return sums.sqnr_db()
+
+
+def print_held_out(report: Report, model, calibration, held_out) -> None:
+    """Default vs the plan of the kept findings, quantized as a user would, on the held-out batches."""
+    plan = plan_from_report(report)
+    default = held_out_sqnr(model, default_plan(report.backend).quantize(model, calibration), held_out)
+    try:
+        fixed = held_out_sqnr(model, plan.quantize(model, calibration), held_out)
+    except QlintError as error:  # QuantizeError: printed, and the bench goes on to the next model
+        print(f"  held-out: the plan failed to quantize: {short(str(error), 120)}")
+        return
+    gain = None if default is None or fixed is None else fixed - default
+    print(
+        f"  held-out ({len(held_out)} batches, chose nothing): default {fmt(default, '.2f')} dB, "
+        f"plan of the kept fixes {fmt(fixed, '.2f')} dB ({fmt(gain, '+.2f')} dB); "
+        f"{len(plan.modules)} module decisions, {len(plan.float_functions)} float functions, "
+        f"{len(plan.rewrites)} rewrites"
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="", help="comma-separated names (default: all)")
@@ -227,13 +261,13 @@ def main(argv=None) -> int:
     print(
         f"qlint {qlint.__version__}, torch {torch.__version__}, backend {args.backend}, "
         f"impact threshold {THRESHOLD_DB} dB, "
-        f"calibration batches {args.batches} + {EVALUATION_BATCHES} held-out, max fix trials "
+        f"calibration batches {args.batches} (lint and quantization), held-out batches for evaluation only, max fix trials "
         f"{'default' if args.max_fix_trials is None else args.max_fix_trials}"
     )
     verdicts = {}
     for name in names:
         model, example, calibration, held_out = load_model(name, args.real_models)
-        data = calibration[: args.batches] + held_out[:EVALUATION_BATCHES]
+        data = calibration[: args.batches]
         options = {"batches": TRIAL_BATCHES, "min_impact_db": THRESHOLD_DB}
         if args.max_fix_trials is not None:
             options["max_fix_trials"] = args.max_fix_trials
@@ -245,6 +279,9 @@ def main(argv=None) -> int:
             )
         wall = time.perf_counter() - start
         verdicts[name] = print_report(name, report, wall, THRESHOLD_DB) + (wall,)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            print_held_out(report, model, data, held_out)
         sys.stdout.flush()
     print("\n=== summary")
     for name, (accepted, physical, wall) in verdicts.items():

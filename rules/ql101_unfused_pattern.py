@@ -22,6 +22,7 @@ from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 from qlint.linter.suggestions import Provenance, Rewrite, Suggestions
 from qlint.measure.rewrite import apply_rewrites
+from qlint.measure.trial import ActivationError
 
 REASON_EAGER = "eager-no-fuse"
 REASON_FANOUT = "fan-out"
@@ -281,7 +282,7 @@ class UnfusedPattern(Rule):
         functional convs, a module only once the fold rewrite has run (the fix asks for it)."""
         lines, rounding = [], []
         for chain, _pattern, clamp in clamps:
-            found = ctx.trial.activation(chain[-1].name) if ctx.trial is not None else None
+            found = _chain_end_activation(ctx, chain)
             measured = found.sqnr_db if found is not None else None
             rounding.append(measured)
             text = f"{' → '.join(n.display for n in chain)} → {clamp.display}"
@@ -345,6 +346,15 @@ class UnfusedPattern(Rule):
                 "fold_functional": [h for h in targets if h in folded],
             },
         )
+
+
+def _chain_end_activation(ctx: LintContext, chain: list[OpNode]) -> ActivationError | None:
+    """The trial's rounding error where the chain hands its value to the clamp. Fusion renames
+    it: a conv → BN pair folds into one module named after the conv, so the last chain node the
+    trial observed is the one that stands for the chain's end."""
+    if ctx.trial is None:
+        return None
+    return next((found for node in reversed(chain) if (found := ctx.trial.activation(node.name)) is not None), None)
 
 
 def _foldable_functional(chain: list[OpNode], reasons: list[tuple[str, str]]) -> bool:

@@ -11,6 +11,21 @@ if str(ROOT) not in sys.path:
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `-n auto` runs one worker per core: each gets one intra-op thread, and so do the CLI
+    # processes it starts. Two threads per worker on shared cores made the suite 1.5x slower.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _natural_table_width(monkeypatch):
+    """Tables keep their natural width unless a test sets COLUMNS: a terminal's COLUMNS (or
+    pytest-xdist's workers, which set it to 80) would otherwise wrap the headers tests read."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
 
 @pytest.fixture
 def repo_root() -> Path:

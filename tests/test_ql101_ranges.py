@@ -59,6 +59,10 @@ def test_fixed_ranges_with_the_stem_input_observed_gain_on_held_out_data():
     assert fix.zero_point == 0 and fix.scale * fix.quant_max == 6.0  # [0, 6]: the clip itself, not widened
     assert fix.observe_inputs == ["stem"]  # the model input feeds it; conv2's input is quantized already
     assert finding.impact is not None and finding.impact.db > 3.0
+    # the rounding before each ReLU6 is the trial's error at the fused conv (the BN node is folded away)
+    assert len(finding.data["rounding_sqnr_db"]) == 2
+    assert all(isinstance(db, float) and 10.0 < db < 60.0 for db in finding.data["rounding_sqnr_db"])
+    assert "(rounding before relu6: " in finding.message
     plan = plan_from_report(report)
     assert [(r.kind, r.modules) for r in plan.rewrites] == [("observe_input", ["stem"])]
     default = output_sqnr(model, default_plan().quantize(model, calibration), held_out)

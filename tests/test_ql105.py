@@ -197,7 +197,8 @@ def test_an_additive_mask_is_kept_float_with_the_ops_that_apply_it():
     x = torch.randn(8, 12, 16, generator=torch.Generator().manual_seed(3))
     mask = torch.ones(8, 12)
     mask[:, 9:] = 0  # three padding tokens in every sequence
-    (finding,) = _ql105(model, (x, mask))
+    report = qlint.lint(model, (x, mask), select=["QL105"])
+    (finding,) = report.by_rule("QL105")
     assert finding.severity.value == "error" and finding.data["onset"] == "mul", finding.message
     fix = finding.suggestion
     assert isinstance(fix, KeepFloatFunction) and fix.function == "operator.mul"
@@ -218,7 +219,7 @@ def test_an_additive_mask_is_kept_float_with_the_ops_that_apply_it():
         torch.backends.quantized.engine = previous
     assert finding.impact is not None and finding.impact.fixed_sqnr_db == pytest.approx(expected, abs=0.01)
     assert finding.impact.db > 10.0
-    plan = plan_from_report(qlint.lint(model, (x, mask), select=["QL105"]))
+    plan = plan_from_report(report)
     assert {resolve_function(kept.function) for kept in plan.float_functions} == set(functions)
 
 

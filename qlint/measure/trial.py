@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
+import torch.fx.config as fx_config
 import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 from torch.ao.quantization.fx import utils as fx_quantization_utils
@@ -169,6 +170,20 @@ def copy_sharing_parameters(model: _M) -> _M:
     return copy.deepcopy(model, {id(p): p for p in model.parameters()})
 
 
+def prepare_model(model: nn.Module, mapping: QConfigMapping, example: tuple[Any, ...], **kwargs: Any) -> fx.GraphModule:
+    """``prepare_fx`` without a Python stack trace recorded on every node of the prepared graph.
+
+    prepare_fx's tracer records one by default, and the first one a process records
+    symbolizes it by importing torch's compiler stack: over a second per process, which
+    every ``qlint`` command paid, for metadata no trial reads. The caller's setting is restored."""
+    previous = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        return prepare_fx(model, mapping, example, **kwargs)
+    finally:
+        fx_config.do_not_emit_stack_traces = previous
+
+
 def quantize_fx(
     model: nn.Module,
     mapping: QConfigMapping,
@@ -217,7 +232,7 @@ def _quantize_fx(
     config = backend_config(backend)
     example = as_call(calibration[0], what="calibration batch 0")[0] if calibration else ()
     try:
-        prepared = prepare_fx(model.eval(), mapping, example, backend_config=config, **(prepare_kwargs or {}))
+        prepared = prepare_model(model.eval(), mapping, example, backend_config=config, **(prepare_kwargs or {}))
     except QlintError:
         raise
     except Exception as error:  # torch raises many kinds for unsupported graphs

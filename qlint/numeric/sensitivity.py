@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
-from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+from torch.ao.quantization.quantize_fx import convert_fx
 
 from qlint.core.batches import as_call, batch_size, call_model, reiterable
 from qlint.core.nested import first_float, map_tensors, tensors_in
@@ -38,6 +38,7 @@ from qlint.core.preserve import preserved_state
 from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
 from qlint.measure.capture import PairedRunner
 from qlint.measure.matching import MODULE_SITE, LayerMatch, match_layers
+from qlint.measure.trial import prepare_model
 
 
 class SensitivityRow(BaseModel):
@@ -76,7 +77,7 @@ def quantize_with_fx(
 ) -> torch.fx.GraphModule:
     """prepare_fx + calibration over ``data`` + convert_fx, on a copy of ``model``."""
     mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
-    prepared = prepare_fx(copy.deepcopy(model).eval(), mapping, _example_inputs(_first_batch(data)))
+    prepared = prepare_model(copy.deepcopy(model).eval(), mapping, _example_inputs(_first_batch(data)))
     with torch.no_grad():
         for index, batch in enumerate(data):
             if max_batches is not None and index >= max_batches:
@@ -319,7 +320,7 @@ def _exhaustive_sensitivity(
     max_batches: int | None,
 ) -> list[tuple[str, float]]:
     mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
-    resolved = prepare_fx(copy.deepcopy(model).eval(), mapping, _example_inputs(_first_batch(data)))
+    resolved = prepare_model(copy.deepcopy(model).eval(), mapping, _example_inputs(_first_batch(data)))
     if layers is None:
         full = match_layers(model, convert_fx(copy.deepcopy(resolved)))
         layers = [layer.name for layer in full.layers if layer.is_module]
