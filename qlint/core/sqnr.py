@@ -69,6 +69,39 @@ class SqnrSums:
         return sqnr_db_from_powers(self.signal_power, self.noise_power)
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchPowers:
+    """Signal and noise power of each evaluation batch, in order: the output SQNR, and
+    whether a change of it rests on one batch."""
+
+    batches: tuple[tuple[float, float], ...]
+
+    def sqnr_db(self, leave_out: int | None = None) -> float | None:
+        """The SQNR over every batch, or every batch but ``leave_out``; None without a batch."""
+        kept = [powers for index, powers in enumerate(self.batches) if index != leave_out]
+        if not kept:
+            return None
+        return sqnr_db_from_powers(sum(signal for signal, _ in kept), sum(noise for _, noise in kept))
+
+
+def steady_gain_db(base: BatchPowers, fixed: BatchPowers) -> float | None:
+    """The SQNR gained from ``base`` to ``fixed`` with the batch that contributes most to the
+    gain left out: the smallest gain over the evaluation data minus any one batch.
+
+    A gain that one batch carries (a clip that happens to suit one batch's spikes) is noise
+    that held-out data does not repeat. None with fewer than two batches, or when an SQNR is
+    undefined."""
+    if len(base.batches) != len(fixed.batches) or len(base.batches) < 2:
+        return None
+    gains = []
+    for index in range(len(base.batches)):
+        before, after = base.sqnr_db(leave_out=index), fixed.sqnr_db(leave_out=index)
+        if before is None or after is None:
+            return None
+        gains.append(after - before)
+    return min(gains)
+
+
 def sqnr_db(reference: Any, approximation: Any) -> float | None:
     """SQNR (dB) of ``approximation`` against ``reference``: tensors or nested outputs alike.
 
@@ -78,4 +111,12 @@ def sqnr_db(reference: Any, approximation: Any) -> float | None:
     return sums.sqnr_db()
 
 
-__all__ = ["SQNR_CAP_DB", "SqnrSums", "noise_power_ratio", "sqnr_db", "sqnr_db_from_powers"]
+__all__ = [
+    "SQNR_CAP_DB",
+    "BatchPowers",
+    "SqnrSums",
+    "noise_power_ratio",
+    "sqnr_db",
+    "sqnr_db_from_powers",
+    "steady_gain_db",
+]

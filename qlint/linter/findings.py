@@ -74,6 +74,11 @@ class Impact(_Frozen):
     int8_ops_gained: int = 0
     base_sqnr_db: float | None = Field(default=None, description="Output SQNR of the trial as intended.")
     fixed_sqnr_db: float | None = Field(default=None, description="Output SQNR with the fix applied.")
+    steady_db: float | None = Field(
+        default=None,
+        description="The gain with the evaluation batch that gains most left out (the smallest such gain); "
+        "below the threshold, the gain rests on one batch and the finding is info. None with one batch.",
+    )
     detail: str = ""
 
     @classmethod
@@ -86,6 +91,7 @@ class Impact(_Frozen):
         *,
         kind: Literal["sqnr-gain", "coverage", "diagnosis"] = "sqnr-gain",
         int8_ops_gained: int = 0,
+        steady_db: float | None = None,
     ) -> Impact:
         """The impact of a fix measured in a trial: the output SQNR it gains (rounded to 1e-3 dB)."""
         return cls(
@@ -95,8 +101,14 @@ class Impact(_Frozen):
             int8_ops_gained=int8_ops_gained,
             base_sqnr_db=round(base_sqnr_db, 3),
             fixed_sqnr_db=round(fixed_sqnr_db, 3),
+            steady_db=None if steady_db is None else round(steady_db, 3),
             detail=detail,
         )
+
+    def rests_on_one_batch(self, threshold: float) -> bool:
+        """The gain reaches ``threshold`` over all evaluation batches, but not without the one
+        that gains most: noise of that batch, which held-out data does not repeat."""
+        return self.db >= threshold and self.steady_db is not None and self.steady_db < threshold
 
 
 class Finding(_Frozen):

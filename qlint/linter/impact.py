@@ -24,7 +24,10 @@ Only a fix no trial can express (a functional op with no fix) gets an estimate f
 the layer's own (shadow) error and the output error (``local-error``).
 
 A finding whose impact is below ``min_impact_db`` becomes info: it is real, but fixing
-it would not move the int8 model. Findings that a rule measured itself keep theirs.
+it would not move the int8 model. So does one whose gain reaches the threshold only with
+the evaluation batch that gains most (``Impact.steady_db``, the smallest leave-one-out gain):
+held-out data does not repeat one batch's luck. Findings that a rule measured itself keep
+theirs.
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ from torch.ao.quantization import QConfigMapping
 
 from qlint.core.batches import as_call
 from qlint.core.ops import resolve_function
-from qlint.core.sqnr import noise_power_ratio
+from qlint.core.sqnr import BatchPowers, noise_power_ratio, steady_gain_db
 from qlint.errors import QlintError
-from qlint.linter.findings import Finding, Impact, Severity
+from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.mapping import module_recipe
 from qlint.linter.suggestions import Suggestions, collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
@@ -131,7 +134,7 @@ class ImpactMeter:
         self.options = options
         self.aliases = aliases or {}  # module fqn -> the graph nodes it computes
         self.trials = 0  # every fix trial run, single and group
-        self._measured: dict[str, float | None] = {}
+        self._measured: dict[str, BatchPowers | None] = {}
 
     def exhausted(self) -> bool:
         """The single-trial budget is spent: further findings are measured in groups."""
@@ -154,15 +157,16 @@ class ImpactMeter:
             found.append("keep-float")
         return tuple(found)
 
-    def _trial(self, findings: Sequence[Finding], family: Family) -> float | None:
-        """Output SQNR with the fixes of ``findings`` applied at once, in one trial (cached); None
-        when they cannot be applied (no trial spent) or the trial fails."""
+    def _trial(self, findings: Sequence[Finding], family: Family) -> BatchPowers | None:
+        """The output, per evaluation batch, with the fixes of ``findings`` applied at once, in one
+        trial (cached); None when they cannot be applied (no trial spent), the trial fails or its
+        SQNR is undefined."""
         key = family + ":" + "|".join(_fix_key(f) for f in findings)
         if key in self._measured:
             return self._measured[key]
         bench = self.bench
         if family == "keep-float" and all(self._already_float(finding.target) for finding in findings):
-            return self.result.output_sqnr_db  # the same model as the trial: no trial needed
+            return self.result.output_powers  # the same model as the trial: no trial needed
         if family == "qconfig":
             mapping = fix_mapping(self.base, findings, bench.backend)
         elif family == "keep-float":
@@ -183,7 +187,8 @@ class ImpactMeter:
             self._measured[key] = None
             return None
         self.trials += 1
-        self._measured[key] = bench.output_sqnr(mapping)
+        powers = bench.output_powers(mapping)
+        self._measured[key] = powers if powers is not None and powers.sqnr_db() is not None else None
         return self._measured[key]
 
     def _already_float(self, target: str) -> bool:
@@ -203,15 +208,21 @@ class ImpactMeter:
                 return None
             fixed = self._trial([finding], family)
             if fixed is not None:
-                return self._single_impact(base, fixed, family, finding.target)
+                return self._single_impact(fixed, family, finding.target)
         return None
 
-    @staticmethod
-    def _single_impact(base: float, fixed: float, family: Family, target: str) -> Impact:
+    def _gain(self, fixed: BatchPowers, basis: ImpactBasis, detail: str) -> Impact:
+        """The gain from the trial as intended to ``fixed``, and that gain without its best batch."""
+        base, after = self.result.output_powers, fixed.sqnr_db()
+        if base is None or after is None or self.result.output_sqnr_db is None:
+            raise ValueError("an impact needs the trial's and the fix's output SQNR")  # callers check both
+        return Impact.measured(self.result.output_sqnr_db, after, basis, detail, steady_db=steady_gain_db(base, fixed))
+
+    def _single_impact(self, fixed: BatchPowers, family: Family, target: str) -> Impact:
         if family == "keep-float":
             detail = f"{target} kept float in a trial: the most a fix of it recovers"
-            return Impact.measured(base, fixed, "keep-float-trial", detail)
-        return Impact.measured(base, fixed, "fix-trial", _FAMILY_DETAIL[family])
+            return self._gain(fixed, "keep-float-trial", detail)
+        return self._gain(fixed, "fix-trial", _FAMILY_DETAIL[family])
 
     def grouped(self, pending: Sequence[tuple[int, Finding]]) -> dict[int, Impact]:
         """Impacts of the findings past the single-trial budget, by adaptive group testing
@@ -241,9 +252,9 @@ class ImpactMeter:
             return {}
         family, fixed = measured
         if len(members) == 1:
-            return {members[0][0]: self._single_impact(base, fixed, family, findings[0].target)}
-        group = self._group_impact(base, fixed, len(members), family)
-        if fixed - base < self.options.min_impact_db or self._groups_exhausted():
+            return {members[0][0]: self._single_impact(fixed, family, findings[0].target)}
+        group = self._group_impact(fixed, len(members), family)
+        if group.db < self.options.min_impact_db or self._groups_exhausted():
             return {index: group for index, _ in members}
         half = len(members) // 2
         settled = self._bisect(members[:half], families)
@@ -251,10 +262,8 @@ class ImpactMeter:
         # where the budget ran out inside this group, its unsettled members keep the group's gain
         return {index: settled.get(index, group) for index, _ in members}
 
-    @staticmethod
-    def _group_impact(base: float, fixed: float, size: int, family: Family) -> Impact:
-        return Impact.measured(
-            base,
+    def _group_impact(self, fixed: BatchPowers, size: int, family: Family) -> Impact:
+        return self._gain(
             fixed,
             "group-trial",
             f"{_FAMILY_DETAIL[family]}, together with the fixes of {size - 1} other finding(s) of this rule; "
@@ -294,10 +303,11 @@ class ImpactMeter:
         if any("rewrite" in families for _, families in ways):
             fixed = self._trial(applicable, "rewrite")
             if fixed is not None:
-                return fixed
+                return fixed.sqnr_db()
             # no rewrite applied to this model: the qconfig changes alone
             applicable = [finding for finding, families in ways if "qconfig" in families]
-        return self._trial(applicable, "qconfig") if applicable else None
+        fixed = self._trial(applicable, "qconfig") if applicable else None
+        return fixed.sqnr_db() if fixed is not None else None
 
 
 def _fix_key(finding: Finding) -> str:
@@ -333,17 +343,21 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
     for index in range(len(findings)):
         finding = measured[index]
         impact = finding.impact
-        if (
-            finding.severity is not Severity.INFO
-            and impact is not None
-            and impact.kind == "sqnr-gain"
-            and impact.db < threshold
-        ):
-            note = (
-                f" Measured impact {impact.db:+.2f} dB ({impact.basis}) is below the "
-                f"{threshold:g} dB threshold, so this is info."
-            )
-            finding = finding.model_copy(update={"severity": Severity.INFO, "message": finding.message + note})
+        if finding.severity is not Severity.INFO and impact is not None and impact.kind == "sqnr-gain":
+            note = None
+            if impact.db < threshold:
+                note = (
+                    f" Measured impact {impact.db:+.2f} dB ({impact.basis}) is below the "
+                    f"{threshold:g} dB threshold, so this is info."
+                )
+            elif impact.rests_on_one_batch(threshold):
+                note = (
+                    f" Measured impact {impact.db:+.2f} dB ({impact.basis}) rests on one evaluation batch: "
+                    f"without it the fix gains {impact.steady_db:+.2f} dB, below the {threshold:g} dB threshold, "
+                    "so this is info."
+                )
+            if note is not None:
+                finding = finding.model_copy(update={"severity": Severity.INFO, "message": finding.message + note})
         result.append(finding)
     kept = [f for f in result if f.recovers_output_sqnr()]
     fixed = meter.combined(kept) if kept else None

@@ -349,12 +349,17 @@ class Pt2eBench(TrialBench):
             return dataclasses.replace(base, failure=step.failure)
         try:
             with torch.no_grad():
-                output = self._output_sqnr(converted, reference)
+                powers = self._output_powers(converted, reference)
         except Exception as error:
             return dataclasses.replace(base, failure=TrialFailure(STAGE_RUN, error, converted))
         fallbacks, int8, total = pt2e_float_layers(converted, mapping)
         base = dataclasses.replace(
-            base, output_sqnr_db=output, float_layers=tuple(fallbacks), int8_ops=int8, weighted_ops=total
+            base,
+            output_sqnr_db=powers.sqnr_db() if powers else None,
+            output_powers=powers,
+            float_layers=tuple(fallbacks),
+            int8_ops=int8,
+            weighted_ops=total,
         )
         if folded is None:
             return base

@@ -41,7 +41,7 @@ from qlint.core.backends import backend_config
 from qlint.core.batches import as_call, call_model
 from qlint.core.nested import first_float
 from qlint.core.ops import module_kind, quantized_form
-from qlint.core.sqnr import SqnrSums
+from qlint.core.sqnr import BatchPowers, SqnrSums
 from qlint.errors import QlintError
 from qlint.measure.bias_correction import InputSums
 from qlint.measure.capture import PairedRunner
@@ -98,6 +98,7 @@ class TrialResult:
     evaluated_on: str
     failure: TrialFailure | None = None
     output_sqnr_db: float | None = None
+    output_powers: BatchPowers | None = None  # per evaluation batch: does a gain rest on one of them
     layers: tuple[LayerError, ...] = ()
     activations: tuple[ActivationError, ...] = ()
     float_layers: tuple[FloatLayer, ...] = ()
@@ -341,13 +342,18 @@ class TrialBench:
             except TrialStepError as step:
                 return dataclasses.replace(base, failure=step.failure)
             try:
-                output = self._output_sqnr(converted, reference)
+                powers = self._output_powers(converted, reference)
             except Exception as error:
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_RUN, error, converted))
             fallbacks = float_layers(converted, mapping)
             int8, total = int8_coverage(converted, fallbacks)
             base = dataclasses.replace(
-                base, output_sqnr_db=output, float_layers=tuple(fallbacks), int8_ops=int8, weighted_ops=total
+                base,
+                output_sqnr_db=powers.sqnr_db() if powers else None,
+                output_powers=powers,
+                float_layers=tuple(fallbacks),
+                int8_ops=int8,
+                weighted_ops=total,
             )
             if not measure_layers or prepared is None:
                 return base
@@ -380,6 +386,11 @@ class TrialBench:
         result = self.run(mapping, measure_layers=False)
         return result.output_sqnr_db
 
+    def output_powers(self, mapping: QConfigMapping) -> BatchPowers | None:
+        """Per evaluation batch, the output's signal and noise power under ``mapping``; None when
+        the trial fails."""
+        return self.run(mapping, measure_layers=False).output_powers
+
     def sqnr_of(self, model: nn.Module) -> float | None:
         """Output SQNR of any model (a changed copy of the converted one) on the evaluation data."""
         began = time.perf_counter()
@@ -390,10 +401,18 @@ class TrialBench:
             self.seconds += time.perf_counter() - began
 
     def _output_sqnr(self, converted: nn.Module, reference: list[Any]) -> float | None:
-        sums = SqnrSums()
+        powers = self._output_powers(converted, reference)
+        return powers.sqnr_db() if powers else None
+
+    def _output_powers(self, converted: nn.Module, reference: list[Any]) -> BatchPowers | None:
+        """Signal and noise power per evaluation batch; None when no output is floating-point."""
+        batches = []
         for batch, expected in zip(self.evaluation, reference):
+            sums = SqnrSums()
             sums.add(expected, call_model(converted, batch))
-        return sums.sqnr_db()
+            if sums.pairs:
+                batches.append((sums.signal_power, sums.noise_power))
+        return BatchPowers(tuple(batches)) if batches else None
 
 
 def layer_errors(float_model: nn.Module, converted: nn.Module, batches: Sequence[Any]) -> tuple[LayerError, ...]:
