@@ -46,6 +46,14 @@ def _per_tensor() -> QConfigMapping:
     )
 
 
+def _per_channel_weights() -> QConfig:
+    """QL104's fix for the per-tensor mapping, built by hand: the same activations, per-channel weights."""
+    return QConfig(
+        activation=HistogramObserver.with_args(reduce_range=True),
+        weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric),
+    )
+
+
 def _batches(count=6):
     generator = torch.Generator().manual_seed(3)
     return [torch.randn(4, 3, 8, 8, generator=generator) for _ in range(count)]
@@ -91,13 +99,9 @@ def test_trial_and_fix_impact_match_torch_by_hand():
     impact = finding.impact
     assert impact is not None and impact.basis == "fix-trial" and impact.kind == "sqnr-gain"
     fixed_mapping = _per_tensor()
-    per_channel = QConfig(
-        activation=HistogramObserver.with_args(reduce_range=True),
-        weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric),
-    )
     assert finding.suggestion.targets == ["conv", "head"]
     for name in finding.suggestion.targets:
-        fixed_mapping.set_module_name(name, per_channel)
+        fixed_mapping.set_module_name(name, _per_channel_weights())
     assert impact.fixed_sqnr_db == pytest.approx(_by_hand(model, fixed_mapping, calibration, evaluation), abs=0.01)
     assert impact.db == pytest.approx(impact.fixed_sqnr_db - impact.base_sqnr_db, abs=1e-3)
     assert impact.db > 0 and finding.severity.value == "warning"

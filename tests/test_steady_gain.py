@@ -3,13 +3,11 @@ the gain with the batch that gains most left out, and the trial's numbers agains
 
 import pytest
 import torch
-from torch.ao.quantization import QConfig
-from torch.ao.quantization.observer import HistogramObserver, PerChannelMinMaxObserver
 
 import qlint
 from qlint.core.sqnr import BatchPowers, SqnrSums, sqnr_db, steady_gain_db
 from qlint.linter.findings import Impact
-from tests.test_impact import _batches, _by_hand, _model, _per_tensor
+from tests.test_impact import _batches, _by_hand, _model, _per_channel_weights, _per_tensor
 
 
 def _powers(references, approximations) -> BatchPowers:
@@ -80,12 +78,8 @@ def test_the_trial_reports_the_steady_gain_torch_gives_by_hand():
     assert impact is not None and impact.basis == "fix-trial" and impact.steady_db is not None
     calibration, evaluation = data[:4], data[4:]
     per_channel = _per_tensor()
-    qconfig = QConfig(  # the fix, as test_impact builds it by hand
-        activation=HistogramObserver.with_args(reduce_range=True),
-        weight=PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric),
-    )
     for name in finding.suggestion.targets:
-        per_channel.set_module_name(name, qconfig)
+        per_channel.set_module_name(name, _per_channel_weights())
     gains = []
     for left_out in range(len(evaluation)):
         kept = [batch for index, batch in enumerate(evaluation) if index != left_out]

@@ -353,14 +353,7 @@ class Pt2eBench(TrialBench):
         except Exception as error:
             return dataclasses.replace(base, failure=TrialFailure(STAGE_RUN, error, converted))
         fallbacks, int8, total = pt2e_float_layers(converted, mapping)
-        base = dataclasses.replace(
-            base,
-            output_sqnr_db=powers.sqnr_db() if powers else None,
-            output_powers=powers,
-            float_layers=tuple(fallbacks),
-            int8_ops=int8,
-            weighted_ops=total,
-        )
+        base = base.with_output(powers, fallbacks, int8, total)
         if folded is None:
             return base
         errors = measure_errors(folded, converted, self.evaluation)

@@ -112,6 +112,19 @@ class TrialResult:
     workaround: str | None = None
     converter: str = "convert_fx"  # the step that built the int8 model (convert_pt2e for exported graphs)
 
+    def with_output(
+        self, powers: BatchPowers | None, fallbacks: Sequence[FloatLayer], int8_ops: int, weighted_ops: int
+    ) -> TrialResult:
+        """This result with the converted model's output measured and its float fallbacks counted."""
+        return dataclasses.replace(
+            self,
+            output_sqnr_db=powers.sqnr_db() if powers else None,
+            output_powers=powers,
+            float_layers=tuple(fallbacks),
+            int8_ops=int8_ops,
+            weighted_ops=weighted_ops,
+        )
+
     @property
     def converted(self) -> bool:
         """The model converted and ran as intended."""
@@ -347,14 +360,7 @@ class TrialBench:
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_RUN, error, converted))
             fallbacks = float_layers(converted, mapping)
             int8, total = int8_coverage(converted, fallbacks)
-            base = dataclasses.replace(
-                base,
-                output_sqnr_db=powers.sqnr_db() if powers else None,
-                output_powers=powers,
-                float_layers=tuple(fallbacks),
-                int8_ops=int8,
-                weighted_ops=total,
-            )
+            base = base.with_output(powers, fallbacks, int8, total)
             if not measure_layers or prepared is None:
                 return base
             # a fix trial (measure_layers=False) never pays for this copy of the float model
