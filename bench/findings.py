@@ -16,7 +16,8 @@ Then, as a user applies the result: ``plan_from_report(report)`` (the kept findi
 backend default are each quantized with ``QuantPlan.quantize`` on the same calibration batches and
 evaluated on the kit's held-out batches, which chose nothing.
 
-For each model it prints every warning and error with its impact (dB, basis, kind) and the
+For each model it prints every warning and error with its impact (dB, steady dB: the gain with
+the evaluation batch that gains most left out, basis, kind) and the
 output SQNR of the trial as intended beside the SQNR with that finding's fix applied, the trial
 summary, lint's wall time, and two checks:
 
@@ -166,13 +167,13 @@ def print_report(name: str, report: Report, wall: float, threshold: float) -> tu
     demoted = [f for f in infos if "threshold, so this is info" in f.message]
     print(f"  {len(serious)} warnings/errors, {len(infos)} info ({len(demoted)} demoted below {threshold:g} dB)")
     if serious:
-        print(f"  {'sev':7} {'rule':5} {'target':34} {'impact':>7} {'basis':16} {'kind':9} {'default':>7} {'fixed':>7}")
+        print(f"  {'sev':7} {'rule':5} {'target':34} {'impact':>7} {'steady':>7} {'basis':16} {'kind':9} {'default':>7} {'fixed':>7}")
     for f in serious:
         i = f.impact
         print(
             f"  {f.severity.value:7} {f.rule:5} {short(f.target, 34):34} "
-            f"{fmt(i.db if i else None, '+7.2f'):>7} {(i.basis if i else '-'):16} "
-            f"{(i.kind if i else '-'):9} {fmt(i.base_sqnr_db if i else None, '7.2f'):>7} "
+            f"{fmt(i.db if i else None, '+7.2f'):>7} {fmt(i.steady_db if i else None, '+7.2f'):>7} "
+            f"{(i.basis if i else '-'):16} {(i.kind if i else '-'):9} {fmt(i.base_sqnr_db if i else None, '7.2f'):>7} "
             f"{fmt(i.fixed_sqnr_db if i else None, '7.2f'):>7}"
         )
         print(f"          {short(f.message)}")
@@ -180,7 +181,7 @@ def print_report(name: str, report: Report, wall: float, threshold: float) -> tu
         i = f.impact
         print(
             f"  (info)  {f.rule:5} {short(f.target, 34):34} {fmt(i.db if i else None, '+7.2f'):>7} "
-            f"{(i.basis if i else '-'):16}"
+            f"{fmt(i.steady_db if i else None, '+7.2f'):>7} {(i.basis if i else '-'):16}"
         )
     by_rule: dict[str, int] = {}
     for f in infos:

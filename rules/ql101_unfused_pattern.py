@@ -17,6 +17,7 @@ from torch.ao.quantization.observer import FixedQParamsObserver
 
 from qlint.core.batches import call_model
 from qlint.core.graph import ModelGraph, OpNode
+from qlint.core.sqnr import BatchPowers
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
@@ -494,26 +495,27 @@ class _RangeMeter:
 
             self.bench = self.bench.variant(lambda: copy.deepcopy(rewritten_once()))
         self.functional, self.rewritten = bool(functional), bool(functional or observed)
-        self._all: float | None = None
+        self._all: BatchPowers | None = None
 
-    def _sqnr(self, groups: list[tuple[_Fixed, list[str]]]) -> float | None:
+    def _powers(self, groups: list[tuple[_Fixed, list[str]]]) -> BatchPowers | None:
+        """The output's per-batch powers with ``groups`` fixed; None when no trial can tell."""
         mapping = self.ctx.qconfig_mapping
-        if self.bench is None or mapping is None or self.ctx.trial is None or self.ctx.trial.output_sqnr_db is None:
+        if self.bench is None or mapping is None or self.ctx.trial is None or self.ctx.trial.output_powers is None:
             return None
         if not groups and not self.rewritten:
-            return self.ctx.trial.output_sqnr_db  # the lint trial already measured the intended mapping
+            return self.ctx.trial.output_powers  # the lint trial already measured the intended mapping
         mapping = copy.deepcopy(mapping)
         weight = mapping.global_qconfig.weight if mapping.global_qconfig is not None else None
         for fixed, targets in groups:
             for fqn in targets:
                 mapping.set_module_name(fqn, fixed.qconfig(weight))
-        return self.bench.output_sqnr(mapping)
+        return self.bench.output_powers(mapping)
 
     def impact(self, targets: list[str]) -> Impact | None:
         if self._all is None:
-            self._all = self._sqnr(self.groups)
+            self._all = self._powers(self.groups)
         others = [g for g in self.groups if g[1] != targets]
-        base = self._sqnr(others)
+        base = self._powers(others)
         if base is None or self._all is None:
             return None
         detail = "fixed saturating range on every listed conv in one trial"
@@ -523,7 +525,7 @@ class _RangeMeter:
             detail += ", both models with the functional conv → BN folds applied"
         if self.rewritten and not self.functional:
             detail += ", both models with the convs' inputs given ops of their own"
-        return Impact.measured(base, self._all, "rule-trial", detail)
+        return Impact.between(base, self._all, "rule-trial", detail)
 
 
 _MODULE_ONLY_KINDS = frozenset({"conv1d", "conv2d", "conv3d", "linear", "batch_norm"})

@@ -140,25 +140,24 @@ def _measure_split(ctx: LintContext, targets: Sequence[str]) -> tuple[Impact | N
         split_leading_token(model, fqn)
     model.recompile()
     split = bench.variant(lambda: copy.deepcopy(model))
-    static = split.output_sqnr(fanout_follows_original(intended, model))
-    impact = (
-        None
-        if static is None
-        else Impact.measured(trial.output_sqnr_db, static, "rule-trial", "the split applied in a trial")
-    )
+    static = split.output_powers(fanout_follows_original(intended, model))
+    impact = Impact.between(trial.output_powers, static, "rule-trial", "the split applied in a trial")
+    static_db = static.sqnr_db() if static is not None else None
     said = (
         f" Measured: output SQNR {trial.output_sqnr_db:.2f} → "
-        + ("a failed conversion" if static is None else f"{static:.2f} dB")
+        + ("a failed conversion" if static_db is None else f"{static_db:.2f} dB")
         + " with the split under the intended mapping"
     )
     if ctx.backend.has_dynamic_int8("linear"):
         recipe = _dynamic_recipe(ctx.backend.name, list(dict.fromkeys(linears)))
-        before, after = bench.output_sqnr(recipe), split.output_sqnr(fanout_follows_original(recipe, model))
-        if before is not None and after is not None:
-            said += f"; {before:.2f} → {after:.2f} dB with every Linear dynamic and the rest float"
-            if impact is None or after - before > impact.db:
-                how = "the split applied in a trial with every Linear dynamic (torch's quantize_dynamic recipe)"
-                impact = Impact.measured(before, after, "rule-trial", how)
+        how = "the split applied in a trial with every Linear dynamic (torch's quantize_dynamic recipe)"
+        dynamic = Impact.between(
+            bench.output_powers(recipe), split.output_powers(fanout_follows_original(recipe, model)), "rule-trial", how
+        )
+        if dynamic is not None and dynamic.base_sqnr_db is not None and dynamic.fixed_sqnr_db is not None:
+            said += f"; {dynamic.base_sqnr_db:.2f} → {dynamic.fixed_sqnr_db:.2f} dB with every Linear dynamic and the rest float"
+            if impact is None or dynamic.db > impact.db:
+                impact = dynamic
     return impact, said + "."
 
 

@@ -59,6 +59,8 @@ def test_fixed_ranges_with_the_stem_input_observed_gain_on_held_out_data():
     assert fix.zero_point == 0 and fix.scale * fix.quant_max == 6.0  # [0, 6]: the clip itself, not widened
     assert fix.observe_inputs == ["stem"]  # the model input feeds it; conv2's input is quantized already
     assert finding.impact is not None and finding.impact.db > 3.0
+    # the gain holds on every evaluation batch: it does not rest on one of them
+    assert finding.impact.steady_db is not None and 3.0 < finding.impact.steady_db <= finding.impact.db + 1e-3
     # the rounding before each ReLU6 is the trial's error at the fused conv (the BN node is folded away)
     assert len(finding.data["rounding_sqnr_db"]) == 2
     assert all(isinstance(db, float) and 10.0 < db < 60.0 for db in finding.data["rounding_sqnr_db"])

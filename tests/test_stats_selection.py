@@ -24,7 +24,7 @@ def _quantile_ratio(per_channel: torch.Tensor, q: float) -> torch.Tensor:
     return quantiles[1] / quantiles[0]
 
 
-@pytest.mark.parametrize("shape", [(8, 128, 64), (3, 1500, 16), (64, 32)])
+@pytest.mark.parametrize("shape", [(8, 128, 64), (3, 1500, 16), (64, 32), (4, 8, 96)])  # last: 32 values each
 @pytest.mark.parametrize("q", [0.975, 0.9])
 def test_exact_reference_matches_quantile_per_feature(shape, q):
     batch = torch.randn(*shape, generator=torch.Generator().manual_seed(5)).relu() + 0.01
@@ -38,7 +38,15 @@ def test_exact_reference_matches_quantile_per_feature(shape, q):
 
 
 @pytest.mark.parametrize(
-    "shape, axis", [((4, 16, 20, 20), 1), ((2, 64, 100), -1), ((1, 3, 10_000), 1), ((4096, 8), 1), ((2, 16384), None)]
+    "shape, axis",
+    [
+        ((4, 16, 20, 20), 1),
+        ((2, 64, 100), -1),
+        ((1, 3, 10_000), 1),
+        ((4096, 8), 1),
+        ((2, 16384), None),
+        ((8, 129, 4), 1),
+    ],
 )
 def test_small_batches_get_the_exact_reference_by_default(shape, axis):
     batch = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).exp()

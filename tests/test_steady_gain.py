@@ -88,3 +88,17 @@ def test_the_trial_reports_the_steady_gain_torch_gives_by_hand():
         )
     assert impact.steady_db == pytest.approx(min(gains), abs=0.01)
     assert impact.steady_db <= impact.db + 1e-3
+
+
+def test_an_impact_between_two_trials_carries_its_steady_gain():
+    generator = torch.Generator().manual_seed(5)
+    references = [torch.randn(16, 8, generator=generator) for _ in range(3)]
+    base = _powers(references, _noisy(references, (0.2, 0.2, 0.2), seed=6))
+    fixed = _powers(references, _noisy(references, (0.1, 0.02, 0.1), seed=7))
+    impact = Impact.between(base, fixed, "rule-trial", "a fix")
+    assert impact is not None and impact.basis == "rule-trial"
+    assert impact.db == pytest.approx(fixed.sqnr_db() - base.sqnr_db(), abs=1e-3)
+    assert impact.steady_db == pytest.approx(steady_gain_db(base, fixed), abs=1e-3)
+    assert impact.steady_db < impact.db  # batch 1 gains most: without it the gain is smaller
+    assert Impact.between(base, None, "rule-trial", "") is None  # a failed trial measures nothing
+    assert Impact.between(None, fixed, "rule-trial", "") is None

@@ -63,6 +63,7 @@ def test_lint_flags_the_layer_and_its_measured_fix_lands_in_the_plan():
     assert [layer["target"] for layer in finding.data["layers"]] == ["up"]  # LayerNorm evens out down's input
     assert finding.data["bits_lost"] <= 8
     assert finding.impact is not None and finding.impact.basis == "rule-trial" and finding.impact.db > 10.0
+    assert finding.impact.steady_db is not None and 10.0 < finding.impact.steady_db <= finding.impact.db + 1e-3
     plan = plan_from_report(report)
     assert [(r.kind, r.modules) for r in plan.rewrites] == [("split_leading_token", ["up"])]
 

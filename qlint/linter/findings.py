@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch.ao.quantization import QConfigMapping
 
+from qlint.core.sqnr import BatchPowers, steady_gain_db
 from qlint.linter.fixes import Fix
 from qlint.linter.json_values import check_json_able
 from qlint.linter.mapping import qconfig_mapping
@@ -104,6 +105,26 @@ class Impact(_Frozen):
             steady_db=None if steady_db is None else round(steady_db, 3),
             detail=detail,
         )
+
+    @classmethod
+    def between(
+        cls,
+        base: BatchPowers | None,
+        fixed: BatchPowers | None,
+        basis: ImpactBasis,
+        detail: str,
+        *,
+        kind: Literal["sqnr-gain", "coverage", "diagnosis"] = "sqnr-gain",
+        int8_ops_gained: int = 0,
+    ) -> Impact | None:
+        """The impact between two trials' outputs, per evaluation batch: the gain over all of
+        them and without the batch that gains most (``steady_db``); None when either SQNR is undefined."""
+        before = base.sqnr_db() if base is not None else None
+        after = fixed.sqnr_db() if fixed is not None else None
+        if base is None or fixed is None or before is None or after is None:
+            return None
+        steady = steady_gain_db(base, fixed)
+        return cls.measured(before, after, basis, detail, kind=kind, int8_ops_gained=int8_ops_gained, steady_db=steady)
 
     def rests_on_one_batch(self, threshold: float) -> bool:
         """The gain reaches ``threshold`` over all evaluation batches, but not without the one

@@ -26,8 +26,8 @@ the layer's own (shadow) error and the output error (``local-error``).
 A finding whose impact is below ``min_impact_db`` becomes info: it is real, but fixing
 it would not move the int8 model. So does one whose gain reaches the threshold only with
 the evaluation batch that gains most (``Impact.steady_db``, the smallest leave-one-out gain):
-held-out data does not repeat one batch's luck. Findings that a rule measured itself keep
-theirs.
+held-out data does not repeat one batch's luck. A finding whose rule measured its gain
+itself (``rule-trial``, built with ``Impact.between``) is judged the same way.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch.ao.quantization import QConfigMapping
 
 from qlint.core.batches import as_call
 from qlint.core.ops import resolve_function
-from qlint.core.sqnr import BatchPowers, noise_power_ratio, steady_gain_db
+from qlint.core.sqnr import BatchPowers, noise_power_ratio
 from qlint.errors import QlintError
 from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.mapping import module_recipe
@@ -213,10 +213,10 @@ class ImpactMeter:
 
     def _gain(self, fixed: BatchPowers, basis: ImpactBasis, detail: str) -> Impact:
         """The gain from the trial as intended to ``fixed``, and that gain without its best batch."""
-        base, after = self.result.output_powers, fixed.sqnr_db()
-        if base is None or after is None or self.result.output_sqnr_db is None:
+        impact = Impact.between(self.result.output_powers, fixed, basis, detail)
+        if impact is None:
             raise ValueError("an impact needs the trial's and the fix's output SQNR")  # callers check both
-        return Impact.measured(self.result.output_sqnr_db, after, basis, detail, steady_db=steady_gain_db(base, fixed))
+        return impact
 
     def _single_impact(self, fixed: BatchPowers, family: Family, target: str) -> Impact:
         if family == "keep-float":
