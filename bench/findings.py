@@ -167,7 +167,9 @@ def print_report(name: str, report: Report, wall: float, threshold: float) -> tu
     demoted = [f for f in infos if "threshold, so this is info" in f.message]
     print(f"  {len(serious)} warnings/errors, {len(infos)} info ({len(demoted)} demoted below {threshold:g} dB)")
     if serious:
-        print(f"  {'sev':7} {'rule':5} {'target':34} {'impact':>7} {'steady':>7} {'basis':16} {'kind':9} {'default':>7} {'fixed':>7}")
+        print(
+            f"  {'sev':7} {'rule':5} {'target':34} {'impact':>7} {'steady':>7} {'basis':16} {'kind':9} {'default':>7} {'fixed':>7}"
+        )
     for f in serious:
         i = f.impact
         print(
