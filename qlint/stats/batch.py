@@ -222,14 +222,9 @@ def _summarize_finite(
         return None
     reference = None
     if sample_size != 0:
-        rank = host_reference_rank(width, q)
-        if rank == width - 1:
-            # Few values per channel (at most 40 for q = 0.975): the element torch picks is the
-            # largest, so the reference is the maximum itself and needs no selection.
-            reference = channel_max
-        elif sample_size is None or is_exact(width, channels, sample_size):
+        if sample_size is None or is_exact(width, channels, sample_size):
             values, dim = _all_values(data, dims)
-            reference = values.kthvalue(rank + 1, dim=dim).values
+            reference = values.kthvalue(host_reference_rank(width, q) + 1, dim=dim).values
         else:
             plan = sample_plan(width, q, sample_size, data.device)
             maxima, dim = _group_maxima(data, dims, plan)
