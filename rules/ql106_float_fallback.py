@@ -39,9 +39,9 @@ _WHY = {
     ),
 }
 _PT2E_NO_FIX = (
-    " No quantizer setting of the pt2e flow quantizes it (X86InductorQuantizer quantizes conv2d and "
-    "linear ops, and only linear ones dynamically): to quantize it, lint and quantize the nn.Module "
-    "with prepare_fx, or keep it float on purpose."
+    " No quantizer setting of the pt2e flow quantizes them (X86InductorQuantizer quantizes conv2d and "
+    "linear ops, and only linear ones dynamically): to quantize them, lint and quantize the nn.Module "
+    "with prepare_fx, or keep them float on purpose."
 )
 
 
@@ -64,7 +64,9 @@ class FloatFallback(Rule):
       ops it finds by the class of the module calling them, compared by name with
       `torch.nn.Conv2d`/`torch.nn.Linear` (torch.export records class names), and by fusion
       patterns of those. A conv1d or a recurrent op stays float whatever the quantizer's
-      settings, and the finding says so. Convs and linears called by a module of another
+      settings: the ops of one kind left float for one such reason are one finding that
+      lists them and says so (impact "float, no fix here": the trial's int8 model runs them
+      in float, and no quantizer setting changes that). Convs and linears called by a module of another
       class (a custom `nn.Conv2d` subclass such as EfficientNet's
       `Conv2dStaticSamePadding`) are reported together in one finding, with the fix: make
       them torch's own modules before export, and give each call of a module called twice
@@ -79,6 +81,9 @@ class FloatFallback(Rule):
     output SQNR measured; the finding's impact is of kind `coverage`: the SQNR the fix
     costs (int8 is never more accurate than float) and the int8 ops it gains. The
     finding also gives the model's int8 coverage: int8 weighted ops out of all of them.
+    A fallback with no fix is a warning all the same: keeping an op float that already is
+    changes nothing, so that measure would call it info, and a model whose every conv stays
+    float would read as having no problem.
 
     ## Why is this bad?
     convert_fx leaves these ops in float silently: the model converts, runs, and is
@@ -135,8 +140,12 @@ class FloatFallback(Rule):
         by_class = [layer for layer in trial.float_layers if missed_by_class(layer)]
         if by_class:
             yield self._missed_by_class(ctx, trial, by_class, coverage)
+        unfixable: dict[tuple[str, str], list[FloatLayer]] = {}
         for layer in trial.float_layers:
             if layer in by_class:
+                continue
+            if trial.converter == "convert_pt2e" and layer.reason in ("recurrent", "not-annotated"):
+                unfixable.setdefault((layer.reason, layer.kind), []).append(layer)
                 continue
             if layer.reason == "kept-float":
                 if self.options.report_kept_float:
@@ -149,6 +158,21 @@ class FloatFallback(Rule):
                     )
                 continue
             yield self._fallback(ctx, trial, layer, coverage)
+        for layers in unfixable.values():
+            yield self._unfixable_in_pt2e(trial, layers, coverage)
+
+    def _unfixable_in_pt2e(self, trial: TrialResult, layers: list[FloatLayer], coverage: str) -> Finding:
+        """One finding for the ops of one kind that the pt2e flow leaves float for one reason no
+        quantizer setting changes (the same text once per op would be a wall of repeats)."""
+        targets = [layer.target for layer in layers]
+        listed = ", ".join(targets[:8]) + (f", ... ({len(targets)} in all)" if len(targets) > 8 else "")
+        kind = layers[0].kind.removeprefix("module:")
+        message = (
+            f"{len(layers)} {kind} op(s) stay float after convert_pt2e ({listed}): {_WHY[layers[0].reason]}. "
+            f"int8 coverage of the model's conv/linear/recurrent/attention ops: {coverage}.{_PT2E_NO_FIX}"
+        )
+        data = {**_data(layers[0], trial), "layers": targets}
+        return self.finding(targets[0], message, data=data, impact=_float_as_measured(trial))
 
     def _fallback(self, ctx: LintContext, trial: TrialResult, layer: FloatLayer, coverage: str) -> Finding:
         what = f"{layer.target} ({layer.kind.removeprefix('module:')}"
@@ -159,9 +183,7 @@ class FloatFallback(Rule):
         )
         suggestion: dict[str, Any] | None = None
         impact = None
-        if trial.converter == "convert_pt2e" and layer.reason in ("recurrent", "not-annotated"):
-            message += _PT2E_NO_FIX
-        elif layer.reason == "recurrent":
+        if layer.reason == "recurrent":
             suggestion = {"action": "set_qconfig", "targets": [layer.target], "mode": "dynamic"}
             fixed = _dynamic_entry_sqnr(ctx, suggestion, self.finding(layer.target, "", suggestion=suggestion))
             message += (
@@ -187,6 +209,7 @@ class FloatFallback(Rule):
             )
         if impact is not None and impact.fixed_sqnr_db is not None:
             message += f" Measured: output SQNR {impact.base_sqnr_db:.1f} → {impact.fixed_sqnr_db:.1f} dB with the fix."
+        impact = impact or _float_as_measured(trial)
         return self.finding(layer.target, message, data=_data(layer, trial), suggestion=suggestion, impact=impact)
 
     def _missed_by_class(
@@ -239,7 +262,7 @@ class FloatFallback(Rule):
             "int8_ops": trial.int8_ops,
             "weighted_ops": trial.weighted_ops,
         }
-        return self.finding(targets[0], message, data=data, impact=impact)
+        return self.finding(targets[0], message, data=data, impact=impact or _float_as_measured(trial))
 
 
 def _data(layer: FloatLayer, trial: TrialResult) -> dict[str, Any]:
@@ -256,6 +279,17 @@ def _coverage_impact(trial: TrialResult, fixed: float | None, gained: int, how: 
     if fixed is None or trial.output_sqnr_db is None:
         return None
     return Impact.measured(trial.output_sqnr_db, fixed, "rule-trial", how, kind="coverage", int8_ops_gained=gained)
+
+
+def _float_as_measured(trial: TrialResult) -> Impact | None:
+    """A fallback with no fix measured: what the trial measured, an int8 model that runs the op in
+    float (kind coverage, no op gained). Without it the impact meter would measure keeping the op
+    float, a change of 0 dB for an op already float, and make every unfixable fallback info: a
+    model whose every conv stays float would read as having no problem."""
+    if trial.output_sqnr_db is None:
+        return None
+    how = "no fix measured: the trial's int8 model runs this op in float"
+    return Impact.measured(trial.output_sqnr_db, trial.output_sqnr_db, "rule-trial", how, kind="coverage")
 
 
 def _dynamic_entry_sqnr(ctx: LintContext, suggestion: dict[str, Any], finding: Finding) -> float | None:

@@ -232,10 +232,14 @@ def test_ops_pt2e_leaves_float_are_reported_with_their_reason_and_no_trial_is_sp
     assert set(by_target) == {"conv", "cell"}
     assert "no annotation" in by_target["conv"].message
     assert "recurrent" in by_target["cell"].message
-    for finding in by_target.values():
+    for target, finding in by_target.items():
         assert "convert_pt2e" in finding.message and "prepare_fx" in finding.message  # the way out
-        assert finding.impact is not None and finding.impact.db == 0.0
-        assert "already runs in float" in finding.impact.detail
+        assert finding.data["layers"] == [target]
+        # no fix exists in this flow: the op is measured as it runs (float), not as "kept float: 0 dB",
+        # which would make the finding info and a model left all float read as having no problem
+        assert finding.impact is not None and finding.impact.kind == "coverage" and finding.impact.db == 0.0
+        assert finding.impact.int8_ops_gained == 0 and "no fix measured" in finding.impact.detail
+        assert finding.severity.value == "warning"
     assert report.trial.fix_trials == 0
     (overall,) = [f for f in report.findings if f.rule == "QL105"]
     assert overall.data["kind"] == "mostly-float" and "only 1 of the model's 3" in overall.message
@@ -409,3 +413,23 @@ def test_nested_positional_batches_are_measured_layer_by_layer():
     bench = Pt2eBench(lambda: copy.deepcopy(program.module()), "x86", [batch], [batch], "c", "e", mapping)
     result = bench.run(mapping)
     assert {layer.name for layer in result.layers} == {"fa", "fb"} and len(result.activations) == 2
+
+
+class _TwoConv1d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Conv1d(1, 4, 3), nn.Conv1d(4, 4, 3)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.second(torch.relu(self.first(x))).mean(2))
+
+
+def test_ops_of_one_kind_pt2e_cannot_quantize_are_one_finding_that_lists_them():
+    torch.manual_seed(6)
+    batches = [torch.randn(6, 1, 32) for _ in range(3)]
+    report = _lint(_exported(_TwoConv1d(), batches[0]), batches, select=["QL106"])
+    (finding,) = [f for f in report.findings if f.rule == "QL106"]
+    assert finding.data["layers"] == ["first", "second"] and finding.data["op"] == "conv1d"
+    assert "2 conv1d op(s) stay float after convert_pt2e (first, second)" in finding.message
+    assert finding.severity.value == "warning" and finding.impact is not None and finding.impact.kind == "coverage"
