@@ -433,3 +433,16 @@ def test_ops_of_one_kind_pt2e_cannot_quantize_are_one_finding_that_lists_them():
     assert finding.data["layers"] == ["first", "second"] and finding.data["op"] == "conv1d"
     assert "2 conv1d op(s) stay float after convert_pt2e (first, second)" in finding.message
     assert finding.severity.value == "warning" and finding.impact is not None and finding.impact.kind == "coverage"
+
+
+def test_an_exported_program_is_linted_as_its_pt2_file_is():
+    torch.manual_seed(7)
+    batches = [torch.randn(4, 3, 12, 12) for _ in range(2)]
+    program = _exported(_ConvNet(), batches[0])
+    options = {"QL105": {"report_success_sqnr": True}}
+    direct = qlint.lint(program, calibration=batches, select=["QL105"], options=options)  # its own example inputs
+    spelled_out = _lint(program, batches, select=["QL105"], options=options)
+    assert direct.trial is not None and spelled_out.trial is not None and direct.frontend == spelled_out.frontend
+    assert direct.trial.output_sqnr_db == spelled_out.trial.output_sqnr_db
+    assert "convert_pt2e" in direct.findings[0].message  # the pt2e trial, not prepare_fx on the module
+    assert [f.message for f in direct.findings] == [f.message for f in spelled_out.findings]

@@ -299,7 +299,7 @@ def instantiate_rules(classes: Iterable[type[Rule]], options: Mapping[str, Mappi
 
 
 def lint(
-    model: nn.Module,
+    model: nn.Module | torch.export.ExportedProgram,
     example_inputs: Sequence[Any] | None = None,
     calibration: Any = None,
     backend: str = "x86",
@@ -314,7 +314,9 @@ def lint(
     calibration_options: Any = None,
     trial_options: Any = None,
 ) -> Report:
-    """Lint ``model`` for quantization problems; the model itself is never modified.
+    """Lint ``model`` (an ``nn.Module``, or a ``torch.export.ExportedProgram``: linted as
+    ``qlint model.pt2`` lints it, with the pt2e trial) for quantization problems; the model
+    itself is never modified.
 
     With example inputs, a trial quantization (prepare_fx, calibration, convert_fx on a
     private copy) measures what torch builds, and each warning's impact in dB of output
@@ -327,8 +329,15 @@ def lint(
     registry = registry or Registry.default()
     rules = instantiate_rules(registry.select(select, ignore), options or {})
     trial = TrialOptions.of(trial_options)
+    if isinstance(model, torch.export.ExportedProgram):
+        # what `qlint model.pt2` lints: the program's module, its graph for the pt2e trial, and
+        # its own example inputs where none are given
+        model, exported_program = model.module(), model
+        if example is None and exported_program.example_inputs is not None:
+            args, kwargs = exported_program.example_inputs
+            example = None if kwargs else tuple(args)
     if not isinstance(model, nn.Module):
-        raise QlintError(f"expected an nn.Module, got {type(model).__name__}")
+        raise QlintError(f"expected an nn.Module or a torch.export.ExportedProgram, got {type(model).__name__}")
     # Each stage that runs forward (tracing, shapes, eager fallback, calibration) opens a
     # guard that also watches parameters; this one gives back everything else at the end.
     with preserved_state(model, watch_parameters=False):
