@@ -1,7 +1,7 @@
 """Findings benchmark: every warning and error of ``qlint.lint`` with its measured impact.
 
     python bench/findings.py [--models a,b] [--real-models DIR] [--batches N] [--max-fix-trials K]
-                             [--backend x86]
+                             [--backend x86] [--pt2e]
 
 Models: the four real pretrained models of ``--real-models`` (efficientnet_lite0, minilm_l6,
 silero_vad, digit_cnn; skipped when the kit is absent) and the models of
@@ -29,6 +29,12 @@ summary, lint's wall time, and two checks:
   recover, and ``local-error`` is an estimate: both are listed as offending;
 - physical bits: no QL203/QL104 finding reports more bits lost than its dtype has (every
   ``*bits*`` number in the finding's data <= ``dtype_bits``, 8 when absent, and >= 0).
+
+``--pt2e`` takes the ``qlint model.pt2`` path instead: each model is exported with
+``torch.export.export`` and the ExportedProgram linted (the pt2e trial); held out, the
+default X86InductorQuantizer and the plan's pt2e quantizer (``to_pt2e_quantizer``, less what
+the pt2e flow cannot apply: rewrites, equalization, bias correction) are each applied with
+prepare_pt2e / calibration / convert_pt2e, as a .pt2 user applies them.
 """
 
 from __future__ import annotations
@@ -228,11 +234,33 @@ def held_out_result(plan, model, calibration, held_out) -> str:
         return f"fails to run ({short(str(error).splitlines()[0], 80)})"
 
 
-def print_held_out(report: Report, model, calibration, held_out) -> None:
+def pt2e_held_out_result(plan, program, calibration, held_out) -> str:
+    """``held_out_result`` for the pt2e flow: ``plan`` as a pt2e quantizer on the exported graph."""
+    import copy
+
+    from qlint.advice.verify_pt2e import pt2e_plan
+    from qlint.measure.pt2e_trial import quantize_pt2e
+    from qlint.measure.trial import TrialStepError
+
+    model = program.module()
+    try:
+        converted, _ = quantize_pt2e(copy.deepcopy(model), pt2e_plan(plan)[0].to_pt2e_quantizer(), calibration)
+        return f"{fmt(held_out_sqnr(model, converted, held_out), '.2f')} dB"
+    except TrialStepError as step:
+        return f"fails at {step.failure.stage} ({short(str(step.failure.error).splitlines()[0], 80)})"
+    except RuntimeError as error:  # the int8 forward pass
+        return f"fails to run ({short(str(error).splitlines()[0], 80)})"
+
+
+def print_held_out(report: Report, model, calibration, held_out, program=None) -> None:
     """Default vs the plan of the kept findings, quantized as a user would, on the held-out batches."""
     plan = plan_from_report(report)
-    default = held_out_result(default_plan(report.backend), model, calibration, held_out)
-    fixed = held_out_result(plan, model, calibration, held_out)
+    if program is not None:
+        default = pt2e_held_out_result(default_plan(report.backend), program, calibration, held_out)
+        fixed = pt2e_held_out_result(plan, program, calibration, held_out)
+    else:
+        default = held_out_result(default_plan(report.backend), model, calibration, held_out)
+        fixed = held_out_result(plan, model, calibration, held_out)
     print(
         f"  held-out ({len(held_out)} batches, chose nothing): default {default}; plan of the kept fixes {fixed} "
         f"({len(plan.modules)} module decisions, {len(plan.float_functions)} float functions, "
@@ -249,6 +277,9 @@ def main(argv=None) -> int:
         "--max-fix-trials", type=int, default=None, help="trial_options.max_fix_trials (default: qlint's, 12)"
     )
     parser.add_argument("--backend", default="x86")
+    parser.add_argument(
+        "--pt2e", action="store_true", help="lint each model exported (torch.export), as qlint model.pt2"
+    )
     args = parser.parse_args(argv)
     real_available = (Path(args.real_models) / "models.py").is_file()
     names = [n for n in args.models.split(",") if n] or (
@@ -271,6 +302,7 @@ def main(argv=None) -> int:
         f"impact threshold {THRESHOLD_DB} dB, "
         f"calibration batches {args.batches} (lint and quantization), held-out batches for evaluation only, max fix trials "
         f"{'default' if args.max_fix_trials is None else args.max_fix_trials}"
+        + (", exported (torch.export) and linted as .pt2: the pt2e trial and flow" if args.pt2e else "")
     )
     verdicts = {}
     for name in names:
@@ -279,17 +311,25 @@ def main(argv=None) -> int:
         options = {"batches": TRIAL_BATCHES, "min_impact_db": THRESHOLD_DB}
         if args.max_fix_trials is not None:
             options["max_fix_trials"] = args.max_fix_trials
-        start = time.perf_counter()
+        program = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            if args.pt2e:
+                program = torch.export.export(model.eval(), tuple(example))
+            start = time.perf_counter()
             report = qlint.lint(
-                model, example, calibration=data, backend=args.backend, trial_options=options, model_name=name
+                program if program is not None else model,
+                example,
+                calibration=data,
+                backend=args.backend,
+                trial_options=options,
+                model_name=name,
             )
         wall = time.perf_counter() - start
         verdicts[name] = print_report(name, report, wall, THRESHOLD_DB) + (wall,)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            print_held_out(report, model, data, held_out)
+            print_held_out(report, model, data, held_out, program)
         sys.stdout.flush()
     print("\n=== summary")
     for name, (accepted, physical, wall) in verdicts.items():

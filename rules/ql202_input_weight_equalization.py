@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -109,7 +110,9 @@ class InputWeightEqualization(Rule):
     It never recommends equalization where torch's cannot apply: grouped and depthwise
     convolutions (one weight per group, not per input channel) and Linear layers whose
     input is not 2-D (`(B, T, D)` in transformers); prepare_fx crashes on both. Those
-    layers show "not applicable" in the per-layer table. A finding's impact is measured
+    layers show "not applicable" in the per-layer table. On an exported graph, quantized with
+    pt2e (which has no equalization), the fix is the layer kept float in the quantizer. A
+    finding's impact is measured
     by keeping the layer float in a trial (the most equalization can recover), so a
     layer whose quantization costs less than the impact threshold is reported as info.
 
@@ -161,9 +164,23 @@ class InputWeightEqualization(Rule):
                 f"of {node.display} have unbalanced input vs weight ranges (s_c outside [{t:g}, {1 / t:g}]"
                 + (f", e.g. channel {worst[0]}: s = {worst[1]:.3g}" if worst else "")
                 + "): one per-tensor activation scale is set by the widest channels and the rest lose "
-                "resolution. Apply input-weight equalization to this layer (prepare_fx with "
-                "_equalization_config set to default_equalization_qconfig for it)."
+                "resolution. "
             )
+            suggestion: dict[str, Any] = {"action": "equalize", "module": node.display, "node": node.name}
+            if ctx.graph.exported:
+                # the exported graph is quantized with pt2e, which has no equalization: the fix a .pt2
+                # user can apply is the layer kept float (its measured gain is the finding's impact)
+                message += (
+                    "The pt2e flow has no input-weight equalization: keep this layer float in the quantizer "
+                    f"(quantizer.set_module_name_qconfig({node.display!r}, None)), or quantize the nn.Module "
+                    "with prepare_fx and equalization."
+                )
+                suggestion = {"action": "keep_float", "module": node.display, "reason": "no equalization in pt2e"}
+            else:
+                message += (
+                    "Apply input-weight equalization to this layer (prepare_fx with "
+                    "_equalization_config set to default_equalization_qconfig for it)."
+                )
             yield self.finding(
                 node.display,
                 message,
@@ -177,7 +194,7 @@ class InputWeightEqualization(Rule):
                     "fraction_recommended": measured.fraction_recommended,
                     "equalization_recommended": measured.equalization_recommended,
                 },
-                suggestion={"action": "equalize", "module": node.display, "node": node.name},
+                suggestion=suggestion,
             )
 
 

@@ -446,3 +446,40 @@ def test_an_exported_program_is_linted_as_its_pt2_file_is():
     assert direct.trial.output_sqnr_db == spelled_out.trial.output_sqnr_db
     assert "convert_pt2e" in direct.findings[0].message  # the pt2e trial, not prepare_fx on the module
     assert [f.message for f in direct.findings] == [f.message for f in spelled_out.findings]
+
+
+def test_equalization_on_an_exported_graph_is_the_layer_kept_float_which_pt2e_can_apply():
+    # half of the conv's input channels 50x wider than the rest: QL202's case; pt2e has no equalization
+    generator = torch.Generator().manual_seed(8)
+    scale = torch.tensor([50.0, 50.0, 1.0, 1.0]).view(1, 4, 1, 1)
+    batches = [torch.randn(4, 4, 10, 10, generator=generator) * scale for _ in range(8)]
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3)).eval()
+    report = qlint.lint(torch.export.export(model, (batches[0],)), calibration=batches, select=["QL202"])
+    (finding,) = [f for f in report.findings if f.rule == "QL202"]
+    assert finding.suggestion is not None and finding.suggestion.action == "keep_float"
+    assert "pt2e flow has no input-weight equalization" in finding.message
+    assert finding.impact is not None and finding.impact.basis == "fix-trial"  # the suggested fix itself, applied
+    # the same model as an nn.Module keeps torch's equalization as the fix
+    module_report = qlint.lint(model, (batches[0],), calibration=batches, select=["QL202"])
+    (module_finding,) = [f for f in module_report.findings if f.rule == "QL202"]
+    assert module_finding.suggestion is not None and module_finding.suggestion.action == "equalize"
+
+
+def test_a_finding_on_a_layer_pt2e_leaves_float_puts_nothing_in_the_plan():
+    # rare spikes in one input channel of a conv1d: QL203's outlier, on a layer pt2e does not quantize
+    generator = torch.Generator().manual_seed(9)
+    batches = []
+    for _ in range(8):
+        batch = torch.randn(8, 4, 64, generator=generator)
+        batch[:, 0, ::16] *= 40.0
+        batches.append(batch)
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Conv1d(4, 8, 3)).eval()
+    report = qlint.lint(torch.export.export(model, (batches[0],)), calibration=batches, select=["QL203"])
+    flagged = [f for f in report.findings if f.rule == "QL203" and f.suggestion is not None]
+    assert flagged, [f.message for f in report.findings]
+    for finding in flagged:
+        assert finding.severity.value == "info" and finding.impact is not None and finding.impact.db == 0.0
+        assert "already runs in float" in finding.impact.detail
+    assert report.suggestions().modules == []  # a fix of a float layer changes nothing: no decision
