@@ -16,7 +16,13 @@ from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.impact import fix_mapping
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 from qlint.measure.fallback import FloatLayer
-from qlint.measure.pt2e_trial import as_torch_layers, missed_by_class, repeated_calls
+from qlint.measure.pt2e_trial import (
+    as_torch_layers,
+    missed_by_class,
+    missed_torch_layer,
+    no_quantizer_setting_quantizes,
+    repeated_calls,
+)
 from qlint.measure.trial import TrialResult
 
 _WHY = {
@@ -38,11 +44,15 @@ _WHY = {
         "no observer around it"
     ),
 }
-_PT2E_NO_FIX = (
-    " No quantizer setting of the pt2e flow quantizes them (X86InductorQuantizer quantizes conv2d and "
-    "linear ops, and only linear ones dynamically): to quantize them, lint and quantize the nn.Module "
-    "with prepare_fx, or keep them float on purpose."
-)
+
+
+def _pt2e_no_fix(count: int) -> str:
+    them = "them" if count > 1 else "it"
+    return (
+        f" No quantizer setting of the pt2e flow quantizes {them} (X86InductorQuantizer quantizes conv2d and "
+        f"linear ops, and only linear ones dynamically): to quantize {them}, lint and quantize the nn.Module "
+        f"with prepare_fx, or keep {them} float on purpose."
+    )
 
 
 class FloatFallback(Rule):
@@ -137,14 +147,15 @@ class FloatFallback(Rule):
         if trial is None or not trial.measured:
             return
         coverage = f"{trial.int8_ops}/{trial.weighted_ops}"
-        by_class = [layer for layer in trial.float_layers if missed_by_class(layer)]
-        if by_class:
-            yield self._missed_by_class(ctx, trial, by_class, coverage)
+        pt2e = trial.converter == "convert_pt2e"
+        missed = [layer for layer in trial.float_layers if pt2e and missed_torch_layer(layer)]
+        if missed:
+            yield self._missed_torch_layers(ctx, trial, missed, coverage)
         unfixable: dict[tuple[str, str], list[FloatLayer]] = {}
         for layer in trial.float_layers:
-            if layer in by_class:
+            if layer in missed:
                 continue
-            if trial.converter == "convert_pt2e" and layer.reason in ("recurrent", "not-annotated"):
+            if pt2e and no_quantizer_setting_quantizes(layer):
                 unfixable.setdefault((layer.reason, layer.kind), []).append(layer)
                 continue
             if layer.reason == "kept-float":
@@ -167,9 +178,10 @@ class FloatFallback(Rule):
         targets = [layer.target for layer in layers]
         listed = ", ".join(targets[:8]) + (f", ... ({len(targets)} in all)" if len(targets) > 8 else "")
         kind = layers[0].kind.removeprefix("module:")
+        what = f"{len(layers)} {kind} ops stay" if len(layers) > 1 else f"A {kind} op stays"
         message = (
-            f"{len(layers)} {kind} op(s) stay float after convert_pt2e ({listed}): {_WHY[layers[0].reason]}. "
-            f"int8 coverage of the model's conv/linear/recurrent/attention ops: {coverage}.{_PT2E_NO_FIX}"
+            f"{what} float after convert_pt2e ({listed}): {_WHY[layers[0].reason]}. "
+            f"int8 coverage of the model's conv/linear/recurrent/attention ops: {coverage}.{_pt2e_no_fix(len(layers))}"
         )
         data = {**_data(layers[0], trial), "layers": targets}
         return self.finding(targets[0], message, data=data, impact=_float_as_measured(trial))
@@ -202,6 +214,12 @@ class FloatFallback(Rule):
                 "Linear weights)."
             )
             impact = _coverage_impact(trial, fixed, linears, "quantize_dynamic of the leaf after convert_fx")
+        elif layer.reason == "no-static-kernel":
+            message += (
+                " The qconfig it gets is the cause (an activation or weight dtype the backend has no static "
+                "kernel for; QL103 names it): give it the backend default qconfig, or keep it float on "
+                "purpose with a None qconfig."
+            )
         else:
             message += (
                 " No qconfig change quantizes it: rewrite it as an nn.Linear/nn.Conv module call, "
@@ -209,37 +227,46 @@ class FloatFallback(Rule):
             )
         if impact is not None and impact.fixed_sqnr_db is not None:
             message += f" Measured: output SQNR {impact.base_sqnr_db:.1f} → {impact.fixed_sqnr_db:.1f} dB with the fix."
-        impact = impact or _float_as_measured(trial)
+        if suggestion is None and layer.reason != "no-static-kernel":
+            impact = _float_as_measured(trial)  # no setting quantizes it: measured as it runs
         return self.finding(layer.target, message, data=_data(layer, trial), suggestion=suggestion, impact=impact)
 
-    def _missed_by_class(
+    def _missed_torch_layers(
         self, ctx: LintContext, trial: TrialResult, layers: list[FloatLayer], coverage: str
     ) -> Finding:
-        """One finding for the conv2d/linear ops pt2e left float because the module calling them
-        is not torch's own class, measured with those ops seen as torch layers."""
+        """One finding for the conv2d/linear ops pt2e left float (the module calling them is not
+        torch's own class, or is called more than once), measured with those ops seen as torch
+        layers, one module per call."""
         classes = sorted({layer.called_by or "" for layer in layers})
+        foreign = sorted({layer.called_by or "" for layer in layers if missed_by_class(layer)})
         targets = [layer.target for layer in layers]
         listed = ", ".join(targets[:8]) + (f", ... ({len(targets)} in all)" if len(targets) > 8 else "")
-        message = (
-            f"{len(layers)} conv2d/linear op(s) stay float after convert_pt2e ({listed}): X86InductorQuantizer "
-            "finds conv2d and linear ops by the class of the module calling them, compared by name with "
-            "torch.nn.Conv2d / torch.nn.Linear (torch.export records class names in nn_module_stack), and "
-            f"these are called by {', '.join(classes)}. int8 coverage of the model's "
-            f"conv/linear/recurrent/attention ops: {coverage}. Fix: make these layers torch.nn.Conv2d / "
-            "torch.nn.Linear modules before torch.export (what their forward does besides, such as "
-            "padding first, in a module of its own: an nn.ZeroPad2d, then an nn.Conv2d with the same "
-            "weights; the float model stays the same)"
-        )
+        what = f"{len(layers)} conv2d/linear ops stay" if len(layers) > 1 else "A conv2d/linear op stays"
+        message = f"{what} float after convert_pt2e ({listed}). int8 coverage of the model's conv/linear/recurrent/attention ops: {coverage}."
+        fixes = []
+        if foreign:
+            message += (
+                " X86InductorQuantizer finds conv2d and linear ops by the class of the module calling them, "
+                "compared by name with torch.nn.Conv2d / torch.nn.Linear (torch.export records class names in "
+                f"nn_module_stack), and these are called by {', '.join(foreign)}."
+            )
+            fixes.append(
+                "make these layers torch.nn.Conv2d / torch.nn.Linear modules before torch.export (what their "
+                "forward does besides, such as padding first, in a module of its own: an nn.ZeroPad2d, then an "
+                "nn.Conv2d with the same weights; the float model stays the same)"
+            )
         impact = None
         bench = ctx.trial_bench
         reused = repeated_calls(bench.model_factory()) if bench is not None else []
         if reused:
             shown = ", ".join(reused[:4]) + (f", ... ({len(reused)} in all)" if len(reused) > 4 else "")
-            message += (
-                f", and give each call of a module called more than once ({shown}) a module of its own: "
+            fixes.append(
+                f"give each call of a module called more than once ({shown}) a module of its own: "
                 "X86InductorQuantizer's fusion patterns refuse a module whose calls form one partition"
             )
-        message += "; or lint and quantize the nn.Module with prepare_fx."
+        if not fixes:
+            fixes.append("call each through a torch.nn.Conv2d / torch.nn.Linear module of its own")
+        message += " Fix: " + ", and ".join(fixes) + "; or lint and quantize the nn.Module with prepare_fx."
         if bench is not None and ctx.qconfig_mapping is not None and trial.output_sqnr_db is not None:
             wanted = frozenset(targets)
             variant = bench.variant(lambda: as_torch_layers(bench.model_factory(), wanted))
@@ -262,7 +289,7 @@ class FloatFallback(Rule):
             "int8_ops": trial.int8_ops,
             "weighted_ops": trial.weighted_ops,
         }
-        return self.finding(targets[0], message, data=data, impact=impact or _float_as_measured(trial))
+        return self.finding(targets[0], message, data=data, impact=impact)
 
 
 def _data(layer: FloatLayer, trial: TrialResult) -> dict[str, Any]:
@@ -282,14 +309,14 @@ def _coverage_impact(trial: TrialResult, fixed: float | None, gained: int, how: 
 
 
 def _float_as_measured(trial: TrialResult) -> Impact | None:
-    """A fallback with no fix measured: what the trial measured, an int8 model that runs the op in
-    float (kind coverage, no op gained). Without it the impact meter would measure keeping the op
-    float, a change of 0 dB for an op already float, and make every unfixable fallback info: a
-    model whose every conv stays float would read as having no problem."""
+    """A fallback no setting fixes, as the trial measured it: an int8 model that runs the op in
+    float (``stays-float``, kind coverage, no op gained). Without it the impact meter would
+    measure keeping the op float, 0 dB for an op already float, and make it info: a model whose
+    every conv stays float would read as having no problem."""
     if trial.output_sqnr_db is None:
         return None
-    how = "no fix measured: the trial's int8 model runs this op in float"
-    return Impact.measured(trial.output_sqnr_db, trial.output_sqnr_db, "rule-trial", how, kind="coverage")
+    how = "no setting of the flow quantizes it: the trial's int8 model runs this op in float"
+    return Impact.measured(trial.output_sqnr_db, trial.output_sqnr_db, "stays-float", how, kind="coverage")
 
 
 def _dynamic_entry_sqnr(ctx: LintContext, suggestion: dict[str, Any], finding: Finding) -> float | None:

@@ -156,9 +156,14 @@ def _measure_split(ctx: LintContext, targets: Sequence[str]) -> tuple[Impact | N
         )
         if dynamic is not None and dynamic.base_sqnr_db is not None and dynamic.fixed_sqnr_db is not None:
             said += f"; {dynamic.base_sqnr_db:.2f} → {dynamic.fixed_sqnr_db:.2f} dB with every Linear dynamic and the rest float"
-            if impact is None or dynamic.db > impact.db:
+            if impact is None or _held(dynamic) > _held(impact):
                 impact = dynamic
     return impact, said + "."
+
+
+def _held(impact: Impact) -> float:
+    """The gain a regime can be counted on for: without its best evaluation batch where known."""
+    return min(impact.db, impact.steady_db) if impact.steady_db is not None else impact.db
 
 
 def _is_linear(model: fx.GraphModule, node: fx.Node) -> bool:

@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.ao.quantization import MinMaxObserver, QConfig, default_weight_observer
+from torch.ao.quantization import (
+    MinMaxObserver,
+    QConfig,
+    default_per_channel_weight_observer,
+    default_weight_observer,
+    get_default_qconfig_mapping,
+)
 
 import qlint
 from qlint.core.intent import default_mapping
@@ -238,7 +244,7 @@ def test_ops_pt2e_leaves_float_are_reported_with_their_reason_and_no_trial_is_sp
         # no fix exists in this flow: the op is measured as it runs (float), not as "kept float: 0 dB",
         # which would make the finding info and a model left all float read as having no problem
         assert finding.impact is not None and finding.impact.kind == "coverage" and finding.impact.db == 0.0
-        assert finding.impact.int8_ops_gained == 0 and "no fix measured" in finding.impact.detail
+        assert finding.impact.basis == "stays-float" and finding.impact.int8_ops_gained == 0
         assert finding.severity.value == "warning"
     assert report.trial.fix_trials == 0
     (overall,) = [f for f in report.findings if f.rule == "QL105"]
@@ -431,7 +437,8 @@ def test_ops_of_one_kind_pt2e_cannot_quantize_are_one_finding_that_lists_them():
     report = _lint(_exported(_TwoConv1d(), batches[0]), batches, select=["QL106"])
     (finding,) = [f for f in report.findings if f.rule == "QL106"]
     assert finding.data["layers"] == ["first", "second"] and finding.data["op"] == "conv1d"
-    assert "2 conv1d op(s) stay float after convert_pt2e (first, second)" in finding.message
+    assert "2 conv1d ops stay float after convert_pt2e (first, second)" in finding.message
+    assert "quantizes them" in finding.message
     assert finding.severity.value == "warning" and finding.impact is not None and finding.impact.kind == "coverage"
 
 
@@ -481,5 +488,32 @@ def test_a_finding_on_a_layer_pt2e_leaves_float_puts_nothing_in_the_plan():
     assert flagged, [f.message for f in report.findings]
     for finding in flagged:
         assert finding.severity.value == "info" and finding.impact is not None and finding.impact.db == 0.0
-        assert "already runs in float" in finding.impact.detail
+        assert finding.impact.basis == "stays-float" and "whatever the quantizer's settings" in finding.impact.detail
     assert report.suggestions().modules == []  # a fix of a float layer changes nothing: no decision
+
+
+def test_a_fix_that_quantizes_a_layer_prepare_fx_left_float_stays_in_the_plan():
+    # the contrast with pt2e: a qint32 activation qconfig leaves fc1 float after convert_fx, and the
+    # QL103 fix (quint8 activations) quantizes it; keeping it float measures 0 dB, which bounds nothing
+
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    qint32 = QConfig(
+        activation=MinMaxObserver.with_args(dtype=torch.qint32), weight=default_per_channel_weight_observer
+    )
+    mapping = get_default_qconfig_mapping("x86").set_module_name("0", qint32)
+    generator = torch.Generator().manual_seed(10)
+    batches = [torch.randn(8, 8, generator=generator) for _ in range(8)]
+    report = qlint.lint(model, (batches[0],), calibration=batches, qconfig_mapping=mapping, select=["QL103"])
+    assert any(f.rule == "QL103" and f.target == "0" and f.suggestion is not None for f in report.findings)
+    assert [decision.fqn for decision in report.suggestions().modules] == ["0"]
+
+
+def test_a_fallback_no_setting_fixes_reads_float_no_fix_here():
+    from qlint.render.text import impact_text
+
+    torch.manual_seed(6)
+    batches = [torch.randn(6, 1, 32) for _ in range(3)]
+    report = _lint(_exported(_TwoConv1d(), batches[0]), batches, select=["QL106"])
+    (finding,) = [f for f in report.findings if f.rule == "QL106"]
+    assert impact_text(finding) == ("float", "no fix here")

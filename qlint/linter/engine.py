@@ -319,7 +319,7 @@ def lint(
     itself is never modified.
 
     With example inputs, a trial quantization (prepare_fx, calibration, convert_fx on a
-    private copy) measures what torch builds, and each warning's impact in dB of output
+    private copy; prepare_pt2e and convert_pt2e for an exported graph) measures what torch builds, and each warning's impact in dB of output
     SQNR; ``trial_options`` (a :class:`~qlint.linter.trial_stage.TrialOptions` or a dict
     of its fields: ``enabled``, ``batches``, ``min_impact_db``, ``max_fix_trials``) tunes it."""
     start = time.perf_counter()
@@ -332,10 +332,14 @@ def lint(
     if isinstance(model, torch.export.ExportedProgram):
         # what `qlint model.pt2` lints: the program's module, its graph for the pt2e trial, and
         # its own example inputs where none are given
+        if exported_program is not None and exported_program is not model:
+            raise QlintError("got an ExportedProgram as the model and another as exported_program: pass one")
         model, exported_program = model.module(), model
         if example is None and exported_program.example_inputs is not None:
             args, kwargs = exported_program.example_inputs
-            example = None if kwargs else tuple(args)
+            if kwargs:
+                raise QlintError("the ExportedProgram has keyword example inputs; pass example_inputs positionally")
+            example = tuple(args)
     if not isinstance(model, nn.Module):
         raise QlintError(f"expected an nn.Module or a torch.export.ExportedProgram, got {type(model).__name__}")
     # Each stage that runs forward (tracing, shapes, eager fallback, calibration) opens a

@@ -41,7 +41,9 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-ImpactBasis = Literal["fix-trial", "keep-float-trial", "group-trial", "rule-trial", "not-executed", "local-error"]
+ImpactBasis = Literal[
+    "fix-trial", "keep-float-trial", "group-trial", "rule-trial", "not-executed", "stays-float", "local-error"
+]
 # The bases for which a trial applied the finding's own fix and measured what it gains.
 FIX_MEASURED_BASES: frozenset[str] = frozenset({"fix-trial", "group-trial", "rule-trial"})
 
@@ -58,7 +60,9 @@ class Impact(_Frozen):
     group gains enough to matter): ``db`` is what the group gains; the finding's own share
     is at most that when the fixes do not interact. ``rule-trial``: the rule measured it itself (e.g. QL106's dynamic
     quantization). ``not-executed``: the target never runs, so quantizing it cannot
-    change the output (0 dB). ``local-error``: no trial can express the fix; ``db`` is
+    change the output (0 dB). ``stays-float``: the flow leaves the target float whatever its
+    settings (a conv1d or a recurrent op under pt2e), so no fix of its quantization changes
+    the int8 model (0 dB; QL106 says why it stays float). ``local-error``: no trial can express the fix; ``db`` is
     estimated from the layer's own (shadow) error and the output error
     (docs/architecture.md, "Impact").
 
@@ -186,12 +190,11 @@ class Finding(_Frozen):
         )
 
     def fix_measured_useless(self) -> bool:
-        """The fix was measured and gained too little to stay a warning (it was made info); or the
-        most a fix of it could gain, its target kept float (``keep-float-trial``), was that little:
-        no fix of it does better, and for a target the trial runs in float already it is 0 dB (a
-        percentile observer on a conv pt2e leaves float changes nothing)."""
-        bounded = self.impact is not None and self.impact.basis == "keep-float-trial"
-        return (self.fix_measured() or bounded) and self.severity == Severity.INFO
+        """The fix was measured and gained too little to stay a warning (it was made info), or it
+        cannot change the int8 model: its target stays float whatever its settings (``stays-float``)."""
+        if self.impact is not None and self.impact.basis == "stays-float":
+            return True
+        return self.fix_measured() and self.severity == Severity.INFO
 
 
 class SkippedRule(_Frozen):
@@ -324,7 +327,8 @@ class Report(_Frozen):
         """What the findings ask for, as typed decisions (qlint.advice.plan makes a plan file of them).
 
         A fix that a trial measured and found to gain less than the impact threshold (its
-        finding was made info) is left out: it would only cost verify a trial to drop it."""
+        finding was made info) is left out: it would only cost verify a trial to drop it. So is
+        a fix of a target the flow leaves float whatever its settings: it changes nothing."""
         return collect_suggestions(
             self.backend,
             self.model,

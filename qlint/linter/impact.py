@@ -48,6 +48,7 @@ from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.mapping import module_recipe
 from qlint.linter.suggestions import Suggestions, collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
+from qlint.measure.pt2e_trial import no_quantizer_setting_quantizes
 from qlint.measure.rewrite import apply_equalization, apply_requested_rewrites, fanout_follows_original
 from qlint.measure.trial import TrialBench, TrialResult
 
@@ -194,12 +195,24 @@ class ImpactMeter:
     def _already_float(self, target: str) -> bool:
         return any(layer.target == target for layer in self.result.float_layers)
 
+    def _stays_float(self, target: str) -> bool:
+        """The trial's flow leaves ``target`` float whatever its settings (pt2e: a conv1d, a recurrent op)."""
+        return self.result.converter == "convert_pt2e" and any(
+            layer.target == target and no_quantizer_setting_quantizes(layer) for layer in self.result.float_layers
+        )
+
     def impact(self, finding: Finding) -> Impact | None:
         """The finding's fix measured alone; None past the single-trial budget, or when no trial
         expresses it (the caller decides)."""
         base = self.result.output_sqnr_db
         if base is None:
             return None
+        if self._stays_float(finding.target):
+            detail = (
+                f"{finding.target} stays float after {self.result.converter} whatever the quantizer's settings: "
+                "no fix of its quantization changes the int8 model"
+            )
+            return Impact.measured(base, base, "stays-float", detail)
         if self._already_float(finding.target):
             detail = f"{finding.target} already runs in float in the trial: keeping it float changes nothing"
             return Impact.measured(base, base, "keep-float-trial", detail)

@@ -215,6 +215,18 @@ def missed_by_class(layer: FloatLayer) -> bool:
     )
 
 
+def missed_torch_layer(layer: FloatLayer) -> bool:
+    """A conv2d/linear op pt2e left unannotated: a fix exists (the layer as torch's own module
+    class, one module per call; :func:`as_torch_layers`), whatever the reason was."""
+    return layer.reason == "not-annotated" and layer.kind in TORCH_LAYER_CLASSES
+
+
+def no_quantizer_setting_quantizes(layer: FloatLayer) -> bool:
+    """An op the pt2e flow leaves float whatever the quantizer's settings: a recurrent op, or an
+    op kind X86InductorQuantizer never annotates (conv1d, conv3d, ...)."""
+    return layer.reason == "recurrent" or (layer.reason == "not-annotated" and not missed_torch_layer(layer))
+
+
 def repeated_calls(model: nn.Module) -> list[str]:
     """Module paths an exported graph calls more than once (torch.export keys their later calls
     ``name@1``, ``name@2``): X86InductorQuantizer's fusion patterns refuse such a module, whose

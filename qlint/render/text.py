@@ -148,6 +148,7 @@ _BASIS = {
     "group-trial": "group trial",
     "rule-trial": "rule trial",
     "not-executed": "never runs",
+    "stays-float": "stays float",
     "local-error": "estimate",
 }
 
@@ -158,8 +159,8 @@ def impact_text(finding: Finding) -> tuple[str, ...]:
     if impact is None:
         return ("-",)
     if impact.kind == "coverage":
-        if not impact.int8_ops_gained and impact.base_sqnr_db == impact.fixed_sqnr_db:
-            return ("float", "no fix here")  # measured as it is: no fix of this flow quantizes it
+        if impact.basis == "stays-float":
+            return ("float", "no fix here")
         return (f"+{impact.int8_ops_gained} int8 ops", f"{impact.db:+.1f} dB")
     return (f"{impact.db:+.1f} dB", _BASIS[impact.basis])
 
