@@ -33,6 +33,7 @@ CAUSE_QCONFIG = "unsupported-qconfig"
 CAUSE_CONTROL_FLOW = "control-flow"
 CAUSE_DTYPE = "dtype-mismatch"
 CAUSE_FLOAT = "fails-in-float"
+CAUSE_REPEATED_CALL = "module-called-twice"
 CAUSE_UNKNOWN = "unknown"
 
 
@@ -53,7 +54,8 @@ class ConversionCheck(Rule):
     `fx.Interpreter`) and classifies the cause: `.view` on a non-contiguous quantized
     tensor, an op with no quantized kernel for this backend, a qconfig the op's quantized
     module cannot take (e.g. per-channel weights on ConvTranspose), data- or
-    shape-dependent Python control flow, or a dtype mismatch.
+    shape-dependent Python control flow, a dtype mismatch, or (pt2e) a module called more
+    than once.
 
     For an exported (aten) graph, such as a `.pt2` holds, the trial is the pt2e flow
     instead: `prepare_pt2e` with torchao's X86InductorQuantizer (x86 backends, the
@@ -374,6 +376,15 @@ def _diagnose(
             CAUSE_FLOAT,
             "the float model itself fails on the example inputs, so nothing can be quantized.",
             "fix the model or pass example inputs of the right shape and dtype.",
+            None,
+        )
+    if "more than one output node" in lowered:
+        return (
+            CAUSE_REPEATED_CALL,
+            "a module called more than once: the pt2e quantizer takes the ops of all its calls as one "
+            "partition, and its conv/linear patterns refuse a partition with several outputs.",
+            "give each call a module of its own before torch.export (a copy of the module, same weights; "
+            "the float model stays the same).",
             None,
         )
     if "view size is not compatible" in lowered or (where.get("target") == "view" and "stride" in lowered):

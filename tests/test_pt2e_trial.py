@@ -517,3 +517,42 @@ def test_a_fallback_no_setting_fixes_reads_float_no_fix_here():
     report = _lint(_exported(_TwoConv1d(), batches[0]), batches, select=["QL106"])
     (finding,) = [f for f in report.findings if f.rule == "QL106"]
     assert impact_text(finding) == ("float", "no fix here")
+
+
+class _SharedConv(nn.Module):
+    """One nn.Conv2d called twice: prepare_pt2e refuses the module ("more than one output node")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(torch.relu(self.conv(x)))
+
+
+def test_a_module_called_twice_is_diagnosed_and_measured_with_a_module_per_call():
+    torch.manual_seed(11)
+    batches = [torch.randn(2, 4, 8, 8) for _ in range(3)]
+    shared = _SharedConv().eval()
+    report = _lint(_exported(shared, batches[0]), batches, select=["QL105"])
+    (finding,) = report.findings
+    assert finding.severity.value == "error" and finding.data["kind"] == "module-called-twice"
+    assert "a module of its own" in finding.message
+    trial = report.trial
+    assert trial is not None and not trial.converted and trial.failed_stage == "prepare_pt2e"
+    assert trial.workaround is not None and (trial.int8_ops, trial.weighted_ops) == (2, 2)
+    # the reference: the model written by hand with a module per call (same weights), same flow
+    two = _TwoConvs(copy.deepcopy(shared.conv), copy.deepcopy(shared.conv)).eval()
+    options = {"QL105": {"report_success_sqnr": True}}
+    split = _lint(_exported(two, batches[0]), batches, select=["QL105"], options=options)
+    assert split.trial is not None and split.trial.converted and split.trial.output_sqnr_db is not None
+    assert trial.output_sqnr_db == pytest.approx(split.trial.output_sqnr_db, abs=1e-3)
+
+
+class _TwoConvs(nn.Module):
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))

@@ -342,8 +342,18 @@ class Pt2eBench(TrialBench):
             )
         return self._layer_kinds
 
-    def _reshape_views(self) -> list[str]:
-        return []  # the reference representation keeps float layouts: no channels-last views
+    def _workaround(self, failure: TrialFailure) -> str | None:
+        """prepare_pt2e refuses a module called more than once ("partition has more than one output
+        node"): the same graph with one module per call (identical in float) is what it can quantize."""
+        # the reference representation keeps float layouts: no channels-last views to reshape
+        if failure.stage != STAGE_PREPARE_PT2E or "more than one output" not in str(failure.error):
+            return None
+        model = self.model_factory()
+        reused = repeated_calls(model)
+        if not reused:
+            return None
+        self._rewritten = as_torch_layers(model, frozenset())
+        return f"measured with each call of {', '.join(reused)} given a module of its own (identical in float)"
 
     def _run(self, mapping: QConfigMapping, measure_layers: bool) -> TrialResult:
         base = TrialResult(self.backend, self.calibrated_on, self.evaluated_on, converter=STAGE_CONVERT_PT2E)
@@ -356,7 +366,7 @@ class Pt2eBench(TrialBench):
         except Exception as error:  # the float model itself fails: QL105 reports it
             return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, self.model_factory()))
         try:
-            converted, folded = quantize_pt2e(self.model_factory(), quantizer, self.calibration, measure_layers)
+            converted, folded = quantize_pt2e(self._model(), quantizer, self.calibration, measure_layers)
         except TrialStepError as step:
             return dataclasses.replace(base, failure=step.failure)
         try:

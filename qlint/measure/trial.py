@@ -292,9 +292,9 @@ class TrialBench:
         self.calibrated_on, self.evaluated_on = calibrated_on, evaluated_on
         self._reference: list[Any] | None = None
         self.seconds = 0.0  # time spent in trials, all of them
-        # set by run() when the intended model fails only on `.view`: every later trial of this
-        # bench then quantizes this copy, with those views as reshapes (measure.rewrite)
-        self._reshaped: nn.Module | None = None
+        # set by run() when the intended model fails in a way a float-preserving rewrite avoids
+        # (`.view` on a quantized tensor): every later trial of this bench quantizes this copy
+        self._rewritten: nn.Module | None = None
 
     def variant(self, model_factory: Callable[[], nn.Module]) -> TrialBench:
         """The same data, another float model (a changed copy): its trials compare with its own outputs."""
@@ -325,15 +325,14 @@ class TrialBench:
         """The full trial: convert, then measure output, layers, activations and fallbacks."""
         began = time.perf_counter()
         result = self._run(mapping, measure_layers)
-        if _view_on_quantized(result.failure) and self._reshaped is None:
-            views = self._reshape_views()
-            if views:
+        if result.failure is not None and self._rewritten is None:
+            note = self._workaround(result.failure)
+            if note is not None:
                 retry = self._run(mapping, measure_layers)
                 if retry.failure is None:
-                    note = f"measured with .view → .reshape at {', '.join(views)} (identical in float)"
                     result = dataclasses.replace(retry, failure=result.failure, workaround=note)
                 else:
-                    self._reshaped = None
+                    self._rewritten = None
         seconds = time.perf_counter() - began
         self.seconds += seconds
         return dataclasses.replace(result, seconds=seconds)
@@ -372,20 +371,22 @@ class TrialBench:
         return dataclasses.replace(base, layers=layers, activations=activations, model=converted)
 
     def _model(self) -> nn.Module:
-        return copy.deepcopy(self._reshaped) if self._reshaped is not None else self.model_factory()
+        return copy.deepcopy(self._rewritten) if self._rewritten is not None else self.model_factory()
 
-    def _reshape_views(self) -> list[str]:
-        """Rewrite the views on op outputs as reshapes, checked equal in float; the nodes rewritten."""
-        if not self.calibration:
-            return []
+    def _workaround(self, failure: TrialFailure) -> str | None:
+        """For a failure a float-preserving rewrite avoids, set ``_rewritten`` and say what it is."""
+        if not _view_on_quantized(failure) or not self.calibration:
+            return None
         example = as_call(self.calibration[0])[0]
         try:
             rewritten, applied = apply_rewrites(self.model_factory(), None, example, kinds=("view_to_reshape",))
         except QlintError:  # the model cannot be traced again: no workaround
-            return []
+            return None
         views = [node for record in applied if record.applied for node in record.nodes]
-        self._reshaped = rewritten if views else None
-        return views
+        if not views:
+            return None
+        self._rewritten = rewritten
+        return f"measured with .view → .reshape at {', '.join(views)} (identical in float)"
 
     def output_sqnr(self, mapping: QConfigMapping) -> float | None:
         """Output SQNR of the model converted under ``mapping``; None when the trial fails."""
