@@ -22,6 +22,7 @@ from qlint.core.preserve import cloned
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
+from qlint.measure.pt2e_trial import refuses_repeated_call
 from qlint.measure.trial import STAGE_CONVERT, STAGE_FLOAT, STAGE_PREPARE, TrialFailure, TrialResult
 
 DEFAULT_WARN_BELOW_DB = 20.0  # 10 % RMS error at the output: enough to move top-1 on many tasks
@@ -378,7 +379,7 @@ def _diagnose(
             "fix the model or pass example inputs of the right shape and dtype.",
             None,
         )
-    if "more than one output node" in lowered:
+    if refuses_repeated_call(stage, error):
         return (
             CAUSE_REPEATED_CALL,
             "a module called more than once: the pt2e quantizer takes the ops of all its calls as one "

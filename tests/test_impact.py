@@ -64,6 +64,26 @@ def _model():
     return _Spread().eval()
 
 
+def _lint_ql104(model, data, trial_options):
+    """QL104 alone on ``model``, calibrated on ``data``, its intent per-tensor weights."""
+    return qlint.lint(
+        model,
+        (data[0],),
+        calibration=data,
+        qconfig_mapping=_per_tensor(),
+        select=["QL104"],
+        trial_options=trial_options,
+    )
+
+
+def _per_channel_fix(targets) -> QConfigMapping:
+    """The per-tensor intent with QL104's fix: per-channel weights on ``targets``."""
+    mapping = _per_tensor()
+    for name in targets:
+        mapping.set_module_name(name, _per_channel_weights())
+    return mapping
+
+
 def _by_hand(model, mapping, calibration, evaluation, backend="x86"):
     """Output SQNR of torch's prepare_fx/convert_fx, done the way a user would."""
     previous = torch.backends.quantized.engine
@@ -81,14 +101,7 @@ def _by_hand(model, mapping, calibration, evaluation, backend="x86"):
 
 def test_trial_and_fix_impact_match_torch_by_hand():
     model, data = _model(), _batches()
-    report = qlint.lint(
-        model,
-        (data[0],),
-        calibration=data,
-        qconfig_mapping=_per_tensor(),
-        select=["QL104"],
-        trial_options={"batches": 4, "min_impact_db": 0.0},
-    )
+    report = _lint_ql104(model, data, {"batches": 4, "min_impact_db": 0.0})
     trial = report.trial
     assert trial is not None and trial.converted
     # batches=4 reads 4 + 1 batches: the trial calibrates on 4 and evaluates on the 5th, held out
@@ -98,10 +111,8 @@ def test_trial_and_fix_impact_match_torch_by_hand():
     [finding] = report.by_rule("QL104")
     impact = finding.impact
     assert impact is not None and impact.basis == "fix-trial" and impact.kind == "sqnr-gain"
-    fixed_mapping = _per_tensor()
     assert finding.suggestion.targets == ["conv", "head"]
-    for name in finding.suggestion.targets:
-        fixed_mapping.set_module_name(name, _per_channel_weights())
+    fixed_mapping = _per_channel_fix(finding.suggestion.targets)
     assert impact.fixed_sqnr_db == pytest.approx(_by_hand(model, fixed_mapping, calibration, evaluation), abs=0.01)
     assert impact.db == pytest.approx(impact.fixed_sqnr_db - impact.base_sqnr_db, abs=1e-3)
     assert impact.db > 0 and finding.severity.value == "warning"
@@ -113,25 +124,11 @@ def test_trial_and_fix_impact_match_torch_by_hand():
 
 def test_threshold_turns_a_small_impact_into_info_and_says_so():
     model, data = _model(), _batches()
-    strict = qlint.lint(
-        model,
-        (data[0],),
-        calibration=data,
-        qconfig_mapping=_per_tensor(),
-        select=["QL104"],
-        trial_options={"batches": 4, "min_impact_db": 1000.0},
-    )
+    strict = _lint_ql104(model, data, {"batches": 4, "min_impact_db": 1000.0})
     [finding] = strict.by_rule("QL104")
     assert finding.severity.value == "info"
     assert "below the 1000 dB threshold" in finding.message
-    off = qlint.lint(
-        model,
-        (data[0],),
-        calibration=data,
-        qconfig_mapping=_per_tensor(),
-        select=["QL104"],
-        trial_options={"enabled": False},
-    )
+    off = _lint_ql104(model, data, {"enabled": False})
     [raw] = off.by_rule("QL104")
     assert raw.severity.value == "warning" and raw.impact is None and off.trial is None
 

@@ -4,10 +4,9 @@ the gain with the batch that gains most left out, and the trial's numbers agains
 import pytest
 import torch
 
-import qlint
 from qlint.core.sqnr import BatchPowers, SqnrSums, sqnr_db, steady_gain_db
 from qlint.linter.findings import Impact
-from tests.test_impact import _batches, _by_hand, _model, _per_channel_weights, _per_tensor
+from tests.test_impact import _batches, _by_hand, _lint_ql104, _model, _per_channel_fix, _per_tensor
 
 
 def _powers(references, approximations) -> BatchPowers:
@@ -65,21 +64,12 @@ def test_an_impact_resting_on_one_batch_is_told_apart_from_a_small_one():
 
 def test_the_trial_reports_the_steady_gain_torch_gives_by_hand():
     model, data = _model(), _batches(8)
-    report = qlint.lint(
-        model,
-        (data[0],),
-        calibration=data,
-        qconfig_mapping=_per_tensor(),
-        select=["QL104"],
-        trial_options={"batches": 16, "min_impact_db": 0.0},
-    )
+    report = _lint_ql104(model, data, {"batches": 16, "min_impact_db": 0.0})
     [finding] = report.by_rule("QL104")
     impact = finding.impact
     assert impact is not None and impact.basis == "fix-trial" and impact.steady_db is not None
     calibration, evaluation = data[:4], data[4:]
-    per_channel = _per_tensor()
-    for name in finding.suggestion.targets:
-        per_channel.set_module_name(name, _per_channel_weights())
+    per_channel = _per_channel_fix(finding.suggestion.targets)
     gains = []
     for left_out in range(len(evaluation)):
         kept = [batch for index, batch in enumerate(evaluation) if index != left_out]

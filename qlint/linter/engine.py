@@ -319,8 +319,8 @@ def lint(
     itself is never modified.
 
     With example inputs, a trial quantization (prepare_fx, calibration, convert_fx on a
-    private copy; prepare_pt2e and convert_pt2e for an exported graph) measures what torch builds, and each warning's impact in dB of output
-    SQNR; ``trial_options`` (a :class:`~qlint.linter.trial_stage.TrialOptions` or a dict
+    private copy; prepare_pt2e and convert_pt2e for an exported graph) measures what torch
+    builds, and each warning's impact in dB of output SQNR; ``trial_options`` (a :class:`~qlint.linter.trial_stage.TrialOptions` or a dict
     of its fields: ``enabled``, ``batches``, ``min_impact_db``, ``max_fix_trials``) tunes it."""
     start = time.perf_counter()
     if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):

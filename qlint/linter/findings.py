@@ -62,8 +62,8 @@ class Impact(_Frozen):
     quantization). ``not-executed``: the target never runs, so quantizing it cannot
     change the output (0 dB). ``stays-float``: the flow leaves the target float whatever its
     settings (a conv1d or a recurrent op under pt2e), so no fix of its quantization changes
-    the int8 model (0 dB; QL106 says why it stays float). ``local-error``: no trial can express the fix; ``db`` is
-    estimated from the layer's own (shadow) error and the output error
+    the int8 model (0 dB; QL106 says why it stays float). ``local-error``: no trial can
+    express the fix; ``db`` is estimated from the layer's own (shadow) error and the output error
     (docs/architecture.md, "Impact").
 
     ``kind`` is ``coverage`` for a fix that quantizes what stayed float (QL106): it buys

@@ -215,6 +215,12 @@ def missed_by_class(layer: FloatLayer) -> bool:
     )
 
 
+def refuses_repeated_call(stage: str, error: BaseException) -> bool:
+    """prepare_pt2e's error for a module called more than once: the ops of all its calls form one
+    partition, and the quantizer's conv/linear patterns refuse one with several outputs."""
+    return stage == STAGE_PREPARE_PT2E and "more than one output node" in str(error)
+
+
 def missed_torch_layer(layer: FloatLayer) -> bool:
     """A conv2d/linear op pt2e left unannotated: a fix exists (the layer as torch's own module
     class, one module per call; :func:`as_torch_layers`), whatever the reason was."""
@@ -343,10 +349,10 @@ class Pt2eBench(TrialBench):
         return self._layer_kinds
 
     def _workaround(self, failure: TrialFailure) -> str | None:
-        """prepare_pt2e refuses a module called more than once ("partition has more than one output
-        node"): the same graph with one module per call (identical in float) is what it can quantize."""
+        """prepare_pt2e refuses a module called more than once: the same graph with one module per
+        call (identical in float) is what it can quantize."""
         # the reference representation keeps float layouts: no channels-last views to reshape
-        if failure.stage != STAGE_PREPARE_PT2E or "more than one output" not in str(failure.error):
+        if not refuses_repeated_call(failure.stage, failure.error):
             return None
         model = self.model_factory()
         reused = repeated_calls(model)
