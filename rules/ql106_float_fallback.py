@@ -20,7 +20,7 @@ from qlint.measure.pt2e_trial import (
     as_torch_layers,
     missed_by_class,
     missed_torch_layer,
-    no_quantizer_setting_quantizes,
+    quantizer_leaves_float,
     repeated_calls,
 )
 from qlint.measure.trial import TrialResult
@@ -155,7 +155,7 @@ class FloatFallback(Rule):
         for layer in trial.float_layers:
             if layer in missed:
                 continue
-            if pt2e and no_quantizer_setting_quantizes(layer):
+            if pt2e and quantizer_leaves_float(layer):  # and no rewrite fixes it (missed: above)
                 unfixable.setdefault((layer.reason, layer.kind), []).append(layer)
                 continue
             if layer.reason == "kept-float":

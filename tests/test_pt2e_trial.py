@@ -473,22 +473,32 @@ def test_equalization_on_an_exported_graph_is_the_layer_kept_float_which_pt2e_ca
     assert module_finding.suggestion is not None and module_finding.suggestion.action == "equalize"
 
 
-def test_a_finding_on_a_layer_pt2e_leaves_float_puts_nothing_in_the_plan():
-    # rare spikes in one input channel of a conv1d: QL203's outlier, on a layer pt2e does not quantize
+@pytest.mark.parametrize(
+    ("layer", "shape", "until"),
+    [
+        (lambda: nn.Conv1d(4, 8, 3), (8, 4, 64), None),  # pt2e never quantizes conv1d
+        # a conv2d of a custom class (EfficientNet's): quantized only once rewritten as torch's Conv2d
+        (lambda: _PaddedConv(4, 8, 3), (8, 4, 8, 8), "until it is a torch.nn.Conv2d of its own"),
+    ],
+    ids=["conv1d", "custom-conv2d"],
+)
+def test_a_finding_on_a_layer_pt2e_leaves_float_puts_nothing_in_the_plan(layer, shape, until):
+    # rare spikes in one input channel: QL203's outlier, on a layer pt2e does not quantize
     generator = torch.Generator().manual_seed(9)
     batches = []
     for _ in range(8):
-        batch = torch.randn(8, 4, 64, generator=generator)
-        batch[:, 0, ::16] *= 40.0
+        batch = torch.randn(*shape, generator=generator)
+        batch[:, 0].view(shape[0], -1)[:, ::16] *= 40.0
         batches.append(batch)
     torch.manual_seed(9)
-    model = nn.Sequential(nn.Conv1d(4, 8, 3)).eval()
+    model = nn.Sequential(layer()).eval()
     report = qlint.lint(torch.export.export(model, (batches[0],)), calibration=batches, select=["QL203"])
     flagged = [f for f in report.findings if f.rule == "QL203" and f.suggestion is not None]
     assert flagged, [f.message for f in report.findings]
     for finding in flagged:
         assert finding.severity.value == "info" and finding.impact is not None and finding.impact.db == 0.0
         assert finding.impact.basis == "stays-float" and "whatever the quantizer's settings" in finding.impact.detail
+        assert until is None or until in finding.impact.detail
     assert report.suggestions().modules == []  # a fix of a float layer changes nothing: no decision
 
 
@@ -505,8 +515,15 @@ def test_a_fix_that_quantizes_a_layer_prepare_fx_left_float_stays_in_the_plan():
     generator = torch.Generator().manual_seed(10)
     batches = [torch.randn(8, 8, generator=generator) for _ in range(8)]
     report = qlint.lint(model, (batches[0],), calibration=batches, qconfig_mapping=mapping, select=["QL103"])
-    assert any(f.rule == "QL103" and f.target == "0" and f.suggestion is not None for f in report.findings)
+    (finding,) = [f for f in report.findings if f.rule == "QL103" and f.target == "0"]
+    assert finding.suggestion is not None
     assert [decision.fqn for decision in report.suggestions().modules] == ["0"]
+    # its value is coverage, measured with the fix applied: one more op in int8, at its SQNR cost
+    assert finding.impact is not None and finding.impact.basis == "fix-trial" and finding.impact.kind == "coverage"
+    assert finding.impact.int8_ops_gained == 1 and finding.severity.value != "info"
+    assert report.trial is not None and finding.impact.base_sqnr_db == pytest.approx(
+        report.trial.output_sqnr_db, abs=1e-3
+    )
 
 
 def test_a_fallback_no_setting_fixes_reads_float_no_fix_here():

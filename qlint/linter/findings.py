@@ -61,8 +61,9 @@ class Impact(_Frozen):
     is at most that when the fixes do not interact. ``rule-trial``: the rule measured it itself (e.g. QL106's dynamic
     quantization). ``not-executed``: the target never runs, so quantizing it cannot
     change the output (0 dB). ``stays-float``: the flow leaves the target float whatever its
-    settings (a conv1d or a recurrent op under pt2e), so no fix of its quantization changes
-    the int8 model (0 dB; QL106 says why it stays float). ``local-error``: no trial can
+    settings (under pt2e: a conv1d, a recurrent op, a conv2d of a custom module class until the
+    model is rewritten), so no fix of its quantization changes the int8 model (0 dB; QL106 says
+    why it stays float). ``local-error``: no trial can
     express the fix; ``db`` is estimated from the layer's own (shadow) error and the output error
     (docs/architecture.md, "Impact").
 

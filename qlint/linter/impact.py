@@ -45,10 +45,11 @@ from qlint.core.ops import resolve_function
 from qlint.core.sqnr import BatchPowers, noise_power_ratio
 from qlint.errors import QlintError
 from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
+from qlint.linter.fixes import SetQConfig
 from qlint.linter.mapping import module_recipe
 from qlint.linter.suggestions import Suggestions, collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
-from qlint.measure.pt2e_trial import no_quantizer_setting_quantizes
+from qlint.measure.pt2e_trial import TORCH_LAYER_CLASSES, missed_torch_layer, quantizer_leaves_float
 from qlint.measure.rewrite import apply_equalization, apply_requested_rewrites, fanout_follows_original
 from qlint.measure.trial import TrialBench, TrialResult
 
@@ -195,10 +196,21 @@ class ImpactMeter:
     def _already_float(self, target: str) -> bool:
         return any(layer.target == target for layer in self.result.float_layers)
 
-    def _stays_float(self, target: str) -> bool:
-        """The trial's flow leaves ``target`` float whatever its settings (pt2e: a conv1d, a recurrent op)."""
-        return self.result.converter == "convert_pt2e" and any(
-            layer.target == target and no_quantizer_setting_quantizes(layer) for layer in self.result.float_layers
+    def stays_float(self, target: str) -> Impact | None:
+        """0 dB (``stays-float``) where the trial's flow leaves ``target`` float whatever its settings
+        (pt2e: a conv1d, a recurrent op, a conv2d/linear the quantizer does not match); no trial runs."""
+        base = self.result.output_sqnr_db
+        if self.result.converter != "convert_pt2e" or base is None:
+            return None
+        layer = next((f for f in self.result.float_layers if f.target == target and quantizer_leaves_float(f)), None)
+        if layer is None:
+            return None
+        detail = f"{target} stays float after {self.result.converter} whatever the quantizer's settings"
+        if missed_torch_layer(layer):
+            torch_class = TORCH_LAYER_CLASSES[layer.kind].rsplit(".", 1)[-1]
+            detail += f" until it is a torch.nn.{torch_class} of its own, called once (QL106's fix)"
+        return Impact.measured(
+            base, base, "stays-float", detail + ": no fix of its quantization changes the int8 model"
         )
 
     def impact(self, finding: Finding) -> Impact | None:
@@ -207,13 +219,13 @@ class ImpactMeter:
         base = self.result.output_sqnr_db
         if base is None:
             return None
-        if self._stays_float(finding.target):
-            detail = (
-                f"{finding.target} stays float after {self.result.converter} whatever the quantizer's settings: "
-                "no fix of its quantization changes the int8 model"
-            )
-            return Impact.measured(base, base, "stays-float", detail)
+        stays_float = self.stays_float(finding.target)
+        if stays_float is not None:
+            return stays_float
         if self._already_float(finding.target):
+            quantizing = self._fix_of_float_layer(finding)
+            if quantizing is not None:
+                return quantizing
             detail = f"{finding.target} already runs in float in the trial: keeping it float changes nothing"
             return Impact.measured(base, base, "keep-float-trial", detail)
         for family in self.families(finding):
@@ -223,6 +235,32 @@ class ImpactMeter:
             if fixed is not None:
                 return self._single_impact(fixed, family, finding.target)
         return None
+
+    def _fix_of_float_layer(self, finding: Finding) -> Impact | None:
+        """A new qconfig for a layer the trial left float, though not on purpose (QL103's supported
+        dtype), measured in a trial: kind coverage when it makes ops run in int8, else its output-SQNR
+        gain. None for other fixes (an observer change is about a quantized layer's error, which a
+        float layer does not have) or when no trial applies it: the keep-float bound then says 0 dB."""
+        if not isinstance(finding.suggestion, SetQConfig) or self.exhausted():
+            return None
+        on_purpose = any(f.target == finding.target and f.reason == "kept-float" for f in self.result.float_layers)
+        mapping = fix_mapping(self.base, [finding], self.bench.backend)
+        if on_purpose or mapping is None:
+            return None
+        self.trials += 1
+        fixed = self.bench.run(mapping, measure_layers=False)
+        gained = fixed.int8_ops - self.result.int8_ops
+        if gained > 0:
+            detail = f"the fix applied in a trial: {gained} more op(s) run in int8"
+            return Impact.between(
+                self.result.output_powers,
+                fixed.output_powers,
+                "fix-trial",
+                detail,
+                kind="coverage",
+                int8_ops_gained=gained,
+            )
+        return Impact.between(self.result.output_powers, fixed.output_powers, "fix-trial", _FAMILY_DETAIL["qconfig"])
 
     def _gain(self, fixed: BatchPowers, basis: ImpactBasis, detail: str) -> Impact:
         """The gain from the trial as intended to ``fixed``, and that gain without its best batch."""
@@ -340,8 +378,14 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
     measured: dict[int, Finding] = {}
     pending: list[tuple[int, Finding]] = []
     for index, finding in sorted(enumerate(findings), key=lambda pair: _order_key(meter, pair[1])):
-        if finding.severity is Severity.INFO or finding.impact is not None:
+        if finding.impact is not None:
             measured[index] = finding
+            continue
+        if finding.severity is Severity.INFO:
+            # an info finding's fix is not measured, but one that cannot change the int8 model
+            # says so, and stays out of the plan
+            impact = meter.stays_float(finding.target) if finding.suggestion is not None else None
+            measured[index] = finding.model_copy(update={"impact": impact}) if impact else finding
             continue
         impact = meter.impact(finding)
         if impact is None and meter.families(finding):

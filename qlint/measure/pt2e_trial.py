@@ -227,10 +227,11 @@ def missed_torch_layer(layer: FloatLayer) -> bool:
     return layer.reason == "not-annotated" and layer.kind in TORCH_LAYER_CLASSES
 
 
-def no_quantizer_setting_quantizes(layer: FloatLayer) -> bool:
-    """An op the pt2e flow leaves float whatever the quantizer's settings: a recurrent op, or an
-    op kind X86InductorQuantizer never annotates (conv1d, conv3d, ...)."""
-    return layer.reason == "recurrent" or (layer.reason == "not-annotated" and not missed_torch_layer(layer))
+def quantizer_leaves_float(layer: FloatLayer) -> bool:
+    """An op the pt2e quantizer leaves float whatever its settings: a recurrent op, an op kind
+    X86InductorQuantizer never annotates (conv1d, conv3d, ...), or a conv2d/linear it does not
+    match (:func:`missed_torch_layer`: only rewriting the model changes that one)."""
+    return layer.reason in ("recurrent", "not-annotated")
 
 
 def repeated_calls(model: nn.Module) -> list[str]:
