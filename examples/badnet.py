@@ -4,8 +4,10 @@
 
 - the stem conv's output feeds both its BatchNorm and a skip branch (QL101: stays unfused);
 - one ReLU module is called twice, and an old head is never called (QL102);
-- the mapping gives sigmoid a calibrated observer instead of fixed qparams (QL103);
-- the mapping quantizes the classifier's weights per tensor (QL104);
+- the mapping gives sigmoid a calibrated observer instead of fixed qparams (QL103: prepare_fx
+  ignores it, so the int8 model does not change: info);
+- the mapping quantizes the classifier's weights per tensor, and one of its rows is 10x the
+  others (QL104);
 - ``calibration_batches`` drifts in scale, has one very wide and one spiky channel (QL201-QL203).
 """
 
@@ -52,7 +54,12 @@ class BadNet(nn.Module):
 
 def build() -> nn.Module:
     torch.manual_seed(0)
-    return BadNet().eval()
+    model = BadNet().eval()
+    with torch.no_grad():
+        # one class's weights 10x the others' (a class reweighted after training): one
+        # per-tensor weight scale covers that row, and the other rows keep a tenth of the codes
+        model.classifier.weight[3] *= 10.0
+    return model
 
 
 def qconfig_mapping(backend: str = "x86") -> QConfigMapping:

@@ -107,7 +107,10 @@ class QConfigCheck(Rule):
     you convert is not the model you configured. Fixed-qparams ops have a known output
     range ([0, 1] or [-1, 1]) and their kernels use scale 1/256 with zero point 0 (or
     2/256 with zero point 128); a calibrated observer wastes codes or clips and is
-    rejected. Every float island costs a dequantize before it and a quantize after it.
+    rejected. In post-training quantization `prepare_fx` ignores such a qconfig and the
+    converted op keeps its fixed qparams, so the int8 model is the same and the measured
+    impact 0 dB (info); in QAT the fake-quant trains with a range the int8 kernel will not
+    use. Every float island costs a dequantize before it and a quantize after it.
     `prepare_fx` makes all inputs of `cat` share the first input's observer, so inputs
     whose qconfigs disagree are quantized with someone else's scale: a sigmoid first
     forces [0, 1) on every other input and clips them.

@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 from qlint.rules.ql106_float_fallback import _LSTMClassifier
 from torch.ao.quantization import QConfig, QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
 from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
+from torch.ao.quantization.qconfig import qconfig_equals
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 import qlint
 from qlint.core.sqnr import sqnr_db
 from qlint.core.trace import symbolic_graph
 from qlint.linter.fixes import SetQConfig
+from qlint.linter.impact import fix_mapping
 
 
 class _Spread(nn.Module):
@@ -214,3 +216,22 @@ def test_no_finding_reports_more_bits_lost_than_the_dtype_has(scales, spike, pos
         for layer in finding.data.get("layers", []):
             if isinstance(layer.get("bits_lost"), float):
                 assert 0.0 <= layer["bits_lost"] <= 8.0
+
+
+def test_a_fix_by_op_type_is_measured_with_the_backend_default_restored_for_every_spelling():
+    # the README example's mapping gives torch.sigmoid a calibrated observer; QL103's fix is the
+    # default mapping's fixed-qparams qconfig, which no module name reaches: it is set by type
+    from examples.badnet import build, qconfig_mapping
+
+    example = (torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)),)
+    report = qlint.lint(build(), example, qconfig_mapping=qconfig_mapping(), select=["QL103"])
+    (finding,) = [f for f in report.findings if f.rule == "QL103" and f.target == "sigmoid"]
+    fixed = fix_mapping(qconfig_mapping(), [finding], "x86")
+    assert fixed is not None
+    default = get_default_qconfig_mapping("x86").object_type_qconfigs
+    for spelling in (torch.sigmoid, "sigmoid", "sigmoid_"):
+        assert qconfig_equals(fixed.object_type_qconfigs[spelling], default[spelling])
+    # prepare_fx ignores a calibrated qconfig on a fixed-qparams op (with a warning), so the
+    # measured fix changes nothing in the int8 model: 0 dB, info, not an estimate
+    assert finding.impact is not None and finding.impact.basis == "fix-trial"
+    assert finding.impact.db == pytest.approx(0.0, abs=1e-3) and finding.severity.value == "info"

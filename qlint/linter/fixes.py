@@ -62,6 +62,11 @@ class SetQConfig(_Fix):
         description="Where the expected qconfig comes from.",
     )
 
+    def by_op_type(self) -> bool:
+        """For an op no module computes (a function, a method): only ``mapping.set_object_type``
+        reaches it, and a module-name decision would name nothing."""
+        return self.object_type is not None and not (self.targets or self.module or self.target)
+
 
 class SetWeightObserver(_Fix):
     action: Literal["set_weight_observer"] = "set_weight_observer"

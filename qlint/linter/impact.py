@@ -46,7 +46,7 @@ from qlint.core.sqnr import BatchPowers, noise_power_ratio
 from qlint.errors import QlintError
 from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.fixes import SetQConfig
-from qlint.linter.mapping import module_recipe
+from qlint.linter.mapping import module_recipe, restore_type_default
 from qlint.linter.suggestions import Suggestions, collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
 from qlint.measure.pt2e_trial import TORCH_LAYER_CLASSES, missed_torch_layer, quantizer_leaves_float
@@ -66,16 +66,28 @@ _MAX_ESTIMATE_DB = 20.0
 
 
 def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str) -> QConfigMapping | None:
-    """``base`` with the findings' qconfig changes; None when a fix is not a qconfig change."""
-    suggested = [(f.suggestion, f.provenance()) for f in findings if f.suggestion]
-    if not suggested:
+    """``base`` with the findings' qconfig changes; None when a fix is not a qconfig change.
+
+    A fix by op type that asks for the backend default's qconfig (QL103's fixed qparams for a
+    functional sigmoid) restores that default for every spelling of the op. A plan needs no
+    entry for it: its mapping starts from that default."""
+    by_type = [f.suggestion for f in findings if isinstance(f.suggestion, SetQConfig) and f.suggestion.by_op_type()]
+    suggested = [(f.suggestion, f.provenance()) for f in findings if f.suggestion and f.suggestion not in by_type]
+    if not suggested and not by_type:
         return None
-    suggestions = collect_suggestions(backend, None, suggested)
-    if suggestions.rewrites or suggestions.equalization or suggestions.notes:
-        return None
-    if not (suggestions.modules or suggestions.float_functions):
-        return None
-    return with_decisions(base, suggestions)
+    mapping = copy.deepcopy(base)
+    if suggested:
+        suggestions = collect_suggestions(backend, None, suggested)
+        if suggestions.rewrites or suggestions.equalization or suggestions.notes:
+            return None
+        if not (suggestions.modules or suggestions.float_functions):
+            return None
+        mapping = with_decisions(base, suggestions)
+    for fix in by_type:
+        default_source = fix.source is not None and fix.source.startswith("get_default_qconfig_mapping")
+        if not default_source or fix.object_type is None or not restore_type_default(mapping, backend, fix.object_type):
+            return None
+    return mapping
 
 
 def with_decisions(base: QConfigMapping, suggestions: Suggestions) -> QConfigMapping:

@@ -204,6 +204,18 @@ def qconfig_mapping(suggestions: Suggestions) -> QConfigMapping:
     return mapping
 
 
+def restore_type_default(mapping: QConfigMapping, backend: str, op_name: str) -> bool:
+    """Give every spelling of the op ``op_name`` (``torch.sigmoid``, the ``"sigmoid"`` method, ...)
+    the qconfig ``get_default_qconfig_mapping(backend)`` sets for it by type, in place; False when
+    the default sets none for that name."""
+    restored = False
+    for kind, qconfig in get_default_qconfig_mapping(backend).object_type_qconfigs.items():
+        if (kind if isinstance(kind, str) else getattr(kind, "__name__", None)) == op_name:
+            mapping.set_object_type(kind, qconfig)
+            restored = True
+    return restored
+
+
 def rewrite_float_modules(suggestions: Suggestions) -> list[str]:
     """Modules the plan's rewrites add whose arithmetic must stay float (normalize_input's)."""
     return [

@@ -365,7 +365,7 @@ class _Builder:
 
 
 def _apply_set_qconfig(b: _Builder, source: Provenance, fix: SetQConfig) -> None:
-    if fix.object_type is not None and not (fix.targets or fix.module or fix.target):
+    if fix.by_op_type():
         # a functional op: set_module_name would name nothing (an aten node name does nothing)
         b.note(
             source,
