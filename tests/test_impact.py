@@ -235,3 +235,25 @@ def test_a_fix_by_op_type_is_measured_with_the_backend_default_restored_for_ever
     # measured fix changes nothing in the int8 model: 0 dB, info, not an estimate
     assert finding.impact is not None and finding.impact.basis == "fix-trial"
     assert finding.impact.db == pytest.approx(0.0, abs=1e-3) and finding.severity.value == "info"
+
+
+def test_fixes_measured_useless_leave_the_plan_and_a_diagnosis_without_a_fix_suggests_none():
+    # the README example on its calibration data: the output is destroyed (input scale drift),
+    # and no single fix recovers it
+    from examples.badnet import build, calibration_batches, qconfig_mapping
+
+    batches = calibration_batches()
+    report = qlint.lint(
+        build(), (batches[0],), calibration=batches, qconfig_mapping=qconfig_mapping(), select=["QL105", "QL202"]
+    )
+    (diagnosis,) = report.by_rule("QL105")
+    assert diagnosis.severity.value != "info" and diagnosis.impact is not None
+    assert diagnosis.impact.kind == "diagnosis" and diagnosis.impact.db < 0.5
+    assert "No single layer kept float recovers it" in diagnosis.message
+    assert diagnosis.suggestion is None and diagnosis.data["fix_target"]  # measured, not suggested
+    (equalize,) = report.by_rule("QL202")
+    assert equalize.suggestion is not None and equalize.impact is not None
+    # keeping the layer float, the most any fix of it recovers, gains less than the threshold
+    assert equalize.impact.basis == "keep-float-trial" and equalize.severity.value == "info"
+    plan = report.suggestions()
+    assert plan.modules == [] and plan.equalization == []

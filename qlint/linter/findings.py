@@ -42,7 +42,14 @@ class _Frozen(BaseModel):
 
 
 ImpactBasis = Literal[
-    "fix-trial", "keep-float-trial", "group-trial", "rule-trial", "not-executed", "stays-float", "local-error"
+    "fix-trial",
+    "keep-float-trial",
+    "already-float",
+    "group-trial",
+    "rule-trial",
+    "not-executed",
+    "stays-float",
+    "local-error",
 ]
 # The bases for which a trial applied the finding's own fix and measured what it gains.
 FIX_MEASURED_BASES: frozenset[str] = frozenset({"fix-trial", "group-trial", "rule-trial"})
@@ -55,7 +62,9 @@ class Impact(_Frozen):
     ``db`` is the output SQNR it gained. ``keep-float-trial``: the finding's fix is not a
     qconfig change (a rewrite of the float model), so the target was kept float instead:
     ``db`` is what quantizing the target costs, the most any fix of it can recover.
-    ``group-trial``: past the budget of single trials, the finding's fix was measured
+    ``already-float``: the trial already runs the target in float, so keeping it float changes
+    nothing (0 dB, no trial); that bounds no fix (one may quantize the target, or act on its
+    producer's observer). ``group-trial``: past the budget of single trials, the finding's fix was measured
     together with the fixes of other findings of the same rule (split in halves while the
     group gains enough to matter): ``db`` is what the group gains; the finding's own share
     is at most that when the fixes do not interact. ``rule-trial``: the rule measured it itself (e.g. QL106's dynamic
@@ -191,11 +200,15 @@ class Finding(_Frozen):
         )
 
     def fix_measured_useless(self) -> bool:
-        """The fix was measured and gained too little to stay a warning (it was made info), or it
-        cannot change the int8 model: its target stays float whatever its settings (``stays-float``)."""
-        if self.impact is not None and self.impact.basis == "stays-float":
+        """The fix cannot change the int8 model (its target stays float whatever its settings:
+        ``stays-float``), or it gained too little to stay a warning (it was made info) when it
+        was applied, or when its target was kept float (the most any fix of it recovers)."""
+        if self.impact is None:
+            return False
+        if self.impact.basis == "stays-float":
             return True
-        return self.fix_measured() and self.severity == Severity.INFO
+        bounded = self.fix_measured() or self.impact.basis == "keep-float-trial"
+        return bounded and self.severity == Severity.INFO
 
 
 class SkippedRule(_Frozen):

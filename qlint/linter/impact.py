@@ -239,7 +239,7 @@ class ImpactMeter:
             if quantizing is not None:
                 return quantizing
             detail = f"{finding.target} already runs in float in the trial: keeping it float changes nothing"
-            return Impact.measured(base, base, "keep-float-trial", detail)
+            return Impact.measured(base, base, "already-float", detail)
         for family in self.families(finding):
             if self.exhausted():
                 return None
@@ -427,6 +427,10 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
                 )
             if note is not None:
                 finding = finding.model_copy(update={"severity": Severity.INFO, "message": finding.message + note})
+        elif impact is not None and impact.kind == "diagnosis" and impact.db < threshold and finding.suggestion:
+            # the best single fix the diagnosis measured does not recover the output (its message
+            # says so): a plan entry that changes nothing worth having
+            finding = finding.model_copy(update={"suggestion": None})
         result.append(finding)
     kept = [f for f in result if f.recovers_output_sqnr()]
     fixed = meter.combined(kept) if kept else None

@@ -145,6 +145,7 @@ def _findings_table(report: Report) -> Table:
 _BASIS = {
     "fix-trial": "fix trial",
     "keep-float-trial": "kept float",
+    "already-float": "already float",
     "group-trial": "group trial",
     "rule-trial": "rule trial",
     "not-executed": "never runs",
