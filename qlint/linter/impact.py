@@ -75,7 +75,6 @@ def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str)
     suggested = [(f.suggestion, f.provenance()) for f in findings if f.suggestion and f.suggestion not in by_type]
     if not suggested and not by_type:
         return None
-    mapping = copy.deepcopy(base)
     if suggested:
         suggestions = collect_suggestions(backend, None, suggested)
         if suggestions.rewrites or suggestions.equalization or suggestions.notes:
@@ -83,6 +82,8 @@ def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str)
         if not (suggestions.modules or suggestions.float_functions):
             return None
         mapping = with_decisions(base, suggestions)
+    else:
+        mapping = copy.deepcopy(base)
     for fix in by_type:
         default_source = fix.source is not None and fix.source.startswith("get_default_qconfig_mapping")
         if not default_source or fix.object_type is None or not restore_type_default(mapping, backend, fix.object_type):
@@ -252,7 +253,7 @@ class ImpactMeter:
         """A new qconfig for a layer the trial left float, though not on purpose (QL103's supported
         dtype), measured in a trial: kind coverage when it makes ops run in int8, else its output-SQNR
         gain. None for other fixes (an observer change is about a quantized layer's error, which a
-        float layer does not have) or when no trial applies it: the keep-float bound then says 0 dB."""
+        float layer does not have) or when no trial applies it: ``already-float`` then says 0 dB."""
         if not isinstance(finding.suggestion, SetQConfig) or self.exhausted():
             return None
         on_purpose = any(f.target == finding.target and f.reason == "kept-float" for f in self.result.float_layers)
