@@ -176,7 +176,7 @@ class FloatFallback(Rule):
         """One finding for the ops of one kind that the pt2e flow leaves float for one reason no
         quantizer setting changes (the same text once per op would be a wall of repeats)."""
         targets = [layer.target for layer in layers]
-        listed = ", ".join(targets[:8]) + (f", ... ({len(targets)} in all)" if len(targets) > 8 else "")
+        listed = _listed(targets, 8)
         kind = layers[0].kind.removeprefix("module:")
         what = f"{len(layers)} {kind} ops stay" if len(layers) > 1 else f"A {kind} op stays"
         message = (
@@ -240,7 +240,7 @@ class FloatFallback(Rule):
         classes = sorted({layer.called_by or "" for layer in layers})
         foreign = sorted({layer.called_by or "" for layer in layers if missed_by_class(layer)})
         targets = [layer.target for layer in layers]
-        listed = ", ".join(targets[:8]) + (f", ... ({len(targets)} in all)" if len(targets) > 8 else "")
+        listed = _listed(targets, 8)
         what = f"{len(layers)} conv2d/linear ops stay" if len(layers) > 1 else "A conv2d/linear op stays"
         message = f"{what} float after convert_pt2e ({listed}). int8 coverage of the model's conv/linear/recurrent/attention ops: {coverage}."
         fixes = []
@@ -259,7 +259,7 @@ class FloatFallback(Rule):
         bench = ctx.trial_bench
         reused = repeated_calls(bench.model_factory()) if bench is not None else []
         if reused:
-            shown = ", ".join(reused[:4]) + (f", ... ({len(reused)} in all)" if len(reused) > 4 else "")
+            shown = _listed(reused, 4)
             fixes.append(
                 f"give each call of a module called more than once ({shown}) a module of its own: "
                 "X86InductorQuantizer's fusion patterns refuse a module whose calls form one partition"
@@ -290,6 +290,11 @@ class FloatFallback(Rule):
             "weighted_ops": trial.weighted_ops,
         }
         return self.finding(targets[0], message, data=data, impact=impact)
+
+
+def _listed(names: list[str], most: int) -> str:
+    """The first ``most`` names, and how many there are in all when some are left out."""
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def _data(layer: FloatLayer, trial: TrialResult) -> dict[str, Any]:

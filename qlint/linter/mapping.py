@@ -24,6 +24,7 @@ from torch.ao.quantization.observer import (
 )
 
 from qlint.core.backends import backend_info
+from qlint.core.intent import default_mapping
 from qlint.core.ops import resolve_function
 from qlint.errors import ConfigError
 from qlint.linter.suggestions import ActivationSpec, ModuleDecision, Suggestions, WeightSpec, backend_defaults
@@ -209,7 +210,7 @@ def restore_type_default(mapping: QConfigMapping, backend: str, op_name: str) ->
     the qconfig ``get_default_qconfig_mapping(backend)`` sets for it by type, in place; False when
     the default sets none for that name."""
     restored = False
-    for kind, qconfig in get_default_qconfig_mapping(backend).object_type_qconfigs.items():
+    for kind, qconfig in default_mapping(backend).object_type_qconfigs.items():
         if (kind if isinstance(kind, str) else getattr(kind, "__name__", None)) == op_name:
             mapping.set_object_type(kind, qconfig)
             restored = True
