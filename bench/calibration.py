@@ -4,8 +4,10 @@
                                 [--modes plain,qlint,modelreport] [--repeats 3] [--loops 3]
                                 [--real-models /work/shared/real_models]
 
-Two more modes split qlint's cost: ``qlint-minmax`` (every observer, computing only
-min, max and counts) and ``qlint-calls`` (an identity module at every observed point).
+``qlint-1in4`` is qlint with ``--percentile-every 4`` (points wider than 32 channels select
+QL203's reference quantile on one batch in four). Two more modes split qlint's cost:
+``qlint-minmax`` (every observer, computing only min, max and counts) and ``qlint-calls``
+(an identity module at every observed point).
 
 Models: two built-in ones with random weights and data (a ResNet-18-shaped CNN
 on 8x3x224x224 batches, a 4-block transformer encoder on 8x128x256 batches;
@@ -158,7 +160,7 @@ def real_kit_available(real_models):
     return (Path(real_models) / "models.py").is_file()
 
 
-QLINT_MODES = ("qlint", "qlint-minmax", "qlint-calls")
+QLINT_MODES = ("qlint", "qlint-1in4", "qlint-minmax", "qlint-calls")
 
 
 def make_runner(mode, model, example):
@@ -187,6 +189,8 @@ def make_runner(mode, model, example):
                     setattr(runner, name, nn.Identity())
                 elif mode == "qlint-minmax":
                     module.percentile = module.histogram = module.moments = False
+                elif mode == "qlint-1in4":  # --percentile-every 4
+                    module.percentile_every = 4
         return runner
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.fx._model_report.detector import (

@@ -113,7 +113,8 @@ def measure(
         return None
     metric = outlier_metric(stats.average_percentile_ratio()).cpu()
     used = stats.percentile_batches_tracked().cpu().to(torch.float64)
-    sufficient = used / float(stats.batches) >= fraction_batches_used_threshold
+    # Of the batches whose reference was selected (one in PERCENTILE_EVERY: qlint.stats.selection).
+    sufficient = used / max(int(stats.reference_batches), 1) >= fraction_batches_used_threshold
     outlier = sufficient & (metric > ratio_threshold)  # NaN compares False
     has_values = stats.count.cpu() > 0
     constant = has_values & (stats.channel_min.cpu() == stats.channel_max.cpu())

@@ -121,6 +121,35 @@ def test_num_batches_limits_the_run():
     assert int(stats.get("conv", "input", 0).batches) == 2
 
 
+def test_percentile_every_thins_the_reference_of_wide_points_only():
+    """calibration_options percentile_every=3: the 40-channel Linear input selects QL203's
+    reference on batches 0 and 3 of 5; the 3-channel conv input on every batch."""
+    from qlint.errors import ConfigError
+    from qlint.linter.calibration import collect_statistics
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 40, 3)
+            self.fc = nn.Linear(40, 4)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+    torch.manual_seed(0)
+    analysis = qlint.linter.engine.analyse(Wide().eval(), (torch.randn(2, 3, 8, 8),), "x86")
+    rules = qlint.linter.engine.instantiate_rules(
+        qlint.linter.registry.Registry.default(include_plugins=False).select(["QL203"], None), {}
+    )
+    thinned, _ = collect_statistics(analysis, rules, _images(5), {"quiet": True, "percentile_every": 3})
+    assert int(thinned.get("fc", "input", 0).reference_batches) == 2
+    assert int(thinned.get("conv", "input", 0).reference_batches) == 5
+    every, _ = collect_statistics(analysis, rules, _images(5), {"quiet": True})
+    assert int(every.get("fc", "input", 0).reference_batches) == 5
+    with pytest.raises(ConfigError, match="percentile_every"):
+        collect_statistics(analysis, rules, _images(5), {"quiet": True, "percentile_every": 0})
+
+
 def test_empty_iterable_is_a_clear_error():
     with pytest.raises(EmptyCalibrationError, match="empty"):
         _lint(_net(), [])

@@ -185,7 +185,7 @@ def _torch_report(prepared, detector, batches):
     return report.generate_model_report(remove_inserted_observers=False)[detector.get_detector_name()][1]
 
 
-def _qlint(prepared, example, batches):
+def _qlint(prepared, example, batches, **calibration_options):
     # No example inputs: qlint's shape propagation would run them through the copy and move
     # the QAT fake-quant observers before calibration starts (see the report to the lead).
     analysis = analyse(copy.deepcopy(prepared), None, "x86")
@@ -193,7 +193,7 @@ def _qlint(prepared, example, batches):
         Registry.default(include_plugins=False).select(["QL201", "QL202", "QL203"], None),
         {"QL202": {"ratio_threshold": THRESHOLD}},
     )
-    statistics, _ = collect_statistics(analysis, rules, batches, {"quiet": True})
+    statistics, _ = collect_statistics(analysis, rules, batches, {"quiet": True, **calibration_options})
     return analysis.graph, {r.code: r for r in rules}, statistics
 
 
@@ -314,3 +314,37 @@ def test_parity_cases_exercise_both_verdicts():
                 if out:
                     seen["outlier"].add(bool(out.outlier.any()))
     assert all(v == {True, False} for v in seen.values()), seen
+
+
+class WideConv(nn.Module):
+    """48 input channels: more than qlint selects the reference quantile of on every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(48, 8, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_outlier_verdicts_agree_where_the_reference_is_selected_on_a_subset_of_batches():
+    """With percentile_every=4 a point of more than 32 channels selects its reference on one
+    batch in four (qlint.stats.selection): its metric is a mean over fewer batches than
+    torch's, and its verdicts, on channels with rare spikes and on plain ones, are still torch's."""
+    torch.manual_seed(0)
+    prepared = prepare_fx(WideConv().eval(), get_default_qconfig_mapping("x86"), (torch.randn(4, 48, 8, 8),)).eval()
+    batches = []
+    for spiked in (3, 17, 40):
+        batches += _batches([(4, 48, 8, 8)], 4, seed=spiked, drift=True, spike_channel=spiked)
+    graph, rules, statistics = _qlint(prepared, None, batches, percentile_every=4)
+    node = _node_for(graph, "conv")
+    ours = _outliers(rules, statistics, node)
+    assert ours is not None
+    assert 0 < int(ours.stats.reference_batches) < int(ours.stats.batches) == len(batches)
+    info = _torch_report(prepared, OutlierDetector(), batches)["conv"]
+    torch_outlier = [
+        bool(o and s)
+        for o, s in zip(info[OutlierDetector.OUTLIER_KEY], info[OutlierDetector.IS_SUFFICIENT_BATCHES_KEY])
+    ]
+    assert sum(torch_outlier) >= 1 and not all(torch_outlier)  # both verdicts occur
+    assert ours.outlier.tolist() == torch_outlier

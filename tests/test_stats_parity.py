@@ -70,7 +70,9 @@ GENERATORS = [
 def _run_both(make_batch, q, num_batches=5, seed=0, percentile_sample=PERCENTILE_SAMPLE):
     generator = torch.Generator().manual_seed(seed)
     reference = ModelReportObserver(ch_axis=1, comp_percentile=q)
-    ours = StatsObserver(channel_axis=1, reference_percentile=q, percentile_sample=percentile_sample)
+    ours = StatsObserver(
+        channel_axis=1, reference_percentile=q, percentile_sample=percentile_sample, percentile_every=1
+    )
     for i in range(num_batches):
         batch = make_batch(generator, i)
         reference(batch)

@@ -82,13 +82,52 @@ def test_running_stats_count_constant_and_zero_quantile_batches():
     assert int(stats.batches) == 3 and int(stats.range_batches) == 3
 
 
-def test_running_stats_refuse_another_width_or_a_mixed_percentile():
+def test_running_stats_refuse_another_width_or_dtype():
     running = RunningStats(4, "cpu")
     with pytest.raises(ValueError, match="does not fit"):
         running.add(summarize_values(torch.randn(2, 5, 3), 1, 0.975))
+    with pytest.raises(ValueError, match="does not fit"):
+        running.add(summarize_values(torch.randn(2, 4, 3, dtype=torch.float64), 1, 0.975))
     running.add(summarize_values(torch.randn(2, 4, 3), 1, 0.975))
-    with pytest.raises(ValueError, match="with and without the percentile"):
-        running.add(summarize_values(torch.randn(2, 4, 3), 1, 0.975, percentile=False))
+    assert len(running) == 1
+
+
+@pytest.mark.parametrize("layout", ["channel-last", "whole-tensor", "sampled-channel-last"])
+def test_a_stream_counts_the_reference_of_the_batches_that_selected_it(layout):
+    """Batches without a reference (a wide point selects it on some batches only) add to every
+    statistic but the percentile ratio's, as the merged per-batch stats do."""
+    shape, axis = LAYOUTS[layout]
+    batches = _batches(shape, 7)
+    selected = [True, False, False, True, False, True, True]
+    summaries = [summarize_values(b, axis, 0.975, percentile=s, histogram=False) for b, s in zip(batches, selected)]
+    running = RunningStats(summaries[0].channels, "cpu", capacity=3)
+    for summary in summaries:
+        running.add(summary)
+    stats = running.stats(axis, 0.975)
+    expected = TensorStats.empty(axis, 0.975)
+    for batch, taken in zip(batches, selected):
+        expected = expected.merge(summarize_batch(batch, axis, percentile=taken, histogram=False))
+    assert int(stats.reference_batches) == sum(selected) == int(expected.reference_batches)
+    assert int(stats.batches) == len(batches)
+    assert_stats_equal(stats, expected, ratio_scale=_ratio_scale(batches, axis))
+
+
+def test_a_wide_observer_selects_its_reference_on_every_other_batch_and_a_narrow_one_on_each():
+    wide = StatsObserver(-1, histogram=False, percentile_every=2)
+    narrow = StatsObserver(-1, histogram=False, percentile_every=2)
+    wide_batches, narrow_batches = _batches((8, 16, 40), 5), _batches((8, 16, 32), 5)
+    for wide_batch, narrow_batch in zip(wide_batches, narrow_batches):
+        wide(wide_batch)
+        narrow(narrow_batch)
+    assert int(wide.stats.reference_batches) == 3 and int(narrow.stats.reference_batches) == 5
+    expected = TensorStats.empty(-1, 0.975)
+    for number, batch in enumerate(wide_batches):
+        expected = expected.merge(summarize_batch(batch, -1, percentile=number % 2 == 0, histogram=False))
+    assert_stats_equal(wide.stats, expected, ratio_scale=_ratio_scale(wide_batches, -1))
+    every = StatsObserver(-1, histogram=False, percentile_every=1)
+    for batch in wide_batches:
+        every(batch)
+    assert int(every.stats.reference_batches) == 5
 
 
 def test_observer_mixes_finite_and_non_finite_batches_like_one_stream(monkeypatch):
@@ -150,16 +189,16 @@ def test_observers_of_one_tensor_summarize_it_once_across_other_settings(monkeyp
     """The q/k/v pattern: three per-channel observers of one tensor, each followed by a
     per-tensor observer of another tensor. The tensor is summarized once; an in-place change
     in between makes the next observer summarize it again; the stats equal separate streams."""
-    import qlint.stats.observer as observer_module
+    from qlint.stats.batch import BatchReader
 
     calls = []
-    real = observer_module.summarize_values
+    real = BatchReader.summarize
 
-    def counting(value, *args, **kwargs):
+    def counting(reader, value, *args, **kwargs):
         calls.append(value.shape)
-        return real(value, *args, **kwargs)
+        return real(reader, value, *args, **kwargs)
 
-    monkeypatch.setattr(observer_module, "summarize_values", counting)
+    monkeypatch.setattr(BatchReader, "summarize", counting)
     shared = torch.randn(2, 5, 8)
     per_channel = [StatsObserver(-1) for _ in range(3)]
     per_tensor = [StatsObserver(None) for _ in range(3)]
@@ -169,10 +208,11 @@ def test_observers_of_one_tensor_summarize_it_once_across_other_settings(monkeyp
     assert len(calls) == 1 + 3  # the shared tensor once, each other tensor once
     for observer in per_channel[1:]:
         assert_stats_equal(observer.stats, per_channel[0].stats)
-    assert_stats_equal(per_channel[0].stats, summarize_batch(shared, -1))
+    expected = per_channel[0].stats
     shared.mul_(2.0)
     StatsObserver(-1)(shared)
     assert len(calls) == 5
+    assert_stats_equal(expected, summarize_batch(shared / 2.0, -1))
 
 
 def test_an_observer_works_under_inference_mode():

@@ -88,7 +88,11 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
             model_name=options.spec,
             registry=registry,
             exported_program=loaded.exported_program,
-            calibration_options={"quiet": args.quiet, "num_batches": options.num_batches},
+            calibration_options={
+                "quiet": args.quiet,
+                "num_batches": options.num_batches,
+                **({"percentile_every": options.percentile_every} if options.percentile_every else {}),
+            },
             trial_options=options.trial,
         )
     if calibration_notices:

@@ -87,6 +87,13 @@ def build_lint_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibration", metavar="FILE_OR_DIR", help="calibration batches (weights_only)")
     parser.add_argument("--num-batches", type=positive_int, metavar="N", help="use at most N calibration batches")
     parser.add_argument(
+        "--percentile-every",
+        type=positive_int,
+        metavar="K",
+        help="QL203: select the reference quantile of layers wider than 32 channels on one batch in K (faster; "
+        "default 1, every batch, as torch)",
+    )
+    parser.add_argument(
         "--random-calibration",
         type=positive_int,
         metavar="N",

@@ -39,6 +39,7 @@ class ModelOptions:
     rule_options: dict[str, dict[str, Any]]
     calibration: str | None
     num_batches: int | None
+    percentile_every: int | None
     baseline: str | None
     trial: dict[str, Any] = dataclasses.field(default_factory=dict)  # TrialOptions fields
 
@@ -147,6 +148,7 @@ def resolve_options(args: argparse.Namespace, spec: str, config: Config) -> Mode
         rule_options=dict(settings.rules),
         calibration=calibration,
         num_batches=_first(args.num_batches, per_file("num_batches"), settings.num_batches),
+        percentile_every=_first(args.percentile_every, settings.percentile_every),
         baseline=baseline,
         trial=_trial_options(args, config),
     )

@@ -66,6 +66,7 @@ class Settings(_Strict):
     qconfig_mapping: str | None = Field(None, alias="qconfig-mapping")
     calibration: str | None = None
     num_batches: PositiveInt | None = Field(None, alias="num-batches")
+    percentile_every: PositiveInt | None = Field(None, alias="percentile-every")
     baseline: str | None = None
     trial: bool = True
     min_impact_db: float | None = Field(None, alias="min-impact-db", ge=0)

@@ -38,7 +38,8 @@ percentile_ratio_batches                add (per channel)
 zero_denominator_batches                add (per channel)
 constant_batches                        add (per channel)
 histogram (2 x 256 int64)               add
-batches, range_batches                  add
+batches, range_batches,                 add
+reference_batches
 batch_range_sum (float64)               add
 derived: epoch min/max                  min/max over channel_min/channel_max
 derived: average batch range            batch_range_sum / range_batches
@@ -92,7 +93,7 @@ _CHANNEL_COUNT_FIELDS = (  # int64 (C,), merge by add
     "constant_batches",
 )
 _CHANNEL_SUM_FIELDS = ("sum", "sum_of_squares", "percentile_ratio_sum")  # float64 (C,), add
-_BATCH_COUNT_FIELDS = ("batches", "range_batches")  # int64 scalars, add
+_BATCH_COUNT_FIELDS = ("batches", "range_batches", "reference_batches")  # int64 scalars, add
 _CHANNEL_FIELDS = ("channel_min", "channel_max") + _CHANNEL_SUM_FIELDS + _CHANNEL_COUNT_FIELDS  # min/max: float64
 TENSOR_FIELDS = _CHANNEL_FIELDS + ("histogram",) + _BATCH_COUNT_FIELDS + ("batch_range_sum",)
 
@@ -123,6 +124,9 @@ class TensorStats:
     constant_batches = _packed_row("_channel_counts", 5, "int64 (C,): batches where the channel was constant")
     batches = _packed_row("_batch_counts", 0, "int64 scalar: batches observed (empty tensors are skipped)")
     range_batches = _packed_row("_batch_counts", 1, "int64 scalar: batches with at least one finite value")
+    reference_batches = _packed_row(
+        "_batch_counts", 2, "int64 scalar: batches whose reference quantile was selected (see qlint.stats.selection)"
+    )
 
     def __init__(self, channel_axis: int | None, reference_percentile: float, **tensors: torch.Tensor):
         """Build from every field of ``TENSOR_FIELDS`` by name (see the class attributes)."""
@@ -273,7 +277,11 @@ class TensorStats:
         axis = state["channel_axis"].tolist()
         if len(axis) > 1:
             raise ValueError(f"channel_axis state must hold 0 or 1 value, got {axis}")
-        tensors = {name: state[name] for name in TENSOR_FIELDS}
+        # States saved before reference_batches existed selected the reference on every batch.
+        tensors = {
+            name: state.get(name, state["batches"]) if name == "reference_batches" else state[name]
+            for name in TENSOR_FIELDS
+        }
         tensors["histogram"] = tensors["histogram"].reshape(HISTOGRAM_SHAPE)
         return cls(axis[0] if axis else None, float(state["reference_percentile"].item()), **tensors)
 
@@ -308,7 +316,8 @@ class TensorStats:
         return torch.maximum(self.channel_max.abs(), self.channel_min.abs())
 
     def percentile_batches_tracked(self) -> torch.Tensor:
-        """Batches torch's observer would count per channel (including zero denominators)."""
+        """Batches torch's observer would count per channel (including zero denominators), of
+        the ``reference_batches``."""
         return self.percentile_ratio_batches + self.zero_denominator_batches
 
     def average_percentile_ratio(self) -> torch.Tensor:

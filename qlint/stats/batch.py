@@ -20,6 +20,7 @@ NaN/Inf, sums in float64 and never reads a device value back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -64,10 +65,47 @@ class BatchSummary:
     inf_count: PerChannel
     reference: torch.Tensor | None  # None: the percentile was not requested
     histogram: torch.Tensor | None  # None: not requested
+    # The (3, channels) block whose rows are channel_min, channel_max and reference, when
+    # they were written into one (a stream then copies or keeps them with no stack).
+    block: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
         return self.channel_max.device
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryRow:
+    """Where a finite batch's minimum, maximum and reference are written: the three rows of
+    one ``(3, channels)`` block (0-d views for one channel), made once per block."""
+
+    block: torch.Tensor
+    channel_min: torch.Tensor
+    channel_max: torch.Tensor
+    reference: torch.Tensor
+    extrema: torch.Tensor  # minimum and maximum together: one finiteness check reads both
+    indices: torch.Tensor  # kthvalue's indices (unused)
+
+    @classmethod
+    def of(cls, block: torch.Tensor, indices: torch.Tensor | None = None) -> SummaryRow:
+        """The row of ``block``; ``indices`` (int64, one per channel, 0-d for one) may be shared
+        by every row of a stream."""
+        one = block.shape[1] == 1
+        low, high, reference = (block[0, 0], block[1, 0], block[2, 0]) if one else block.unbind(0)
+        if indices is None:
+            indices = torch.empty(reference.shape, dtype=torch.int64, device=block.device)
+        return cls(block, low, high, reference, block[:2].reshape(-1) if one else block[:2], indices)
+
+    def extrema_are_finite(self) -> bool:
+        """Whether every minimum and maximum is finite (one host read; CPU only).
+
+        amin/amax propagate NaN and keep +-Inf, so a batch with a non-finite value fails;
+        so does a sum of many extrema beyond float32 (that batch merely takes the general
+        path)."""
+        if self.extrema.dim() == 1:  # one channel: two values, read as they are
+            low, high = self.extrema.tolist()
+            return math.isfinite(low) and math.isfinite(high)
+        return math.isfinite(float(self.extrema.sum()))
 
 
 # ------------------------------------------------------------------ public API
@@ -90,30 +128,151 @@ def summarize_values(
     of them pays for min, max and counts only."""
     if not batch.is_floating_point():
         raise TypeError(f"summarize_batch needs a floating tensor, got {batch.dtype}")
+    if batch.numel() == 0:
+        return None
+    reader = batch_reader(
+        batch.shape, channel_axis, reference_percentile, percentile, histogram, moments, percentile_sample
+    )
+    return reader.summarize(batch, scratch, sync_free=sync_free)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchReader:
+    """How every batch of one shape is read at one observer's settings, worked out once: the
+    split around the channel axis and the rank or sample plan of the reference quantile."""
+
+    outer: int
+    channels: int
+    inner: int
+    reference_percentile: float
+    sample_size: int | None  # 0: no reference; None: the exact one
+    histogram: bool
+    moments: bool
+
+    @property
+    def width(self) -> int:
+        """Values per channel."""
+        return self.outer * self.inner
+
+    def summarize(
+        self,
+        batch: torch.Tensor,
+        scratch: ScratchBuffers | None = None,
+        *,
+        sync_free: bool | None = None,
+        row: SummaryRow | None = None,
+    ) -> BatchSummary:
+        """The :class:`BatchSummary` of a non-empty floating ``batch`` of this reader's shape.
+
+        ``row``: where a finite batch's minimum, maximum and reference are written (of the
+        batch's dtype, float32 for narrower floats): the row of a
+        :class:`~qlint.stats.fold.RunningStats` that would otherwise copy them there."""
+        if sync_free is None:
+            sync_free = batch.device.type != "cpu"
+        scratch = scratch if scratch is not None else ScratchBuffers()
+        # Detached tensors record no autograd history, so no no_grad() context is needed.
+        values = batch.detach() if batch.requires_grad else batch
+        if values.dtype != torch.float32 and values.dtype != torch.float64:
+            values = values.float()
+        data, dims = _reduction(values, self.outer, self.channels, self.inner, scratch)
+        hist = _exponent_histogram(data, scratch) if self.histogram else None
+        summary = None
+        if not sync_free:
+            if row is None:
+                row = SummaryRow.of(torch.empty(3, self.channels, dtype=data.dtype, device=data.device))
+            elif row.block.dtype != data.dtype or row.block.shape != (3, self.channels):
+                raise ValueError(f"a row for {self.channels} channels of {data.dtype} is needed, got {row.block}")
+            summary = self._summarize_finite(data, dims, hist, scratch, row)
+        if summary is None:
+            summary = _summarize_any(
+                data,
+                dims,
+                self.width,
+                self.channels,
+                self.reference_percentile,
+                self.sample_size,
+                hist,
+                self.moments,
+                scratch,
+            )
+        return summary
+
+    def _summarize_finite(
+        self, data: torch.Tensor, dims: Dims, histogram: torch.Tensor | None, scratch: ScratchBuffers, row: SummaryRow
+    ) -> BatchSummary | None:
+        """Fast path for finite batches of moderate magnitude; None (after a host read) otherwise.
+
+        Minimum, maximum and reference go into ``row``: each is one op writing where the
+        stream keeps it."""
+        channel_sum = sum_of_squares = None
+        if self.channels == 1:  # a whole-tensor point: one-pass full reductions, 0-d results
+            flat = data.reshape(-1)
+            torch.aminmax(flat, out=(row.channel_min, row.channel_max))
+            if self.moments:
+                channel_sum, sum_of_squares = flat.sum(), torch.dot(flat, flat)
+        else:
+            torch.amin(data, dims, out=row.channel_min)
+            torch.amax(data, dims, out=row.channel_max)
+            if self.moments:
+                channel_sum = data.sum(dims)
+                sum_of_squares = _sum_of_squares(data, dims, scratch)
+        if sum_of_squares is not None:
+            if not _trusted_squares(sum_of_squares, row.channel_min, row.channel_max):
+                return None
+        elif not row.extrema_are_finite():
+            return None
+        reference = None
+        if self.sample_size != 0:
+            values, dim, k = self._selection(data, dims)
+            reference = torch.kthvalue(values, k, dim=dim, out=(row.reference, row.indices)).values
+        return BatchSummary(
+            self.channels,
+            row.channel_min,
+            row.channel_max,
+            channel_sum,
+            sum_of_squares,
+            self.width,
+            0,
+            0,
+            reference,
+            histogram,
+            row.block,
+        )
+
+    def _selection(self, data: torch.Tensor, dims: Dims) -> tuple[torch.Tensor, int, int]:
+        """What the reference is the k-th smallest of, per channel: (values, their dim, k)."""
+        width, channels = self.width, self.channels
+        if self.sample_size is None or is_exact(width, channels, self.sample_size):
+            values, dim = _all_values(data, dims)
+            k = host_reference_rank(width, self.reference_percentile) + 1
+        else:
+            plan = sample_plan(width, self.reference_percentile, self.sample_size, data.device)
+            values, dim = _group_maxima(data, dims, plan)
+            k = plan.kth
+        if channels == 1:  # 0-d result, shaped like the other whole-tensor statistics
+            return values.reshape(-1), 0, k
+        return values, dim, k
+
+
+@functools.lru_cache(maxsize=1024)
+def batch_reader(
+    shape: tuple[int, ...],
+    channel_axis: int | None,
+    reference_percentile: float,
+    percentile: bool,
+    histogram: bool,
+    moments: bool,
+    percentile_sample: int | None,
+) -> BatchReader:
+    """The (cached) :class:`BatchReader` of batches of ``shape`` at these settings (positional
+    arguments: the cache hashes them, once per batch and observer, faster than keywords)."""
     if not 0.0 < reference_percentile < 1.0:
         raise ValueError(f"reference_percentile must be in (0, 1), got {reference_percentile}")
     if percentile_sample is not None and percentile_sample < 1:
         raise ValueError(f"percentile_sample must be a positive number of values or None, got {percentile_sample}")
-    if batch.numel() == 0:
-        return None
-    if sync_free is None:
-        sync_free = batch.device.type != "cpu"
-    scratch = scratch if scratch is not None else ScratchBuffers()
-    # Detached tensors record no autograd history, so no no_grad() context is needed.
-    values = batch.detach() if batch.requires_grad else batch
-    if values.dtype != torch.float32 and values.dtype != torch.float64:
-        values = values.float()
-    outer, channels, inner = _outer_channels_inner(tuple(values.shape), channel_axis)
-    data, dims = _reduction(values, outer, channels, inner, scratch)
-    hist = _exponent_histogram(data, scratch) if histogram else None
-    sample = percentile_sample if percentile else 0
-    width = outer * inner
-    summary = None
-    if not sync_free:
-        summary = _summarize_finite(data, dims, width, channels, reference_percentile, sample, hist, moments, scratch)
-    if summary is None:
-        summary = _summarize_any(data, dims, width, channels, reference_percentile, sample, hist, moments, scratch)
-    return summary
+    outer, channels, inner = _outer_channels_inner(tuple(shape), channel_axis)
+    sample_size = percentile_sample if percentile else 0
+    return BatchReader(outer, channels, inner, reference_percentile, sample_size, histogram, moments)
 
 
 # -------------------------------------------------------------------- layout
@@ -190,52 +349,6 @@ def _group_maxima(
 
 
 # ---------------------------------------------------------- finite fast path
-def _summarize_finite(
-    data: torch.Tensor,
-    dims: Dims,
-    width: int,
-    channels: int,
-    q: float,
-    sample_size: int | None,
-    histogram: torch.Tensor | None,
-    moments: bool,
-    scratch: ScratchBuffers,
-) -> BatchSummary | None:
-    """Fast path for finite batches of moderate magnitude; None (after a host read) otherwise.
-
-    ``sample_size`` 0: no percentile; None: the exact reference."""
-    channel_sum = sum_of_squares = None
-    if channels == 1:  # a whole-tensor point: one-pass full reductions, 0-d results
-        flat = data.reshape(-1)
-        channel_min, channel_max = torch.aminmax(flat)
-        if moments:
-            channel_sum, sum_of_squares = flat.sum(), torch.dot(flat, flat)
-    else:
-        channel_min, channel_max = data.amin(dims), data.amax(dims)
-        if moments:
-            channel_sum = data.sum(dims)
-            sum_of_squares = _sum_of_squares(data, dims, scratch)
-    if sum_of_squares is not None:
-        if not _trusted_squares(sum_of_squares, channel_min, channel_max):
-            return None
-    elif not _finite_extrema(channel_min, channel_max):
-        return None
-    reference = None
-    if sample_size != 0:
-        if sample_size is None or is_exact(width, channels, sample_size):
-            values, dim = _all_values(data, dims)
-            reference = values.kthvalue(host_reference_rank(width, q) + 1, dim=dim).values
-        else:
-            plan = sample_plan(width, q, sample_size, data.device)
-            maxima, dim = _group_maxima(data, dims, plan)
-            reference = maxima.kthvalue(plan.kth, dim=dim).values
-        if channels == 1:
-            reference = reference.view(())  # shaped like the other whole-tensor results
-    return BatchSummary(
-        channels, channel_min, channel_max, channel_sum, sum_of_squares, width, 0, 0, reference, histogram
-    )
-
-
 def _sum_of_squares(data: torch.Tensor, dims: Dims, scratch: ScratchBuffers) -> torch.Tensor:
     """Per-channel sums of squares, float32. Along a contiguous last dim a norm reads each value
     once and writes nothing; across rows (``(n, C)`` over dim 0, where torch's norm is slow) the
@@ -270,15 +383,6 @@ def _trusted_squares(sum_of_squares: torch.Tensor, channel_min: torch.Tensor, ch
         return True
     tiny = sum_of_squares < _SMALLEST_TRUSTED_SQUARES
     return not bool((tiny & ((channel_max != 0) | (channel_min != 0))).any())
-
-
-def _finite_extrema(channel_min: torch.Tensor, channel_max: torch.Tensor) -> bool:
-    """Whether every value was finite, read from the extrema alone (one host read; CPU only).
-
-    amin/amax propagate NaN and keep +-Inf, so a non-finite value makes its channel's range
-    non-finite; so does a float32 range beyond float32 (that batch merely takes the general
-    path)."""
-    return math.isfinite(float((channel_max - channel_min).sum()))
 
 
 # --------------------------------------------------------------- general path

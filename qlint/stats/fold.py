@@ -19,44 +19,55 @@ from typing import Any
 import torch
 
 from qlint.stats.accumulator import HISTOGRAM_SHAPE, ScratchBuffers, TensorStats
-from qlint.stats.batch import BatchSummary, PerChannel, summarize_values
+from qlint.stats.batch import BatchSummary, PerChannel, SummaryRow, summarize_values
 from qlint.stats.selection import PERCENTILE_SAMPLE
 
 # Pending batches per fold: the fold's ~20 ops are paid once per this many batches; each
-# pending row costs 5 float64 values per channel.
-FOLD_EVERY = 16
+# pending row costs 3 values per channel in the batches' dtype.
+FOLD_EVERY = 32
 
 
 class RunningStats:
-    """Statistics of a stream of batch summaries of one width on one device.
+    """Statistics of a stream of batch summaries of one width, dtype and device.
 
     ``add`` a :class:`BatchSummary` per batch; ``stats()`` gives the ``TensorStats`` of
-    every batch added so far (a snapshot: later batches do not change it)."""
+    every batch added so far (a snapshot: later batches do not change it). A summarizer may
+    write a batch's minimum, maximum and reference straight into :meth:`next_row` (with
+    ``out=``); adding that summary then copies nothing."""
 
-    # The moments come last: a stream without them fills only the first three rows.
-    _FLOAT_ROWS = ("channel_min", "channel_max", "reference", "sum", "sum_of_squares")
     _COUNT_ROWS = ("count", "nan_count", "inf_count")
 
-    def __init__(self, channels: int, device: torch.device | str, capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        channels: int,
+        device: torch.device | str,
+        capacity: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         capacity = capacity if capacity is not None else FOLD_EVERY
-        self.channels, self.device, self.capacity = channels, torch.device(device), capacity
+        self.channels, self.device, self.capacity, self.dtype = channels, torch.device(device), capacity, dtype
         f64: dict[str, Any] = dict(dtype=torch.float64, device=self.device)
         i64: dict[str, Any] = dict(dtype=torch.int64, device=self.device)
-        self._pending = torch.zeros(capacity, len(self._FLOAT_ROWS), channels, **f64)
-        self._pending_rows = self._pending.unbind(0)  # per-batch views, made once
+        # Minimum, maximum and reference per pending batch, in the batches' own dtype: values
+        # of the data, so exact there (the fold reads them as float64).
+        self._pending = torch.zeros(capacity, 3, channels, dtype=dtype, device=self.device)
+        indices = torch.empty((channels,) if channels > 1 else (), dtype=torch.int64, device=self.device)
+        self._pending_rows = [SummaryRow.of(block, indices) for block in self._pending.unbind(0)]  # views, made once
+        self._pending_moments: torch.Tensor | None = None  # float64 sums, made with the first batch that has them
+        # Which pending batches have a reference (a stream may take it on some batches only).
+        self._with_reference_rows = [False] * capacity
         # Finite batches have one count for every channel and no NaN/Inf: kept as plain
         # ints (None: that batch's counts are in _pending_counts, made with the first such batch).
         self._uniform_counts: list[int | None] = [None] * capacity
         self._pending_counts: torch.Tensor | None = None
         self._size = 0
-        self._with_reference: bool | None = None  # both set by the first summary
-        self._with_moments: bool | None = None
+        self._with_moments: bool | None = None  # set by the first summary
         # Totals, laid out as TensorStats packs them.
         self._extrema = torch.tensor([[float("inf")], [float("-inf")]], **f64).expand(2, channels).clone()
         self._channel_sums = torch.zeros(3, channels, **f64)  # sum, sum of squares, ratio sum
         self._channel_counts = torch.zeros(6, channels, **i64)  # count, nan, inf, ratio, zero quantile, constant
         self._histogram = torch.zeros(HISTOGRAM_SHAPE, **i64)
-        self._batch_counts = torch.zeros(2, **i64)  # batches, batches with a finite value
+        self._batch_counts = torch.zeros(3, **i64)  # batches, with a finite value, with a reference
         self._batch_range_sum = torch.zeros((), **f64)
         self._batches = 0
 
@@ -65,33 +76,47 @@ class RunningStats:
         return self._batches
 
     def accepts(self, summary: BatchSummary) -> bool:
-        return summary.channels == self.channels and summary.device == self.device
+        return (
+            summary.channels == self.channels
+            and summary.device == self.device
+            and summary.channel_max.dtype == self.dtype
+        )
+
+    def next_row(self) -> SummaryRow:
+        """The row the next summary's minimum, maximum and reference go into."""
+        return self._pending_rows[self._size]
 
     def add(self, summary: BatchSummary) -> None:
         if not self.accepts(summary):
             raise ValueError(
-                f"summary of {summary.channels} channels on {summary.device} does not fit running "
-                f"stats of {self.channels} channels on {self.device}"
+                f"summary of {summary.channels} channels of {summary.channel_max.dtype} on {summary.device} does "
+                f"not fit running stats of {self.channels} channels of {self.dtype} on {self.device}"
             )
-        with_reference, with_moments = summary.reference is not None, summary.sum is not None
-        if self._with_reference is None:
-            self._with_reference, self._with_moments = with_reference, with_moments
-        elif with_reference != self._with_reference or with_moments != self._with_moments:
-            raise ValueError("summaries with and without the percentile or the moments cannot share a stream")
+        with_moments = summary.sum is not None
+        if self._with_moments is None:
+            self._with_moments = with_moments
+        elif with_moments != self._with_moments:
+            raise ValueError("summaries with and without the moments cannot share a stream")
         row = self._size
-        floats = [
-            summary.channel_min,
-            summary.channel_max,
-            summary.reference if summary.reference is not None else summary.channel_max,  # unused then
-        ]
+        target = self._pending_rows[row].block
+        if summary.block is None:
+            floats = [summary.channel_min, summary.channel_max]
+            if summary.reference is not None:
+                floats.append(summary.reference)
+            target[: len(floats)].copy_(torch.stack(floats).view(len(floats), self.channels))
+        elif summary.block.data_ptr() != target.data_ptr():  # written elsewhere (another observer's row)
+            target.copy_(summary.block)
+        self._with_reference_rows[row] = summary.reference is not None
         if summary.sum is not None and summary.sum_of_squares is not None:
-            floats += [summary.sum, summary.sum_of_squares]
-        # Stacked in the summary's dtype, then copied: a stack straight into float64 is ~3x slower.
-        stacked = torch.stack(floats)
-        self._pending_rows[row][: len(floats)].copy_(stacked if stacked.dim() == 2 else stacked.unsqueeze(1))
+            if self._pending_moments is None:
+                self._pending_moments = torch.zeros(
+                    self.capacity, 2, self.channels, dtype=torch.float64, device=self.device
+                )
+            moments = torch.stack([summary.sum, summary.sum_of_squares])
+            self._pending_moments[row].copy_(moments.view(2, self.channels))
         counts = (summary.count, summary.nan_count, summary.inf_count)
-        if all(isinstance(value, int) for value in counts) and counts[1] == counts[2] == 0:
-            self._uniform_counts[row] = int(counts[0])
+        if type(counts[0]) is int and type(counts[1]) is int and type(counts[2]) is int and counts[1] == counts[2] == 0:
+            self._uniform_counts[row] = counts[0]
         else:
             self._uniform_counts[row] = None
             if self._pending_counts is None:
@@ -127,7 +152,7 @@ class RunningStats:
         size = self._size
         if not size:
             return
-        pending = self._pending[:size]  # (batches, field, C)
+        pending = self._pending[:size].to(torch.float64)  # (batches, field, C)
         channel_min, channel_max, reference = pending[:, 0], pending[:, 1], pending[:, 2]
         uniform = self._uniform_counts[:size]
         if self._pending_counts is None:  # every batch finite (the common case): no count tensors
@@ -145,30 +170,33 @@ class RunningStats:
             range_batches = has_values.any(1)
         torch.minimum(self._extrema[0], channel_min.amin(0), out=self._extrema[0])
         torch.maximum(self._extrema[1], channel_max.amax(0), out=self._extrema[1])
-        if self._with_moments:
-            self._channel_sums[:2] += pending[:, 3:5].sum(0)
+        if self._with_moments and self._pending_moments is not None:
+            self._channel_sums[:2] += self._pending_moments[:size].sum(0)
         else:  # not observed: unknown, and stays so through merges
             self._channel_sums[:2] = float("nan")
         constant = channel_max == channel_min
-        if self._with_reference:
+        with_reference = self._with_reference_rows[:size]
+        reference_batches = sum(with_reference)
+        if reference_batches:
             counted = reference != 0
             zero_denominator = (reference == 0) & (channel_max != 0)
+            if not all(with_reference):  # batches without a reference count towards none of its totals
+                taken = torch.tensor(with_reference, device=self.device).unsqueeze(1)
+                counted, zero_denominator = counted & taken, zero_denominator & taken
             if has_values is not None:
                 counted, zero_denominator = counted & has_values, zero_denominator & has_values
             self._channel_sums[2] += torch.where(counted, channel_max / reference, 0.0).sum(0)
-            self._channel_counts[3:] += torch.stack(
-                [counted, zero_denominator, constant if has_values is None else constant & has_values]
-            ).sum(1)
-        else:  # percentile not requested: no batch counts towards it
-            self._channel_counts[5] += (constant if has_values is None else constant & has_values).sum(0)
+            self._channel_counts[3:5] += torch.stack([counted, zero_denominator]).sum(1)
+        self._channel_counts[5] += (constant if has_values is None else constant & has_values).sum(0)
         batch_range = channel_max.amax(1) - channel_min.amin(1)
         if isinstance(range_batches, int):
             self._batch_range_sum += batch_range.sum()
-            self._batch_counts += torch.tensor([size, range_batches], device=self.device)
+            self._batch_counts += torch.tensor([size, range_batches, reference_batches], device=self.device)
         else:  # batches without a finite value have no range
             self._batch_range_sum += torch.where(range_batches, batch_range, 0.0).sum()
             self._batch_counts[0] += size
             self._batch_counts[1] += range_batches.sum()
+            self._batch_counts[2] += reference_batches
         self._size = 0
         self._pending_counts = None
 
@@ -220,7 +248,7 @@ def summarize_batch(
     )
     if summary is None:
         return TensorStats.empty(channel_axis, reference_percentile, device=batch.device)
-    running = RunningStats(summary.channels, summary.device, capacity=1)
+    running = RunningStats(summary.channels, summary.device, capacity=1, dtype=summary.channel_max.dtype)
     running.add(summary)
     return running.stats(channel_axis, reference_percentile)
 

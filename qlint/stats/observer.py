@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from qlint.stats.accumulator import ScratchBuffers, TensorStats
-from qlint.stats.batch import BatchSummary, channel_count, summarize_values
+from qlint.stats.batch import BatchSummary, batch_reader
 from qlint.stats.fold import RunningStats
-from qlint.stats.selection import PERCENTILE_SAMPLE
+from qlint.stats.selection import PERCENTILE_EVERY, PERCENTILE_SAMPLE, selects_reference
 
 _thread_local = threading.local()
 
@@ -56,6 +56,11 @@ def _remember_summary(value: torch.Tensor, settings: tuple, summary: BatchSummar
     recent[settings] = (weakref.ref(value), value._version, summary)
 
 
+def _summary_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a batch of ``dtype`` is summarized in (narrower floats are read as float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class StatsObserver(nn.Module):
     """Identity module that folds every floating tensor it sees into ``self.stats``.
 
@@ -77,6 +82,9 @@ class StatsObserver(nn.Module):
         percentile_sample: the most values per channel and batch the reference
             quantile is selected from (None: all of them, exact); see
             :mod:`qlint.stats.selection`.
+        percentile_every: a point of more than 32 channels selects its reference
+            quantile on the first batch and every ``percentile_every``-th after it (1,
+            the default: every batch, as torch); see :mod:`qlint.stats.selection`.
 
     Non-tensors, non-floating tensors and empty tensors pass through ignored.
     Statistics live on the device of the tensors observed; the forward reads
@@ -94,6 +102,7 @@ class StatsObserver(nn.Module):
         moments: bool = True,
         expected_channels: int | None = None,
         percentile_sample: int | None = PERCENTILE_SAMPLE,
+        percentile_every: int = PERCENTILE_EVERY,
     ):
         super().__init__()
         self.channel_axis = channel_axis
@@ -102,6 +111,10 @@ class StatsObserver(nn.Module):
         self.histogram = histogram
         self.moments = moments
         self.percentile_sample = percentile_sample
+        if percentile_every < 1:
+            raise ValueError(f"percentile_every must be at least 1, got {percentile_every}")
+        self.percentile_every = percentile_every
+        self._observed = 0  # batches since the last reset: which of them select the reference
         # Stats given through the setter (a saved state), then the batches observed since.
         self._base = TensorStats.empty(channel_axis, reference_percentile)
         self._running: RunningStats | None = RunningStats(expected_channels, "cpu") if expected_channels else None
@@ -117,6 +130,7 @@ class StatsObserver(nn.Module):
     def stats(self, stats: TensorStats) -> None:
         self._running = None
         self._base = stats
+        self._observed = int(stats.batches)
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
@@ -132,11 +146,9 @@ class StatsObserver(nn.Module):
         return value
 
     def _observe(self, value: torch.Tensor, reusable: bool) -> None:
-        running = self._running
-        width = running.channels if running is not None and len(running) else self._base.num_channels
-        channels = channel_count(value.shape, self.channel_axis)
-        if width and channels != width:
-            raise ValueError(f"channel count changed from {width} to {channels}")
+        # The summary reuse is keyed by the settings, not the reader (which depends on the shape
+        # too): the entry kept is then always the last one computed with them, whose row in its
+        # stream no later batch has overwritten.
         settings = (
             self.channel_axis,
             self.reference_percentile,
@@ -145,27 +157,34 @@ class StatsObserver(nn.Module):
             self.moments,
             self.percentile_sample,
         )
+        reader = batch_reader(value.shape, *settings)
+        if self.percentile and not selects_reference(self._observed, reader.channels, self.percentile_every):
+            settings = settings[:2] + (False,) + settings[3:]
+            reader = batch_reader(value.shape, *settings)
+        running = self._running
+        channels = reader.channels
+        width = running.channels if running is not None and len(running) else self._base.num_channels
+        if width and channels != width:
+            raise ValueError(f"channel count changed from {width} to {channels}")
         summary = _recent_summary(value, settings) if reusable else None
         if summary is None:
-            summary = summarize_values(
-                value,
-                self.channel_axis,
-                self.reference_percentile,
-                scratch=thread_scratch_buffers(),
-                percentile=self.percentile,
-                histogram=self.histogram,
-                moments=self.moments,
-                percentile_sample=self.percentile_sample,
-            )
-            if summary is None:
-                return  # an empty batch: forward() only passes non-empty ones
+            row = None
+            if (
+                running is not None
+                and running.channels == channels
+                and running.device == value.device
+                and running.dtype == _summary_dtype(value.dtype)
+            ):
+                row = running.next_row()  # the finite path writes the summary where the stream keeps it
+            summary = reader.summarize(value, thread_scratch_buffers(), row=row)
             if reusable:
                 _remember_summary(value, settings, summary)
         if running is None or not running.accepts(summary):
-            # First batch, another device, or another width than expected: start a stream there.
+            # First batch, another device, dtype or width than expected: start a stream there.
             self.stats = self.stats
-            running = self._running = RunningStats(summary.channels, summary.device)
+            running = self._running = RunningStats(summary.channels, summary.device, dtype=summary.channel_max.dtype)
         running.add(summary)
+        self._observed += 1
 
     def reset(self) -> None:
         """Forget everything observed so far."""

@@ -16,6 +16,7 @@ from qlint.linter.calibration.statistics import CalibrationStatistics
 from qlint.linter.findings import Notice
 from qlint.linter.rule import Need, Rule
 from qlint.stats import thread_scratch_buffers
+from qlint.stats.selection import PERCENTILE_EVERY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,13 @@ class CalibrationOptions:
     distributed: bool | None = None  # True: merge across ranks; False: never; None: when initialized
     group: Any = None  # the torch.distributed process group to merge over
     shard: bool = False  # each rank takes every world_size-th batch of the same data
+    # Points of more than 32 channels select QL203's reference quantile on one batch in this
+    # many (1: every batch, torch's statistic; qlint.stats.selection says what more costs).
+    percentile_every: int = PERCENTILE_EVERY
+
+    def __post_init__(self) -> None:
+        if self.percentile_every < 1:
+            raise ConfigError(f"percentile_every must be at least 1, got {self.percentile_every}")
 
     @classmethod
     def of(cls, options: None | CalibrationOptions | Mapping[str, Any]) -> CalibrationOptions:
@@ -58,9 +66,13 @@ def collect_statistics(
     shared = analysis.traced.graph_module if analysis.traced is not None else analysis.model
     with preserved_state(shared):
         if analysis.traced is not None:
-            observed, observers, skipped = insert_observers(analysis.traced.graph_module, points, q, needs)
+            observed, observers, skipped = insert_observers(
+                analysis.traced.graph_module, points, q, needs, percentile_every=opts.percentile_every
+            )
         else:
-            observed, observers, skipped, hooks = insert_hook_observers(analysis.model, graph, points, q, needs)
+            observed, observers, skipped, hooks = insert_hook_observers(
+                analysis.model, graph, points, q, needs, percentile_every=opts.percentile_every
+            )
         ranks = rank_group(opts.distributed, opts.group)
         batches = limited_batches(calibration, opts.num_batches)
         if ranks.distributed and opts.shard:

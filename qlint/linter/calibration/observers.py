@@ -14,6 +14,7 @@ from qlint.core.nested import first_tensor
 from qlint.linter.calibration.points import ALL_STATISTICS, ObservationPoint, StatisticNeeds
 from qlint.stats import StatsObserver
 from qlint.stats.batch import channel_count
+from qlint.stats.selection import PERCENTILE_EVERY
 
 DEFAULT_REFERENCE_PERCENTILE = 0.975
 _OBSERVER_PREFIX = "qlint_stats_observer_"
@@ -24,6 +25,7 @@ def _new_observer(
     reference_percentile: float,
     needs: Mapping[ObservationPoint, StatisticNeeds] | None,
     traced_shape: Sequence[Any] | None,
+    percentile_every: int,
 ) -> StatsObserver:
     """Without ``needs`` an observer computes everything; with it, only what its rules read.
     ``traced_shape``: the observed tensor's shape as shape propagation saw it, if known."""
@@ -35,6 +37,7 @@ def _new_observer(
         histogram=wanted.histogram,
         moments=wanted.moments,
         expected_channels=_traced_channels(traced_shape, point.channel_axis),
+        percentile_every=percentile_every,
     )
 
 
@@ -57,6 +60,8 @@ def insert_observers(
     points: Sequence[ObservationPoint],
     reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
     needs: Mapping[ObservationPoint, StatisticNeeds] | None = None,
+    *,
+    percentile_every: int = PERCENTILE_EVERY,
 ):
     """A new GraphModule, sharing ``graph_module``'s modules, with a StatsObserver at every point.
 
@@ -76,7 +81,7 @@ def insert_observers(
             continue
         name = f"{_OBSERVER_PREFIX}{number}"
         if point.side == "output":
-            observer = _new_observer(point, reference_percentile, needs, _fx_shape(target))
+            observer = _new_observer(point, reference_percentile, needs, _fx_shape(target), percentile_every)
             observed.add_submodule(name, observer)
             with observed.graph.inserting_after(target):
                 observed.graph.call_module(name, (target,))
@@ -85,7 +90,7 @@ def insert_observers(
             if source is None:
                 skipped.append(point)
                 continue
-            observer = _new_observer(point, reference_percentile, needs, _fx_shape(source))
+            observer = _new_observer(point, reference_percentile, needs, _fx_shape(source), percentile_every)
             observed.add_submodule(name, observer)
             with observed.graph.inserting_before(target):
                 replace(observed.graph.call_module(name, (source,)))
@@ -101,6 +106,8 @@ def insert_hook_observers(
     points: Sequence[ObservationPoint],
     reference_percentile: float = DEFAULT_REFERENCE_PERCENTILE,
     needs: Mapping[ObservationPoint, StatisticNeeds] | None = None,
+    *,
+    percentile_every: int = PERCENTILE_EVERY,
 ):
     """For graphs from the eager-hooks front end: observers fed by forward hooks.
 
@@ -123,7 +130,8 @@ def insert_hook_observers(
             if point.side == "output"
             else (node.inputs[point.index] if point.index < len(node.inputs) else None)
         )
-        observer = _new_observer(point, reference_percentile, needs, info.shape if info is not None else None)
+        shape = info.shape if info is not None else None
+        observer = _new_observer(point, reference_percentile, needs, shape, percentile_every)
         observers[point] = observer
         by_module.setdefault(node.module, {}).setdefault(call_index, []).append((point, observer))
     counters = [_attach_hooks(observed.get_submodule(fqn), per_call, handles) for fqn, per_call in by_module.items()]
