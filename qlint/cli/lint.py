@@ -91,7 +91,7 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
             calibration_options={
                 "quiet": args.quiet,
                 "num_batches": options.num_batches,
-                **({"percentile_every": options.percentile_every} if options.percentile_every else {}),
+                "percentile_every": options.percentile_every,
             },
             trial_options=options.trial,
         )

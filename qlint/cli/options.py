@@ -19,6 +19,7 @@ from qlint.errors import ConfigError
 from qlint.linter.findings import Severity
 from qlint.linter.registry import Registry
 from qlint.linter.settings import Config, FileSettings
+from qlint.stats.selection import PERCENTILE_EVERY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ModelOptions:
     rule_options: dict[str, dict[str, Any]]
     calibration: str | None
     num_batches: int | None
-    percentile_every: int | None
+    percentile_every: int
     baseline: str | None
     trial: dict[str, Any] = dataclasses.field(default_factory=dict)  # TrialOptions fields
 
@@ -148,7 +149,7 @@ def resolve_options(args: argparse.Namespace, spec: str, config: Config) -> Mode
         rule_options=dict(settings.rules),
         calibration=calibration,
         num_batches=_first(args.num_batches, per_file("num_batches"), settings.num_batches),
-        percentile_every=_first(args.percentile_every, settings.percentile_every),
+        percentile_every=_first(args.percentile_every, settings.percentile_every, PERCENTILE_EVERY),
         baseline=baseline,
         trial=_trial_options(args, config),
     )

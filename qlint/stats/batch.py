@@ -108,6 +108,11 @@ class SummaryRow:
         return math.isfinite(float(self.extrema.sum()))
 
 
+def summary_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a batch of floating ``dtype`` is summarized in (narrower floats as float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # ------------------------------------------------------------------ public API
 def summarize_values(
     batch: torch.Tensor,
@@ -172,8 +177,7 @@ class BatchReader:
         scratch = scratch if scratch is not None else ScratchBuffers()
         # Detached tensors record no autograd history, so no no_grad() context is needed.
         values = batch.detach() if batch.requires_grad else batch
-        if values.dtype != torch.float32 and values.dtype != torch.float64:
-            values = values.float()
+        values = values.to(summary_dtype(values.dtype))  # no copy for float32 and float64
         data, dims = _reduction(values, self.outer, self.channels, self.inner, scratch)
         hist = _exponent_histogram(data, scratch) if self.histogram else None
         summary = None
@@ -184,17 +188,7 @@ class BatchReader:
                 raise ValueError(f"a row for {self.channels} channels of {data.dtype} is needed, got {row.block}")
             summary = self._summarize_finite(data, dims, hist, scratch, row)
         if summary is None:
-            summary = _summarize_any(
-                data,
-                dims,
-                self.width,
-                self.channels,
-                self.reference_percentile,
-                self.sample_size,
-                hist,
-                self.moments,
-                scratch,
-            )
+            summary = self._summarize_any(data, dims, hist)
         return summary
 
     def _summarize_finite(
@@ -239,19 +233,69 @@ class BatchReader:
             row.block,
         )
 
+    def _sample_plan(self, device: torch.device) -> SamplePlan | None:
+        """The plan the reference is estimated from; None where it is selected from every value."""
+        if self.sample_size is None or is_exact(self.width, self.channels, self.sample_size):
+            return None
+        return sample_plan(self.width, self.reference_percentile, self.sample_size, device)
+
     def _selection(self, data: torch.Tensor, dims: Dims) -> tuple[torch.Tensor, int, int]:
         """What the reference is the k-th smallest of, per channel: (values, their dim, k)."""
-        width, channels = self.width, self.channels
-        if self.sample_size is None or is_exact(width, channels, self.sample_size):
+        plan = self._sample_plan(data.device)
+        if plan is None:
             values, dim = _all_values(data, dims)
-            k = host_reference_rank(width, self.reference_percentile) + 1
+            k = host_reference_rank(self.width, self.reference_percentile) + 1
         else:
-            plan = sample_plan(width, self.reference_percentile, self.sample_size, data.device)
             values, dim = _group_maxima(data, dims, plan)
             k = plan.kth
-        if channels == 1:  # 0-d result, shaped like the other whole-tensor statistics
+        if self.channels == 1:  # 0-d result, shaped like the other whole-tensor statistics
             return values.reshape(-1), 0, k
         return values, dim, k
+
+    def _summarize_any(self, data: torch.Tensor, dims: Dims, histogram: torch.Tensor | None) -> BatchSummary:
+        """General path: tolerates NaN/Inf, sums in float64 and never reads a device value back."""
+        width, channels = self.width, self.channels
+        finite = torch.isfinite(data)
+        nan_count = torch.isnan(data).sum(dims)
+        count = finite.sum(dims)
+        inf_count = width - count - nan_count
+        channel_sum = sum_of_squares = None
+        if self.moments:
+            finite_or_zero = data.masked_fill(~finite, 0).to(torch.float64)
+            channel_sum, sum_of_squares = finite_or_zero.sum(dims), finite_or_zero.square().sum(dims)
+        channel_max = data.masked_fill(~finite, -math.inf).amax(dims)
+        reference = None
+        if self.sample_size != 0:
+            # With NaN/Inf excluded each channel has its own number of values, so its own rank.
+            rank = reference_rank(count, self.reference_percentile)
+            plan = self._sample_plan(data.device)
+            if plan is None:
+                values, dim = _all_values(data, dims)
+                # Non-finite values sort last as +inf, after every finite one.
+                ordered = values.masked_fill(~torch.isfinite(values), math.inf).sort(dim=dim).values
+                index = rank.clamp(min=0)
+            else:
+                maxima, dim = _group_maxima(data, dims, plan, finite_only=True)
+                kept = _sampled_finite_count(data, dims, plan)
+                from_top = (kept - sample_rank(rank, count, kept)).clamp(max=plan.groups)
+                ordered = maxima.sort(dim=dim, descending=True).values
+                index = (from_top - 1).clamp(min=0)
+            reference = ordered.gather(dim, index.unsqueeze(dim)).squeeze(dim)
+            # A channel whose few finite values all escaped the sample has no estimate: its
+            # maximum stands in (ratio 1, never an outlier).
+            reference = torch.where(torch.isfinite(reference), reference, channel_max)
+        return BatchSummary(
+            channels,
+            data.masked_fill(~finite, math.inf).amin(dims),
+            channel_max,
+            channel_sum,
+            sum_of_squares,
+            count,
+            nan_count,
+            inf_count,
+            reference,
+            histogram,
+        )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -386,61 +430,6 @@ def _trusted_squares(sum_of_squares: torch.Tensor, channel_min: torch.Tensor, ch
 
 
 # --------------------------------------------------------------- general path
-def _summarize_any(
-    data: torch.Tensor,
-    dims: Dims,
-    width: int,
-    channels: int,
-    q: float,
-    sample_size: int | None,
-    histogram: torch.Tensor | None,
-    moments: bool,
-    scratch: ScratchBuffers,
-) -> BatchSummary:
-    """General path: tolerates NaN/Inf, sums in float64 and never reads a device value back."""
-    finite = torch.isfinite(data)
-    nan_count = torch.isnan(data).sum(dims)
-    count = finite.sum(dims)
-    inf_count = width - count - nan_count
-    channel_sum = sum_of_squares = None
-    if moments:
-        finite_or_zero = data.masked_fill(~finite, 0).to(torch.float64)
-        channel_sum, sum_of_squares = finite_or_zero.sum(dims), finite_or_zero.square().sum(dims)
-    channel_max = data.masked_fill(~finite, -math.inf).amax(dims)
-    reference = None
-    if sample_size != 0:
-        # With NaN/Inf excluded each channel has its own number of values, so its own rank.
-        rank = reference_rank(count, q)
-        if sample_size is None or is_exact(width, channels, sample_size):
-            values, dim = _all_values(data, dims)
-            # Non-finite values sort last as +inf, after every finite one.
-            ordered = values.masked_fill(~torch.isfinite(values), math.inf).sort(dim=dim).values
-            index = rank.clamp(min=0)
-        else:
-            plan = sample_plan(width, q, sample_size, data.device)
-            maxima, dim = _group_maxima(data, dims, plan, finite_only=True)
-            kept = _sampled_finite_count(data, dims, plan)
-            from_top = (kept - sample_rank(rank, count, kept)).clamp(max=plan.groups)
-            ordered = maxima.sort(dim=dim, descending=True).values
-            index = (from_top - 1).clamp(min=0)
-        reference = ordered.gather(dim, index.unsqueeze(dim)).squeeze(dim)
-        # A channel whose few finite values all escaped the sample has no estimate: its
-        # maximum stands in (ratio 1, never an outlier).
-        reference = torch.where(torch.isfinite(reference), reference, channel_max)
-    return BatchSummary(
-        channels,
-        data.masked_fill(~finite, math.inf).amin(dims),
-        channel_max,
-        channel_sum,
-        sum_of_squares,
-        count,
-        nan_count,
-        inf_count,
-        reference,
-        histogram,
-    )
-
-
 def _sampled_finite_count(data: torch.Tensor, dims: Dims, plan: SamplePlan) -> torch.Tensor:
     """Per channel, how many of the plan's sampled values are finite."""
     if dims == 1:

@@ -75,12 +75,12 @@ class RunningStats:
         """Batches added so far."""
         return self._batches
 
+    def fits(self, channels: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether summaries of this width, dtype and device belong in this stream."""
+        return channels == self.channels and dtype == self.dtype and device == self.device
+
     def accepts(self, summary: BatchSummary) -> bool:
-        return (
-            summary.channels == self.channels
-            and summary.device == self.device
-            and summary.channel_max.dtype == self.dtype
-        )
+        return self.fits(summary.channels, summary.channel_max.dtype, summary.device)
 
     def next_row(self) -> SummaryRow:
         """The row the next summary's minimum, maximum and reference go into."""

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from qlint.stats.accumulator import ScratchBuffers, TensorStats
-from qlint.stats.batch import BatchSummary, batch_reader
+from qlint.stats.batch import BatchSummary, batch_reader, summary_dtype
 from qlint.stats.fold import RunningStats
 from qlint.stats.selection import PERCENTILE_EVERY, PERCENTILE_SAMPLE, selects_reference
 
@@ -54,11 +54,6 @@ def _remember_summary(value: torch.Tensor, settings: tuple, summary: BatchSummar
     if recent is None:
         recent = _thread_local.recent = {}
     recent[settings] = (weakref.ref(value), value._version, summary)
-
-
-def _summary_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a batch of ``dtype`` is summarized in (narrower floats are read as float32)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class StatsObserver(nn.Module):
@@ -169,12 +164,7 @@ class StatsObserver(nn.Module):
         summary = _recent_summary(value, settings) if reusable else None
         if summary is None:
             row = None
-            if (
-                running is not None
-                and running.channels == channels
-                and running.device == value.device
-                and running.dtype == _summary_dtype(value.dtype)
-            ):
+            if running is not None and running.fits(channels, summary_dtype(value.dtype), value.device):
                 row = running.next_row()  # the finite path writes the summary where the stream keeps it
             summary = reader.summarize(value, thread_scratch_buffers(), row=row)
             if reusable:
