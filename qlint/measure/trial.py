@@ -44,6 +44,7 @@ from qlint.core.ops import module_kind, quantized_form
 from qlint.core.sqnr import BatchPowers, SqnrSums
 from qlint.errors import QlintError
 from qlint.measure.bias_correction import InputSums
+from qlint.measure.calibrated import CalibratedQParams
 from qlint.measure.capture import PairedRunner
 from qlint.measure.fallback import FloatLayer, float_layers, int8_coverage
 from qlint.measure.matching import match_layers
@@ -192,6 +193,7 @@ def quantize_fx(
     prepare_kwargs: dict[str, Any] | None = None,
     keep_prepared: bool = False,
     bias_correction: bool = False,
+    calibrated: CalibratedQParams | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     """prepare_fx → run ``calibration`` → convert_fx on ``model`` itself (pass a copy).
 
@@ -200,9 +202,13 @@ def quantize_fx(
     convert_fx does not write). With ``bias_correction``, calibration also streams each
     quantized conv/linear layer's input sums, and the converted layers' biases lose the
     mean shift their int8 weights cause (:mod:`qlint.measure.bias_correction`).
-    Raises :class:`TrialStepError`."""
+    ``calibrated``: the qparams earlier quantizations of this same float model (on these
+    batches) calibrated; observers they cover are not calibrated again, and the ones calibrated
+    now are added (:mod:`qlint.measure.calibrated`). Raises :class:`TrialStepError`."""
     try:
-        return _quantize_fx(model, mapping, backend, calibration, prepare_kwargs, keep_prepared, bias_correction)
+        return _quantize_fx(
+            model, mapping, backend, calibration, prepare_kwargs, keep_prepared, bias_correction, calibrated
+        )
     finally:
         _forget_quantized_models()
 
@@ -227,6 +233,7 @@ def _quantize_fx(
     prepare_kwargs: dict[str, Any] | None,
     keep_prepared: bool,
     bias_correction: bool,
+    calibrated: CalibratedQParams | None,
 ) -> tuple[fx.GraphModule, fx.GraphModule | None]:
     config = backend_config(backend)
     example = as_call(calibration[0], what="calibration batch 0")[0] if calibration else ()
@@ -236,6 +243,8 @@ def _quantize_fx(
         raise
     except Exception as error:  # torch raises many kinds for unsupported graphs
         raise TrialStepError(STAGE_PREPARE, error, model) from error
+    if calibrated is not None:
+        calibrated.reuse(prepared)
     input_sums = InputSums(prepared) if bias_correction else None
     try:
         with torch.no_grad(), input_sums.recording() if input_sums else contextlib.nullcontext():
@@ -246,6 +255,9 @@ def _quantize_fx(
     except Exception as error:
         raise TrialStepError(STAGE_CALIBRATE, error, prepared) from error
     kept = copy_sharing_parameters(prepared) if keep_prepared else None
+    if calibrated is not None:
+        calibrated.record(prepared)
+        calibrated.reuse(prepared)  # convert_fx reads what record computed instead of searching again
     try:
         converted = convert_fx(prepared, backend_config=config)
     except Exception as error:
@@ -280,6 +292,9 @@ class TrialBench:
         # set by run() when the intended model fails in a way a float-preserving rewrite avoids
         # (`.view` on a quantized tensor): every later trial of this bench quantizes this copy
         self._rewritten: nn.Module | None = None
+        # What this bench's trials calibrated, for its later trials: valid while the float model
+        # (the factory's, or _rewritten) stays the same.
+        self._calibrated = CalibratedQParams()
 
     def variant(self, model_factory: Callable[[], nn.Module]) -> TrialBench:
         """The same data, another float model (a changed copy): its trials compare with its own outputs."""
@@ -318,6 +333,7 @@ class TrialBench:
                     result = dataclasses.replace(retry, failure=result.failure, workaround=note)
                 else:
                     self._rewritten = None
+                    self._calibrated = CalibratedQParams()
         seconds = time.perf_counter() - began
         self.seconds += seconds
         return dataclasses.replace(result, seconds=seconds)
@@ -334,7 +350,12 @@ class TrialBench:
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_FLOAT, error, self._in_eval(self._model())))
             try:
                 converted, prepared = quantize_fx(
-                    self._model(), mapping, self.backend, self.calibration, keep_prepared=measure_layers
+                    self._model(),
+                    mapping,
+                    self.backend,
+                    self.calibration,
+                    keep_prepared=measure_layers,
+                    calibrated=self._calibrated,
                 )
             except TrialStepError as step:
                 return dataclasses.replace(base, failure=step.failure)
@@ -371,6 +392,7 @@ class TrialBench:
         if not views:
             return None
         self._rewritten = rewritten
+        self._calibrated = CalibratedQParams()  # another float graph: nothing recorded applies
         return f"measured with .view → .reshape at {', '.join(views)} (identical in float)"
 
     def output_sqnr(self, mapping: QConfigMapping) -> float | None:
