@@ -48,8 +48,7 @@ class ConversionCheck(Rule):
     linted (the backend's default mapping when none was given) and the backend's
     BackendConfig, calibration (on the calibration data when given, else on the example
     inputs), `convert_fx`, and the converted model on the example inputs, with
-    `torch.backends.quantized.engine` set to the backend's (onednn for x86: the same int8
-    arithmetic, and 10-16x faster on depthwise convs; restored afterwards).
+    `torch.backends.quantized.engine` set to the backend (and restored afterwards).
 
     When a step fails this rule finds the failing graph node (from the exception's
     traceback during prepare/convert, or by re-running the graph node by node with an

@@ -30,6 +30,7 @@ from torch.fx.experimental.optimization import fuse as fuse_conv_bn
 from qlint.core.batches import as_call
 from qlint.core.ops import is_aten_graph
 from qlint.errors import QlintError
+from qlint.measure.calibrated import CalibratedQParams
 from qlint.measure.rewrite import (
     DEFAULT_MAX_RELATIVE_ERROR,
     AppliedRewrite,
@@ -126,9 +127,12 @@ def quantize_rewritten(
     *,
     keep_prepared: bool = False,
     prepare_kwargs: dict[str, Any] | None = None,
+    calibrated: CalibratedQParams | None = None,
 ) -> Quantized:
     """The second half of :func:`quantize_with_plan`: ``gm`` (the output of :func:`rewritten`,
-    consumed: pass a copy to keep it) prepared with the plan's mapping, calibrated, converted."""
+    consumed: pass a copy to keep it) prepared with the plan's mapping, calibrated, converted.
+    ``calibrated``: what earlier quantizations of this same float graph calibrated on these
+    batches (see :func:`qlint.measure.trial.quantize_fx`)."""
     mapping = fanout_follows_original(plan.to_qconfig_mapping(), gm)
     try:
         converted, prepared = quantize_fx(
@@ -139,6 +143,7 @@ def quantize_rewritten(
             prepare_kwargs=prepare_kwargs,
             keep_prepared=keep_prepared,
             bias_correction=plan.bias_correction is not None,
+            calibrated=calibrated,
         )
     except TrialStepError as step:  # torch raises many kinds for unsupported graphs
         raise QuantizeError(f"{step.failure.stage} failed: {first_line(step.failure.error)}") from step.failure.error

@@ -78,7 +78,6 @@ from qlint.advice.verify_session import (
     conv_linear_modules,
     state_dict_bytes,
 )
-from qlint.core.backends import measuring_engine
 from qlint.core.ops import is_aten_graph
 from qlint.core.preserve import preserved_state
 from qlint.measure.rewrite import AppliedRewrite, apply_rewrites, rewrite_key
@@ -234,8 +233,7 @@ def verify(
         batch_list(selection_data, "selection") if selection_data is not None else calibration[-SELECTION_BATCHES:]
     )
     # verify runs forward only on copies of the model; the guard gives back RNG, logging and attributes.
-    # Its int8 models run on the engine lint's trial measures with, so the two give the same numbers.
-    with preserved_state(model, watch_parameters=False), measuring_engine(plan.backend):
+    with preserved_state(model, watch_parameters=False):
         if is_aten_graph(model):
             asked = [
                 ("bias correction", bias_correction),

@@ -49,6 +49,7 @@ from qlint.core.ops import (
 from qlint.core.sqnr import SQNR_CAP_DB, SqnrSums
 from qlint.core.trace import symbolic_graph
 from qlint.errors import ConfigError, QlintError, TraceError
+from qlint.measure.calibrated import CalibratedQParams
 from qlint.measure.rewrite import AppliedRewrite
 from qlint.measure.trial import copy_sharing_parameters
 
@@ -194,6 +195,9 @@ class Session:
         self._fitted: dict[str, float] = {}
         self._fit_reference: list[Any] | None = None  # float outputs on ``fit``, for swapped folds
         self._last_rewritten: tuple[str, fx.GraphModule, list[AppliedRewrite]] | None = None
+        # Activation qparams calibrated so far, per float graph (its rewrites) and batch list:
+        # a later plan's observers of the same tensors with the same settings reuse them.
+        self._calibrated: dict[tuple[str, tuple[int, ...]], CalibratedQParams] = {}
         self.traced = self._graph()
 
     @staticmethod
@@ -236,13 +240,19 @@ class Session:
             kwargs["_equalization_config"] = plan.to_equalization_mapping(self.equalization_qconfig)
             plan = plan.model_copy(update={"equalization": []})  # torch equalizes instead of the rescale
         gm, applied = self._rewritten(plan)
+        batches = self.calibration if calibration is None else calibration
+        calibrated = None
+        if not kwargs:  # torch's equalization scales activations while it calibrates: nothing to reuse
+            graph_key = plan.model_dump_json(include={"rewrites", "equalization"})
+            calibrated = self._calibrated.setdefault((graph_key, tuple(map(id, batches))), CalibratedQParams())
         return quantize_rewritten(
             copy_sharing_parameters(gm),
             plan,
-            self.calibration if calibration is None else calibration,
+            batches,
             applied,
             keep_prepared=keep_prepared,
             prepare_kwargs=kwargs,
+            calibrated=calibrated,
         )
 
     def _rewritten(self, plan: QuantPlan) -> tuple[fx.GraphModule, list[AppliedRewrite]]:

@@ -6,10 +6,8 @@ activation dtypes does qnnpack accept for linear?"), never in torch classes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,35 +29,6 @@ _GETTERS = {
     "onednn": get_onednn_backend_config,
 }
 BACKENDS = tuple(_GETTERS)
-
-# The engine whose kernels a trial runs a backend's int8 model on, where it is not the backend's
-# own. torch's x86 engine runs a conv on onednn's kernel when the CPU has VNNI and the conv has
-# at most 100 groups, and on fbgemm's otherwise; fbgemm's path for wide grouped (depthwise)
-# convs is 10-16x slower than onednn's on the same int8 arithmetic (EfficientNet-Lite0: 650 vs
-# 42 ms a batch), and the two differ only where fbgemm's 16-bit intermediate sums saturate, which
-# the x86 default's reduce_range avoids. Measured on the findings bench: lint 113 -> 67 s on
-# EfficientNet-Lite0, output SQNRs within 0.03 dB, the same findings (docs/architecture.md).
-_MEASURING_ENGINES = {"x86": "onednn"}
-
-
-@contextlib.contextmanager
-def measuring_engine(backend: str) -> Iterator[bool]:
-    """Run with ``torch.backends.quantized.engine`` set to the engine that measures ``backend``'s
-    int8 models (the backend's own, or onednn for x86: see ``_MEASURING_ENGINES``); yields False
-    when this torch build has neither. The caller's engine is restored."""
-    supported = torch.backends.quantized.supported_engines
-    engine = _MEASURING_ENGINES.get(backend, backend)
-    engine = engine if engine in supported else backend
-    if engine not in supported:
-        yield False
-        return
-    previous = torch.backends.quantized.engine
-    torch.backends.quantized.engine = engine
-    try:
-        yield True
-    finally:
-        torch.backends.quantized.engine = previous
-
 
 # add-relu is fused at lowering time (quantized::add_relu) rather than by a fuser method.
 _LOWERING_FUSIONS = (("add", "relu"),)

@@ -37,7 +37,7 @@ from torch.ao.quantization.fx import utils as fx_quantization_utils
 from torch.ao.quantization.observer import UniformQuantizationObserverBase
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-from qlint.core.backends import backend_config, measuring_engine
+from qlint.core.backends import backend_config
 from qlint.core.batches import as_call, call_model
 from qlint.core.nested import first_float
 from qlint.core.ops import module_kind, quantized_form
@@ -141,6 +141,21 @@ class TrialResult:
 
     def activation(self, node: str) -> ActivationError | None:
         return next((found for found in self.activations if found.name == node), None)
+
+
+@contextlib.contextmanager
+def quantized_engine(backend: str) -> Iterator[bool]:
+    """Run with ``torch.backends.quantized.engine`` set to ``backend``; yields False when
+    this torch build has no such engine. The caller's engine is restored."""
+    previous = torch.backends.quantized.engine
+    if backend not in torch.backends.quantized.supported_engines:
+        yield False
+        return
+    torch.backends.quantized.engine = backend
+    try:
+        yield True
+    finally:
+        torch.backends.quantized.engine = previous
 
 
 @contextlib.contextmanager
@@ -340,7 +355,7 @@ class TrialBench:
 
     def _run(self, mapping: QConfigMapping, measure_layers: bool) -> TrialResult:
         base = TrialResult(self.backend, self.calibrated_on, self.evaluated_on)
-        with measuring_engine(self.backend) as available, _quiet():
+        with quantized_engine(self.backend) as available, _quiet():
             if not available:
                 error = RuntimeError(f"this torch build has no {self.backend} quantized engine")
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_PREPARE, error, None))
@@ -409,7 +424,7 @@ class TrialBench:
         """Output SQNR of any model (a changed copy of the converted one) on the evaluation data."""
         began = time.perf_counter()
         try:
-            with measuring_engine(self.backend), _quiet():
+            with quantized_engine(self.backend), _quiet():
                 return self._output_sqnr(model, self.reference())
         finally:
             self.seconds += time.perf_counter() - began
