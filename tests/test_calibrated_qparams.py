@@ -117,3 +117,29 @@ def test_trials_reusing_qparams_measure_what_fresh_ones_do() -> None:
         assert reused_powers == fresh_powers, label  # bit for bit: the same qparams, the same kernels
         changed += fresh_powers.sqnr_db() != base.output_sqnr_db
     assert changed >= 6  # the mappings change the int8 model: the comparison is not of the base trial
+
+
+class BandObserver(MinMaxObserver):
+    """A user's observer with a setting of a type qlint cannot compare (a list)."""
+
+    def __init__(self, band: list[float] | None = None, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.band = band if band is not None else [0.0, 1.0]
+
+
+def test_observers_with_settings_qlint_cannot_compare_are_calibrated_every_time() -> None:
+    model = _model()
+    example = (_batches(1)[0],)
+    mapping = get_default_qconfig_mapping("x86").set_module_name(
+        "mix", QConfig(activation=BandObserver.with_args(band=[0.1, 0.9]), weight=default_per_channel_weight_observer)
+    )
+    prepared = prepare_model(copy.deepcopy(model).eval(), mapping, example)
+    with torch.no_grad():
+        for batch in _batches(4):
+            call_model(prepared, batch)
+    recorded = CalibratedQParams()
+    recorded.record(prepared)
+    fresh = prepare_model(copy.deepcopy(model).eval(), mapping, example)
+    recorded.reuse(fresh)
+    assert any(isinstance(m, BandObserver) for m in fresh.modules())  # kept, to be calibrated
+    assert not any(isinstance(m, HistogramObserver) for m in fresh.modules())  # the others reused

@@ -52,13 +52,10 @@ def _observers(prepared: fx.GraphModule) -> list[tuple[ObserverKey, UniformQuant
         observers[id(observer)] = observer
     found: list[tuple[ObserverKey, UniformQuantizationObserverBase]] = []
     for identity, observer in observers.items():
-        settings = tuple(
-            sorted(
-                (name, value)
-                for name, value in vars(observer).items()
-                if not name.startswith("_") and name != "training" and isinstance(value, _SETTING_TYPES)
-            )
-        )
+        public = {name: value for name, value in vars(observer).items() if not name.startswith("_")}
+        if not all(isinstance(value, _SETTING_TYPES) for value in public.values()):
+            continue  # a setting qlint cannot compare (a list, a tensor attribute): never reused
+        settings = tuple(sorted((name, value) for name, value in public.items() if name != "training"))
         found.append(((tuple(producers[identity]), type(observer).__qualname__, settings), observer))
     return found
 
