@@ -37,10 +37,11 @@ class ActivationOutlier(Rule):
     `OutlierDetector` statistic: the average over calibration batches of
     max / `reference_percentile`-quantile of that channel. A channel is an outlier when
     this ratio exceeds `ratio_threshold` and the ratio could be computed in at least
-    `fraction_batches_used_threshold` of the batches whose quantile was taken (a layer
-    input of more than 32 channels takes it on the first batch and one in four after it,
-    estimated from a sample of 256 values per channel of a large batch; see
-    docs/performance.md for the error this costs). It reports the outlier channels,
+    `fraction_batches_used_threshold` of the batches whose quantile was taken: every
+    batch, as torch, unless `--percentile-every K` asks a layer input of more than 32
+    channels to take it on the first batch and one in K after it. On a large batch the
+    quantile is estimated from a sample of 256 values per channel (docs/performance.md
+    gives the error each costs). It reports the outlier channels,
     their maxima and how many bits of int8 resolution they cost the other channels,
     never more bits than the activation's observer has (7 with `reduce_range`). The channel
     axis is axis 1 for conv inputs and the last axis for Linear inputs (the features of a
