@@ -173,11 +173,12 @@ class BatchReader:
         batch's dtype, float32 for narrower floats): the row of a
         :class:`~qlint.stats.fold.RunningStats` that would otherwise copy them there."""
         if sync_free is None:
-            sync_free = batch.device.type != "cpu"
+            sync_free = not batch.is_cpu
         scratch = scratch if scratch is not None else ScratchBuffers()
         # Detached tensors record no autograd history, so no no_grad() context is needed.
         values = batch.detach() if batch.requires_grad else batch
-        values = values.to(summary_dtype(values.dtype))  # no copy for float32 and float64
+        if values.dtype is not torch.float32 and values.dtype is not torch.float64:
+            values = values.to(summary_dtype(values.dtype))
         data, dims = _reduction(values, self.outer, self.channels, self.inner, scratch)
         hist = _exponent_histogram(data, scratch) if self.histogram else None
         summary = None

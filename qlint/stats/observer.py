@@ -109,9 +109,9 @@ class StatsObserver(nn.Module):
         if percentile_every < 1:
             raise ValueError(f"percentile_every must be at least 1, got {percentile_every}")
         self.percentile_every = percentile_every
-        self._observed = 0  # batches since the last reset: which of them select the reference
         # Stats given through the setter (a saved state), then the batches observed since.
         self._base = TensorStats.empty(channel_axis, reference_percentile)
+        self._base_batches = 0
         self._running: RunningStats | None = RunningStats(expected_channels, "cpu") if expected_channels else None
 
     @property
@@ -125,7 +125,13 @@ class StatsObserver(nn.Module):
     def stats(self, stats: TensorStats) -> None:
         self._running = None
         self._base = stats
-        self._observed = int(stats.batches)
+        self._base_batches = int(stats.batches)
+
+    def _batches_observed(self) -> int:
+        """Batches since the last reset (they decide which batches select the reference). Counted
+        by the stream rather than a counter here: every attribute set on a module costs a
+        microsecond of ``nn.Module.__setattr__``."""
+        return self._base_batches + (len(self._running) if self._running is not None else 0)
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
@@ -153,7 +159,11 @@ class StatsObserver(nn.Module):
             self.percentile_sample,
         )
         reader = batch_reader(value.shape, *settings)
-        if self.percentile and not selects_reference(self._observed, reader.channels, self.percentile_every):
+        if (
+            self.percentile
+            and self.percentile_every > 1
+            and not selects_reference(self._batches_observed(), reader.channels, self.percentile_every)
+        ):
             settings = settings[:2] + (False,) + settings[3:]
             reader = batch_reader(value.shape, *settings)
         running = self._running
@@ -162,19 +172,19 @@ class StatsObserver(nn.Module):
         if width and channels != width:
             raise ValueError(f"channel count changed from {width} to {channels}")
         summary = _recent_summary(value, settings) if reusable else None
+        row = None
         if summary is None:
-            row = None
             if running is not None and running.fits(channels, summary_dtype(value.dtype), value.device):
                 row = running.next_row()  # the finite path writes the summary where the stream keeps it
             summary = reader.summarize(value, thread_scratch_buffers(), row=row)
             if reusable:
                 _remember_summary(value, settings, summary)
-        if running is None or not running.accepts(summary):
+        # A summary written into this stream's row fits it; another observer's may not.
+        if running is None or (row is None and not running.accepts(summary)):
             # First batch, another device, dtype or width than expected: start a stream there.
             self.stats = self.stats
             running = self._running = RunningStats(summary.channels, summary.device, dtype=summary.channel_max.dtype)
         running.add(summary)
-        self._observed += 1
 
     def reset(self) -> None:
         """Forget everything observed so far."""
