@@ -5,9 +5,10 @@
                                 [--real-models /work/shared/real_models]
 
 ``qlint-1in4`` is qlint with ``--percentile-every 4`` (points wider than 32 channels select
-QL203's reference quantile on one batch in four). Two more modes split qlint's cost:
-``qlint-minmax`` (every observer, computing only min, max and counts) and ``qlint-calls``
-(an identity module at every observed point).
+QL203's reference quantile on one batch in four). Three more modes split qlint's cost:
+``qlint-minmax`` (every observer, computing only min, max and counts), ``qlint-calls``
+(an identity module at every observed point) and ``floor-amax`` (one ``amax`` per observed
+point, nothing kept: what any statistic computed in the model's stream costs at least).
 
 Models: two built-in ones with random weights and data (a ResNet-18-shaped CNN
 on 8x3x224x224 batches, a 4-block transformer encoder on 8x128x256 batches;
@@ -160,15 +161,35 @@ def real_kit_available(real_models):
     return (Path(real_models) / "models.py").is_file()
 
 
-QLINT_MODES = ("qlint", "qlint-1in4", "qlint-minmax", "qlint-calls")
+QLINT_MODES = ("qlint", "qlint-1in4", "qlint-minmax", "qlint-calls", "floor-amax")
+
+
+class AmaxOnly(nn.Module):
+    """The ``floor-amax`` control: one per-channel ``amax`` at an observed point, nothing kept.
+    Any statistic computed in the model's stream costs at least this."""
+
+    def __init__(self, channel_axis):
+        super().__init__()
+        self.channel_axis = channel_axis
+
+    def forward(self, value):
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel()):
+            return value
+        if self.channel_axis is None or value.dim() < 2:
+            value.amax()
+        else:
+            axis = self.channel_axis % value.dim()
+            value.amax(tuple(dim for dim in range(value.dim()) if dim != axis))
+        return value
 
 
 def make_runner(mode, model, example):
     """The module whose forward passes each mode times (plain: the model itself).
 
-    Two controls split qlint's cost: ``qlint-minmax`` keeps every observer but computes
+    Three controls split qlint's cost: ``qlint-minmax`` keeps every observer but computes
     only per-channel min, max and counts (no reference quantile); ``qlint-calls`` puts an
-    identity module at every observed point (the observed graph and its module calls only)."""
+    identity module at every observed point (the observed graph and its module calls only);
+    ``floor-amax`` one ``amax`` there (:class:`AmaxOnly`)."""
     if mode == "plain":
         return model
     if mode in QLINT_MODES:
@@ -187,6 +208,8 @@ def make_runner(mode, model, example):
             if module in observers.values():
                 if mode == "qlint-calls":
                     setattr(runner, name, nn.Identity())
+                elif mode == "floor-amax":
+                    setattr(runner, name, AmaxOnly(module.channel_axis))
                 elif mode == "qlint-minmax":
                     module.percentile = module.histogram = module.moments = False
                 elif mode == "qlint-1in4":  # --percentile-every 4
