@@ -177,8 +177,9 @@ class BatchReader:
         scratch = scratch if scratch is not None else ScratchBuffers()
         # Detached tensors record no autograd history, so no no_grad() context is needed.
         values = batch.detach() if batch.requires_grad else batch
-        if values.dtype is not torch.float32 and values.dtype is not torch.float64:
-            values = values.to(summary_dtype(values.dtype))
+        dtype = summary_dtype(values.dtype)
+        if values.dtype != dtype:  # no .to() call at all for float32 and float64
+            values = values.to(dtype)
         data, dims = _reduction(values, self.outer, self.channels, self.inner, scratch)
         hist = _exponent_histogram(data, scratch) if self.histogram else None
         summary = None

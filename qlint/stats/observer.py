@@ -159,11 +159,7 @@ class StatsObserver(nn.Module):
             self.percentile_sample,
         )
         reader = batch_reader(value.shape, *settings)
-        if (
-            self.percentile
-            and self.percentile_every > 1
-            and not selects_reference(self._batches_observed(), reader.channels, self.percentile_every)
-        ):
+        if self.percentile and not selects_reference(self._batches_observed(), reader.channels, self.percentile_every):
             settings = settings[:2] + (False,) + settings[3:]
             reader = batch_reader(value.shape, *settings)
         running = self._running
