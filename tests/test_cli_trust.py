@@ -105,3 +105,15 @@ def test_plain_data_settings_need_no_trust(run_main, tmp_path, model_file):
     assert result.returncode in (0, 1), result.stderr
     assert '"QL201"' in result.stdout and "no calibration data" not in result.stdout
     assert not marker.exists()
+
+
+def test_a_look_alike_file_in_the_working_directory_does_not_turn_code_into_data(run_main, tmp_path, model_file):
+    """A setting is judged where it points (beside its pyproject.toml): an empty file in the
+    working directory named exactly like the spec must not pass 'file.py:function' off as data."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    marker, module = _hostile_repo(repo, model_file, '[tool.qlint]\ncalibration = "repo_code.py:batches"\n')
+    (tmp_path / f"{module}.py:batches").write_bytes(b"")
+    line = _one_line(run_main("repo/models/model.pt2", "--no-trial", cwd=tmp_path))
+    assert not marker.exists(), "qlint ran repository code behind a look-alike file"
+    assert "calibration" in line and "--trust-config" in line, line

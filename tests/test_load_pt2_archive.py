@@ -106,6 +106,28 @@ def _pickled_weight(payload):
     return edit
 
 
+def _weight_behind_absolute_name(payload):
+    """fc.bias marked for pickling under the name '/w': torch joins it with os.path.join and reads
+    the member '<root>//w' (the payload), while '<root>/data/weights//w' holds a plain tensor."""
+
+    def edit(members, root):
+        _edit_config(members, root, "weights", lambda config: config["fc.bias"].update(use_pickle=True, path_name="/w"))
+        members[f"{root}/data/weights//w"] = _saved(torch.zeros(3))
+        members[f"{root}//w"] = payload
+
+    return edit
+
+
+def _inputs_in_upper_case(payload):
+    """torch's zip reader finds data/sample_inputs/model.pt under the name MODEL.pt too."""
+
+    def edit(members, root):
+        del members[f"{root}/data/sample_inputs/model.pt"]
+        members[f"{root}/data/sample_inputs/MODEL.pt"] = payload
+
+    return edit
+
+
 def _saved(obj):
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -263,6 +285,12 @@ def attacks(base_archive, tmp_path_factory):
         ),
         "opaque": _rewrite(base_archive, folder / "opaque.pt2", _opaque_constant(marker)),
         "inputs": _rewrite(base_archive, folder / "inputs.pt2", _example_inputs(pickle.dumps(_WritesMarker(marker)))),
+        "absolute_name": _rewrite(
+            base_archive, folder / "absolute.pt2", _weight_behind_absolute_name(pickle.dumps(_WritesMarker(marker)))
+        ),
+        "upper_case": _rewrite(
+            base_archive, folder / "upper.pt2", _inputs_in_upper_case(pickle.dumps(_WritesMarker(marker)))
+        ),
         "aoti": _rewrite(base_archive, folder / "aoti.pt2", _aoti_library(_native_library(folder))),
         "guard": _rewrite(
             base_archive, folder / "guard.pt2", _guard(f"__import__('os').system('touch {marker}') == 0")
@@ -301,10 +329,11 @@ def attacks(base_archive, tmp_path_factory):
     return archives, result, marker
 
 
-def test_payload_runs_under_plain_torch_load(base_archive, tmp_path):
-    """The attacks are real: torch.export.load itself executes a pickled weight."""
+@pytest.mark.parametrize("attack", [_pickled_weight, _weight_behind_absolute_name, _inputs_in_upper_case])
+def test_payload_runs_under_plain_torch_load(base_archive, tmp_path, attack):
+    """The attacks are real: torch.export.load itself executes the payload."""
     marker = tmp_path / "ran.txt"
-    path = _rewrite(base_archive, tmp_path / "evil.pt2", _pickled_weight(pickle.dumps(_WritesMarker(marker))))
+    path = _rewrite(base_archive, tmp_path / "evil.pt2", attack(pickle.dumps(_WritesMarker(marker))))
     with pytest.raises(Exception):
         torch.export.load(str(path))
     assert marker.exists()
@@ -323,6 +352,8 @@ def test_no_payload_ran(attacks):
         ("pickled_weight", "data/weights/weight_1", "weight 'fc.bias' (marked for pickle loading)"),
         ("opaque", "data/constants/opaque_obj_0", "opaque Python object"),
         ("inputs", "data/sample_inputs/model.pt", "example inputs cannot be loaded as plain tensors"),
+        ("absolute_name", "data/weights/model_weights_config.json", "the payload name '/w', not a file in"),
+        ("upper_case", "data/sample_inputs/MODEL.pt", "example inputs cannot be loaded as plain tensors"),
         ("aoti", "data/aotinductor/model/model.wrapper.so", "native code"),
         ("guard", "models/model.json", "guard code"),
         ("operator", "models/model.json", "'torch.ops.higher_order.print'"),

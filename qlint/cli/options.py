@@ -75,9 +75,10 @@ def _code_setting(
     """A setting that may name code: refused unless trusted; a file.py path made relative."""
     if value is None:
         return None
-    if (always_code or is_factory_spec(value)) and not trusted:
+    spec = config.data_spec(value)
+    if (always_code or is_factory_spec(spec)) and not trusted:  # judged on what load_batches gets
         _refuse_code(config, key, value, entry)
-    return config.data_spec(value)
+    return spec
 
 
 def check_rule_options(config: Config, registry: Registry) -> None:

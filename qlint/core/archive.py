@@ -40,6 +40,7 @@ MAX_UNPACKED_BYTES = 32 * 2**30  # and never more than this, whatever the archiv
 MAX_MEMBERS = 100_000
 
 TRUST_HINT = "; pass --trust-pickle only if you trust where the file came from"
+_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # what torch.export.save writes: weight_0, tensor_3
 _NATIVE_LIBRARY = re.compile(r"\.(so|dll|dylib|pyd)(\.[0-9]+)*$", re.IGNORECASE)
 _MODELS_DIR = "models/"
 _AOTI_DIR = "data/aotinductor/"
@@ -103,6 +104,8 @@ class _ArchiveReview:
         self.label = label
         self.trust = trust
         self.root = ""
+        # Members by name under the root, case-folded: torch's zip reader finds a record whatever
+        # the case of its name, so every lookup here must too (or it reviews a different member).
         self.names: dict[str, zipfile.ZipInfo] = {}
 
     def run(self) -> None:
@@ -112,7 +115,9 @@ class _ArchiveReview:
         if self.trust:
             return  # torch reads it as it is, older layouts included
         self.root = self._root()
-        self.names = {info.filename[len(self.root) :]: info for info in self.archive.infolist() if not info.is_dir()}
+        self.names = {
+            info.filename[len(self.root) :].lower(): info for info in self.archive.infolist() if not info.is_dir()
+        }
         for name in self.names:
             if name.startswith(_AOTI_DIR):
                 self._fail(name, "is AOTInductor compiled code, which torch would load as native code")
@@ -151,13 +156,13 @@ class _ArchiveReview:
         return root
 
     def _fail(self, name: str, reason: str, needs_trust: bool = True) -> NoReturn:
-        raise LoadError(
-            f"{self.label}: refused member {self.root}{name}: {reason}" + (TRUST_HINT if needs_trust else "")
-        )
+        info = self.names.get(name.lower())
+        member = info.filename if info is not None else self.root + name
+        raise LoadError(f"{self.label}: refused member {member}: {reason}" + (TRUST_HINT if needs_trust else ""))
 
     def _read(self, name: str) -> bytes:
         try:
-            return self.archive.read(self.root + name)
+            return self.archive.read(self.names.get(name.lower()) or self.root + name)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as error:
             raise LoadError(f"{self.label}: member {self.root}{name} cannot be read: {error}") from error
 
@@ -174,16 +179,16 @@ class _ArchiveReview:
             self._fail(name, problem)
         self._review_payloads(model, _WEIGHTS_DIR, "weights", "weight")
         self._review_payloads(model, _CONSTANTS_DIR, "constants", "constant")
-        inputs = _SAMPLE_INPUTS.format(model)
+        inputs = _SAMPLE_INPUTS.format(model).lower()
         if inputs in self.names:
             self._weights_only(inputs, "example inputs", expect=(tuple, dict))
 
     def _review_payloads(self, model: str, folder: str, kind: str, what: str) -> None:
-        legacy = f"{folder}{model}.pt"
+        legacy = f"{folder}{model}.pt".lower()
         if legacy in self.names:  # torch.load with a weights_only=False fallback
             self._weights_only(legacy, f"legacy {kind} file", expect=(dict, tuple))
             return
-        config_name = f"{folder}{model}_{kind}_config.json"
+        config_name = f"{folder}{model}_{kind}_config.json".lower()
         if config_name not in self.names:
             return  # torch refuses the archive itself
         config = self._json(config_name)
@@ -197,7 +202,10 @@ class _ArchiveReview:
 
     def _review_payload(self, folder: str, config_name: str, fqn: str, entry: dict, what: str) -> None:
         path_name = entry["path_name"]
-        member = folder + path_name
+        if not _PLAIN_FILE_NAME.fullmatch(path_name) or set(path_name) == {"."}:
+            # torch joins it to the folder with os.path.join: "/x" or "../x" names another member
+            self._fail(config_name, f"gives {what} {fqn!r} the payload name {path_name[:80]!r}, not a file in {folder}")
+        member = (folder + path_name).lower()
         if folder == _CONSTANTS_DIR and not path_name.startswith(_TENSOR_CONSTANT_PREFIX):
             kind = (
                 "an opaque Python object (torch would pickle.loads it)"

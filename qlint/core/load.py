@@ -46,12 +46,16 @@ class LoadedModel:
     exported_program: Any = None  # torch.export.ExportedProgram for .pt2 files
 
 
+def split_factory_spec(spec: str) -> tuple[str, str] | None:
+    """(module or file, attribute) when ``spec`` is written like 'package.module:factory' or
+    'path/to/file.py:factory', else None. Syntax only: see :func:`is_factory_spec`."""
+    module_part, colon, attr = spec.rpartition(":")
+    return (module_part, attr) if colon and module_part and attr.isidentifier() else None
+
+
 def is_factory_spec(spec: str) -> bool:
     """'package.module:factory' or 'path/to/file.py:factory' (but not an existing path)."""
-    if os.path.exists(spec) or ":" not in spec:
-        return False
-    module_part, _, attr = spec.rpartition(":")
-    return bool(module_part) and attr.isidentifier()
+    return not os.path.exists(spec) and split_factory_spec(spec) is not None
 
 
 def load_batches(spec: str) -> Any:

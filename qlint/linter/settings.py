@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
-from qlint.core.load import is_factory_spec
+from qlint.core.load import is_factory_spec, split_factory_spec
 from qlint.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -96,10 +96,13 @@ class Config:
         or ``package.module:function`` (resolved as on the command line)."""
         if self.source is None:
             return value
-        if is_factory_spec(value):
-            module_part, _, attr = value.rpartition(":")
-            return f"{self.path(module_part)}:{attr}" if module_part.endswith(".py") else value
-        return self.path(value)
+        factory = split_factory_spec(value)
+        # Code or data is decided where the setting points (under root), not in the working
+        # directory: a file there named like the spec must not turn code into data.
+        if factory is None or os.path.exists(self.path(value)):
+            return self.path(value)
+        module_part, attr = factory
+        return f"{self.path(module_part)}:{attr}" if module_part.endswith(".py") else value
 
     def for_file(self, model_spec: str) -> FileSettings | None:
         """The last [[tool.qlint.files]] entry whose path (or glob) matches the model."""
