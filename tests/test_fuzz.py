@@ -89,3 +89,56 @@ def test_hostile_cases_give_report_or_qlint_error(registry):
             assert outcome == "qlint-error" and "TraceError" in detail
     outcome, _ = fuzz.run_case({**base, "input": "normal", "data_dependent": True}, registry)
     assert outcome in ("report", "qlint-error")
+
+
+class _RaisesOnCall(Exception):
+    pass
+
+
+def _conv_net_raising_on_call(n):
+    """A small conv net whose classifier raises on its n-th forward call (0: never), counting
+    every call, in copies of the model too (the hook is copied with it)."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)
+    ).eval()
+    calls = [0]
+
+    def count(module, args):
+        calls[0] += 1
+        if calls[0] == n:
+            raise _RaisesOnCall(f"call {n}")
+
+    model[4].register_forward_pre_hook(count)
+    return model, calls
+
+
+def test_a_model_raising_on_any_one_call_gives_a_report_or_a_qlint_error():
+    """Wherever the user's code fails (tracing, calibration, the trial's float reference, the
+    per-layer comparison), lint answers with a Report or a QlintError, never the user's exception."""
+    import torch
+
+    import qlint
+    from qlint.errors import QlintError
+
+    generator = torch.Generator().manual_seed(1)
+    example = torch.randn(2, 3, 8, 8, generator=generator)
+    calibration = [torch.randn(2, 3, 8, 8, generator=generator) for _ in range(2)]
+    model, calls = _conv_net_raising_on_call(0)
+    qlint.lint(model, (example,), calibration=calibration)
+    total = calls[0]
+    assert total > 10  # tracing, calibration, the trial and its comparisons all ran the model
+    outcomes = set()
+    for n in range(1, total + 1):
+        model, _ = _conv_net_raising_on_call(n)
+        try:
+            report = qlint.lint(model, (example,), calibration=calibration)
+        except QlintError:
+            outcomes.add("qlint-error")
+        else:
+            told = any("_RaisesOnCall" in notice.message for notice in report.notices)
+            outcomes.add("report saying what is missing" if told else "report")
+    assert outcomes == {"qlint-error", "report", "report saying what is missing"}

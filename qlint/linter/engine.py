@@ -392,6 +392,8 @@ def _lint(
         bench = trial_bench(analysis, example, calibration, backend, trial_options)
         trial = bench.run(analysis.qconfig_mapping)
         timings.append(Timing(stage="trial", seconds=time.perf_counter() - stage))
+        if trial.evidence_note is not None:
+            notices.append(Notice(level=Severity.WARNING, message=trial.evidence_note))
     ctx = LintContext(
         graph=analysis.graph,
         backend=backend_info(backend),

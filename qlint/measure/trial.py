@@ -112,6 +112,9 @@ class TrialResult:
     # (identical in float); this says so. `failure` still holds what failed as intended.
     workaround: str | None = None
     converter: str = "convert_fx"  # the step that built the int8 model (convert_pt2e for exported graphs)
+    # The per-layer and per-activation comparisons are evidence: when one fails, the output
+    # measurement stands and this says what is missing and why.
+    evidence_note: str | None = None
 
     def with_output(
         self, powers: BatchPowers | None, fallbacks: Sequence[FloatLayer], int8_ops: int, weighted_ops: int
@@ -384,11 +387,15 @@ class TrialBench:
             if not measure_layers or prepared is None:
                 return base
             # a fix trial (measure_layers=False) never pays for this copy of the float model
-            layers = layer_errors(self._in_eval(self._model()), converted, self.evaluation)
+            layers: tuple[LayerError, ...] = ()
+            activations: tuple[ActivationError, ...] = ()
             try:
+                layers = layer_errors(self._in_eval(self._model()), converted, self.evaluation)
                 activations = activation_sqnr(prepared, converted, self.evaluation)
-            except RuntimeError:  # torch's observers reject the evaluation data (Inf in a histogram)
-                activations = ()  # evidence only: the trial's results stand without it
+            except Exception as error:  # the model's own code or torch's observers (Inf in a histogram)
+                missing = "activation" if layers else "per-layer and activation"
+                note = f"trial: no {missing} comparison: it raised {type(error).__name__}: {error}"
+                base = dataclasses.replace(base, evidence_note=note[:300])
         return dataclasses.replace(base, layers=layers, activations=activations, model=converted)
 
     def _model(self) -> nn.Module:
