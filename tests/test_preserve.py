@@ -17,7 +17,7 @@ from torch.nn.parameter import is_lazy
 
 import qlint
 from qlint.core.preserve import preserved_state
-from qlint.errors import StateError
+from qlint.errors import QlintError, StateError
 from tests import stateful_models as sm
 
 numpy = pytest.importorskip("numpy")
@@ -324,6 +324,48 @@ def test_sensitivity_gives_back_model_data_and_process(quiet_logging):
     _assert_same_model(state, _model_state(model))
     _assert_same_process(process)
     assert all(torch.equal(a, b) for a, b in zip(data, before))
+
+
+def _mlp():
+    generator = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("built_under_inference_mode", [False, True])
+def test_every_entry_point_works_inside_inference_mode(quiet_logging, built_under_inference_mode):
+    """Called under torch.inference_mode (the data, and even the model, possibly made there),
+    lint with calibration, verify and sensitivity run, measure what they measure outside, and
+    give the caller's mode back."""
+    from qlint.advice.verify import verify
+    from qlint.numeric.sensitivity import sensitivity_rows
+
+    def run(make_model):
+        model = make_model()
+        calibration, evaluation = _batches(2, (8, 16)), _batches(2, (8, 16), seed=5)
+        report = qlint.lint(model, (calibration[0],), calibration=calibration)
+        checked = verify(model, None, calibration, evaluation, prune=False, search_schemes=False)
+        if any(t.is_inference() for t in model.parameters()):  # no gradients through those
+            with pytest.raises(QlintError, match="inference tensor"):
+                sensitivity_rows(model, calibration)
+            rows = None
+        else:
+            rows = [row.name for row in sensitivity_rows(model, calibration)]
+        return report.trial.output_sqnr_db, checked.default.sqnr_db, rows, torch.is_inference_mode_enabled()
+
+    # a model that writes its own weights in forward cannot run outside inference mode when
+    # built inside it (nor can it without qlint), so that case takes a plain one
+    factory = _mlp if built_under_inference_mode else _clamps_and_writes_input
+    outside = run(factory)
+    model = None if built_under_inference_mode else factory()  # else only the data is made inside
+    with torch.inference_mode():
+        inside = run(factory if model is None else lambda: model)
+    assert inside[:2] == pytest.approx(outside[:2]) and outside[1] > 20
+    assert inside[2] == (None if built_under_inference_mode else outside[2]) and outside[2]
+    assert inside[3] and not outside[3]
 
 
 # --- the guard itself -------------------------------------------------------------------------

@@ -174,7 +174,9 @@ class _KeptTensor:
         self.name, self.tensor, self.cls = name, tensor, type(tensor)
         self.alias = tensor.data  # no copy: the same storage and view, for restoring the binding
         self.key = _storage_key(self.alias)
-        self.version = tensor._version
+        # an inference tensor (a model built under inference_mode) has no version counter,
+        # and nothing outside inference mode can write it
+        self.version = None if tensor.is_inference() else tensor._version
         self.requires_grad = tensor.requires_grad
         self.values: torch.Tensor | None = None
         if copy_now:
@@ -187,7 +189,12 @@ class _KeptTensor:
 
     def written_unseen(self) -> bool:
         """Written in place by something the watch could not see, so not restorable."""
-        return self.values is None and type(self.tensor) is self.cls and self.tensor._version != self.version
+        return (
+            self.values is None
+            and self.version is not None
+            and type(self.tensor) is self.cls
+            and self.tensor._version != self.version
+        )
 
     def restore(self) -> None:
         tensor = self.tensor
@@ -414,6 +421,11 @@ class preserved_state:
         self.handles.append(handle)
 
     def __enter__(self) -> preserved_state:
+        # Called under torch.inference_mode, qlint's own tensors (observer statistics, copies
+        # of the model) would be inference tensors: no version counter, no in-place update
+        # once outside. qlint's work runs in normal mode; the caller's mode returns on exit.
+        self.normal_mode = torch.inference_mode(False)
+        self.normal_mode.__enter__()
         self.process = _ProcessState()
         self.modules: list[_KeptModule] = []
         self.tensors: list[_KeptTensor] = []
@@ -446,6 +458,7 @@ class preserved_state:
                 kept.restore()
         finally:
             self.process.restore()  # the process comes back even if a module would not
+            self.normal_mode.__exit__(None, None, None)
         if unseen and exc_type is None:
             raise StateError(
                 f"the model's forward wrote {', '.join(unseen[:3])}{', ...' if len(unseen) > 3 else ''} in place "

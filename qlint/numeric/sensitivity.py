@@ -36,6 +36,7 @@ from qlint.core.batches import as_call, batch_size, call_model, reiterable
 from qlint.core.nested import first_float, map_tensors, tensors_in
 from qlint.core.preserve import preserved_state
 from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
+from qlint.errors import QlintError
 from qlint.measure.capture import PairedRunner
 from qlint.measure.matching import MODULE_SITE, LayerMatch, match_layers
 from qlint.measure.trial import prepare_model
@@ -92,8 +93,9 @@ def _output_tensors(output: Any) -> list[torch.Tensor]:
 
 
 def _requires_grad_inputs(batch: Any) -> Any:
-    """Float inputs that require grad, so the output has a graph even with frozen parameters."""
-    return map_tensors(batch, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
+    """Float inputs that require grad, so the output has a graph even with frozen parameters
+    (copies: a batch made under inference_mode cannot require grad itself)."""
+    return map_tensors(batch, lambda t: t.detach().clone().requires_grad_(True) if t.is_floating_point() else t)
 
 
 def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: Any) -> dict[str, tuple[float, int]]:
@@ -170,6 +172,12 @@ def sensitivity_rows(
 ) -> list[SensitivityRow]:
     """Sensitivity of each quantized module layer, most sensitive first, with FLOPs/params shares."""
     data = reiterable(data, "sensitivity")
+    made_in_inference_mode = next((name for name, t in model.state_dict().items() if t.is_inference()), None)
+    if made_in_inference_mode is not None:
+        raise QlintError(
+            f"sensitivity needs gradients through the model, but its {made_in_inference_mode} is an inference "
+            "tensor (made under torch.inference_mode); build or load the model outside inference_mode"
+        )
     models = (model,) if quantized_model is None else (model, quantized_model)
     # Each step that runs the user's model opens a watching guard of its own (the paired
     # runner, the FLOP count); this one gives back RNG, logging and everything else.
