@@ -573,3 +573,23 @@ class _TwoConvs(nn.Module):
 
     def forward(self, x):
         return self.second(torch.relu(self.first(x)))
+
+
+def test_importing_torchao_leaves_the_warning_filters_as_they_were():
+    """torchao's import installs warning filters process-wide; qlint's lazy import of it (the
+    first pt2e trial, in the user's process) gives the filters back. A fresh interpreter, since
+    this one imported torchao above."""
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings\n"
+        "from qlint.measure.pt2e_trial import QUANTIZER_MODULE, import_torchao\n"
+        "before = list(warnings.filters)\n"
+        "import_torchao(QUANTIZER_MODULE)\n"
+        "import sys\n"
+        "print('torchao' in sys.modules, warnings.filters == before)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True"], result.stdout

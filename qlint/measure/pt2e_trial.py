@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import importlib
 import logging
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,10 +68,12 @@ _IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 def import_torchao(module: str) -> Any:
-    """Import a torchao module without its import-time warnings (the loggers' levels are restored)."""
+    """Import a torchao module without its import-time warnings (the loggers' levels are restored)
+    and without the warning filters its import installs process-wide."""
     loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
     levels = [logger.level for logger in loggers]
     with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
         for logger, level in zip(loggers, levels):
             stack.callback(logger.setLevel, level)
             logger.setLevel(logging.ERROR)
