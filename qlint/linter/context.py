@@ -48,7 +48,7 @@ class LintContext:
         """Every batch the trial had, its calibration part then the later ones it evaluates on
         (the example inputs without a trial): for rules that measure the data themselves."""
         if self.trial_bench is None:
-            return [self.example_inputs or ()]
+            return [self.example_inputs] if self.example_inputs is not None else []
         calibration, evaluation = self.trial_bench.calibration, self.trial_bench.evaluation
         seen = {id(batch) for batch in calibration}  # one batch can be both (a single-batch run)
         return [*calibration, *(batch for batch in evaluation if id(batch) not in seen)]

@@ -321,7 +321,9 @@ def lint(
     With example inputs, a trial quantization (prepare_fx, calibration, convert_fx on a
     private copy; prepare_pt2e and convert_pt2e for an exported graph) measures what torch
     builds, and each warning's impact in dB of output SQNR; ``trial_options`` (a :class:`~qlint.linter.trial_stage.TrialOptions` or a dict
-    of its fields: ``enabled``, ``batches``, ``min_impact_db``, ``max_fix_trials``) tunes it."""
+    of its fields: ``enabled``, ``batches``, ``min_impact_db``, ``max_fix_trials``) tunes it.
+    Without example inputs, the first calibration batch serves as them (unless the calibration
+    data is a one-shot iterator, or its batches are keyword inputs), and a notice says so."""
     start = time.perf_counter()
     if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
@@ -342,6 +344,11 @@ def lint(
             example = tuple(args)
     if not isinstance(model, nn.Module):
         raise QlintError(f"expected an nn.Module or a torch.export.ExportedProgram, got {type(model).__name__}")
+    example_note = None
+    if example is None and calibration is not None:
+        example = _first_batch_as_example(calibration)
+        if example is not None:
+            example_note = "example inputs: the first calibration batch (pass example inputs to choose others)"
     # Each stage that runs forward (tracing, shapes, eager fallback, calibration) opens a
     # guard that also watches parameters; this one gives back everything else at the end.
     with preserved_state(model, watch_parameters=False):
@@ -357,7 +364,28 @@ def lint(
             calibration_options,
             trial,
             start,
+            example_note,
         )
+
+
+def _first_batch_as_example(calibration: Any) -> tuple[Any, ...] | None:
+    """The first calibration batch as positional example inputs; None where reading it would
+    use it up (a one-shot iterator) or it holds keyword inputs."""
+    if isinstance(calibration, torch.Tensor):
+        return (calibration,)
+    if isinstance(calibration, Mapping):
+        return None
+    try:
+        if iter(calibration) is calibration:
+            return None
+        first = next(iter(calibration), None)
+    except TypeError:  # not iterable: calibration reports it in its own words
+        return None
+    if isinstance(first, torch.Tensor):
+        return (first,)
+    if isinstance(first, (tuple, list)) and first:
+        return tuple(first)
+    return None
 
 
 def _lint(
@@ -372,11 +400,14 @@ def _lint(
     calibration_options,
     trial_options: TrialOptions,
     start,
+    example_note: str | None,
 ) -> Report:
     timings: list[Timing] = []
     analysis = analyse(model, example, backend, qconfig_mapping, exported_program)
     timings.append(Timing(stage="trace", seconds=time.perf_counter() - start))
     notices = list(analysis.notices)
+    if example_note is not None:
+        notices.append(Notice(message=example_note))
     statistics = None
     if calibration is not None and any(Need.STATISTICS in r.requires for r in rules):
         from qlint.linter.calibration import collect_statistics
