@@ -34,3 +34,7 @@ class CalibrationError(QlintError):
 class StateError(QlintError):
     """The model's forward keeps state in a way qlint cannot trace, or changed it in a way
     qlint could not undo."""
+
+
+class ModelRunError(QlintError):
+    """The user's float or quantized model raised while qlint ran it on their data."""

@@ -224,3 +224,25 @@ def test_functional_layers_are_compared_too(broken):
     rows = {row.name: row for row in report.layers}
     assert functional and all(name in rows for name in functional)
     assert all(rows[name].sqnr_propagated is not None for name in functional)
+
+
+def test_a_quantized_model_that_fails_on_the_data_is_one_clear_error():
+    """torch's int8 model of a conv followed by `.view` raises on its channels-last output: compare
+    says which model failed and torch's own words (".reshape"), as a QlintError (exit 2, one line),
+    not an internal error."""
+    from qlint.rules.ql105_conversion_check import _ConvView, _image, _seeded
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    from qlint.errors import ModelRunError
+
+    model = _seeded(_ConvView)().eval()
+    data = [_image(), (_image()[0] * 2,)]
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), data[0])
+    for batch in data:
+        prepared(*batch)
+    quantized = convert_fx(prepared)
+    with pytest.raises(
+        ModelRunError, match=r"^the quantized model raised RuntimeError on the data: view size.*reshape"
+    ):
+        compare(model, quantized, data)

@@ -27,6 +27,7 @@ even when a batch raises, and each model gets its own copy of every batch.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -40,6 +41,7 @@ from torch.func import functional_call
 from qlint.core.batches import as_call
 from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.core.preserve import preserved_state
+from qlint.errors import ModelRunError, QlintError
 from qlint.measure.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
 from qlint.measure.metrics import quantization_scale
 from qlint.measure.quantizers import FrozenQuantizer, apply_input_spec, frozen_quantizer, input_spec
@@ -90,6 +92,19 @@ class _NodeTap(torch.fx.Interpreter):
 
 
 Callback = Callable[[LayerMatch, torch.Tensor, torch.Tensor, float | None], None]
+
+
+@contextlib.contextmanager
+def _blamed_on(which: str) -> Iterator[None]:
+    """A model that raises on the user's data is the user's problem to see in one line, not
+    an internal error (torch's message usually names the fix, e.g. .view -> .reshape)."""
+    try:
+        yield
+    except QlintError:
+        raise
+    except Exception as error:  # whatever the model's own code raises
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        raise ModelRunError(f"{which} raised {type(error).__name__} on the data: {first}") from error
 
 
 class PairedRunner:
@@ -359,11 +374,12 @@ class PairedRunner:
         # its input in place must not change what the quantized model sees, nor the caller's data.
         args, kwargs = as_call(batch)
         context = torch.enable_grad() if self.float_grad else torch.no_grad()
-        with context:
+        with context, _blamed_on("the float model"):
             float_output = self.float_runner(*args, **kwargs)
         args, kwargs = as_call(batch)
         with torch.no_grad():
-            quant_output = self.quant_runner(*args, **kwargs)
+            with _blamed_on("the quantized model"):
+                quant_output = self.quant_runner(*args, **kwargs)
             if self.isolated:
                 self._run_isolated()
         return float_output, quant_output
