@@ -174,6 +174,13 @@ def test_a_view_failure_is_measured_with_the_reshape_it_suggests():
     finally:
         torch.backends.quantized.engine = previous
     assert finding.impact.fixed_sqnr_db == pytest.approx(expected, abs=0.01)
+    # what the user reads: from a failure to the fixed SQNR, not a "gain" of the whole SQNR
+    from qlint.render.text import impact_text, summary_line
+
+    assert finding.impact.base_sqnr_db is None
+    assert impact_text(finding)[0] == f"fails → {expected:.1f} dB"
+    assert f"QL105 view fails → {expected:.1f} dB" in summary_line(report)
+    assert f"{expected:.1f} → {expected:.1f} dB" not in summary_line(report)
 
 
 class _MaskedAttention(nn.Module):

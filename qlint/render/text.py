@@ -163,7 +163,15 @@ def impact_text(finding: Finding) -> tuple[str, ...]:
         if impact.basis == "stays-float":
             return ("float", "no fix here")
         return (f"+{impact.int8_ops_gained} int8 ops", f"{impact.db:+.1f} dB")
+    if _from_a_failure(finding):
+        return (f"fails → {impact.fixed_sqnr_db:.1f} dB", _BASIS[impact.basis])
     return (f"{impact.db:+.1f} dB", _BASIS[impact.basis])
+
+
+def _from_a_failure(finding: Finding) -> bool:
+    """The fix makes a model that fails as intended run: there is no SQNR to gain from."""
+    impact = finding.impact
+    return impact is not None and impact.base_sqnr_db is None and impact.fixed_sqnr_db is not None
 
 
 def trial_line(report: Report) -> str | None:
@@ -246,13 +254,12 @@ def _impact_summary(report: Report) -> str:
     if not gains:
         return ""
     top = sorted(gains, key=lambda f: -f.impact.db if f.impact else 0.0)[:3]
-    text = (
-        " Top by impact: "
-        + ", ".join(f"{f.rule} {printable(f.target)} {f.impact.db:+.1f} dB" for f in top if f.impact)
-        + "."
-    )
+    text = " Top by impact: " + ", ".join(f"{f.rule} {printable(f.target)} {impact_text(f)[0]}" for f in top) + "."
     trial = report.trial
-    if trial is not None and trial.recoverable_db is not None and trial.fixed_sqnr_db is not None:
+    if trial is not None and trial.workaround is not None and trial.fixed_sqnr_db is not None:
+        # the trial's own SQNR was measured with the workaround, so "before" is the failure
+        text += f" Every such fix applied together in one trial: fails as intended → {trial.fixed_sqnr_db:.1f} dB."
+    elif trial is not None and trial.recoverable_db is not None and trial.fixed_sqnr_db is not None:
         text += (
             f" Every such fix applied together in one trial: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
             f"({trial.recoverable_db:+.1f} dB, measured)."
