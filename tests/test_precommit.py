@@ -124,7 +124,7 @@ def test_all_files_lints_every_model_in_one_call(model_repo):
     assert "bad.pt2" in result.stdout and "clean.pt2" in result.stdout
     assert "QL101" in result.stdout
     # the clean model's trial (pt2e) reports its output SQNR as info: no warning, no error
-    assert re.search(r"clean\.pt2: Found \d+ findings?: 0 error, 0 warning", result.stdout), result.stdout
+    assert re.search(r"clean\.pt2: Found \d+ findings?: 0 errors, 0 warnings", result.stdout), result.stdout
     assert "README" not in result.stdout  # files: only model files reach the hook
 
 

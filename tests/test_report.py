@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -63,7 +65,11 @@ def test_text_output_table_and_summary(run_cli, repo_root):
     assert result.returncode == 1
     assert "Findings" in result.stdout and "unfused-pattern" in result.stdout
     assert "Resolved qconfig per node" in result.stdout
-    assert result.stdout.strip().splitlines()[-1].startswith("Found ")
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("Found ")
+    # counts read as English: "1 error", "2 warnings", "0 errors"
+    for count, noun in re.findall(r"(\d+) (error|warning)s?\b", last):
+        assert f"{count} {noun}{'' if count == '1' else 's'}" in last, last
 
 
 def test_fail_on_and_select(run_cli, repo_root):

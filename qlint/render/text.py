@@ -162,7 +162,7 @@ def impact_text(finding: Finding) -> tuple[str, ...]:
     if impact.kind == "coverage":
         if impact.basis == "stays-float":
             return ("float", "no fix here")
-        return (f"+{impact.int8_ops_gained} int8 ops", f"{impact.db:+.1f} dB")
+        return (f"+{_counted(impact.int8_ops_gained, 'int8 op')}", f"{impact.db:+.1f} dB")
     if _from_a_failure(finding):
         return (f"fails → {impact.fixed_sqnr_db:.1f} dB", _BASIS[impact.basis])
     return (f"{impact.db:+.1f} dB", _BASIS[impact.basis])
@@ -240,12 +240,16 @@ def summary_line(report: Report) -> str:
     else:
         head = (
             f"Found {len(report.findings)} finding{'s' if len(report.findings) != 1 else ''}: "
-            f"{counts[Severity.ERROR]} error, {counts[Severity.WARNING]} warning, "
+            f"{_counted(counts[Severity.ERROR], 'error')}, {_counted(counts[Severity.WARNING], 'warning')}, "
             f"{counts[Severity.INFO]} info."
         )
     if report.skipped:
         head += f" {len(report.skipped)} rule{'s' if len(report.skipped) != 1 else ''} skipped."
     return head + _impact_summary(report)
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _impact_summary(report: Report) -> str:
