@@ -80,3 +80,22 @@ def test_fail_on_and_select(run_cli, repo_root):
     assert warnings.returncode == 1
     clean = run_cli(*args, "--select", "QL101", "--ignore", "QL101", cwd=repo_root)
     assert clean.returncode == 0
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_every_message_and_target_reads_whole_at_any_width(width):
+    """Nothing is cut off: at 80 or 100 columns findings print as blocks, wider as a table, and
+    every message (code in it included) and target can be read in full."""
+    from qlint.render.text import TABLE_MIN_WIDTH, render_text
+
+    report = qlint.lint(build(), (torch.randn(1, 3, 32, 32),), qconfig_mapping=qconfig_mapping())
+    text = render_text(report, width=width)
+    assert "…" not in text
+    assert all(len(line.rstrip()) <= width for line in text.splitlines())
+    if width < TABLE_MIN_WIDTH:
+        flat = " ".join(text.split())
+        for finding in report.findings:
+            assert " ".join(finding.message.split()) in flat, finding.message
+            assert f"{finding.rule} {finding.name} · {finding.target}" in flat
+    else:
+        assert "┃ Message" in text

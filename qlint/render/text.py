@@ -11,6 +11,7 @@ import io
 
 from rich.console import Console
 from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -20,6 +21,7 @@ from qlint.render.literal import printable
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 # Findings wrap their long messages; this is their width when no terminal says otherwise.
 READABLE_WIDTH = 120
+TABLE_MIN_WIDTH = 110  # narrower, findings print as blocks (the message column would be ~20 wide)
 # Wide tables (per-layer, --show-qconfig) printed to a file or pipe keep their natural width
 # up to this many columns rather than being cut to the readable width.
 MAX_NATURAL_WIDTH = 400
@@ -71,7 +73,9 @@ def print_report(console: Console, report: Report, *, show_qconfig: bool = False
         console.print(literal(trial, "dim"), width=findings_width)
     for notice in report.notices:
         console.print(literal(f"note: {notice.message}", _STYLE.get(notice.level, "")), width=findings_width)
-    if report.findings:
+    if report.findings and findings_width < TABLE_MIN_WIDTH:
+        _print_findings_blocks(console, report, findings_width)
+    elif report.findings:
         console.print(_findings_table(report), width=findings_width)
     if report.lint_rows():
         _print_wide(console, _layers_table(report), width)
@@ -120,15 +124,31 @@ def _print_wide(console: Console, table: Table, width: int | None) -> None:
     console.print(table, width=width)
 
 
+def _print_findings_blocks(console: Console, report: Report, width: int) -> None:
+    """Below TABLE_MIN_WIDTH a table would squeeze the message into a sliver: each finding is a
+    heading line (severity, rule, target, impact) and its message at the full width."""
+    console.print(Text("Findings", style="italic"), width=width)
+    for severity in (Severity.ERROR, Severity.WARNING, Severity.INFO):
+        for finding in (f for f in report.findings if f.severity == severity):
+            heading = literal(severity.value, _STYLE[severity])
+            heading.append(printable(f" {finding.rule} {finding.name} · {finding.target}"))
+            if finding.impact is not None:
+                heading.append(printable(f" · {' '.join(impact_text(finding))}"), style="bold")
+            console.print(heading, width=width, overflow="fold")
+            console.print(Padding(literal(finding.message), (0, 0, 1, 4), expand=False), width=width, overflow="fold")
+
+
 def _findings_table(report: Report) -> Table:
     table = Table(title="Findings", show_lines=True, expand=True)
     table.add_column("Severity", no_wrap=True)
-    table.add_column("Rule", no_wrap=True)
+    # Narrow terminals give the message the room: a long rule name or target folds, and code
+    # in a message (mapping.set_object_type(...)) folds instead of being cut off.
+    table.add_column("Rule", overflow="fold", max_width=18)
     table.add_column("Target", overflow="fold", max_width=28)
     with_impact = any(f.impact is not None for f in report.findings)
     if with_impact:
         table.add_column("Impact", no_wrap=True)
-    table.add_column("Message", ratio=1)
+    table.add_column("Message", ratio=1, overflow="fold")
     for severity in (Severity.ERROR, Severity.WARNING, Severity.INFO):
         for finding in (f for f in report.findings if f.severity == severity):
             cells = [
@@ -192,7 +212,7 @@ def trial_line(report: Report) -> str | None:
 def _layers_table(report: Report) -> Table:
     table = Table(title="Per-layer statistics", expand=False)
     for column in ("Layer", "Rule", "Statistic", "Value", "Verdict"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # q, k and v differ only at the end of the name
     for row in report.lint_rows():
         value = "" if row.value is None else f"{row.value:.4g}"
         table.add_row(
