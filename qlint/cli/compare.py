@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import torch
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from qlint.cli.common import (
     positive_int,
@@ -28,6 +29,7 @@ from qlint.linter.findings import Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
 from qlint.numeric.compare import MODES, activation_histograms, compare, worst_layers
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB, DEFAULT_WEIGHT_SQNR_THRESHOLD_DB
+from qlint.numeric.display import format_sqnr, sqnr_notes
 from qlint.numeric.html import write_html
 from qlint.numeric.sensitivity import sensitivity_rows
 from qlint.render.literal import printable
@@ -108,17 +110,22 @@ def layer_table(report: Report) -> Table:
     def number(value: float | None, digits: int = 1) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
+    sqnr_values: list[float | None] = []
     for row in report.compare_rows():
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
+        sqnr_values += [row.weight_sqnr, row.sqnr_propagated, row.sqnr_shadow]
         table.add_row(
             literal(row.name),
             literal(row.kind or ""),
-            number(row.weight_sqnr),
-            number(row.sqnr_propagated),
-            number(row.sqnr_shadow),
+            format_sqnr(row.weight_sqnr),
+            format_sqnr(row.sqnr_propagated),
+            format_sqnr(row.sqnr_shadow),
             number(row.cosine, 5),
             number(summary.get("rmse_over_scale"), 2),
         )
+    notes = sqnr_notes(sqnr_values)
+    if notes:
+        table.caption, table.caption_justify = Text("\n".join(notes), style="dim"), "left"
     return table
 
 

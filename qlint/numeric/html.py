@@ -1,34 +1,37 @@
 """A self-contained HTML report of a numeric comparison.
 
 One file, no scripts and no network: styles are inline and every chart is an
-SVG drawn here.  Sections: summary, per-layer SQNR in forward order
-(propagated and shadow on one chart, threshold line), float-vs-quantized
-histograms of the worst layers, the sensitivity ranking, the findings and the
-full layer table.  Series colours are fixed constants so that a renderer test
-can find each chart's pixels in a screenshot (legend swatches are drawn
-translucent, so only chart pixels carry the exact colours).
+inline SVG (``qlint.numeric.charts``).  Sections: summary, per-layer SQNR in
+forward order (propagated and shadow on one chart, threshold line),
+float-vs-quantized histograms of the worst layers, the sensitivity ranking, the
+findings and the full layer table.  SQNR values at the cap (no error) are
+written as words, not as the cap's number (``qlint.numeric.display``).
 """
 
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qlint.linter.findings import CompareRow, Report
+from qlint.linter.findings import Report
+from qlint.numeric.charts import (
+    FLOAT_HISTOGRAM_COLOR,
+    PROPAGATED_COLOR,
+    QUANTIZED_HISTOGRAM_COLOR,
+    SENSITIVITY_COLOR,
+    SHADOW_COLOR,
+    THRESHOLD_COLOR,
+    WEIGHT_COLOR,
+    has_exact_values,
+    histogram_svg,
+    sensitivity_svg,
+    sqnr_chart_svg,
+)
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB
-
-PROPAGATED_COLOR = "#1f77b4"
-SHADOW_COLOR = "#ff7f0e"
-WEIGHT_COLOR = "#7f7f7f"
-THRESHOLD_COLOR = "#d62728"
-FLOAT_HISTOGRAM_COLOR = "#17becf"
-QUANTIZED_HISTOGRAM_COLOR = "#9467bd"
-SENSITIVITY_COLOR = "#2ca02c"
-# SQNR values above this are drawn at the top edge (error-free layers sit at the 200 dB cap).
-DISPLAY_CEILING_DB = 80.0
+from qlint.numeric.display import EXACT, format_sqnr, sqnr_notes
+from qlint.render.text import counted
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;background:#fff}
@@ -38,7 +41,8 @@ th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top} 
 td.num{text-align:right;font-variant-numeric:tabular-nums} .error{color:#b00020;font-weight:600}
 .warning{color:#a15c00;font-weight:600} .info{color:#555} .grid{display:flex;flex-wrap:wrap;gap:12px}
 .legend span{display:inline-block;margin-right:14px;font-size:12px} .swatch{display:inline-block;width:12px;
-height:12px;margin-right:4px;vertical-align:-2px;opacity:.75} svg{background:#fff}
+height:12px;margin-right:4px;vertical-align:-2px;opacity:.75} .swatch.hollow{box-sizing:border-box;
+border:2px solid #555;border-radius:50%} svg{background:#fff}
 """
 
 
@@ -48,111 +52,6 @@ def _escape(value: Any) -> str:
 
 def _number(value: float | None, digits: int = 1) -> str:
     return "" if value is None else f"{value:.{digits}f}"
-
-
-def _clamp_db(value: float) -> float:
-    return max(0.0, min(DISPLAY_CEILING_DB, value))
-
-
-def sqnr_chart_svg(rows: Sequence[CompareRow], threshold: float, width: int = 960, height: int = 340) -> str:
-    """Line chart of propagated and shadow SQNR (and weight SQNR dots) per layer, in forward order."""
-    left, right, top, bottom = 48, 16, 16, 110
-    plot_width, plot_height = width - left - right, height - top - bottom
-    values = [v for row in rows for v in (row.sqnr_propagated, row.sqnr_shadow, row.weight_sqnr) if v is not None]
-    ceiling = min(DISPLAY_CEILING_DB, max([threshold + 10.0] + [_clamp_db(v) for v in values]))
-    ceiling = 10.0 * math.ceil(ceiling / 10.0)
-    step = plot_width / max(1, len(rows))
-
-    def x(index: int) -> float:
-        return left + step * (index + 0.5)
-
-    def y(value: float) -> float:
-        return top + plot_height * (1.0 - min(_clamp_db(value), ceiling) / ceiling)
-
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-        f'aria-label="per-layer SQNR">'
-    ]
-    for tick in range(0, int(ceiling) + 1, 10):
-        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#eee"/>')
-        parts.append(f'<text x="{left - 6}" y="{y(tick) + 4:.1f}" font-size="10" text-anchor="end">{tick}</text>')
-    parts.append(
-        f'<text x="12" y="{top + plot_height / 2:.0f}" font-size="11" transform="rotate(-90 12 '
-        f'{top + plot_height / 2:.0f})" text-anchor="middle">SQNR (dB)</text>'
-    )
-    parts.append(
-        f'<line x1="{left}" x2="{width - right}" y1="{y(threshold):.1f}" y2="{y(threshold):.1f}" '
-        f'stroke="{THRESHOLD_COLOR}" stroke-dasharray="6 4" stroke-width="1.5"/>'
-    )
-    for attribute, color in (("sqnr_propagated", PROPAGATED_COLOR), ("sqnr_shadow", SHADOW_COLOR)):
-        values = [getattr(row, attribute) for row in rows]
-        points = [(x(i), y(value)) for i, value in enumerate(values) if value is not None]
-        # Lines join neighbouring layers only: a layer without this value (no shadow run for a
-        # functional op) breaks the line instead of being bridged.
-        for index in range(len(values) - 1):
-            if values[index] is not None and values[index + 1] is not None:
-                parts.append(
-                    f'<line x1="{x(index):.1f}" y1="{y(values[index]):.1f}" x2="{x(index + 1):.1f}" '
-                    f'y2="{y(values[index + 1]):.1f}" stroke="{color}" stroke-width="2.5"/>'
-                )
-        for px, py in points:
-            parts.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="{color}"/>')
-    for index, row in enumerate(rows):
-        if row.weight_sqnr is not None:
-            parts.append(
-                f'<rect x="{x(index) - 3:.1f}" y="{y(row.weight_sqnr) - 3:.1f}" width="6" height="6" '
-                f'fill="{WEIGHT_COLOR}"/>'
-            )
-        label_y = top + plot_height + 10
-        parts.append(
-            f'<text x="{x(index):.1f}" y="{label_y}" font-size="10" text-anchor="end" '
-            f'transform="rotate(-50 {x(index):.1f} {label_y})">{_escape(row.name)}</text>'
-        )
-    parts.append(f'<rect x="{left}" y="{top}" width="{plot_width}" height="{plot_height}" fill="none" stroke="#999"/>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def histogram_svg(
-    name: str,
-    low: float,
-    high: float,
-    float_counts: Sequence[int],
-    quantized_counts: Sequence[int],
-    width: int = 300,
-    height: int = 170,
-) -> str:
-    """Overlaid float/quantized histograms with log-scaled counts (tails stay visible)."""
-    left, right, top, bottom = 8, 8, 20, 22
-    plot_width, plot_height = width - left - right, height - top - bottom
-    bins = max(1, len(float_counts))
-    peak = math.log10(1 + max(list(float_counts) + list(quantized_counts) + [1]))
-    bar = plot_width / bins
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-        f'aria-label="histogram {_escape(name)}">',
-        f'<text x="{left}" y="13" font-size="11" font-weight="600">{_escape(name)}</text>',
-    ]
-    for counts, color, inset in (
-        (float_counts, FLOAT_HISTOGRAM_COLOR, 0.0),
-        (quantized_counts, QUANTIZED_HISTOGRAM_COLOR, 0.5),
-    ):
-        for index, count in enumerate(counts):
-            if count <= 0:
-                continue
-            bar_height = plot_height * math.log10(1 + count) / peak
-            x = left + index * bar + inset * bar
-            parts.append(
-                f'<rect x="{x:.1f}" y="{top + plot_height - bar_height:.1f}" width="{bar / 2:.2f}" '
-                f'height="{bar_height:.1f}" fill="{color}"/>'
-            )
-    parts.append(
-        f'<line x1="{left}" x2="{width - right}" y1="{top + plot_height}" y2="{top + plot_height}" stroke="#999"/>'
-    )
-    parts.append(f'<text x="{left}" y="{height - 6}" font-size="10">{low:.3g}</text>')
-    parts.append(f'<text x="{width - right}" y="{height - 6}" font-size="10" text-anchor="end">{high:.3g}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
 
 
 def _sensitivity_items(sensitivity: Sequence[Any]) -> list[dict[str, Any]]:
@@ -171,37 +70,6 @@ def _sensitivity_items(sensitivity: Sequence[Any]) -> list[dict[str, Any]]:
                 }
             )
     return items
-
-
-def sensitivity_svg(items: Sequence[Mapping[str, Any]], width: int = 640, bar_height: int = 18) -> str:
-    """Horizontal bars of output noise (dB relative to the output signal), most sensitive on top."""
-    label_width, right = 170, 70
-    shown = [item for item in items if item["score"] > 0][:20]
-    height = 16 + bar_height * max(1, len(shown))
-    decibels = [10.0 * math.log10(item["score"]) for item in shown]
-    floor = min(decibels, default=-60.0) - 5.0
-    span = max(1e-9, max(decibels, default=0.0) - floor)
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-        f'aria-label="sensitivity ranking">'
-    ]
-    for index, (item, value) in enumerate(zip(shown, decibels)):
-        y = 8 + index * bar_height
-        length = (width - label_width - right) * (value - floor) / span
-        parts.append(
-            f'<text x="{label_width - 6}" y="{y + bar_height * 0.7:.1f}" font-size="11" '
-            f'text-anchor="end">{_escape(item["name"])}</text>'
-        )
-        parts.append(
-            f'<rect x="{label_width}" y="{y + 2}" width="{max(length, 1.0):.1f}" height="{bar_height - 4}" '
-            f'fill="{SENSITIVITY_COLOR}"/>'
-        )
-        parts.append(
-            f'<text x="{label_width + length + 4:.1f}" y="{y + bar_height * 0.7:.1f}" '
-            f'font-size="10">{value:.1f} dB</text>'
-        )
-    parts.append("</svg>")
-    return "".join(parts)
 
 
 def _findings_table(report: Report) -> str:
@@ -225,12 +93,15 @@ def _layer_table(report: Report) -> str:
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
         body.append(
             f"<tr><td class=num>{index}</td><td>{_escape(row.name)}</td><td>{_escape(row.kind or '')}</td>"
-            f"<td>{_escape(row.extra.get('quantized_class', ''))}</td><td class=num>{_number(row.weight_sqnr)}</td>"
-            f"<td class=num>{_number(row.sqnr_propagated)}</td><td class=num>{_number(row.sqnr_shadow)}</td>"
+            f"<td>{_escape(row.extra.get('quantized_class', ''))}</td><td class=num>{format_sqnr(row.weight_sqnr)}</td>"
+            f"<td class=num>{format_sqnr(row.sqnr_propagated)}</td><td class=num>{format_sqnr(row.sqnr_shadow)}</td>"
             f"<td class=num>{_number(row.cosine, 5)}</td><td class=num>{_number(summary.get('max_abs_error'), 4)}</td>"
             f"<td class=num>{_number(summary.get('rmse_over_scale'), 3)}</td></tr>"
         )
-    return f"<table>{header}{''.join(body)}</table>"
+    values = [
+        value for row in report.compare_rows() for value in (row.weight_sqnr, row.sqnr_propagated, row.sqnr_shadow)
+    ]
+    return f"<table>{header}{''.join(body)}</table>{_notes(values)}"
 
 
 def _sensitivity_table(items: Sequence[Mapping[str, Any]]) -> str:
@@ -238,20 +109,26 @@ def _sensitivity_table(items: Sequence[Mapping[str, Any]]) -> str:
         return ""
     rows = "".join(
         f"<tr><td class=num>{rank + 1}</td><td>{_escape(item['name'])}</td><td class=num>{item['score']:.3e}</td>"
-        f"<td class=num>{_number(item.get('local'))}</td><td class=num>{100 * item['flops_share']:.1f}%</td>"
+        f"<td class=num>{format_sqnr(item.get('local'))}</td><td class=num>{100 * item['flops_share']:.1f}%</td>"
         f"<td class=num>{100 * item['params_share']:.1f}%</td></tr>"
         for rank, item in enumerate(items)
     )
     return (
         "<table><tr><th>rank</th><th>layer</th><th>score (noise/signal)</th><th>local SQNR</th>"
-        f"<th>FLOPs</th><th>params</th></tr>{rows}</table>"
+        f"<th>FLOPs</th><th>params</th></tr>{rows}</table>{_notes([item.get('local') for item in items])}"
     )
 
 
-def _legend(entries: Sequence[tuple[str, str]]) -> str:
+def _notes(values: Sequence[float | None]) -> str:
+    return "".join(f'<p class="meta">{_escape(note)}</p>' for note in sqnr_notes(list(values)))
+
+
+def _legend(entries: Sequence[tuple[str, str]], hollow: str | None = None) -> str:
     spans = "".join(
         f'<span><i class="swatch" style="background:{color}"></i>{_escape(label)}</span>' for label, color in entries
     )
+    if hollow:
+        spans += f'<span><i class="swatch hollow"></i>{_escape(hollow)}</span>'
     return f'<div class="legend">{spans}</div>'
 
 
@@ -272,7 +149,8 @@ def render_html(
         f"<h1>{_escape(title)}</h1>",
         f'<div class="meta">counterpart: {_escape(report.frontend)} &middot; backend: {_escape(report.backend)} '
         f"&middot; torch {_escape(report.torch_version)} &middot; qlint {_escape(report.qlint_version)} &middot; "
-        f"{len(report.compare_rows())} layers &middot; {counts['error']} errors, {counts['warning']} warnings</div>",
+        f"{counted(len(report.compare_rows()), 'layer')} &middot; {counted(counts['error'], 'error')}, "
+        f"{counted(counts['warning'], 'warning')}</div>",
     ]
     sections += [f'<p class="meta">{_escape(notice.message)}</p>' for notice in report.notices]
     sections.append("<h2>Per-layer SQNR (forward order)</h2>")
@@ -283,7 +161,8 @@ def render_html(
                 ("shadow (local)", SHADOW_COLOR),
                 ("weight", WEIGHT_COLOR),
                 (f"threshold {sqnr_threshold:g} dB", THRESHOLD_COLOR),
-            ]
+            ],
+            hollow=f"{EXACT} (no error, off the dB scale)" if has_exact_values(report.compare_rows()) else None,
         )
     )
     sections.append(f'<div id="sqnr-chart">{sqnr_chart_svg(report.compare_rows(), sqnr_threshold)}</div>')
@@ -333,3 +212,19 @@ def write_html(
         encoding="utf-8",
     )
     return path
+
+
+__all__ = [
+    "FLOAT_HISTOGRAM_COLOR",
+    "PROPAGATED_COLOR",
+    "QUANTIZED_HISTOGRAM_COLOR",
+    "SENSITIVITY_COLOR",
+    "SHADOW_COLOR",
+    "THRESHOLD_COLOR",
+    "WEIGHT_COLOR",
+    "histogram_svg",
+    "render_html",
+    "sensitivity_svg",
+    "sqnr_chart_svg",
+    "write_html",
+]

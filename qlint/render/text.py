@@ -182,7 +182,7 @@ def impact_text(finding: Finding) -> tuple[str, ...]:
     if impact.kind == "coverage":
         if impact.basis == "stays-float":
             return ("float", "no fix here")
-        return (f"+{_counted(impact.int8_ops_gained, 'int8 op')}", f"{impact.db:+.1f} dB")
+        return (f"+{counted(impact.int8_ops_gained, 'int8 op')}", f"{impact.db:+.1f} dB")
     if _from_a_failure(finding):
         return (f"fails → {impact.fixed_sqnr_db:.1f} dB", _BASIS[impact.basis])
     return (f"{impact.db:+.1f} dB", _BASIS[impact.basis])
@@ -260,7 +260,7 @@ def summary_line(report: Report) -> str:
     else:
         head = (
             f"Found {len(report.findings)} finding{'s' if len(report.findings) != 1 else ''}: "
-            f"{_counted(counts[Severity.ERROR], 'error')}, {_counted(counts[Severity.WARNING], 'warning')}, "
+            f"{counted(counts[Severity.ERROR], 'error')}, {counted(counts[Severity.WARNING], 'warning')}, "
             f"{counts[Severity.INFO]} info."
         )
     if report.skipped:
@@ -268,7 +268,8 @@ def summary_line(report: Report) -> str:
     return head + _impact_summary(report)
 
 
-def _counted(count: int, noun: str) -> str:
+def counted(count: int, noun: str) -> str:
+    """``1 warning``, ``3 warnings``: a count and its noun (regular plural)."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 

@@ -1,0 +1,46 @@
+"""How the numeric suite's tables and charts write an SQNR value.
+
+An error-free stream has infinite SQNR, and a stream whose float side is all zeros has
+none; reports hold finite numbers, so both are stored at the cap (``+-SQNR_CAP_DB``,
+``qlint.core.sqnr``). A capped value was not measured as a number: the text and HTML
+tables print it as a word, and the SQNR chart leaves it off its dB scale.
+"""
+
+from __future__ import annotations
+
+from qlint.core.sqnr import SQNR_CAP_DB
+
+EXACT = "exact"
+NO_SIGNAL = "no signal"
+EXACT_NOTE = (
+    f"{EXACT}: no error, identical to the float model (infinite SQNR, stored as the {SQNR_CAP_DB:g} dB "
+    "cap): a layer or weights kept in float, or an op that passes quantized values through unchanged"
+)
+NO_SIGNAL_NOTE = f"{NO_SIGNAL}: the float value is all zeros, so there is no signal to compare the error with"
+
+
+def sqnr_word(value: float | None) -> str | None:
+    """``EXACT`` or ``NO_SIGNAL`` for a value at the cap; None for a measured value (or none)."""
+    if value is None:
+        return None
+    if value >= SQNR_CAP_DB:
+        return EXACT
+    if value <= -SQNR_CAP_DB:
+        return NO_SIGNAL
+    return None
+
+
+def format_sqnr(value: float | None, digits: int = 1) -> str:
+    """A table cell: the value in dB, its word at the cap, or "" without a value."""
+    if value is None:
+        return ""
+    return sqnr_word(value) or f"{value:.{digits}f}"
+
+
+def sqnr_notes(values: list[float | None]) -> list[str]:
+    """The notes explaining the words ``format_sqnr`` printed for these values."""
+    words = {sqnr_word(value) for value in values}
+    return [note for word, note in ((EXACT, EXACT_NOTE), (NO_SIGNAL, NO_SIGNAL_NOTE)) if word in words]
+
+
+__all__ = ["EXACT", "EXACT_NOTE", "NO_SIGNAL", "NO_SIGNAL_NOTE", "format_sqnr", "sqnr_notes", "sqnr_word"]
