@@ -228,6 +228,40 @@ def test_outputs_never_overwrite_the_input_model(run_main, tmp_path):
     assert (tmp_path / "model.pt2").read_bytes() == original
 
 
+_SOURCE = """\
+import torch, torch.nn as nn
+
+def build():
+    return nn.Sequential(nn.Linear(4, 4)).eval()
+
+def batches():
+    return [torch.randn(2, 4) for _ in range(2)]
+"""
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("qlint_src_model:build", "--input-shape", "2,4", "-o", "qlint_src_model.py"),
+        ("pkg.data:build", "--input-shape", "2,4", "--emit-plan", "pkg/data.py"),
+        ("qlint_src_model:build", "--input-shape", "2,4", "--calibration", "pkg/data.py:batches", "-o", "pkg/data.py"),
+        ("qlint_src_model:build", "--input-shape", "2,4", "--emit-plan", "out.txt", "--emit-qconfig", "out.txt"),
+    ],
+)
+def test_outputs_never_overwrite_the_code_they_run_nor_each_other(run_main, tmp_path, flags):
+    """The source of a module:function model or file.py:function data is an input too, and two
+    outputs naming one file would leave only the last; nothing is written in either case."""
+    (tmp_path / "qlint_src_model.py").write_text(_SOURCE)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "data.py").write_text(_SOURCE)
+    line = _one_line(run_main(*flags, "-q", "--no-trial"))
+    assert ("input" in line and "overwrite" in line) or "both write" in line, line
+    assert (tmp_path / "qlint_src_model.py").read_text() == _SOURCE
+    assert (tmp_path / "pkg" / "data.py").read_text() == _SOURCE
+    assert not (tmp_path / "out.txt").exists()
+
+
 # ------------------------------------------------------------------ stdout that cannot be written
 @pytest.mark.parametrize(
     "redirect, needles", [(">&-", ("stdout is closed",)), ("> /dev/full", ("cannot write", "stdout"))]

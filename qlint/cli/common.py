@@ -114,16 +114,40 @@ def _same_file(a: Path, b: Path) -> bool:
     return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
 
 
-def refuse_overwriting_inputs(outputs: Iterable[tuple[str, str | None]], inputs: Iterable[str | None]) -> None:
-    """ConfigError when an output flag names a file this run reads (the model, its weights...)."""
-    from qlint.core.load import is_factory_spec
+def _files_of(spec: str) -> list[Path]:
+    """The files an input spec reads: a path itself; the .py of 'file.py:function'; for
+    'package.module:function', each file that module could be imported from (the working
+    directory and sys.path are searched by path, nothing is imported)."""
+    from qlint.core.load import is_factory_spec, split_factory_spec
 
-    input_paths = [Path(spec) for spec in inputs if spec and not is_factory_spec(spec)]
+    factory = split_factory_spec(spec) if is_factory_spec(spec) else None
+    if factory is None:
+        return [Path(spec)]
+    module_part = factory[0]
+    if module_part.endswith(".py"):
+        return [Path(module_part)]
+    relative = Path(*module_part.split("."))
+    folders = [os.getcwd(), *(entry for entry in sys.path if entry)]
+    return [
+        Path(folder) / name for folder in folders for name in (relative.with_suffix(".py"), relative / "__init__.py")
+    ]
+
+
+def refuse_overwriting_inputs(outputs: Iterable[tuple[str, str | None]], inputs: Iterable[str | None]) -> None:
+    """ConfigError when an output flag names a file this run reads (the model, its weights, the
+    source of a model or data function...) or a file another output flag also writes."""
+    input_paths = [(spec, path) for spec in inputs if spec for path in _files_of(spec)]
+    written: list[tuple[str, str]] = []
     for flag, output in outputs:
         if not output:
             continue
-        for source in input_paths:
-            if _same_file(Path(output), source):
+        for source, path in input_paths:
+            if _same_file(Path(output), path):
+                shown = source if str(path) == source else f"{source}, read from {path}"
                 raise ConfigError(
-                    f"{flag} {output} is an input of this run ({source}); refusing to overwrite it: choose another path"
+                    f"{flag} {output} is an input of this run ({shown}); refusing to overwrite it: choose another path"
                 )
+        for other_flag, other in written:
+            if _same_file(Path(output), Path(other)):
+                raise ConfigError(f"{other_flag} and {flag} both write {output}: choose a path for each")
+        written.append((flag, output))

@@ -51,6 +51,7 @@ class ModelOptions:
             self.weights,
             self.example_inputs_file,
             self.calibration,
+            self.qconfig_mapping,
             str(self.config.source) if self.config.source else None,
         ]
         return [c for c in candidates if c]
