@@ -94,3 +94,21 @@ def test_unknown_rule_option(run_cli, tmp_path, repo_root):
     (tmp_path / "pyproject.toml").write_text("[tool.qlint.rules.QL101]\nno_such = true\n")
     result = run_cli(f"{repo_root}/examples/badnet.py:build", "--input-shape", "1,3,32,32", "--no-trial", cwd=tmp_path)
     _check_one_line_error(result, "QL101", "no_such")
+
+
+def test_a_file_torch_save_did_not_write_is_named_as_such_wherever_it_is_given(run_main, tmp_path):
+    """A text file (a .py, a log) given as the model, weights, example inputs or calibration data
+    is 'not a file torch.save wrote', not an internal KeyError, nor 'pickled objects: trust it'."""
+    (tmp_path / "notes.pt").write_text("hello, not a tensor\n")
+    (tmp_path / "model.py").write_text("import torch.nn as nn\n\ndef build():\n    return nn.Linear(4, 2)\n")
+    cases = [
+        (["notes.pt", "--input-shape", "1,4"], "model file"),
+        (["model.py"], "model.py:function"),
+        (["model.py:build", "--weights", "notes.pt", "--input-shape", "1,4"], "weights file"),
+        (["model.py:build", "--example-inputs", "notes.pt"], "example inputs file"),
+        (["model.py:build", "--input-shape", "1,4", "--calibration", "notes.pt"], "calibration file"),
+    ]
+    for args, needle in cases:
+        result = run_main(*args, "--no-trial", cwd=tmp_path)
+        _check_one_line_error(result, "not a file torch.save wrote", needle)
+        assert "internal error" not in result.stderr and "--trust-pickle" not in result.stderr

@@ -24,7 +24,6 @@ import pickle
 import stat
 import sys
 import warnings
-import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -97,6 +96,7 @@ def load_calibration(path: Any) -> list[Any]:
 
 
 def _load_batch_file(file: Path) -> list[Any]:
+    _check_torch_save_format(file, "calibration file")
     try:
         data = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # pickle errors, truncated zip, non-tensor objects
@@ -260,10 +260,8 @@ def _load_pt2(path: Path, trust_pickle: bool) -> LoadedModel:
 
 
 def _load_pickled_module(path: Path, trust_pickle: bool) -> LoadedModel:
-    check_zip_file(path, str(path))
     try:
-        with _quiet_torch():
-            obj = torch.load(str(path), weights_only=True, map_location="cpu")
+        obj = _weights_only_load(path, "model file")
     except pickle.UnpicklingError as error:
         if not trust_pickle:
             raise LoadError(
@@ -273,8 +271,6 @@ def _load_pickled_module(path: Path, trust_pickle: bool) -> LoadedModel:
                 "or save with torch.export.save to a .pt2"
             ) from error
         obj = _load_trusted(path)
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
-        raise LoadError(f"{path} is not a readable PyTorch file (truncated or corrupt?): {_short(error)}") from error
     if isinstance(obj, nn.Module):
         return LoadedModel(module=obj, name=path.name)
     if _looks_like_state_dict(obj):
@@ -358,14 +354,10 @@ def resolve_object(spec: str) -> Any:
 
 def load_weights_into(module: nn.Module, weights: str) -> None:
     path = _existing_file(weights, what="weights file")
-    check_zip_file(path, str(path))
     try:
-        with _quiet_torch():
-            obj = torch.load(str(path), weights_only=True, map_location="cpu")
+        obj = _weights_only_load(path, "weights file")
     except pickle.UnpicklingError as error:
         raise LoadError(f"{path} is not a plain state_dict (it holds pickled objects)") from error
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
-        raise LoadError(f"{path} is not a readable PyTorch file (truncated or corrupt?): {_short(error)}") from error
     state = _unwrap_state_dict(obj)
     if not _looks_like_state_dict(state):
         raise LoadError(f"{path} does not hold a state_dict")
@@ -439,19 +431,46 @@ def parse_input_shape(text: str) -> torch.Tensor:
 
 def load_example_inputs(path_text: str) -> tuple[Any, ...]:
     path = _existing_file(path_text, what="example inputs file")
-    check_zip_file(path, str(path))
     try:
-        with _quiet_torch():
-            obj = torch.load(str(path), weights_only=True, map_location="cpu")
+        obj = _weights_only_load(path, "example inputs file")
     except pickle.UnpicklingError as error:
         raise LoadError(f"{path} holds pickled objects; save example inputs as tensors") from error
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
-        raise LoadError(f"{path} is not a readable PyTorch file: {_short(error)}") from error
     if torch.is_tensor(obj):
         return (obj,)
     if isinstance(obj, (tuple, list)) and obj and all(torch.is_tensor(t) for t in obj):
         return tuple(obj)
     raise LoadError(f"{path} must hold a tensor or a tuple of tensors, not {type(obj).__name__}")
+
+
+def _check_torch_save_format(path: Path, what: str) -> None:
+    """torch.save writes a zip archive (or, before torch 1.6 or with the legacy flag, a
+    protocol-2 pickle): anything else is the wrong file, said before torch's own riddles."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError as error:
+        raise LoadError(f"cannot read {path}: {error.strerror}") from error
+    if not (head.startswith(b"PK") or head.startswith(b"\x80")):
+        hint = f"; to run code from it, name a function: {path}:function" if path.suffix == ".py" else ""
+        raise LoadError(
+            f"{path} is not a file torch.save wrote (torch.save writes a zip archive; this {what} "
+            f"starts with {head!r}){hint}"
+        )
+
+
+def _weights_only_load(path: Path, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of a file torch.save wrote. pickle.UnpicklingError (the
+    file holds objects that need trust) passes to the caller to word; any other failure is a
+    LoadError: a weights_only load runs no code, so whatever it raises means a corrupt file."""
+    _check_torch_save_format(path, what)
+    check_zip_file(path, str(path))
+    try:
+        with _quiet_torch():
+            return torch.load(str(path), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:
+        raise
+    except Exception as error:  # torch raises KeyError, RuntimeError, EOFError ... for corrupt files
+        raise LoadError(f"{path} is not a readable PyTorch file (truncated or corrupt?): {_short(error)}") from error
 
 
 def _short(error: BaseException) -> str:
