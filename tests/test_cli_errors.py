@@ -112,3 +112,29 @@ def test_a_file_torch_save_did_not_write_is_named_as_such_wherever_it_is_given(r
         result = run_main(*args, "--no-trial", cwd=tmp_path)
         _check_one_line_error(result, "not a file torch.save wrote", needle)
         assert "internal error" not in result.stderr and "--trust-pickle" not in result.stderr
+
+
+def test_a_data_function_whose_generator_raises_is_one_line(run_main, tmp_path):
+    """A generator (or DataLoader) that fails on its second batch: the user's error in one line
+    naming the data, from lint and from verify, never an internal error."""
+    (tmp_path / "flaky_data.py").write_text(
+        "import torch, torch.nn as nn\n\n"
+        "def build():\n    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()\n\n"
+        "def batches():\n    yield torch.randn(2, 4)\n    raise ValueError('disk went away')\n"
+    )
+    lint = run_main("flaky_data:build", "--input-shape", "2,4", "--calibration", "flaky_data:batches", cwd=tmp_path)
+    _check_one_line_error(lint, "calibration data", "ValueError", "disk went away")
+    torch.save([torch.randn(2, 4) for _ in range(2)], tmp_path / "calib.pt")
+    verify = run_main(
+        "verify",
+        "flaky_data:build",
+        "--input-shape",
+        "2,4",
+        "--calibration",
+        "calib.pt",
+        "--eval-data",
+        "flaky_data:batches",
+        cwd=tmp_path,
+    )
+    _check_one_line_error(verify, "eval data", "disk went away")
+    assert "internal error" not in lint.stderr + verify.stderr

@@ -24,6 +24,7 @@ from qlint.cli.common import (
     user_output_to_stderr,
     write_stdout,
 )
+from qlint.core.batches import batches_of
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
@@ -195,8 +196,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
     data = load_data_arg(args.calibration)
     if not isinstance(float_model, torch.nn.Module) or not isinstance(quantized_model, torch.nn.Module):
         raise ConfigError("FLOAT and QUANT must produce torch.nn.Module objects")
-    if iter(data) is data:
-        data = list(data)  # several passes follow (compare, histograms, badcases)
+    data = list(batches_of(data, "calibration data"))  # several passes follow (compare, histograms, badcases)
     try:
         report = compare(
             float_model,

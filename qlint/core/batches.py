@@ -71,7 +71,16 @@ def batches_of(data: Any, what: str = "data") -> Iterator[Any]:
         iterator = iter(data)
     except TypeError as error:
         raise BatchError(f"{what} must be iterable, got {type(data).__name__}") from error
-    yield from iterator
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except QlintError:
+            raise
+        except Exception as error:  # the user's generator or DataLoader raised
+            raise BatchError(f"{what}: producing a batch raised {type(error).__name__}: {error}"[:400]) from error
+        yield batch
 
 
 def batch_count(data: Any) -> int | None:
