@@ -231,8 +231,13 @@ def test_load_calibration_errors(tmp_path):
     with pytest.raises(LoadError, match="not found"):
         load_calibration(tmp_path / "missing.pt")
     (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
-    with pytest.raises(LoadError, match="cannot load"):
+    with pytest.raises(LoadError, match="garbage.pt is not a file torch.save wrote"):
         load_calibration(tmp_path / "garbage.pt")
+    good = tmp_path / "good.pt"
+    torch.save([torch.randn(2, 3)], good)
+    (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:200])
+    with pytest.raises(LoadError, match="cannot load"):
+        load_calibration(tmp_path / "cut.pt")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(QlintError, match="no files"):
