@@ -2,9 +2,11 @@
 
 import copy
 import json
+import re
 
 import pytest
 import torch
+import torch.nn as nn
 
 from qlint.advice.plan import ModuleDecision, Provenance, QuantPlan, default_plan, plan_from_report
 from qlint.advice.verify import VerifyReport, verify
@@ -345,3 +347,24 @@ def test_pt2e_verify_leaves_out_what_the_pt2e_flow_cannot_apply():
     assert [d.fqn for d in kept.modules] == ["conv"] and kept.bias_correction is None
     assert any(note.startswith("fc: a weight decision") for note in notes)
     assert any("bias correction left out" in note for note in notes)
+
+
+@pytest.mark.parametrize(
+    "which, bad, needle",
+    [
+        ("eval", torch.randn(2, 5), "eval data batch 1 does not run through the model: RuntimeError"),
+        ("eval", torch.full((2, 4), float("nan")), "eval data batch 1 holds NaN or Inf"),
+        ("calibration", torch.randn(2, 5), "calibration data batch 0 does not run through the model"),
+    ],
+)
+def test_data_that_does_not_fit_or_is_not_finite_is_one_verify_error(which, bad, needle):
+    """Data the float model cannot run, or NaN/Inf that every SQNR would be measured against, is
+    refused up front with the batch named (it was an internal error deep in a trial)."""
+    from qlint.advice.verify_session import VerifyError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    good = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    calibration = [bad, *good] if which == "calibration" else good
+    evaluation = [good[0], bad] if which == "eval" else good
+    with pytest.raises(VerifyError, match=re.escape(needle)):
+        verify(model, None, calibration, evaluation, prune=False, search_schemes=False)

@@ -36,7 +36,7 @@ from qlint.advice.apply import Quantized, QuantizeError, first_line, quantize_re
 from qlint.advice.plan import QuantPlan
 from qlint.advice.verify_report import RunResult
 from qlint.core.batches import as_call, batches_of, call_model
-from qlint.core.nested import first_float, float_tensors
+from qlint.core.nested import first_float, float_tensors, tensors_in
 from qlint.core.ops import (
     CONV_OR_LINEAR_KINDS,
     TRANSPOSED_CONV_KINDS,
@@ -189,8 +189,9 @@ class Session:
         self.max_trials, self.progress = max_trials, progress
         self.trials = 0
         self.example = as_call(calibration[0], what="calibration batch 0")[0]
-        self._selection_reference = [float_tensors(self.run(self.model, batch)) for batch in selection]
-        self._eval_reference = [float_tensors(self.run(self.model, batch)) for batch in eval_data]
+        self._references(calibration[:1], "calibration data")  # what the data must fit: said up front
+        self._selection_reference = self._references(selection, "selection data")
+        self._eval_reference = self._references(eval_data, "eval data")
         self._measured: dict[str, Measured] = {}
         self._fitted: dict[str, float] = {}
         self._fit_reference: list[Any] | None = None  # float outputs on ``fit``, for swapped folds
@@ -199,6 +200,21 @@ class Session:
         # a later plan's observers of the same tensors with the same settings reuse them.
         self._calibrated: dict[tuple[str, tuple[int, ...]], CalibratedQParams] = {}
         self.traced = self._graph()
+
+    def _references(self, batches: list[Any], what: str) -> list[list[torch.Tensor]]:
+        """The float model's outputs on ``batches``. Data that does not run, or holds NaN or Inf
+        (every SQNR would be measured against it), is the user's to fix: one line naming it."""
+        outputs = []
+        for number, batch in enumerate(batches):
+            if not all(bool(t.isfinite().all()) for t in tensors_in(batch) if t.is_floating_point()):
+                raise VerifyError(f"{what} batch {number} holds NaN or Inf values")
+            try:
+                outputs.append(float_tensors(self.run(self.model, batch)))
+            except Exception as error:  # the user's model on the user's data
+                raise VerifyError(
+                    f"{what} batch {number} does not run through the model: {first_line(error)}"
+                ) from error
+        return outputs
 
     @staticmethod
     def _float_copy(model: nn.Module) -> nn.Module:
