@@ -1,5 +1,8 @@
 """QL203's measurements: torch's outlier statistic per channel, the observer that quantizes a
-layer's input, and the trial's measurement of that activation."""
+layer's input, the trial's measurement of that activation, and the bits that activation has.
+
+QL204 and QL205 count their bits lost with the same ``activation_bits`` and ``physical_bits``,
+so every rule states the bits of one backend alike (7 under x86's reduce_range, not 8)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 
 from qlint.core.graph import OpNode
 from qlint.linter.context import LintContext
+from qlint.measure.pt2e_trial import PT2E_ACTIVATION_LEVELS
 from qlint.measure.trial import ActivationError
 from qlint.stats import TensorStats
 
@@ -83,12 +87,59 @@ def measured_input(ctx: LintContext, node: OpNode) -> ActivationError | None:
     return None
 
 
+def bulk_ratio(stats: TensorStats) -> torch.Tensor:
+    """Per channel, max / reference quantile where it measures a positive bulk under a positive
+    maximum (CPU float64): the average ratio where it is >= 1 (inf: a batch with quantile 0),
+    NaN elsewhere.
+
+    torch's average also mixes signs (a batch whose quantile is negative under a positive
+    maximum) and falls below 1 (maximum and quantile both negative); torch flips it (1/p) to
+    flag the channel, but no bulk fraction or quantile can be read from it: inverting it is
+    unbounded (on MiniLM's GELU outputs it put the bulk of a tensor whose maximum is 24.6 at
+    177, and another's at 1/3.1e6 of the int8 range).
+    """
+    ratios = stats.average_percentile_ratio().cpu().to(torch.float64)
+    positive = (ratios >= 1) & (stats.channel_max.cpu().to(torch.float64) > 0)
+    return torch.where(positive, ratios, math.nan)
+
+
 def clip_value(stats: TensorStats, channels: list[int]) -> float:
-    """The largest reference quantile over the flagged channels: above it only the spikes lie."""
+    """Where the bulk of the flagged channels ends: the largest of their reference quantiles,
+    max / ``bulk_ratio``, always within [0, their largest maximum]; NaN where no channel gives
+    one. A channel whose maximum is <= 0 has its bulk at or below 0, where the range of every
+    int8 observer starts (observers widen their range to hold 0); a quantile of 0 is 0."""
     maxima = stats.channel_max.cpu().to(torch.float64)
-    ratios = stats.average_percentile_ratio().cpu().to(torch.float64).abs()
-    values = [float(maxima[c] / ratios[c]) for c in channels if float(ratios[c]) > 0]
+    ratios = bulk_ratio(stats)
+    values: list[float] = []
+    for channel in channels:
+        top, ratio = float(maxima[channel]), float(ratios[channel])
+        if not math.isfinite(top):
+            continue  # no finite value seen in this channel
+        if top <= 0:
+            values.append(0.0)
+        elif not math.isnan(ratio):
+            values.append(top / ratio)  # 0 for an infinite ratio
     return max(values) if values else math.nan
+
+
+def activation_bits(node: OpNode, measured: ActivationError | None, exported: bool) -> int:
+    """Bits the layer's input is quantized to: log2 of its observer's level count (7 with
+    reduce_range): as measured in the trial, else as the pt2e quantizer (an exported graph)
+    or the intended qconfig says."""
+    levels = measured.levels if measured is not None else PT2E_ACTIVATION_LEVELS if exported else None
+    if levels is not None:
+        return max(1, math.ceil(math.log2(levels)))
+    spec = node.qconfig.activation if node.qconfig is not None else None
+    if spec is not None and spec.quant_min is not None and spec.quant_max is not None:
+        return max(1, math.ceil(math.log2(spec.quant_max - spec.quant_min + 1)))
+    return 8
+
+
+def physical_bits(value: float, bits: int) -> float:
+    """A bit count clamped to what the dtype has: [0, bits]."""
+    if not math.isfinite(value):
+        return float(bits) if value == math.inf else math.nan
+    return min(max(value, 0.0), float(bits))
 
 
 @dataclasses.dataclass(frozen=True)

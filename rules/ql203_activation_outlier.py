@@ -10,10 +10,13 @@ import torch.nn as nn
 from pydantic import Field
 from qlint.rules._ql203_measure import (
     OutlierMeasurement,
+    activation_bits,
+    bulk_ratio,
     clip_value,
     input_producer,
     measure,
     measured_input,
+    physical_bits,
 )
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
@@ -23,8 +26,6 @@ from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
 from qlint.linter.json_values import json_float
 from qlint.linter.rule import Example, Need, ObservationSpec, Rule, RuleOptions
-from qlint.measure.pt2e_trial import PT2E_ACTIVATION_LEVELS
-from qlint.measure.trial import ActivationError
 
 KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv"})
 
@@ -47,8 +48,9 @@ class ActivationOutlier(Rule):
     axis is axis 1 for conv inputs and the last axis for Linear inputs (the features of a
     `(B, D)` or `(B, T, D)` tensor). A channel whose reference quantile is 0 (mostly zeros,
     as after a ReLU) is listed but not counted as losing resolution: int8 holds zero
-    exactly. With lint's trial it also gives the measured SQNR of that activation under
-    the qparams the converted model uses.
+    exactly; a finding of only such channels, whose other channels lose nothing to them,
+    is info and suggests no fix. With lint's trial it also gives the measured SQNR of that
+    activation under the qparams the converted model uses.
 
     Its fix differs from the default qconfig: a clipping `PercentileObserver` (99.99th
     percentile) on the module whose output observer quantizes this input (prepare_fx shares
@@ -184,22 +186,25 @@ class ActivationOutlier(Rule):
         rest = ~mask & finite
         without = float(high[rest].max() - low[rest].min()) if bool(rest.any()) else math.nan
         quantized_input = measured_input(ctx, node)
-        bits = _activation_bits(node, quantized_input, ctx.graph.exported)
-        loss_bits = _physical_bits(math.log2(full / without) if full > 0 and without > 0 else math.nan, bits)
+        bits = activation_bits(node, quantized_input, ctx.graph.exported)
+        loss_bits = physical_bits(math.log2(full / without) if full > 0 and without > 0 else math.nan, bits)
         maxima = [json_float(high[c]) for c in outliers]
         ratios = [json_float(ratios_all[c]) for c in outliers]
-        dense_ratios = [float(ratios_all[c]) for c in dense]
         # Inside an outlier channel, calibrating to the spike leaves the bulk of its values
         # (below the reference percentile) only 1/ratio of the range: log2(ratio) bits lost,
-        # never more than the dtype has.
-        channel_bits = _physical_bits(math.log2(max(dense_ratios)) if dense_ratios else math.nan, bits)
+        # never more than the dtype has. Only where the ratio measures a positive bulk: torch's
+        # flipped ratio of a negative channel flags it but says nothing of its bulk.
+        bulk = bulk_ratio(stats)
+        dense_ratios = [float(bulk[c]) for c in dense if math.isfinite(float(bulk[c]))]
+        channel_bits = physical_bits(math.log2(max(dense_ratios)) if dense_ratios else math.nan, bits)
         producer = input_producer(ctx, node)
         measured_db = quantized_input.sqnr_db if quantized_input is not None else None
         clip = clip_value(stats, dense or outliers)
+        spikes = max((m for m in maxima if isinstance(m, float)), default=math.nan)
         message = (
             f"{len(outliers)} input channel(s) of {node.display} have outliers (channels {_short(outliers)}: "
             f"max / {self.options.reference_percentile:g}-quantile > {self.options.ratio_threshold:g}, max up to "
-            f"{max((m for m in maxima if isinstance(m, float)), default=math.nan):.4g}). One per-tensor scale must "
+            f"{spikes:.4g}). One per-tensor scale must "
             "cover them"
             + (
                 f": the bulk of an outlier channel keeps 1/{max(dense_ratios):.3g} of the int8 range "
@@ -224,11 +229,23 @@ class ActivationOutlier(Rule):
             )
             + "."
         )
-        target, suggestion, fix = _fix(ctx, node, producer, clip)
-        message += " " + fix
         severity = None
+        target: str | None
         if not dense and not (math.isfinite(loss_bits) and loss_bits >= 0.1):
-            severity = Severity.INFO  # only mostly-zero channels, and nothing lost by the others
+            # Only mostly-zero channels, and the others lose nothing: int8 holds the zeros exactly
+            # and the range is what the other channels need anyway, so no observer can gain and
+            # no fix is suggested (an unmeasured info fix would still go into the plan).
+            severity = Severity.INFO
+            target, suggestion = None, None
+            message += (
+                " No fix is suggested: int8 holds the zeros exactly, and the other channels need this range "
+                "anyway (they lose under 0.1 bits to these channels)."
+            )
+        else:
+            target, suggestion, fix = _fix(
+                ctx, node, producer, _clip_text(clip, spikes, self.options.reference_percentile)
+            )
+            message += " " + fix
         return self.finding(
             node.display,
             message,
@@ -258,35 +275,10 @@ class ActivationOutlier(Rule):
 CLIP_PERCENTILE = 99.99  # what the suggested clipping observer keeps: rare spikes above it saturate
 
 
-def _activation_bits(node: OpNode, measured: ActivationError | None, exported: bool) -> int:
-    """Bits the layer's input is quantized to: log2 of its observer's level count (7 with
-    reduce_range): as measured in the trial, else as the pt2e quantizer (an exported graph)
-    or the intended qconfig says."""
-    levels = measured.levels if measured is not None else PT2E_ACTIVATION_LEVELS if exported else None
-    if levels is not None:
-        return max(1, math.ceil(math.log2(levels)))
-    spec = node.qconfig.activation if node.qconfig is not None else None
-    if spec is not None and spec.quant_min is not None and spec.quant_max is not None:
-        return max(1, math.ceil(math.log2(spec.quant_max - spec.quant_min + 1)))
-    return 8
-
-
-def _physical_bits(value: float, bits: int) -> float:
-    """A bit count clamped to what the dtype has: [0, bits]."""
-    if not math.isfinite(value):
-        return float(bits) if value == math.inf else math.nan
-    return min(max(value, 0.0), float(bits))
-
-
-def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -> tuple[str, dict | None, str]:
+def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip_text: str) -> tuple[str, dict | None, str]:
     """Where a clipping observer goes: the input's observer belongs to the module producing it
     (prepare_fx reuses the producer's output observer), or to the layer for a graph input; in
     an exported graph (pt2e) to the layer, whose input edge has an observer of its own."""
-    clip_text = (
-        f" (the flagged channels' {CLIP_PERCENTILE:g}-percentile band ends near {clip:.4g})"
-        if math.isfinite(clip)
-        else ""
-    )
     subject = None
     if ctx.graph.exported and node.module:
         # pt2e observes the tensors a module's ops read: qlint's pt2e quantizer changes that observer
@@ -317,6 +309,17 @@ def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip: float) -
         f"PercentileObserver(percentile={CLIP_PERCENTILE:g}) instead of the default histogram search, so "
         "the rare spikes saturate and the bulk keeps its resolution; or clip/normalise these channels "
         "upstream, or keep the layer float.",
+    )
+
+
+def _clip_text(clip: float, spikes: float, quantile: float) -> str:
+    """Where the flagged channels' bulk ends. clip_value estimates their reference quantile, not
+    the per-tensor band the clipping observer will keep, so the text says which it is."""
+    if not math.isfinite(clip):
+        return ""
+    return (
+        f" (the bulk of the flagged channels, below their {quantile:g}-quantile, ends near {clip:.4g}; "
+        f"their spikes reach {spikes:.4g})"
     )
 
 

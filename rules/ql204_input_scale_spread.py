@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from pydantic import Field
+from qlint.rules._ql203_measure import activation_bits, measured_input, physical_bits
 from torch.ao.quantization import get_default_qconfig_mapping
 
 from qlint.core.batches import as_call
@@ -18,8 +19,6 @@ from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
 from qlint.measure.normalize import Candidate, find_normalizable_inputs
-
-_ACTIVATION_BITS = 8
 
 
 class InputScaleSpread(Rule):
@@ -31,7 +30,9 @@ class InputScaleSpread(Rule):
     linear, pads, slices, `relu`, `sqrt(a**2 + b**2)`: `f(c·x) = c·f(x)` for `c > 0`) up to
     the first conv/linear layers with a bias. Where every path ends at such layers, it
     measures each calibration sample's largest magnitude and compares the median sample with
-    the loudest: the median sample uses `log2(max / median)` bits fewer than the activation's 8.
+    the loudest: the median sample uses `log2(max / median)` bits fewer than the activation
+    has, never more than its bits: those QL203 counts for the same backend (the level count
+    the trial measured, else the qconfig's; 7 for x86's `reduce_range`, 8 for qnnpack).
     It fires when that ratio reaches `min_spread`.
 
     ## Why is this bad?
@@ -87,24 +88,29 @@ class InputScaleSpread(Rule):
         batches = ctx.data_batches()
         placeholders = [str(n.target) for n in model.graph.nodes if n.op == "placeholder"]
         for candidate in find_normalizable_inputs(model):
-            if not any(node.is_quantized for node in _layer_nodes(ctx, candidate)):
+            quantized = [node for node in _layer_nodes(ctx, candidate) if node.is_quantized]
+            if not quantized:
                 continue
             spread = measure(batches, placeholders.index(candidate.placeholder), candidate.placeholder)
             if spread is None:
                 continue
+            # The quantized ops up to the ending layers have the bits of their input observers; the
+            # fewest of them is what the median sample can lose at most.
+            bits = min(activation_bits(node, measured_input(ctx, node), ctx.graph.exported) for node in quantized)
             flagged = spread.ratio >= self.options.min_spread
             if flagged:
-                yield self._finding(candidate, spread)
+                yield self._finding(candidate, spread, bits)
             yield LayerRow(
                 name=candidate.placeholder,
                 kind="input",
                 rule=self.code,
                 statistic="max / median sample magnitude",
                 value=spread.ratio,
-                verdict=f"median sample loses {spread.bits_lost:.1f} bits" + (" (flagged)" if flagged else ""),
+                verdict=f"median sample loses {spread.bits_lost(bits):.1f} of {bits} bits"
+                + (" (flagged)" if flagged else ""),
             )
 
-    def _finding(self, candidate: Candidate, spread: SampleSpread) -> Finding:
+    def _finding(self, candidate: Candidate, spread: SampleSpread, bits: int) -> Finding:
         layers = ", ".join(candidate.layers)
         message = (
             f"the samples of input {candidate.placeholder!r} differ in scale: the loudest reaches "
@@ -112,7 +118,7 @@ class InputScaleSpread(Rule):
             f"({spread.samples} calibration samples"
             + (f", {spread.silent} silent ones left out" if spread.silent else "")
             + "). One int8 scale costs the median sample "
-            f"{spread.bits_lost:.1f} of its {_ACTIVATION_BITS} bits in every quantized op up to {layers}. "
+            f"{spread.bits_lost(bits):.1f} of its {bits} bits in every quantized op up to {layers}. "
             f"Divide the input by each sample's maximum and restore {layers}'s output (exact in float): "
             "the normalize_input rewrite."
         )
@@ -129,7 +135,8 @@ class InputScaleSpread(Rule):
                 "smallest": spread.smallest,
                 "silent_samples": spread.silent,
                 "ratio": spread.ratio,
-                "bits_lost": spread.bits_lost,
+                "bits_lost": spread.bits_lost(bits),
+                "dtype_bits": bits,
             },
             suggestion={"action": "normalize_input", "input": candidate.placeholder, "modules": candidate.layers},
         )
@@ -151,10 +158,10 @@ class SampleSpread:
     def ratio(self) -> float:
         return self.largest / self.median  # measure() leaves silent samples out: the median is > 0
 
-    @property
-    def bits_lost(self) -> float:
-        """Levels the median sample does not reach, in bits: never more than the dtype has."""
-        return min(float(_ACTIVATION_BITS), max(0.0, math.log2(self.ratio)))
+    def bits_lost(self, bits: int) -> float:
+        """Levels the median sample does not reach, in bits: never more than the ``bits`` the
+        activation has."""
+        return physical_bits(math.log2(self.ratio), bits)
 
 
 def measure(batches: Sequence[Any], position: int, name: str) -> SampleSpread | None:

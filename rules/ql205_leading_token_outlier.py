@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from pydantic import Field
+from qlint.rules._ql203_measure import activation_bits, measured_input, physical_bits
 from torch.ao.quantization import QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
 
 from qlint.core.batches import call_model
@@ -31,8 +32,10 @@ class LeadingTokenOutlier(Rule):
     Runs the float model on the calibration data and, for every quantized Linear called on
     a `(batch, tokens, features)` input, compares the largest magnitude of the first token
     (`x[:, 0]`) with that of all the other tokens. It fires when the ratio reaches
-    `min_ratio`; the other tokens then lose `log2(ratio)` of their bits. All the flagged
-    Linears form one finding, whose fix is measured as a whole.
+    `min_ratio`; the other tokens then lose `log2(ratio)` of their bits, never more than the
+    input has: those QL203 counts for the same backend (the level count the trial measured,
+    else the qconfig's; 7 for x86's `reduce_range`). All the flagged Linears form one
+    finding, whose fix is measured as a whole.
 
     ## Why is this bad?
     BERT-style encoders put very large activations on the first token ([CLS]): in
@@ -107,12 +110,17 @@ class LeadingTokenOutlier(Rule):
 
     def _finding(self, ctx: LintContext, flagged: list[dict[str, Any]]) -> Finding:
         worst = max(flagged, key=lambda layer: layer["ratio"])
-        bits = min(8.0, math.log2(worst["ratio"]))
+        # the bits of the worst layer's input, counted as QL203 counts them for that input
+        dtype_bits = min(
+            activation_bits(node, measured_input(ctx, node), ctx.graph.exported)
+            for node in ctx.graph.call_sites(worst["target"])
+        )
+        bits = physical_bits(math.log2(worst["ratio"]), dtype_bits)
         message = (
             f"the first token of the input of {len(flagged)} Linear layer(s) is far larger than the others: "
             f"worst {worst['target']!r}, {worst['first_token']:.4g} against {worst['other_tokens']:.4g} "
             f"({worst['ratio']:.1f}x). One quantization range for every token costs the others "
-            f"{bits:.1f} of their 8 bits. Run the first token on a weight-sharing copy of each layer, "
+            f"{bits:.1f} of their {dtype_bits} bits. Run the first token on a weight-sharing copy of each layer, "
             "exact in float: the split_leading_token rewrite."
         )
         targets = [layer["target"] for layer in flagged]
@@ -120,7 +128,7 @@ class LeadingTokenOutlier(Rule):
         return self.finding(
             worst["target"],
             message + measured,
-            data={"kind": "leading-token-outlier", "layers": flagged, "bits_lost": bits},
+            data={"kind": "leading-token-outlier", "layers": flagged, "bits_lost": bits, "dtype_bits": dtype_bits},
             suggestion={"action": "split_leading_token", "modules": targets},
             impact=impact,
         )
