@@ -29,6 +29,7 @@ neither the caller's tensor nor what qlint's next forward pass sees.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import random
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 
 from qlint.core.nested import map_tensors
@@ -176,7 +178,7 @@ class _KeptTensor:
         self.key = _storage_key(self.alias)
         # an inference tensor (a model built under inference_mode) has no version counter,
         # and nothing outside inference mode can write it
-        self.version = None if tensor.is_inference() else tensor._version
+        self.version = None if not is_lazy(tensor) and tensor.is_inference() else tensor._version
         self.requires_grad = tensor.requires_grad
         self.values: torch.Tensor | None = None
         if copy_now:
@@ -424,8 +426,12 @@ class preserved_state:
         # Called under torch.inference_mode, qlint's own tensors (observer statistics, copies
         # of the model) would be inference tensors: no version counter, no in-place update
         # once outside. qlint's work runs in normal mode; the caller's mode returns on exit.
-        self.normal_mode = torch.inference_mode(False)
-        self.normal_mode.__enter__()
+        # (inference_mode(False) also turns grad mode on: the caller's grad mode is kept inside.)
+        self.normal_mode = contextlib.ExitStack()
+        if torch.is_inference_mode_enabled():
+            grad = torch.is_grad_enabled()
+            self.normal_mode.enter_context(torch.inference_mode(False))
+            self.normal_mode.enter_context(torch.set_grad_enabled(grad))
         self.process = _ProcessState()
         self.modules: list[_KeptModule] = []
         self.tensors: list[_KeptTensor] = []
@@ -458,7 +464,7 @@ class preserved_state:
                 kept.restore()
         finally:
             self.process.restore()  # the process comes back even if a module would not
-            self.normal_mode.__exit__(None, None, None)
+            self.normal_mode.close()
         if unseen and exc_type is None:
             raise StateError(
                 f"the model's forward wrote {', '.join(unseen[:3])}{', ...' if len(unseen) > 3 else ''} in place "
