@@ -246,3 +246,35 @@ def test_a_quantized_model_that_fails_on_the_data_is_one_clear_error():
         ModelRunError, match=r"^the quantized model raised RuntimeError on the data: view size.*reshape"
     ):
         compare(model, quantized, data)
+
+
+def test_weights_of_another_float_model_are_named_not_blamed_on_quantization():
+    """A quantized model made from an equalized copy (fc1's rows scaled by 4, fc2's columns by
+    1/4: the same function in float) against the original float model: fc1's int8 weights sit
+    further from the original weights than 0 does (below 0 dB, which no rounding can do), so
+    compare says the weights come from another float model instead of 'quantize per channel'."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    generator = torch.Generator().manual_seed(0)
+    original = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    with torch.no_grad():
+        for parameter in original.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    equalized = copy.deepcopy(original)
+    with torch.no_grad():
+        equalized[0].weight.mul_(4)
+        equalized[0].bias.mul_(4)
+        equalized[2].weight.div_(4)
+    data = [torch.randn(4, 8, generator=generator) for _ in range(3)]
+    assert torch.allclose(original(data[0]), equalized(data[0]), atol=1e-5)
+    prepared = prepare_fx(copy.deepcopy(equalized), get_default_qconfig_mapping("x86"), (data[0],))
+    for batch in data:
+        prepared(batch)
+    report = compare(original, convert_fx(prepared), data)
+    row = next(row for row in report.compare_rows() if row.name == "0")
+    assert row.weight_sqnr is not None and row.weight_sqnr < 0
+    [finding] = [f for f in report.findings if f.target == "0"]
+    assert finding.rule == "QL301" and finding.data["kind"] == "other-weights" and finding.suggestion is None
+    assert "not a quantization of this float model's weights" in finding.message
+    assert not [f for f in report.findings if f.rule == "QL302" and f.target == "0"]

@@ -29,6 +29,11 @@ _CLIPPING_FACTOR = 3.0
 # passes on inherited error; QL301 does not blame it for its activations.
 _MIN_LOCAL_SHARE = 0.1
 
+# Rounding to a grid that holds 0 (every int8 scheme), clipped or not, never moves a weight
+# further than 0 is from it: quantized weights have SQNR >= 0 dB against the weights they were
+# made from. Below (with a margin for float sums), they were made from other weights.
+_NOT_A_QUANTIZATION_DB = -0.5
+
 LOW_SQNR = ("QL301", "low-sqnr-layer")
 ERROR_ONSET = ("QL302", "error-onset")
 
@@ -141,6 +146,9 @@ def low_sqnr_findings(
     findings = []
     propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
     for row in rows:
+        if _other_weights(row):
+            findings.append(_other_weights_finding(row))
+            continue
         inherited = inherited_sqnr(row, propagated)[0]
         local, source = local_sqnr(row, inherited)
         activation_low = local is not None and local < sqnr_threshold
@@ -199,6 +207,34 @@ def low_sqnr_findings(
     return findings
 
 
+def _other_weights(row: CompareRow) -> bool:
+    return row.weight_sqnr is not None and row.weight_sqnr < _NOT_A_QUANTIZATION_DB
+
+
+def _other_weights_finding(row: CompareRow) -> Finding:
+    message = (
+        f"{row.name} ({row.kind}): its quantized weights are not a quantization of this float model's "
+        f"weights (weight SQNR {row.weight_sqnr:.1f} dB; rounding to a grid that holds 0, clipped or not, "
+        "never moves a weight further than 0 is from it, so it cannot fall below 0 dB). The quantized model "
+        "was built from another float model, such as one a rewrite changed (cross-layer equalization, "
+        "normalize_input, BN folding): compare it against that model. Here the numbers of this layer "
+        "and those after it measure the difference between the two float models, not quantization."
+    )
+    return Finding(
+        rule=LOW_SQNR[0],
+        name=LOW_SQNR[1],
+        severity=Severity.ERROR,
+        target=row.name,
+        message=message,
+        data={"kind": "other-weights", "weight_sqnr_db": row.weight_sqnr},
+    )
+
+
+def _db(value: float) -> str:
+    """An SQNR in prose; the cap (no error at all) in words."""
+    return "exact (no error)" if value >= SQNR_CAP_DB else f"{value:.1f} dB"
+
+
 def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_jump_db: float) -> list[Finding]:
     """Layers, in forward order, where propagated SQNR falls below threshold by a jump.
 
@@ -210,8 +246,8 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
     propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
     findings = []
     for position, row in enumerate(rows):
-        if row.sqnr_propagated is None or row.sqnr_propagated >= sqnr_threshold:
-            continue
+        if row.sqnr_propagated is None or row.sqnr_propagated >= sqnr_threshold or _other_weights(row):
+            continue  # a layer with other weights is QL301's other-weights finding
         inherited, upstream = inherited_sqnr(row, propagated)
         jump = inherited - row.sqnr_propagated
         if jump < onset_jump_db:
@@ -224,9 +260,7 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
         else:
             local_share = max(0.0, min(1.0, (noise_out - noise_in) / noise_out))
             local_text = "no shadow run was made, so the local part is estimated from the jump"
-        inherited_text = (
-            f"{inherited:.1f} dB at its inputs ({', '.join(upstream)})" if upstream else "exact model inputs"
-        )
+        inherited_text = f"{_db(inherited)} at its inputs ({', '.join(upstream)})" if upstream else "exact model inputs"
         if local_share >= 0.5:
             why = (
                 f"{local_text}, so about {local_share:.0%} of the error here is added by this layer itself; "
@@ -249,7 +283,9 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
             kind = "amplified"
         message = (
             f"Error starts at {row.name} ({row.kind}): propagated SQNR falls from {inherited_text} to "
-            f"{row.sqnr_propagated:.1f} dB here ({jump:.1f} dB jump, threshold {sqnr_threshold:.0f} dB). "
+            f"{row.sqnr_propagated:.1f} dB here, below the {sqnr_threshold:.0f} dB threshold"
+            + ("" if inherited >= SQNR_CAP_DB else f" (a {jump:.1f} dB drop)")
+            + ". "
             f"Why: {why}. Fix: {fix}."
         )
         findings.append(
