@@ -138,3 +138,18 @@ def test_a_data_function_whose_generator_raises_is_one_line(run_main, tmp_path):
     )
     _check_one_line_error(verify, "eval data", "disk went away")
     assert "internal error" not in lint.stderr + verify.stderr
+
+
+def test_flags_before_a_command_go_to_the_command(run_main, tmp_path):
+    """`qlint --debug plan check P` checks the plan (it linted 'plan' as a model file before), a
+    binary file as a plan is one line saying so, and `--debug` shows plan's traceback."""
+    from qlint.advice.plan import default_plan
+
+    (tmp_path / "plan.json").write_text(default_plan("x86").model_dump_json())
+    (tmp_path / "binary.json").write_bytes(b"PK\x03\x04\x8b\xff\x00garbage")
+    checked = run_main("--debug", "plan", "check", "plan.json", cwd=tmp_path)
+    assert checked.returncode == 0 and "valid qlint plan" in checked.stdout, checked.stderr
+    _check_one_line_error(run_main("plan", "check", "binary.json", cwd=tmp_path), "binary.json", "not a qlint plan")
+    verify = run_main("--trust-pickle", "verify", cwd=tmp_path)
+    _check_one_line_error(verify, "qlint verify")
+    assert "model file not found" not in verify.stderr

@@ -106,9 +106,11 @@ class QuantPlan(Suggestions):
     @classmethod
     def load(cls, path: str) -> QuantPlan:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as error:
             raise PlanFormatError(f"cannot read plan {path}: {error.strerror}") from error
+        except UnicodeDecodeError as error:
+            raise PlanFormatError(f"{path} is not a qlint plan: not UTF-8 text (a plan is JSON)") from error
         return cls.from_json(text)
 
     # --- exporting ------------------------------------------------------------------------

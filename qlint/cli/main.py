@@ -194,9 +194,17 @@ def _commands() -> dict[str, Callable[[list[str]], int]]:
     }
 
 
+# Flags without a value that users put before a command (`qlint --debug verify ...`): they
+# belong to the command, which gets them after its name.
+_LEADING_FLAGS = frozenset({"--debug", "-q", "--quiet", "--trust-pickle", "--trust-config"})
+
+
 def _dispatch(argv: list[str]) -> int:
-    if argv and argv[0] in COMMAND_SUMMARIES and not Path(argv[0]).is_file():
-        return _commands()[argv[0]](argv[1:])
+    leading = 0
+    while leading < len(argv) and argv[leading] in _LEADING_FLAGS:
+        leading += 1
+    if leading < len(argv) and argv[leading] in COMMAND_SUMMARIES and not Path(argv[leading]).is_file():
+        return _commands()[argv[leading]](argv[:leading] + argv[leading + 1 :])
     if argv and argv[0] in ("--version", "-V"):
         from qlint.version import __version__
 

@@ -38,6 +38,7 @@ def emit_plan_outputs(report: Report, plan_path: str | None, qconfig_path: str |
 
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="qlint plan", description="Inspect and export qlint quantization plans.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="action", required=True, parser_class=Parser)
     show = sub.add_parser("show", help="pretty-print a plan")
     show.add_argument("plan")
