@@ -153,3 +153,26 @@ def test_flags_before_a_command_go_to_the_command(run_main, tmp_path):
     verify = run_main("--trust-pickle", "verify", cwd=tmp_path)
     _check_one_line_error(verify, "qlint verify")
     assert "model file not found" not in verify.stderr
+
+
+def test_numbers_that_cannot_mean_anything_are_refused_by_the_flag(run_main, tmp_path):
+    """nan, inf and out-of-range values are refused by argparse in one line naming the flag,
+    not accepted ('target nan dB: NOT met') nor passed to pydantic's wording."""
+    cases = [
+        (["examples.badnet:build", "--min-impact", "nan"], "--min-impact", "finite"),
+        (
+            ["verify", "m:build", "--calibration", "c", "--eval-data", "e", "--target-sqnr", "inf"],
+            "--target-sqnr",
+            "finite",
+        ),
+        (
+            ["verify", "m:build", "--calibration", "c", "--eval-data", "e", "--max-float-fraction", "-0.5"],
+            "fraction",
+            "-0.5",
+        ),
+        (["compare", "a:f", "b:q", "--calibration", "c", "--sqnr-threshold", "nan"], "--sqnr-threshold", "finite"),
+        (["compare", "a:f", "b:q", "--calibration", "c", "--badcases", "-3"], "--badcases", "0 or more"),
+        (["compare", "a:f", "b:q", "--calibration", "c", "--backend", "foo"], "--backend", "foo"),
+    ]
+    for args, *needles in cases:
+        _check_one_line_error(run_main(*args, cwd=tmp_path), *needles)

@@ -18,12 +18,15 @@ from rich.table import Table
 from rich.text import Text
 
 from qlint.cli.common import (
+    finite_float,
+    non_negative_int,
     positive_int,
     refuse_overwriting_inputs,
     terminal_width,
     user_output_to_stderr,
     write_stdout,
 )
+from qlint.core.backends import BACKENDS
 from qlint.core.batches import batches_of
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
@@ -72,7 +75,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument(
         "--badcases",
         metavar="N",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="find the N worst inputs per metric, save them and compare on them alone",
     )
@@ -80,13 +83,13 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: propagated,shadow")
     parser.add_argument(
         "--sqnr-threshold",
-        type=float,
+        type=finite_float,
         default=DEFAULT_SQNR_THRESHOLD_DB,
         help="QL301 threshold for a layer's local activation SQNR, dB",
     )
     parser.add_argument(
         "--weight-sqnr-threshold",
-        type=float,
+        type=finite_float,
         default=DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
         help="QL301 threshold for weight SQNR, dB",
     )
@@ -95,7 +98,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         action="store_true",
         help="rank layers by sensitivity (re-quantizes FLOAT with FX PTQ for --backend)",
     )
-    parser.add_argument("--backend", default="x86", help="quantization backend for --sensitivity")
+    parser.add_argument("--backend", default="x86", choices=BACKENDS, help="quantization backend for --sensitivity")
     parser.add_argument("--max-batches", type=positive_int, default=None, help="use at most this many batches")
     parser.add_argument(
         "--trust-pickle", action="store_true", help="trust the model files (.pt or .pt2): allows code from them to run"

@@ -23,6 +23,7 @@ from qlint.cli.common import (
     EXIT_FINDINGS,
     Parser,
     ParserExit,
+    finite_float,
     positive_int,
     terminal_width,
     write_stdout,
@@ -107,7 +108,7 @@ def build_lint_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--min-impact",
-        type=float,
+        type=finite_float,
         metavar="DB",
         help="a warning whose measured impact is below DB (output SQNR) becomes info (default 0.5)",
     )

@@ -22,7 +22,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from qlint.cli.common import Parser, refuse_overwriting_inputs, terminal_width, user_output_to_stderr, write_stdout
+from qlint.cli.common import (
+    Parser,
+    finite_float,
+    fraction,
+    refuse_overwriting_inputs,
+    terminal_width,
+    user_output_to_stderr,
+    write_stdout,
+)
 from qlint.core.backends import BACKENDS
 from qlint.errors import ConfigError, QlintError
 from qlint.render.literal import printable
@@ -137,10 +145,10 @@ def _verify_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_PRUNE_TRIALS} for bias correction and pruning, up to --max-scheme-trials for the scheme "
         "search, the rest for the --target-sqnr fallback; each costs about one prepare + calibrate + convert",
     )
-    parser.add_argument("--target-sqnr", type=float, metavar="DB")
+    parser.add_argument("--target-sqnr", type=finite_float, metavar="DB")
     parser.add_argument(
         "--max-float-fraction",
-        type=float,
+        type=fraction,
         default=0.1,
         metavar="F",
         help="at most this fraction of conv+linear layers kept float (default 0.1)",
