@@ -477,3 +477,19 @@ def test_cli_show_qconfig_check_and_emit(tmp_path, capsys):
         plan_command(["show", str(bad)])
     with pytest.raises(ConfigError):
         plan_command(["frobnicate"])
+
+
+@pytest.mark.parametrize("name", ["nope.layer", "0.weight_typo"])
+def test_a_plan_naming_a_module_the_model_lacks_is_refused_not_silently_ignored(name):
+    """torch's QConfigMapping ignores a name it never meets: a plan made for another model would
+    quantize as if it were empty. quantize names what is missing; a prefix of real modules is fine."""
+    from qlint.advice.apply import QuantizeError
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    data = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    dynamic = ModuleDecision(fqn=name, mode="dynamic", provenance=[Provenance(source="user")])
+    with pytest.raises(QuantizeError, match=f"does not have: {name} "):
+        default_plan("x86").model_copy(update={"modules": [dynamic]}).quantize(model, data)
+    fine = ModuleDecision(fqn="2", quantize=False, provenance=[Provenance(source="user")])
+    quantized = default_plan("x86").model_copy(update={"modules": [fine]}).quantize(model, data)
+    assert isinstance(quantized.get_submodule("2"), nn.Linear)  # kept float, as the plan says

@@ -59,6 +59,9 @@ class PlanToApply(Protocol):
     def equalization(self) -> Sequence[Any]: ...
 
     @property
+    def modules(self) -> Sequence[Any]: ...
+
+    @property
     def bias_correction(self) -> Any: ...
 
     def to_qconfig_mapping(self) -> QConfigMapping: ...
@@ -96,10 +99,32 @@ def rewritten(
         )
     example = as_call(calibration[0], what="calibration batch 0")[0]
     gm, applied = apply_requested_rewrites(model, plan, example)
+    refuse_unknown_modules(gm, plan)
     if plan.equalization:
         gm, equalized = apply_equalization(gm, [pair.module for pair in plan.equalization], calibration)
         applied = applied + equalized
     return gm, applied
+
+
+def refuse_unknown_modules(gm: fx.GraphModule, plan: PlanToApply) -> None:
+    """QuantizeError when the plan's decisions or equalization pairs name a module that is not in
+    ``gm`` (the model after the plan's rewrites, which may add modules) nor a prefix of one of its
+    modules: torch ignores a qconfig for a name it never meets, so that part of the plan would
+    silently do nothing."""
+    names = {name for name, _ in gm.named_modules() if name}
+    wanted = [decision.fqn for decision in plan.modules]
+    wanted += [name for pair in plan.equalization for name in (pair.module, pair.previous) if name]
+    unknown = [
+        fqn
+        for fqn in dict.fromkeys(wanted)
+        if fqn not in names and not any(name.startswith(fqn + ".") for name in names)
+    ]
+    if unknown:
+        raise QuantizeError(
+            f"the plan names {len(unknown)} module(s) this model does not have: {', '.join(unknown[:4])}"
+            + (", ..." if len(unknown) > 4 else "")
+            + " (a plan made for another model?)"
+        )
 
 
 def quantize_with_plan(
@@ -133,6 +158,7 @@ def quantize_rewritten(
     consumed: pass a copy to keep it) prepared with the plan's mapping, calibrated, converted.
     ``calibrated``: what earlier quantizations of this same float graph calibrated on these
     batches (see :func:`qlint.measure.trial.quantize_fx`)."""
+    refuse_unknown_modules(gm, plan)
     mapping = fanout_follows_original(plan.to_qconfig_mapping(), gm)
     try:
         converted, prepared = quantize_fx(
