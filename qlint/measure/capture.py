@@ -91,6 +91,8 @@ class _NodeTap(torch.fx.Interpreter):
         return self.run(*args)
 
 
+FLOAT_RUN, QUANT_RUN = "float", "quantized"
+
 Callback = Callable[[LayerMatch, torch.Tensor, torch.Tensor, float | None], None]
 
 
@@ -147,6 +149,11 @@ class PairedRunner:
         # module): the capture hooks ignore them.
         self.replaying = False
         self.simulating = False
+        # Which model is running (FLOAT_RUN / QUANT_RUN, None between batches).  prepare_fx
+        # without a deepcopy shares every module it does not swap (pooling, activations, and
+        # in prepared models the layers too) between the float model and its counterpart, so
+        # one module carries the hooks of both sides; each hook acts only in its own model's run.
+        self.phase: str | None = None
         self.float_modules = dict(float_model.named_modules(remove_duplicate=False))
         self.quant_modules = dict(quantized_model.named_modules(remove_duplicate=False))
         self.frozen: dict[str, FrozenQuantizer] = {}
@@ -237,7 +244,7 @@ class PairedRunner:
             if in_graph:
                 self.quant_overrides[name] = lambda args, kwargs, f=frozen: f(args[0])
             else:
-                self._hook(self.quant_modules[name], lambda module, args, output, f=frozen: f(args[0]))
+                self._hook(self.quant_modules[name], self._frozen_hook(frozen))
         for layer in self.match.layers:
             if layer.quant_site.kind != MODULE_SITE:
                 continue
@@ -254,6 +261,12 @@ class PairedRunner:
             else:
                 self._hook(module, self._weight_simulation_hook(parameters))
 
+    def _frozen_hook(self, frozen: FrozenQuantizer) -> Callable:
+        def hook(module, args, output):
+            return None if self.phase == FLOAT_RUN else frozen(args[0])
+
+        return hook
+
     def _call_quant_module(self, fqn: str, args: tuple, kwargs: dict) -> Any:
         override = self.quant_overrides.get(fqn)
         if override is not None:
@@ -262,8 +275,10 @@ class PairedRunner:
 
     def _weight_simulation_hook(self, parameters: dict[str, torch.Tensor]) -> Callable:
         def hook(module, args, output):
-            if self.simulating:
-                return None  # the functional_call below re-enters this hook
+            if self.simulating or self.phase == FLOAT_RUN:
+                # the functional_call below re-enters this hook; a module shared with the
+                # float model keeps its float weights in the float run
+                return None
             self.simulating = True
             try:
                 return functional_call(module, parameters, args)
@@ -274,7 +289,7 @@ class PairedRunner:
 
     def _install_float(self, layer: LayerMatch, node_callbacks: dict) -> None:
         def keep_output(value):
-            return None if self.in_own_call else self._keep_float_output(layer, value)
+            return self._keep_float_output(layer, value) if self.capturing(FLOAT_RUN) else None
 
         if layer.float_exit.kind == NODE_SITE:
             node_callbacks[layer.float_exit.name] = keep_output
@@ -283,7 +298,7 @@ class PairedRunner:
         if self.isolated and layer.is_module:
 
             def keep_input(module, args, kwargs):
-                if not self.in_own_call:
+                if self.capturing(FLOAT_RUN):
                     self.float_inputs[layer.name].append(
                         (map_tensors(args, _float_copy), map_tensors(kwargs, _float_copy))
                     )
@@ -303,7 +318,7 @@ class PairedRunner:
 
     def _install_quant(self, layer: LayerMatch, node_callbacks: dict) -> None:
         def compare_output(value):
-            if self.in_own_call:
+            if not self.capturing(QUANT_RUN):
                 return
             index = self.quant_calls[layer.name]
             self.quant_calls[layer.name] += 1
@@ -338,7 +353,7 @@ class PairedRunner:
         if layer.quant_site.kind == MODULE_SITE and (self.shadow or self.isolated):
 
             def keep_input(module, args, kwargs):
-                if self.in_own_call:
+                if not self.capturing(QUANT_RUN):
                     return
                 if self.shadow:  # dequantized or copied now: an in-place layer may change its input
                     self.quant_inputs[layer.name] = (map_tensors(args, _float_copy), map_tensors(kwargs, _float_copy))
@@ -350,6 +365,10 @@ class PairedRunner:
     @property
     def in_own_call(self) -> bool:
         return self.replaying or self.simulating
+
+    def capturing(self, phase: str) -> bool:
+        """Whether a capture hook of ``phase``'s model should act on the call now running."""
+        return self.phase == phase and not self.in_own_call
 
     @staticmethod
     def float_value(layer: LayerMatch, raw: Any) -> torch.Tensor | None:
@@ -374,14 +393,19 @@ class PairedRunner:
         # its input in place must not change what the quantized model sees, nor the caller's data.
         args, kwargs = as_call(batch)
         context = torch.enable_grad() if self.float_grad else torch.no_grad()
-        with context, _blamed_on("the float model"):
-            float_output = self.float_runner(*args, **kwargs)
-        args, kwargs = as_call(batch)
-        with torch.no_grad():
-            with _blamed_on("the quantized model"):
-                quant_output = self.quant_runner(*args, **kwargs)
-            if self.isolated:
-                self._run_isolated()
+        try:
+            self.phase = FLOAT_RUN
+            with context, _blamed_on("the float model"):
+                float_output = self.float_runner(*args, **kwargs)
+            self.phase = QUANT_RUN
+            args, kwargs = as_call(batch)
+            with torch.no_grad():
+                with _blamed_on("the quantized model"):
+                    quant_output = self.quant_runner(*args, **kwargs)
+                if self.isolated:
+                    self._run_isolated()
+        finally:
+            self.phase = None
         return float_output, quant_output
 
     def _run_shadow(self, layer: LayerMatch, quantized: torch.Tensor, scale: float | None) -> None:

@@ -13,8 +13,9 @@ from qlint.core.sqnr import SQNR_CAP_DB
 EXACT = "exact"
 NO_SIGNAL = "no signal"
 EXACT_NOTE = (
-    f"{EXACT}: no error, identical to the float model (infinite SQNR, stored as the {SQNR_CAP_DB:g} dB "
-    "cap): a layer or weights kept in float, or an op that passes quantized values through unchanged"
+    f"{EXACT}: no error (infinite SQNR, stored as the {SQNR_CAP_DB:g} dB cap): weights or a layer kept in "
+    "float; as shadow, also an op that passes quantized values through unchanged (max pooling, ReLU), "
+    "which adds no error of its own while its propagated value still carries its input's"
 )
 NO_SIGNAL_NOTE = f"{NO_SIGNAL}: the float value is all zeros, so there is no signal to compare the error with"
 
