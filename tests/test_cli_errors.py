@@ -176,3 +176,41 @@ def test_numbers_that_cannot_mean_anything_are_refused_by_the_flag(run_main, tmp
     ]
     for args, *needles in cases:
         _check_one_line_error(run_main(*args, cwd=tmp_path), *needles)
+
+
+def test_a_data_function_returning_none_and_two_calibration_sources_are_usage_errors(run_main, tmp_path):
+    """A forgotten `return` in a data function was read as 'no calibration data' (exit 0 with the
+    data rules skipped); two sources of calibration data were resolved silently."""
+    (tmp_path / "forgot.py").write_text(
+        "import torch, torch.nn as nn\n\n"
+        "def build():\n    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()\n\n"
+        "def batches():\n    [torch.randn(2, 4) for _ in range(2)]\n"
+    )
+    torch.save([torch.randn(2, 4)], tmp_path / "calib.pt")
+    base = ("forgot:build", "--input-shape", "2,4", "--no-trial")
+    _check_one_line_error(run_main(*base, "--calibration", "forgot:batches", cwd=tmp_path), "returned None")
+    both = run_main(*base, "--calibration", "calib.pt", "--random-calibration", "2", cwd=tmp_path)
+    _check_one_line_error(both, "--random-calibration", "--calibration", "pass one")
+
+
+def test_verify_shows_no_counts_for_a_plan_that_failed(run_main, tmp_path):
+    """A plan that failed built no model: its column says '-', not '0/0 (0%)' and '0.0 KiB'."""
+    from qlint.advice.plan import ModuleDecision, Provenance, default_plan
+
+    (tmp_path / "tiny_model.py").write_text(
+        "import torch.nn as nn\n\ndef build():\n    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()\n"
+    )
+    torch.save([torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)], tmp_path / "d.pt")
+    elsewhere = ModuleDecision(fqn="no.such.layer", mode="dynamic", provenance=[Provenance(source="user")])
+    (tmp_path / "plan.json").write_text(
+        default_plan("x86").model_copy(update={"modules": [elsewhere]}).model_dump_json()
+    )
+    result = run_main(
+        "verify", "tiny_model:build", "--input-shape", "2,4", "--calibration", "d.pt", "--eval-data", "d.pt",
+        "--plan", "plan.json", "--max-trials", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr
+    assert "does not have: no.such.layer" in result.stdout + result.stderr
+    row = next(line for line in result.stdout.splitlines() if "conv+linear int8" in line)
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    assert cells[2] == "-" and "0/0" not in row, row

@@ -128,7 +128,9 @@ def _example_inputs(options: ModelOptions, from_file: Any) -> Any:
 
 
 def _calibration(args: argparse.Namespace, options: ModelOptions, example: Any):
-    if options.calibration is not None:
+    if args.random_calibration and args.calibration:
+        raise ConfigError("--random-calibration and --calibration both give calibration data: pass one")
+    if options.calibration is not None and not args.random_calibration:  # the flag beats [tool.qlint]
         return load_batches(options.calibration), []
     if not args.random_calibration:
         return None, []

@@ -193,8 +193,12 @@ def render_verify(report: Any, width: int | None = 120) -> str:
         table.add_column(column, justify="right" if column else "left")
     rows = [
         ("output SQNR", lambda r: "FAILED" if r.failure else _fmt(r.sqnr_db)),
-        ("conv+linear int8", lambda r: f"{r.int8_layers}/{r.total_layers} ({r.int8_fraction:.0%})"),
-        ("size", lambda r: f"{r.size_bytes / 1024:.1f} KiB"),
+        # a failed run built no model: nothing to count
+        (
+            "conv+linear int8",
+            lambda r: "-" if r.failure else f"{r.int8_layers}/{r.total_layers} ({r.int8_fraction:.0%})",
+        ),
+        ("size", lambda r: "-" if r.failure else f"{r.size_bytes / 1024:.1f} KiB"),
     ]
     if report.default.metric is not None:
         rows.append(("metric", lambda r: "-" if r.metric is None else f"{r.metric:.4g}"))

@@ -67,9 +67,12 @@ def load_batches(spec: str) -> Any:
             if not callable(target):
                 return target
             try:
-                return target()
+                data = target()
             except Exception as error:  # the user's function may raise anything
                 raise LoadError(f"data function {spec} raised {type(error).__name__}: {error}") from error
+            if data is None:  # a forgotten return: not "no calibration data"
+                raise LoadError(f"data function {spec} returned None; return the batches (a list, or an iterable)")
+            return data
     if os.path.isdir(spec):
         for file in sorted(Path(spec).iterdir()):
             if file.is_file() and not file.name.startswith("."):
