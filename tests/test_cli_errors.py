@@ -214,3 +214,13 @@ def test_verify_shows_no_counts_for_a_plan_that_failed(run_main, tmp_path):
     row = next(line for line in result.stdout.splitlines() if "conv+linear int8" in line)
     cells = [cell.strip() for cell in row.strip("│ ").split("│")]
     assert cells[2] == "-" and "0/0" not in row, row
+
+
+def test_more_example_inputs_than_the_model_takes_is_a_usage_error(run_main, tmp_path):
+    """Two --input-shape for a one-input model: exit 2 naming the inputs, not a QL105 'error'
+    finding (exit 1) about the float model failing."""
+    (tmp_path / "one_input.py").write_text(
+        "import torch.nn as nn\n\ndef build():\n    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()\n"
+    )
+    result = run_main("one_input:build", "--input-shape", "2,4", "--input-shape", "2,4", cwd=tmp_path)
+    _check_one_line_error(result, "do not fit the model", "takes 1 input(s)", "got 2")

@@ -154,6 +154,13 @@ def propagate_shapes(traced: Traced, example_inputs: Sequence[Any] | None) -> st
     if traced.exported or not example_inputs:
         return None if traced.exported else "no example inputs: shapes are unknown"
     module = traced.graph_module
+    placeholders = [str(node.target) for node in module.graph.nodes if node.op == "placeholder"]
+    if len(example_inputs) > len(placeholders) and not any(name.startswith("*") for name in placeholders):
+        # fx.Interpreter ignores inputs beyond the graph's; the model itself would raise
+        raise TraceError(
+            f"the example inputs do not fit the model: it takes {len(placeholders)} input(s) "
+            f"({', '.join(placeholders)}), got {len(example_inputs)}"
+        )
     # A forward pass updates BN running stats and observer/fake-quant buffers; calibration
     # and the rules must see them as the user left them.
     with preserved_state(module):
