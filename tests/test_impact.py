@@ -257,3 +257,23 @@ def test_fixes_measured_useless_leave_the_plan_and_a_diagnosis_without_a_fix_sug
     assert equalize.impact.basis == "keep-float-trial" and equalize.severity.value == "info"
     plan = report.suggestions()
     assert plan.modules == [] and plan.equalization == []
+
+
+@pytest.mark.parametrize(
+    "base, fixed, expected",
+    [
+        (5.891, 5.891, "leaves the int8 model's output exactly as it was"),
+        (5.891, 3.591, "-2.30 dB (fix-trial): the fix makes the output worse"),
+        (5.891, 6.091, "+0.20 dB (fix-trial) is below the 0.5 dB threshold"),
+        (5.891, 9.891, None),
+    ],
+)
+def test_a_demoted_warning_says_why_in_what_the_fix_did(base, fixed, expected):
+    """QA read 'Fix: ...; measured +0.00 dB, below the threshold' on a fix that changed nothing
+    (an observer on a module that stays float) and 'below the threshold' on fixes that hurt."""
+    from qlint.linter.findings import Impact
+    from qlint.linter.impact import demotion_note
+
+    impact = Impact(db=fixed - base, basis="fix-trial", base_sqnr_db=base, fixed_sqnr_db=fixed)
+    note = demotion_note(impact, 0.5)
+    assert (note is None) if expected is None else (expected in note and note.endswith("this is info.")), note

@@ -384,6 +384,29 @@ def _order_key(meter: ImpactMeter, finding: Finding) -> tuple[int, float]:
     return (-finding.severity.rank, -(estimate.db if estimate else 0.0))
 
 
+def demotion_note(impact: Impact, threshold: float) -> str | None:
+    """What a warning's message gains when its measured impact makes it info; None when it stays."""
+    if impact.fixed_sqnr_db is not None and impact.fixed_sqnr_db == impact.base_sqnr_db:
+        # e.g. an observer set on a module that stays float: the int8 model is the same
+        return (
+            f" Measured ({impact.basis}): the fix leaves the int8 model's output exactly as it was, "
+            "so it does not apply here; this is info."
+        )
+    if impact.db < 0:
+        return (
+            f" Measured impact {impact.db:+.2f} dB ({impact.basis}): the fix makes the output worse, so this is info."
+        )
+    if impact.db < threshold:
+        return f" Measured impact {impact.db:+.2f} dB ({impact.basis}) is below the {threshold:g} dB threshold, so this is info."
+    if impact.rests_on_one_batch(threshold):
+        return (
+            f" Measured impact {impact.db:+.2f} dB ({impact.basis}) rests on one evaluation batch: "
+            f"without it the fix gains {impact.steady_db:+.2f} dB, below the {threshold:g} dB threshold, "
+            "so this is info."
+        )
+    return None
+
+
 def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[Finding], float | None]:
     """Findings with their impact measured, below-threshold ones made info, sorted by impact;
     and the output SQNR with every kept warning's fix (None when no trial can apply any of them)."""
@@ -414,18 +437,7 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
         finding = measured[index]
         impact = finding.impact
         if finding.severity is not Severity.INFO and impact is not None and impact.kind == "sqnr-gain":
-            note = None
-            if impact.db < threshold:
-                note = (
-                    f" Measured impact {impact.db:+.2f} dB ({impact.basis}) is below the "
-                    f"{threshold:g} dB threshold, so this is info."
-                )
-            elif impact.rests_on_one_batch(threshold):
-                note = (
-                    f" Measured impact {impact.db:+.2f} dB ({impact.basis}) rests on one evaluation batch: "
-                    f"without it the fix gains {impact.steady_db:+.2f} dB, below the {threshold:g} dB threshold, "
-                    "so this is info."
-                )
+            note = demotion_note(impact, threshold)
             if note is not None:
                 finding = finding.model_copy(update={"severity": Severity.INFO, "message": finding.message + note})
         elif impact is not None and impact.kind == "diagnosis" and impact.db < threshold and finding.suggestion:
