@@ -224,3 +224,22 @@ def test_more_example_inputs_than_the_model_takes_is_a_usage_error(run_main, tmp
     )
     result = run_main("one_input:build", "--input-shape", "2,4", "--input-shape", "2,4", cwd=tmp_path)
     _check_one_line_error(result, "do not fit the model", "takes 1 input(s)", "got 2")
+
+
+def test_selecting_a_compare_diagnostic_in_lint_says_where_it_lives(run_main, tmp_path):
+    """`qlint rule QL301` documents QL301; `--select QL301` said 'unknown rule selector'."""
+    (tmp_path / "m.py").write_text("import torch.nn as nn\n\ndef build():\n    return nn.Linear(4, 2)\n")
+    result = run_main("m:build", "--input-shape", "1,4", "--select", "QL301", cwd=tmp_path)
+    _check_one_line_error(result, "QL301", "qlint compare", "not a lint rule")
+
+
+def test_badcases_go_into_a_folder_that_compare_creates(run_main, repo_root, tmp_path):
+    """As for --html, the folder of --badcases-path is created (it was an internal error)."""
+    target = tmp_path / "new" / "folder" / "bc.pt"
+    result = run_main(
+        "compare", "examples.compare_demo:float_model", "examples.compare_demo:quantized_model",
+        "--calibration", "examples.compare_demo:batches", "--badcases", "1", "--badcases-path", target,
+        cwd=repo_root,
+    )  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr
+    assert target.is_file() and target.with_suffix(".report.json").is_file()

@@ -223,12 +223,16 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
     badcase_report = None
     if args.badcases > 0:
         badcases = find_badcases(float_model, quantized_model, data, top=args.badcases, max_batches=args.max_batches)
-        saved = badcases.save(args.badcases_path)
         badcase_report = compare_badcases(
             float_model, quantized_model, badcases, modes=modes, sqnr_threshold=args.sqnr_threshold
         )
-        # JSON stdout carries one Report; the bad-case comparison goes next to the samples.
-        saved.with_suffix(".report.json").write_text(badcase_report.model_dump_json(indent=2))
+        try:  # the folder is created, as for --html
+            Path(args.badcases_path).parent.mkdir(parents=True, exist_ok=True)
+            saved = badcases.save(args.badcases_path)
+            # JSON stdout carries one Report; the bad-case comparison goes next to the samples.
+            saved.with_suffix(".report.json").write_text(badcase_report.model_dump_json(indent=2))
+        except (OSError, RuntimeError) as error:  # torch.save raises RuntimeError for a bad path
+            raise QlintError(f"cannot write --badcases-path {args.badcases_path}: {error}") from error
         worst = badcases.worst("cosine")
         report = report.model_copy(
             update={

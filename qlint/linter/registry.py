@@ -102,6 +102,10 @@ def plugin_rule_classes() -> list[type[Rule]]:
     return classes
 
 
+# qlint compare's diagnostics (qlint.numeric.diagnose): rule codes users may try to select in lint.
+COMPARE_DIAGNOSTICS = {"QL301": "low-sqnr-layer", "QL302": "error-onset"}
+
+
 class Registry:
     def __init__(self, classes: Iterable[type[Rule]]) -> None:
         self._by_code: dict[str, type[Rule]] = {}
@@ -150,6 +154,11 @@ class Registry:
                 or c.name == selector.lower()
                 or c.code.upper().startswith(selector.upper())
             ]
+            if not hits and selector.upper() in COMPARE_DIAGNOSTICS:
+                raise ConfigError(
+                    f"{selector.upper()} is a diagnostic of 'qlint compare' (it needs a quantized model to "
+                    "compare with), not a lint rule: run 'qlint compare FLOAT QUANT --calibration DATA'"
+                )
             if not hits:
                 raise ConfigError(f"unknown rule selector {raw!r}; run 'qlint rules' to list them")
             for c in hits:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from qlint.core.sqnr import SQNR_CAP_DB, noise_power_ratio, sqnr_db_from_powers
 from qlint.linter.findings import CompareRow, Finding, Severity
 from qlint.linter.fixes import KeepFloat
+from qlint.linter.registry import COMPARE_DIAGNOSTICS
 from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
 
 # Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
@@ -34,8 +35,8 @@ _MIN_LOCAL_SHARE = 0.1
 # made from. Below (with a margin for float sums), they were made from other weights.
 _NOT_A_QUANTIZATION_DB = -0.5
 
-LOW_SQNR = ("QL301", "low-sqnr-layer")
-ERROR_ONSET = ("QL302", "error-onset")
+LOW_SQNR = ("QL301", COMPARE_DIAGNOSTICS["QL301"])
+ERROR_ONSET = ("QL302", COMPARE_DIAGNOSTICS["QL302"])
 
 # `qlint rule QL301` / `QL302`: these are `qlint compare` diagnostics, not lint rules (they need
 # a quantized model to compare with), so they are documented here rather than in the registry.
