@@ -493,3 +493,16 @@ def test_a_plan_naming_a_module_the_model_lacks_is_refused_not_silently_ignored(
     fine = ModuleDecision(fqn="2", quantize=False, provenance=[Provenance(source="user")])
     quantized = default_plan("x86").model_copy(update={"modules": [fine]}).quantize(model, data)
     assert isinstance(quantized.get_submodule("2"), nn.Linear)  # kept float, as the plan says
+
+
+@pytest.mark.parametrize(
+    "weight, message",
+    [({"quant_min": 5, "quant_max": 1}, "quant_min must be below quant_max"), ({"ch_axis": 7}, "ch_axis")],
+)
+def test_plan_check_refuses_weight_settings_quantize_would_reject(weight, message):
+    """'qlint plan check' passed these, and quantize then failed in convert_fx (IndexError)."""
+    text = default_plan("x86").model_dump_json()
+    data = json.loads(text)
+    data["weight"].update(weight)
+    with pytest.raises(PlanFormatError, match=message):
+        QuantPlan.from_json(json.dumps(data))

@@ -137,7 +137,8 @@ class WeightSpec(_Frozen):
     per_channel: bool = True
     dtype: WeightDType = "qint8"
     symmetric: bool = True
-    ch_axis: int = 0
+    # 0: the output channels of a conv or linear weight; 1: those of a transposed conv's
+    ch_axis: int = Field(0, ge=0, le=1)
     observer: Literal["minmax", "moving_average"] = "minmax"
     quant_min: int | None = None
     quant_max: int | None = None
@@ -146,6 +147,8 @@ class WeightSpec(_Frozen):
     def _range(self) -> WeightSpec:
         if (self.quant_min is None) != (self.quant_max is None):
             raise ValueError("give both quant_min and quant_max, or neither")
+        if self.quant_min is not None and self.quant_min >= self.quant_max:  # type: ignore[operator]
+            raise ValueError("quant_min must be below quant_max")
         return self
 
     def describe(self) -> str:
