@@ -293,3 +293,16 @@ def test_random_batches_are_made_when_used():
     assert first is not again and torch.equal(first[0], again[0])  # made on access, reproducibly
     assert not torch.equal(batches[0][0], batches[1][0])
     assert [list(b[0].shape) for b in batches] == [[2, 3, 16, 16]] * 4
+
+
+def test_an_output_into_a_missing_folder_is_refused_before_any_work(run_main, tmp_path):
+    """verify ran every trial before finding it could not write -o; lint linted first. The folder
+    must exist (--html and --badcases-path create theirs)."""
+    (tmp_path / "m.py").write_text("import torch.nn as nn\n\ndef build():\n    return nn.Linear(4, 2)\n")
+    line = _one_line(run_main("m:build", "--input-shape", "1,4", "-o", "missing/report.txt"))
+    assert _mentions(line, "--output", "missing", "does not exist"), line
+    started = run_main(
+        "verify", "m:build", "--input-shape", "1,4", "--calibration", "nope.pt", "--eval-data", "nope.pt",
+        "-o", "missing/report.txt",
+    )  # fmt: skip
+    assert _mentions(_one_line(started), "missing", "does not exist")  # before it looks for the data

@@ -162,14 +162,22 @@ def _files_of(spec: str) -> list[Path]:
     ]
 
 
-def refuse_overwriting_inputs(outputs: Iterable[tuple[str, str | None]], inputs: Iterable[str | None]) -> None:
-    """ConfigError when an output flag names a file this run reads (the model, its weights, the
-    source of a model or data function...) or a file another output flag also writes."""
+# Outputs whose folder the command creates (a report folder such as out/); the others must exist.
+_FOLDER_CREATED = frozenset({"--html", "--badcases-path"})
+
+
+def check_outputs(outputs: Iterable[tuple[str, str | None]], inputs: Iterable[str | None]) -> None:
+    """Before any work: ConfigError when an output flag names a file this run reads (the model,
+    its weights, the source of a model or data function...), a file another output flag also
+    writes, or a folder that does not exist."""
     input_paths = [(spec, path) for spec in inputs if spec for path in _files_of(spec)]
     written: list[tuple[str, str]] = []
     for flag, output in outputs:
         if not output:
             continue
+        folder = Path(output).parent
+        if flag not in _FOLDER_CREATED and not folder.is_dir():
+            raise ConfigError(f"{flag} {output}: folder {folder} does not exist")
         for source, path in input_paths:
             if _same_file(Path(output), path):
                 shown = source if str(path) == source else f"{source}, read from {path}"

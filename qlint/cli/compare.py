@@ -18,10 +18,10 @@ from rich.table import Table
 from rich.text import Text
 
 from qlint.cli.common import (
+    check_outputs,
     finite_float,
     non_negative_int,
     positive_int,
-    refuse_overwriting_inputs,
     terminal_width,
     user_output_to_stderr,
     write_stdout,
@@ -153,7 +153,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.html and Path(args.html).is_dir():
         raise ConfigError(f"--html {args.html} is a directory; name the HTML file to write")
     outputs = [("--html", args.html), ("--badcases-path", args.badcases_path if args.badcases else None)]
-    refuse_overwriting_inputs(outputs, [args.float_model, args.quantized_model, args.calibration])
+    check_outputs(outputs, [args.float_model, args.quantized_model, args.calibration])
 
 
 def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:

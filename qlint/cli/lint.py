@@ -11,7 +11,7 @@ from qlint.cli.common import (
     EXIT_CLEAN,
     EXIT_ERROR,
     EXIT_FINDINGS,
-    refuse_overwriting_inputs,
+    check_outputs,
     terminal_width,
     user_output_to_stderr,
     write_stdout,
@@ -54,13 +54,11 @@ def run_lint(args: argparse.Namespace) -> int:
 def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
     if options.output_format not in ("text", "json", "sarif", "github"):
         raise ConfigError(f"unknown format {options.output_format!r}")
-    refuse_overwriting_inputs(
+    check_outputs(
         [("--output", args.output), ("--emit-plan", args.emit_plan), ("--emit-qconfig", args.emit_qconfig)],
         options.input_files() + [options.baseline],
     )
-    refuse_overwriting_inputs(
-        [("--write-baseline", options.baseline if args.write_baseline else None)], options.input_files()
-    )
+    check_outputs([("--write-baseline", options.baseline if args.write_baseline else None)], options.input_files())
     if args.write_baseline and not options.baseline:
         raise ConfigError("--write-baseline needs --baseline FILE")
     from qlint.linter.engine import lint

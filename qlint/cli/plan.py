@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from qlint.advice.plan import QuantPlan, plan_from_report
-from qlint.cli.common import Parser, refuse_overwriting_inputs, write_stdout
+from qlint.cli.common import Parser, check_outputs, write_stdout
 from qlint.errors import QlintError
 from qlint.linter.findings import Report
 from qlint.render.literal import printable
@@ -59,7 +59,7 @@ def plan_command(argv: list[str]) -> int:
     elif args.action == "qconfig":
         text = plan.to_python()
         if args.output:
-            refuse_overwriting_inputs([("--output", args.output)], [args.plan])
+            check_outputs([("--output", args.output)], [args.plan])
             _write(args.output, text)
         else:
             write_stdout(text)

@@ -24,9 +24,9 @@ from typing import Any
 
 from qlint.cli.common import (
     Parser,
+    check_outputs,
     finite_float,
     fraction,
-    refuse_overwriting_inputs,
     terminal_width,
     user_output_to_stderr,
     write_stdout,
@@ -253,7 +253,7 @@ def verify_command(argv: list[str]) -> int:
     for flag, value in (("--max-scheme-trials", args.max_scheme_trials), ("--max-trials", args.max_trials)):
         if value < 0:
             raise ConfigError(f"{flag} must be >= 0, got {value}")
-    refuse_overwriting_inputs(
+    check_outputs(
         [("--output", args.output), ("--emit-plan", args.emit_plan)],
         [
             args.model,
@@ -320,7 +320,7 @@ def fix_command(argv: list[str]) -> int:
     out = Path(args.output)
     if out.suffix not in (".pt2", ".pt"):
         raise ConfigError(f"--output must end in .pt2 (torch.export) or .pt (GraphModule state), got {out.name}")
-    refuse_overwriting_inputs(
+    check_outputs(
         [("--output", args.output), ("--emit-qconfig", args.emit_qconfig)],
         [args.model, args.weights, args.plan, args.example_inputs],
     )
@@ -442,7 +442,7 @@ def quantize_command(argv: list[str]) -> int:
     out = Path(args.output)
     if out.suffix != ".pt":
         raise ConfigError(f"--output must end in .pt (the int8 model as TorchScript), got {out.name}")
-    refuse_overwriting_inputs(
+    check_outputs(
         [("--output", args.output)],
         [args.model, args.weights, args.plan, args.example_inputs, args.calibration, args.eval_data],
     )
