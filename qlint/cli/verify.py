@@ -27,6 +27,7 @@ from qlint.cli.common import (
     check_outputs,
     finite_float,
     fraction,
+    non_negative_int,
     terminal_width,
     user_output_to_stderr,
     write_stdout,
@@ -138,7 +139,7 @@ def _verify_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-trials",
-        type=int,
+        type=non_negative_int,
         default=DEFAULT_MAX_TRIALS,
         metavar="N",
         help=f"at most N trial quantizations in all (default {DEFAULT_MAX_TRIALS}): up to "
@@ -164,7 +165,7 @@ def _verify_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-scheme-trials",
-        type=int,
+        type=non_negative_int,
         default=DEFAULT_SCHEME_TRIALS,
         metavar="N",
         help=f"at most N trial quantizations in the scheme search (default {DEFAULT_SCHEME_TRIALS})",
@@ -250,9 +251,6 @@ def render_verify(report: Any, width: int | None = 120) -> str:
 
 def verify_command(argv: list[str]) -> int:
     args = _verify_parser().parse_args(argv)
-    for flag, value in (("--max-scheme-trials", args.max_scheme_trials), ("--max-trials", args.max_trials)):
-        if value < 0:
-            raise ConfigError(f"{flag} must be >= 0, got {value}")
     check_outputs(
         [("--output", args.output), ("--emit-plan", args.emit_plan)],
         [

@@ -167,6 +167,11 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def made_in_inference_mode(tensor: torch.Tensor) -> bool:
+    """An inference tensor (made under torch.inference_mode); a lazy parameter is none yet."""
+    return not is_lazy(tensor) and tensor.is_inference()
+
+
 class _KeptTensor:
     """A parameter or buffer: the storage and view it had, and (once written) its values."""
 
@@ -178,7 +183,7 @@ class _KeptTensor:
         self.key = _storage_key(self.alias)
         # an inference tensor (a model built under inference_mode) has no version counter,
         # and nothing outside inference mode can write it
-        self.version = None if not is_lazy(tensor) and tensor.is_inference() else tensor._version
+        self.version = None if made_in_inference_mode(tensor) else tensor._version
         self.requires_grad = tensor.requires_grad
         self.values: torch.Tensor | None = None
         if copy_now:

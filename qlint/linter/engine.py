@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.backends import BACKENDS, backend_info
+from qlint.core.batches import as_call, batches_of
 from qlint.core.graph import ModelGraph, OpNode
 from qlint.core.intent import (
     CallDescription,
@@ -370,22 +371,15 @@ def lint(
 
 def _first_batch_as_example(calibration: Any) -> tuple[Any, ...] | None:
     """The first calibration batch as positional example inputs; None where reading it would
-    use it up (a one-shot iterator) or it holds keyword inputs."""
-    if isinstance(calibration, torch.Tensor):
-        return (calibration,)
-    if isinstance(calibration, Mapping):
-        return None
+    use it up (a one-shot iterator), or it is not a batch of positional inputs."""
     try:
-        if iter(calibration) is calibration:
+        if not isinstance(calibration, (torch.Tensor, Mapping)) and iter(calibration) is calibration:
             return None
-        first = next(iter(calibration), None)
-    except TypeError:  # not iterable: calibration reports it in its own words
+        first = next(batches_of(calibration, "calibration data"), None)
+        args, kwargs = as_call(first) if first is not None else ((), {})
+    except (TypeError, QlintError):  # not iterable, or not a batch: calibration says so in its own words
         return None
-    if isinstance(first, torch.Tensor):
-        return (first,)
-    if isinstance(first, (tuple, list)) and first:
-        return tuple(first)
-    return None
+    return args if args and not kwargs else None
 
 
 def _lint(

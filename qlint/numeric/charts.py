@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qlint.linter.findings import CompareRow
-from qlint.numeric.display import EXACT, format_sqnr, sqnr_word
+from qlint.numeric.display import EXACT, describe_sqnr, sqnr_word
 
 PROPAGATED_COLOR = "#1f77b4"
 SHADOW_COLOR = "#ff7f0e"
@@ -83,8 +83,7 @@ def _tooltip(row: CompareRow) -> str:
     parts = [f"{row.name} ({row.kind})" if row.kind else row.name]
     for label, _, values in _series([row]):
         if values[0] is not None:
-            text = format_sqnr(values[0])
-            parts.append(f"{label} {text}" if sqnr_word(values[0]) else f"{label} {text} dB")
+            parts.append(f"{label} {describe_sqnr(values[0])}")
     return "; ".join(parts)
 
 

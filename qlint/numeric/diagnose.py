@@ -14,6 +14,7 @@ from qlint.linter.findings import CompareRow, Finding, Severity
 from qlint.linter.fixes import KeepFloat
 from qlint.linter.registry import COMPARE_DIAGNOSTICS
 from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
+from qlint.numeric.display import EXACT, describe_sqnr, sqnr_word
 
 # Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
 # the signal's amplitude, which is where accuracy losses usually become visible.
@@ -231,11 +232,6 @@ def _other_weights_finding(row: CompareRow) -> Finding:
     )
 
 
-def _db(value: float) -> str:
-    """An SQNR in prose; the cap (no error at all) in words."""
-    return "exact (no error)" if value >= SQNR_CAP_DB else f"{value:.1f} dB"
-
-
 def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_jump_db: float) -> list[Finding]:
     """Layers, in forward order, where propagated SQNR falls below threshold by a jump.
 
@@ -261,7 +257,9 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
         else:
             local_share = max(0.0, min(1.0, (noise_out - noise_in) / noise_out))
             local_text = "no shadow run was made, so the local part is estimated from the jump"
-        inherited_text = f"{_db(inherited)} at its inputs ({', '.join(upstream)})" if upstream else "exact model inputs"
+        inherited_text = (
+            f"{describe_sqnr(inherited)} at its inputs ({', '.join(upstream)})" if upstream else "exact model inputs"
+        )
         if local_share >= 0.5:
             why = (
                 f"{local_text}, so about {local_share:.0%} of the error here is added by this layer itself; "
@@ -285,7 +283,7 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
         message = (
             f"Error starts at {row.name} ({row.kind}): propagated SQNR falls from {inherited_text} to "
             f"{row.sqnr_propagated:.1f} dB here, below the {sqnr_threshold:.0f} dB threshold"
-            + ("" if inherited >= SQNR_CAP_DB else f" (a {jump:.1f} dB drop)")
+            + ("" if sqnr_word(inherited) == EXACT else f" (a {jump:.1f} dB drop)")
             + ". "
             f"Why: {why}. Fix: {fix}."
         )

@@ -38,10 +38,24 @@ def format_sqnr(value: float | None, digits: int = 1) -> str:
     return sqnr_word(value) or f"{value:.{digits}f}"
 
 
+def describe_sqnr(value: float) -> str:
+    """An SQNR in prose: its word at the cap, else the value in dB."""
+    return sqnr_word(value) or f"{value:.1f} dB"
+
+
 def sqnr_notes(values: list[float | None]) -> list[str]:
     """The notes explaining the words ``format_sqnr`` printed for these values."""
     words = {sqnr_word(value) for value in values}
     return [note for word, note in ((EXACT, EXACT_NOTE), (NO_SIGNAL, NO_SIGNAL_NOTE)) if word in words]
 
 
-__all__ = ["EXACT", "EXACT_NOTE", "NO_SIGNAL", "NO_SIGNAL_NOTE", "format_sqnr", "sqnr_notes", "sqnr_word"]
+__all__ = [
+    "EXACT",
+    "EXACT_NOTE",
+    "NO_SIGNAL",
+    "NO_SIGNAL_NOTE",
+    "describe_sqnr",
+    "format_sqnr",
+    "sqnr_notes",
+    "sqnr_word",
+]

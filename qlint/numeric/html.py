@@ -10,7 +10,6 @@ written as words, not as the cap's number (``qlint.numeric.display``).
 
 from __future__ import annotations
 
-import html
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from qlint.numeric.charts import (
     SHADOW_COLOR,
     THRESHOLD_COLOR,
     WEIGHT_COLOR,
+    escape,
     has_exact_values,
     histogram_svg,
     sensitivity_svg,
@@ -44,10 +44,6 @@ td.num{text-align:right;font-variant-numeric:tabular-nums} .error{color:#b00020;
 height:12px;margin-right:4px;vertical-align:-2px;opacity:.75} .swatch.hollow{box-sizing:border-box;
 border:2px solid #555;border-radius:50%} svg{background:#fff}
 """
-
-
-def _escape(value: Any) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _number(value: float | None, digits: int = 1) -> str:
@@ -76,8 +72,8 @@ def _findings_table(report: Report) -> str:
     if not report.findings:
         return "<p>No findings.</p>"
     rows = "".join(
-        f'<tr><td>{_escape(f.rule)}</td><td>{_escape(f.name)}</td><td class="{f.severity.value}">'
-        f"{_escape(f.severity.value)}</td><td>{_escape(f.target)}</td><td>{_escape(f.message)}</td></tr>"
+        f'<tr><td>{escape(f.rule)}</td><td>{escape(f.name)}</td><td class="{f.severity.value}">'
+        f"{escape(f.severity.value)}</td><td>{escape(f.target)}</td><td>{escape(f.message)}</td></tr>"
         for f in report.findings
     )
     return f"<table><tr><th>rule</th><th>name</th><th>severity</th><th>target</th><th>message</th></tr>{rows}</table>"
@@ -92,8 +88,8 @@ def _layer_table(report: Report) -> str:
     for index, row in enumerate(report.compare_rows()):
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
         body.append(
-            f"<tr><td class=num>{index}</td><td>{_escape(row.name)}</td><td>{_escape(row.kind or '')}</td>"
-            f"<td>{_escape(row.extra.get('quantized_class', ''))}</td><td class=num>{format_sqnr(row.weight_sqnr)}</td>"
+            f"<tr><td class=num>{index}</td><td>{escape(row.name)}</td><td>{escape(row.kind or '')}</td>"
+            f"<td>{escape(row.extra.get('quantized_class', ''))}</td><td class=num>{format_sqnr(row.weight_sqnr)}</td>"
             f"<td class=num>{format_sqnr(row.sqnr_propagated)}</td><td class=num>{format_sqnr(row.sqnr_shadow)}</td>"
             f"<td class=num>{_number(row.cosine, 5)}</td><td class=num>{_number(summary.get('max_abs_error'), 4)}</td>"
             f"<td class=num>{_number(summary.get('rmse_over_scale'), 3)}</td></tr>"
@@ -108,7 +104,7 @@ def _sensitivity_table(items: Sequence[Mapping[str, Any]]) -> str:
     if not items or "flops_share" not in items[0]:
         return ""
     rows = "".join(
-        f"<tr><td class=num>{rank + 1}</td><td>{_escape(item['name'])}</td><td class=num>{item['score']:.3e}</td>"
+        f"<tr><td class=num>{rank + 1}</td><td>{escape(item['name'])}</td><td class=num>{item['score']:.3e}</td>"
         f"<td class=num>{format_sqnr(item.get('local'))}</td><td class=num>{100 * item['flops_share']:.1f}%</td>"
         f"<td class=num>{100 * item['params_share']:.1f}%</td></tr>"
         for rank, item in enumerate(items)
@@ -120,15 +116,15 @@ def _sensitivity_table(items: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _notes(values: Sequence[float | None]) -> str:
-    return "".join(f'<p class="meta">{_escape(note)}</p>' for note in sqnr_notes(list(values)))
+    return "".join(f'<p class="meta">{escape(note)}</p>' for note in sqnr_notes(list(values)))
 
 
 def _legend(entries: Sequence[tuple[str, str]], hollow: str | None = None) -> str:
     spans = "".join(
-        f'<span><i class="swatch" style="background:{color}"></i>{_escape(label)}</span>' for label, color in entries
+        f'<span><i class="swatch" style="background:{color}"></i>{escape(label)}</span>' for label, color in entries
     )
     if hollow:
-        spans += f'<span><i class="swatch hollow"></i>{_escape(hollow)}</span>'
+        spans += f'<span><i class="swatch hollow"></i>{escape(hollow)}</span>'
     return f'<div class="legend">{spans}</div>'
 
 
@@ -146,13 +142,13 @@ def render_html(
         for severity in ("error", "warning", "info")
     }
     sections = [
-        f"<h1>{_escape(title)}</h1>",
-        f'<div class="meta">counterpart: {_escape(report.frontend)} &middot; backend: {_escape(report.backend)} '
-        f"&middot; torch {_escape(report.torch_version)} &middot; qlint {_escape(report.qlint_version)} &middot; "
+        f"<h1>{escape(title)}</h1>",
+        f'<div class="meta">counterpart: {escape(report.frontend)} &middot; backend: {escape(report.backend)} '
+        f"&middot; torch {escape(report.torch_version)} &middot; qlint {escape(report.qlint_version)} &middot; "
         f"{counted(len(report.compare_rows()), 'layer')} &middot; {counted(counts['error'], 'error')}, "
         f"{counted(counts['warning'], 'warning')}</div>",
     ]
-    sections += [f'<p class="meta">{_escape(notice.message)}</p>' for notice in report.notices]
+    sections += [f'<p class="meta">{escape(notice.message)}</p>' for notice in report.notices]
     sections.append("<h2>Per-layer SQNR (forward order)</h2>")
     sections.append(
         _legend(
@@ -187,7 +183,7 @@ def render_html(
     sections.append("<h2>Layers</h2>")
     sections.append(_layer_table(report))
     return (
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_escape(title)}</title>'
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
         f"<style>{_STYLE}</style></head><body>{''.join(sections)}</body></html>"
     )
 

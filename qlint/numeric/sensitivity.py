@@ -34,7 +34,7 @@ from torch.ao.quantization.quantize_fx import convert_fx
 
 from qlint.core.batches import as_call, batch_size, call_model, reiterable
 from qlint.core.nested import first_float, map_tensors, tensors_in
-from qlint.core.preserve import preserved_state
+from qlint.core.preserve import made_in_inference_mode, preserved_state
 from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
 from qlint.errors import QlintError
 from qlint.measure.capture import PairedRunner
@@ -172,10 +172,10 @@ def sensitivity_rows(
 ) -> list[SensitivityRow]:
     """Sensitivity of each quantized module layer, most sensitive first, with FLOPs/params shares."""
     data = reiterable(data, "sensitivity")
-    made_in_inference_mode = next((name for name, t in model.state_dict().items() if t.is_inference()), None)
-    if made_in_inference_mode is not None:
+    inference = next((name for name, t in model.state_dict().items() if made_in_inference_mode(t)), None)
+    if inference is not None:
         raise QlintError(
-            f"sensitivity needs gradients through the model, but its {made_in_inference_mode} is an inference "
+            f"sensitivity needs gradients through the model, but its {inference} is an inference "
             "tensor (made under torch.inference_mode); build or load the model outside inference_mode"
         )
     models = (model,) if quantized_model is None else (model, quantized_model)
