@@ -33,7 +33,7 @@ def outlier_metric(average_ratio: torch.Tensor) -> torch.Tensor:
 
 # Ops whose int8 output reuses their input's qparams (prepare_fx shares the observer), and
 # BatchNorm, which fuses into the conv before it: the observer that sets a layer's input
-# range belongs to the first op upstream that is none of these.
+# range sits on the output of the first op upstream that is none of these.
 _SHARES_INPUT_QPARAMS = frozenset(
     {
         "relu",
@@ -59,16 +59,29 @@ _SHARES_INPUT_QPARAMS = frozenset(
 )
 
 
-def input_producer(ctx: LintContext, node: OpNode) -> OpNode | None:
-    """The op whose output observer quantizes ``node``'s input (through qparam-sharing ops)."""
+def observer_owner(ctx: LintContext, node: OpNode) -> OpNode:
+    """The op whose qconfig makes the observer that quantizes ``node``'s input under prepare_fx.
+
+    The observer sits on the output of the first op upstream that does not share its input's
+    qparams (the producer). prepare_fx makes it from the first op, going from that producer
+    down to ``node``, that it quantizes statically: the producer itself when it has an int8
+    output (a conv, an add); else the first qparam-sharing op on the way (a ReLU after an
+    LSTMCell, which stays float, quantizes its own input); else ``node``, whose qconfig
+    observes its input (a conv after a ``sqrt``). Checked against prepare_fx with a marked
+    observer on each candidate (tests/test_ql203_owner.py)."""
+    chain: list[OpNode] = []  # from node's input upstream to the producer
     producers = ctx.graph.producers(node.name)
     current = producers[0] if producers else None
-    while current is not None and current.kind in _SHARES_INPUT_QPARAMS:
-        upstream = ctx.graph.producers(current.name)
-        if not upstream:
+    while current is not None:
+        chain.append(current)
+        if current.kind not in _SHARES_INPUT_QPARAMS:
             break
-        current = upstream[0]
-    return current
+        upstream = ctx.graph.producers(current.name)
+        current = upstream[0] if upstream else None
+    for op in reversed(chain):
+        if op.op != "input" and op.is_quantized and ctx.backend.quantizes_output(op.kind):
+            return op
+    return node
 
 
 def measured_input(ctx: LintContext, node: OpNode) -> ActivationError | None:

@@ -13,9 +13,9 @@ from qlint.rules._ql203_measure import (
     activation_bits,
     bulk_ratio,
     clip_value,
-    input_producer,
     measure,
     measured_input,
+    observer_owner,
     physical_bits,
 )
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
@@ -53,10 +53,12 @@ class ActivationOutlier(Rule):
     activation under the qparams the converted model uses.
 
     Its fix differs from the default qconfig: a clipping `PercentileObserver` (99.99th
-    percentile) on the module whose output observer quantizes this input (prepare_fx shares
-    observers through ReLU, pooling and reshapes, so that is the producer upstream), or,
-    when the producer is a functional op with no qconfig of its own, keeping the layer
-    float. In an exported graph (`.pt2`, quantized with pt2e) every input edge has its own
+    percentile) on the module whose qconfig makes the observer of this input under
+    prepare_fx: the producer upstream when torch quantizes it (observers are shared through
+    ReLU, pooling and reshapes), else the first op on the way that torch quantizes (a ReLU
+    after a float LSTMCell or GELU), else the layer itself (an input from a `sqrt`, which
+    stays float); when that op is a functional one with no qconfig of its own, keeping the
+    layer float. In an exported graph (`.pt2`, quantized with pt2e) every input edge has its own
     observer, so the clipping observer goes on the layer's input; qlint's pt2e quantizer
     (`QuantPlan.to_pt2e_quantizer()`) applies it. The trial measures the fix; where it does
     not gain the impact threshold the finding is info. The bits lost are counted in the
@@ -197,7 +199,6 @@ class ActivationOutlier(Rule):
         bulk = bulk_ratio(stats)
         dense_ratios = [float(bulk[c]) for c in dense if math.isfinite(float(bulk[c]))]
         channel_bits = physical_bits(math.log2(max(dense_ratios)) if dense_ratios else math.nan, bits)
-        producer = input_producer(ctx, node)
         measured_db = quantized_input.sqnr_db if quantized_input is not None else None
         clip = clip_value(stats, dense or outliers)
         spikes = max((m for m in maxima if isinstance(m, float)), default=math.nan)
@@ -242,9 +243,7 @@ class ActivationOutlier(Rule):
                 "anyway (they lose under 0.1 bits to these channels)."
             )
         else:
-            target, suggestion, fix = _fix(
-                ctx, node, producer, _clip_text(clip, spikes, self.options.reference_percentile)
-            )
+            target, suggestion, fix = _fix(ctx, node, _clip_text(clip, spikes, self.options.reference_percentile))
             message += " " + fix
         return self.finding(
             node.display,
@@ -275,10 +274,10 @@ class ActivationOutlier(Rule):
 CLIP_PERCENTILE = 99.99  # what the suggested clipping observer keeps: rare spikes above it saturate
 
 
-def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip_text: str) -> tuple[str, dict | None, str]:
-    """Where a clipping observer goes: the input's observer belongs to the module producing it
-    (prepare_fx reuses the producer's output observer), or to the layer for a graph input; in
-    an exported graph (pt2e) to the layer, whose input edge has an observer of its own."""
+def _fix(ctx: LintContext, node: OpNode, clip_text: str) -> tuple[str, dict | None, str]:
+    """Where a clipping observer goes: on the op whose qconfig makes the observer of the input
+    under prepare_fx (``observer_owner``: the producer, a ReLU on the way, or the layer itself);
+    in an exported graph (pt2e) on the layer, whose input edge has an observer of its own."""
     subject = None
     if ctx.graph.exported and node.module:
         # pt2e observes the tensors a module's ops read: qlint's pt2e quantizer changes that observer
@@ -290,18 +289,20 @@ def _fix(ctx: LintContext, node: OpNode, producer: OpNode | None, clip_text: str
             f"Fix: {node.display} is an op of the exported graph with no module of its own, which no "
             "per-module setting of the pt2e quantizer reaches: clip or normalise these channels before it.",
         )
-    elif producer is not None and producer.op == "module" and producer.module:
-        target = producer.module
-    elif producer is None or producer.op == "input":
-        target = node.display
     else:
-        return (
-            node.display,
-            {"action": "keep_float", "module": node.display},
-            f"Fix: the input comes from {producer.display} ({producer.kind}), a functional op with no "
-            f"qconfig of its own to change: clip or normalise these channels before {node.display}, or "
-            "keep the layer float.",
-        )
+        owner = observer_owner(ctx, node)
+        if owner.op == "module" and owner.module:
+            target = owner.module
+        elif owner is node:
+            target = node.display
+        else:
+            return (
+                node.display,
+                {"action": "keep_float", "module": node.display},
+                f"Fix: the observer of this input is made by {owner.display} ({owner.kind}), a functional op "
+                f"with no qconfig of its own to change: clip or normalise these channels before {node.display}, "
+                "or keep the layer float.",
+            )
     return (
         target,
         {"action": "set_activation_observer", "targets": [target], "percentile": CLIP_PERCENTILE},

@@ -67,6 +67,13 @@ class BackendInfo:
     def dtype_options(self, kind: str) -> tuple[DTypeSupport, ...]:
         return self.dtypes.get(kind, ())
 
+    def quantizes_output(self, kind: str) -> bool:
+        """Whether prepare_fx quantizes ``kind`` statically: an int8 output with an observer of
+        its own (or shared with its input), made from the op's qconfig."""
+        return any(
+            not o.is_dynamic and o.output_dtype in ("torch.quint8", "torch.qint8") for o in self.dtype_options(kind)
+        )
+
     def has_dynamic_int8(self, kind: str) -> bool:
         """Whether ``kind`` has a dynamic kernel: quint8 inputs quantized per call, qint8 weights."""
         return any(

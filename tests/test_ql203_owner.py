@@ -1,0 +1,125 @@
+"""QL203's clipping observer goes on the op whose qconfig makes the observer of the layer's input.
+
+On silero_vad QL203 told the user to "give lstm_cell a clipping activation observer" for the
+input of final_conv (lstm_cell -> getitem -> F.relu -> unsqueeze -> final_conv). lstm_cell has
+no static int8 kernel and stays float, so no observer of its own exists: prepare_fx makes that
+observer from F.relu's qconfig, and the fix trial measured the suggestion as changing nothing.
+For conv1 (input from a ``sqrt``, which prepare_fx leaves float) it said keep the layer float,
+though conv1's own qconfig makes that observer. Each case here is checked against prepare_fx
+itself: a marked observer set on the suggested target must be the one at the layer's input.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.ao.quantization import MinMaxObserver, QConfig, get_default_qconfig_mapping
+from torch.ao.quantization.quantize_fx import prepare_fx
+
+import qlint
+
+MARK = 77  # a quant_max no default observer has
+
+
+class _Chain(nn.Module):
+    """x -> (producer) -> (ops between) -> conv; channel 3 of conv's input has rare spikes."""
+
+    def __init__(self, producer: str, between: str) -> None:
+        super().__init__()
+        self.producer, self.between = producer, between
+        self.first = nn.Conv1d(8, 8, 1)
+        self.gelu = nn.GELU()  # no static int8 kernel in x86's backend config: stays float
+        self.relu = nn.ReLU()
+        self.conv = nn.Conv1d(8, 4, 1)
+
+    def forward(self, x):
+        if self.producer == "sqrt":
+            y = torch.sqrt(x.abs())
+        elif self.producer == "conv":
+            y = self.first(x)
+        elif self.producer == "gelu":
+            y = self.gelu(x)
+        else:
+            y = x
+        if self.between == "module_relu":
+            y = self.relu(y)
+        elif self.between == "functional_relu":
+            y = F.relu(y)
+        return self.conv(y)
+
+
+def _batches(producer: str) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(8):
+        x = torch.rand(16, 8, 32, generator=generator) + 1.0
+        if producer == "sqrt":
+            x = x**2
+        batches.append(x)
+    return batches
+
+
+def _marked() -> QConfig:
+    default = get_default_qconfig_mapping("x86").global_qconfig
+    return QConfig(activation=MinMaxObserver.with_args(quant_min=0, quant_max=MARK), weight=default.weight)
+
+
+def _input_observer_is_marked(model: nn.Module, example: tuple, target: str) -> bool:
+    """prepare_fx with a marked observer on module ``target``: is it the observer of conv's input?"""
+    mapping = get_default_qconfig_mapping("x86").set_module_name(target, _marked())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare_fx(model, mapping, example)
+    conv = next(node for node in prepared.graph.nodes if node.target == "conv")
+    observer = conv.args[0]
+    return observer.op == "call_module" and getattr(prepared.get_submodule(observer.target), "quant_max", None) == MARK
+
+
+def _spiky_model_finding(producer: str, between: str):
+    torch.manual_seed(0)
+    model = _Chain(producer, between).eval()
+    if producer == "conv":
+        # conv's output channel 3 spikes: a large bias on a rare input value is enough
+        with torch.no_grad():
+            model.first.weight.zero_()
+            model.first.weight[:, :, 0] = torch.eye(8)
+    batches = _batches(producer)
+    for batch in batches:
+        batch[0, 3, 0] = 400.0
+    report = qlint.lint(model, (batches[0],), calibration=batches, select=["QL203"], trial_options={"enabled": False})
+    outliers = [f for f in report.findings if f.data.get("kind") == "outlier" and f.target == "conv"]
+    return model, batches, outliers
+
+
+@pytest.mark.parametrize(
+    ("producer", "between", "owner"),
+    [
+        ("sqrt", "none", "conv"),  # sqrt stays float: conv's qconfig observes its input
+        ("sqrt", "module_relu", "relu"),  # the ReLU after a float op quantizes its own input
+        ("gelu", "module_relu", "relu"),  # the module producing it stays float: the ReLU's, not the GELU's
+        ("gelu", "none", "conv"),
+        ("conv", "module_relu", "first"),  # a quantized producer's output observer, shared by the ReLU
+        ("input", "none", "conv"),  # a graph input: the layer's own
+    ],
+)
+def test_clipping_observer_goes_where_prepare_fx_makes_the_input_observer(producer, between, owner):
+    model, batches, outliers = _spiky_model_finding(producer, between)
+    assert [f.target for f in outliers] == ["conv"]
+    suggestion = outliers[0].suggestion
+    assert suggestion is not None and suggestion.action == "set_activation_observer"
+    assert suggestion.targets == [owner]
+    assert outliers[0].data["fix_target"] == owner
+    assert _input_observer_is_marked(model, (batches[0],), owner)
+
+
+def test_an_observer_made_by_a_functional_op_is_named_and_the_layer_is_kept_float():
+    model, batches, outliers = _spiky_model_finding("sqrt", "functional_relu")
+    assert [f.target for f in outliers] == ["conv"]
+    assert outliers[0].suggestion is not None and outliers[0].suggestion.action == "keep_float"
+    assert "made by relu (relu), a functional op" in outliers[0].message
+    # neither the layer's qconfig nor anything upstream makes it: F.relu's does
+    assert not _input_observer_is_marked(model, (batches[0],), "conv")
