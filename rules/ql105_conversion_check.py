@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import traceback
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,28 +10,19 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
+from qlint.rules._ql105_diagnose import diagnose, first_line
+from qlint.rules._ql105_locate import locate_by_running, locate_in_traceback, quiet_run
 from qlint.rules._ql105_onset import best_keep_float, candidates, describe, error_onset
 from torch.ao.quantization import QConfigMapping, get_default_qconfig
 
 from qlint.core.ops import function_path
-from qlint.core.preserve import cloned
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
-from qlint.measure.pt2e_trial import refuses_repeated_call
-from qlint.measure.trial import STAGE_CONVERT, STAGE_FLOAT, STAGE_PREPARE, TrialFailure, TrialResult
+from qlint.measure.trial import STAGE_CONVERT, STAGE_PREPARE, TrialFailure, TrialResult
 
 DEFAULT_WARN_BELOW_DB = 20.0  # 10 % RMS error at the output: enough to move top-1 on many tasks
 DEFAULT_ERROR_BELOW_DB = 10.0  # 32 % RMS error: the int8 model computes something else
-
-CAUSE_VIEW = "view-non-contiguous"
-CAUSE_NO_KERNEL = "no-quantized-kernel"
-CAUSE_QCONFIG = "unsupported-qconfig"
-CAUSE_CONTROL_FLOW = "control-flow"
-CAUSE_DTYPE = "dtype-mismatch"
-CAUSE_FLOAT = "fails-in-float"
-CAUSE_REPEATED_CALL = "module-called-twice"
-CAUSE_UNKNOWN = "unknown"
 
 
 class ConversionCheck(Rule):
@@ -174,9 +161,9 @@ class ConversionCheck(Rule):
         inputs = tuple(ctx.example_inputs or ())
         if failure.stage in (STAGE_PREPARE, STAGE_CONVERT):
             modules = {id(m): name for name, m in model.named_modules() if name} if model is not None else {}
-            return self._failure(ctx, failure.stage, failure.error, _locate_in_traceback(failure.error, modules), None)
-        with _quiet_run():
-            where, node = _locate_by_running(model, inputs)
+            return self._failure(ctx, failure.stage, failure.error, locate_in_traceback(failure.error, modules), None)
+        with quiet_run():
+            where, node = locate_by_running(model, inputs)
         return self._failure(ctx, failure.stage, failure.error, where, node)
 
     def _output_error(self, ctx: LintContext, trial: TrialResult) -> Iterable[Finding]:
@@ -268,8 +255,8 @@ class ConversionCheck(Rule):
         failing_node: fx.Node | None,
     ) -> Finding:
         where = dict(where or {})
-        text = _first_line(error)
-        cause, why, fix, suggestion = _diagnose(ctx, stage, error, text, where)
+        text = first_line(error)
+        cause, why, fix, suggestion = diagnose(ctx, stage, error, text, where)
         if where.get("node"):
             place = f"node {where['node']!r} (op {where.get('op')} {where.get('target')})"
             if where.get("module") and where.get("module") != where.get("target"):
@@ -292,201 +279,7 @@ class ConversionCheck(Rule):
         return self.finding(str(target), message, data=data, suggestion=suggestion)
 
 
-# --- locating the failing node ------------------------------------------------------------
-
-
-class _Locator(fx.Interpreter):
-    """Runs a GraphModule node by node and remembers the first node that raises."""
-
-    def __init__(self, module: fx.GraphModule) -> None:
-        super().__init__(module, garbage_collect_values=True)
-        self.failed: fx.Node | None = None
-
-    def run_node(self, n: fx.Node) -> Any:
-        try:
-            return super().run_node(n)
-        except Exception:
-            if self.failed is None:
-                self.failed = n
-            raise
-
-
-def _describe_node(gm: fx.GraphModule, node: fx.Node) -> dict[str, Any]:
-    where: dict[str, Any] = {"node": node.name, "op": node.op, "target": _target_text(node.target)}
-    if node.op == "call_module":
-        where["module"] = str(node.target)
-        try:
-            where["module_type"] = type(gm.get_submodule(str(node.target))).__name__
-        except AttributeError:
-            pass
-    stack = node.meta.get("nn_module_stack") if isinstance(node.meta, dict) else None
-    if stack and "module" not in where:
-        owner = list(stack.values())[-1]
-        if isinstance(owner, tuple) and owner and owner[0]:
-            where["module"] = str(owner[0])
-    return where
-
-
-def _target_text(target: Any) -> str:
-    if isinstance(target, str):
-        return target
-    name = getattr(target, "__name__", None) or repr(target)
-    module = getattr(target, "__module__", None)
-    return f"{module}.{name}" if module and not str(name).startswith(module) else str(name)
-
-
-def _locate_by_running(gm: Any, inputs: tuple[Any, ...]) -> tuple[dict[str, Any] | None, fx.Node | None]:
-    if not isinstance(gm, fx.GraphModule):
-        return None, None
-    locator = _Locator(gm)
-    try:
-        locator.run(*cloned(inputs))
-    except Exception:
-        pass
-    if locator.failed is None:
-        return None, None
-    return _describe_node(gm, locator.failed), locator.failed
-
-
-def _locate_in_traceback(error: BaseException, modules: dict[int, str]) -> dict[str, Any] | None:
-    """The innermost traceback frame holding an fx Node or one of the model's modules."""
-    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
-    for frame in reversed(frames):
-        for value in frame.f_locals.values():
-            if isinstance(value, nn.Module) and id(value) in modules:
-                return {"module": modules[id(value)], "module_type": type(value).__name__}
-            if isinstance(value, fx.Node):
-                where = {"node": value.name, "op": value.op, "target": _target_text(value.target)}
-                if value.op == "call_module":
-                    where["module"] = str(value.target)
-                return where
-    return None
-
-
-# --- diagnosis ------------------------------------------------------------------------------
-
-
-def _diagnose(
-    ctx: LintContext, stage: str, error: BaseException, text: str, where: dict[str, Any]
-) -> tuple[str, str, str, dict[str, Any] | None]:
-    lowered = text.lower()
-    node = where.get("node")
-    module = where.get("module")
-    if stage == STAGE_FLOAT:
-        return (
-            CAUSE_FLOAT,
-            "the float model itself fails on the example inputs, so nothing can be quantized.",
-            "fix the model or pass example inputs of the right shape and dtype.",
-            None,
-        )
-    if refuses_repeated_call(stage, error):
-        return (
-            CAUSE_REPEATED_CALL,
-            "a module called more than once: the pt2e quantizer takes the ops of all its calls as one "
-            "partition, and its conv/linear patterns refuse a partition with several outputs.",
-            "give each call a module of its own before torch.export (a copy of the module, same weights; "
-            "the float model stays the same).",
-            None,
-        )
-    if "view size is not compatible" in lowered or (where.get("target") == "view" and "stride" in lowered):
-        return (
-            CAUSE_VIEW,
-            "`.view` on a quantized tensor that is not contiguous: quantized conv kernels return "
-            "channels-last (NHWC) tensors, so a `.view` that works in float fails after convert_fx.",
-            f"replace `.view(...)` (node {node!r}) with `.reshape(...)` or `torch.flatten(x, 1)` "
-            "(or call `.contiguous()` first).",
-            {"action": "view_to_reshape", "node": node or ctx.model_name},
-        )
-    if (
-        "quantizedcpu" in lowered
-        or "could not run 'quantized::" in lowered
-        or ("not implemented" in lowered and "quantized" in lowered)
-        or isinstance(error, NotImplementedError)
-    ):
-        op = where.get("target") or "this op"
-        keep = f"mapping.set_module_name({module!r}, None)" if module else f"mapping.set_object_type({op}, None)"
-        return (
-            CAUSE_NO_KERNEL,
-            f"{op} has no quantized kernel on {ctx.backend.name} (QuantizedCPU), yet receives a quantized "
-            "tensor after convert_fx.",
-            f"keep it in float: {keep} (convert_fx then dequantizes before it), or use a variant of the "
-            "op that has a quantized kernel (e.g. bilinear/nearest instead of bicubic interpolation).",
-            {"action": "keep_float", "module": module, "node": node, "function": op}
-            if module
-            else {"action": "keep_float_function", "node": node, "function": op},
-        )
-    if (
-        "per channel" in lowered
-        or "per-channel" in lowered
-        or "qconfig" in lowered
-        or (stage in (STAGE_PREPARE, STAGE_CONVERT) and module and isinstance(error, (AssertionError, ValueError)))
-    ):
-        return (
-            CAUSE_QCONFIG,
-            f"the qconfig for {module or node} asks for something its quantized module does not "
-            "support" + (" (per-channel weights on a transposed convolution)." if "per channel" in lowered else "."),
-            f"give {module or node} a supported qconfig (e.g. per-tensor weights: "
-            "MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)) or keep "
-            f"it float with mapping.set_module_name({(module or node)!r}, None).",
-            {
-                "action": "set_weight_observer",
-                "targets": [module or node],
-                "observer": "MinMaxObserver",
-                "qscheme": "torch.per_tensor_symmetric",
-                "dtype": "torch.qint8",
-            }
-            if "per channel" in lowered
-            else {"action": "keep_float", "module": module or node},
-        )
-    if (
-        "control flow" in lowered
-        or "symbolically traced" in lowered
-        or "proxy" in lowered
-        or "data-dependent" in lowered
-        or "guard" in lowered
-    ):
-        return (
-            CAUSE_CONTROL_FLOW,
-            "data- or shape-dependent Python (an `if`/loop or a Python call on a tensor's value or shape) "
-            "that prepare_fx's tracer cannot turn into graph ops.",
-            "move the branch out of forward, make it depend only on constructor arguments, or keep that "
-            "submodule untraced with PrepareCustomConfig().set_non_traceable_module_names([...]) or wrap the "
-            "helper with torch.fx.wrap.",
-            None,
-        )
-    if "dtype" in lowered or "quint8" in lowered or "qint8" in lowered or "expected" in lowered:
-        return (
-            CAUSE_DTYPE,
-            "two connected ops disagree on the tensor's dtype (a quantized tensor reaches an op expecting "
-            "float, or the other way round), usually from an unsupported dtype in the qconfig.",
-            f"use the backend's default qconfig for {module or node or 'this op'} or keep it float.",
-            {"action": "keep_float", "module": module} if module else None,
-        )
-    return (
-        CAUSE_UNKNOWN,
-        "not one of the known conversion failures; see the error text.",
-        f"keep {module or node or 'the failing op'} in float to confirm it is the culprit.",
-        {"action": "keep_float", "module": module} if module else None,
-    )
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else repr(error)
-    if len(line) > 160 and ". " in line:  # keep the first sentence of torch's long dispatcher errors
-        line = line.split(". ", 1)[0]
-    return line.rstrip(".")[:300]
-
-
 # --- helpers ----------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _quiet_run():
-    # A failing GraphModule prints its generated code's traceback to stderr; the finding reports it.
-    with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        yield
 
 
 def _rounded(value: float | None) -> float | None:
