@@ -2,60 +2,39 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
-from torch.ao.quantization import DeQuantStub, QConfig, QConfigMapping, QuantStub, get_default_qconfig_mapping
-from torch.ao.quantization.observer import FixedQParamsObserver
+from qlint.rules._ql101_chains import (
+    MODULE_ONLY_KINDS,
+    eager_fused,
+    head_module_name,
+    match_chain,
+    qconfig_key,
+    unfused_clamp,
+)
+from qlint.rules._ql101_ranges import RangeMeter, chain_end_activation, fixed_activation, saturating_ranges
+from qlint.rules._ql101_reasons import (
+    FIX,
+    REASON_CLAMP,
+    REASON_EAGER,
+    REASON_FANOUT,
+    REASON_FUNCTIONAL,
+    REASON_QCONFIG,
+    REASON_TRAINING,
+    WHY,
+    foldable_functional,
+    qconfig_text,
+)
+from torch.ao.quantization import DeQuantStub, QConfigMapping, QuantStub, get_default_qconfig_mapping
 
-from qlint.core.batches import call_model
 from qlint.core.graph import ModelGraph, OpNode
-from qlint.core.sqnr import BatchPowers
 from qlint.linter.context import LintContext
-from qlint.linter.findings import Finding, Impact, Severity
+from qlint.linter.findings import Finding, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
-from qlint.linter.suggestions import Provenance, Rewrite, Suggestions
-from qlint.measure.rewrite import apply_rewrites
-from qlint.measure.trial import ActivationError
-
-REASON_EAGER = "eager-no-fuse"
-REASON_FANOUT = "fan-out"
-REASON_QCONFIG = "qconfig-mismatch"
-REASON_TRAINING = "bn-training"
-REASON_FUNCTIONAL = "functional-op"
-REASON_CLAMP = "unfusable-activation"
-
-_WHY = {
-    REASON_EAGER: "the model uses QuantStub/DeQuantStub (eager mode), where nothing is fused "
-    "unless you call torch.ao.quantization.fuse_modules",
-    REASON_FANOUT: "the intermediate output is also used by {others}, so the ops cannot be merged",
-    REASON_QCONFIG: "the ops have different qconfigs ({detail}); prepare_fx refuses to fuse them "
-    "or silently applies the first op's qconfig to all",
-    REASON_TRAINING: "the BatchNorm is in training mode; post-training fusion folds BN statistics "
-    "and needs eval mode (call model.eval())",
-    REASON_FUNCTIONAL: "the {op} is a functional call (e.g. F.conv2d in a custom forward); FX fuses "
-    "only nn.Module conv/linear/BN calls",
-    REASON_CLAMP: "the backend has no fused kernel ending in {op} (it fuses ReLU), so the output is rounded "
-    "to int8 over its full signed range before {op} clips it",
-}
-_FIX = {
-    REASON_EAGER: "call torch.ao.quantization.fuse_modules(model, [{names}]) before prepare",
-    REASON_FANOUT: "feed the other consumers from the fused output, or duplicate the first op for them",
-    REASON_QCONFIG: "give every op of the pattern the same qconfig",
-    REASON_TRAINING: "put the model in eval mode before prepare_fx (or use prepare_qat_fx for QAT)",
-    REASON_FUNCTIONAL: "use the nn.Module (nn.Conv2d/nn.Linear) or fold the BN into the conv weights",
-    REASON_CLAMP: "give the conv's output a fixed quantization range ending at the clip, so that int8 "
-    "saturation does the clipping exactly (exact in float; the chain then needs no fused kernel)",
-}
-# Clipping activations that x86/qnnpack do not fuse, though the same chain ending in ReLU fuses.
-_CLAMP_KINDS = frozenset({"relu6", "hardtanh"})
 
 
 class UnfusedPattern(Rule):
@@ -134,15 +113,15 @@ class UnfusedPattern(Rule):
             if head.name in covered:
                 continue
             for pattern in patterns:
-                chain = _match_chain(graph, head, pattern)
+                chain = match_chain(graph, head, pattern)
                 if chain is None:
                     continue
                 reasons = self._reasons(ctx, chain)
                 if reasons:
                     covered.update(n.name for n in chain)
-                    if _foldable_functional(chain, reasons):
+                    if foldable_functional(chain, reasons):
                         functional.append((chain, pattern))
-                        clamp = _unfused_clamp(ctx, chain, pattern)
+                        clamp = unfused_clamp(ctx, chain, pattern)
                         if clamp is not None:  # after the fold the conv is a module that fuses the BN
                             clamps.append((chain, pattern, clamp))
                     else:
@@ -150,7 +129,7 @@ class UnfusedPattern(Rule):
                     break
                 # The longest pattern that matches fuses; shorter ones are part of it.
                 covered.update(n.name for n in chain)
-                clamp = _unfused_clamp(ctx, chain, pattern)
+                clamp = unfused_clamp(ctx, chain, pattern)
                 if clamp is not None:
                     clamps.append((chain, pattern, clamp))
                 break
@@ -158,40 +137,40 @@ class UnfusedPattern(Rule):
             yield self._functional_finding(functional)
         by_range: dict[tuple[float, float] | None, list[tuple[list[OpNode], tuple[str, ...], OpNode]]] = {}
         observed: list[str] = []  # heads whose input needs an op of its own (observe_input rewrite)
-        for entry, (clip, observe) in zip(clamps, _saturating_ranges(ctx, clamps) if clamps else [], strict=True):
+        for entry, (clip, observe) in zip(clamps, saturating_ranges(ctx, clamps) if clamps else [], strict=True):
             by_range.setdefault(clip, []).append(entry)
-            head_module = _head_module(entry[0][0])
+            head_module = head_module_name(entry[0][0])
             if observe and clip is not None and head_module is not None:
                 observed.append(head_module)
         fixed_groups = {
-            clip: (_fixed_activation(ctx, clip), [h for h in (_head_module(ch[0]) for ch, _, _ in group) if h])
+            clip: (fixed_activation(ctx, clip), [h for h in (head_module_name(ch[0]) for ch, _, _ in group) if h])
             for clip, group in by_range.items()
             if clip is not None
         }
-        meter = _RangeMeter(ctx, list(fixed_groups.values()), [c for c, _ in functional], observed)
-        folded = [h for h in (_head_module(chain[0]) for chain, _ in functional) if h is not None]
+        meter = RangeMeter(ctx, list(fixed_groups.values()), [c for c, _ in functional], observed)
+        folded = [h for h in (head_module_name(chain[0]) for chain, _ in functional) if h is not None]
         for clip, group in by_range.items():
             yield self._clamp_finding(ctx, group, clip, meter, observed, folded)
 
     def _reasons(self, ctx: LintContext, chain: list[OpNode]) -> list[tuple[str, str]]:
         graph = ctx.graph
         reasons: list[tuple[str, str]] = []
-        if ctx.eager_flow and not _eager_fused(chain):
+        if ctx.eager_flow and not eager_fused(chain):
             names = ", ".join(f'"{n.display}"' for n in chain)
             reasons.append((REASON_EAGER, names))
         for node, successor in zip(chain, chain[1:]):
             others = [c for c in graph.consumers(node.name) if c.name != successor.name]
             if others:
                 reasons.append((REASON_FANOUT, ", ".join(o.display for o in others)))
-        qconfig_keys = {_qconfig_key(n) for n in chain}
+        qconfig_keys = {qconfig_key(n) for n in chain}
         if len(qconfig_keys) > 1:
-            detail = "; ".join(f"{n.display}: {_qconfig_text(n)}" for n in chain)
+            detail = "; ".join(f"{n.display}: {qconfig_text(n)}" for n in chain)
             reasons.append((REASON_QCONFIG, detail))
         if self.options.report_training_bn and any(n.kind == "batch_norm" and n.training for n in chain):
             reasons.append((REASON_TRAINING, ""))
         if not graph.exported:
             for node in chain:
-                if node.op != "module" and node.kind in _MODULE_ONLY_KINDS and (chain[0].kind != "add"):
+                if node.op != "module" and node.kind in MODULE_ONLY_KINDS and (chain[0].kind != "add"):
                     reasons.append((REASON_FUNCTIONAL, node.kind))
                     break
         return reasons
@@ -203,8 +182,8 @@ class UnfusedPattern(Rule):
         why = []
         fixes = []
         for code, detail in reasons:
-            why.append(_WHY[code].format(others=detail, detail=detail, op=detail))
-            fixes.append(_FIX[code].format(names=", ".join(f'"{n}"' for n in names)))
+            why.append(WHY[code].format(others=detail, detail=detail, op=detail))
+            fixes.append(FIX[code].format(names=", ".join(f'"{n}"' for n in names)))
         fanout = [d for c, d in reasons if c == REASON_FANOUT]
         message = (
             f"{' → '.join(pattern)} ({', '.join(names)}) will stay unfused: {'; '.join(why)}. "
@@ -236,15 +215,15 @@ class UnfusedPattern(Rule):
         functional call: one fix (fold each BN into its conv), measured in one trial."""
         names = [[n.display for n in chain] for chain, _ in chains]
         first_chain, first_pattern = chains[0]
-        kinds = sorted({n.kind for chain, _ in chains for n in chain if n.kind in _MODULE_ONLY_KINDS - {"batch_norm"}})
+        kinds = sorted({n.kind for chain, _ in chains for n in chain if n.kind in MODULE_ONLY_KINDS - {"batch_norm"}})
         listed = "; ".join(" → ".join(chain) for chain in names[:8]) + (
             f"; ... ({len(names)} in all)" if len(names) > 8 else ""
         )
         message = (
             f"{len(chains)} {'/'.join(kinds)} → batch_norm chain(s) will stay unfused: "
-            + _WHY[REASON_FUNCTIONAL].format(op="/".join(kinds))
+            + WHY[REASON_FUNCTIONAL].format(op="/".join(kinds))
             + ". Unfused, each conv output is rounded to int8 before its BN rescales it, and the BN is "
-            f"not folded into the weights. Chains: {listed}. Fix: {_FIX[REASON_FUNCTIONAL]} (qlint's "
+            f"not folded into the weights. Chains: {listed}. Fix: {FIX[REASON_FUNCTIONAL]} (qlint's "
             "fold_bn_into_functional_conv rewrite does it, exact in float)."
         )
         modules = [name for chain in names for name in chain]
@@ -274,7 +253,7 @@ class UnfusedPattern(Rule):
         ctx: LintContext,
         clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]],
         clip: tuple[float, float] | None,
-        meter: _RangeMeter,
+        meter: RangeMeter,
         observed: list[str],
         folded: list[str],
     ) -> Finding:
@@ -283,21 +262,21 @@ class UnfusedPattern(Rule):
         functional convs, a module only once the fold rewrite has run (the fix asks for it)."""
         lines, rounding = [], []
         for chain, _pattern, clamp in clamps:
-            found = _chain_end_activation(ctx, chain)
+            found = chain_end_activation(ctx, chain)
             measured = found.sqnr_db if found is not None else None
             rounding.append(measured)
             text = f"{' → '.join(n.display for n in chain)} → {clamp.display}"
             lines.append(text + (f" (rounding before {clamp.kind}: {measured:.1f} dB)" if measured is not None else ""))
         first_chain, first_pattern, first_clamp = clamps[0]
         kinds = sorted({clamp.kind for _, _, clamp in clamps})
-        why = _WHY[REASON_CLAMP].format(op="/".join(kinds))
+        why = WHY[REASON_CLAMP].format(op="/".join(kinds))
         message = (
             f"{len(clamps)} {' → '.join(first_pattern)} chain(s) end in {'/'.join(kinds)} and fuse without "
             f"it on {ctx.backend.name}: {why}. Chains: {'; '.join(lines[:8])}"
             + (f"; ... ({len(lines)} in all)" if len(lines) > 8 else "")
             + "."
         )
-        heads = [_head_module(chain[0]) for chain, _, _ in clamps]
+        heads = [head_module_name(chain[0]) for chain, _, _ in clamps]
         data = {
             "kind": "unfusable-activation",
             "node": first_chain[0].name,
@@ -313,9 +292,9 @@ class UnfusedPattern(Rule):
                 "or the conv is not a module a qconfig can name."
             )
             return self.finding(first_chain[0].display, message, data=data, severity=Severity.INFO)
-        fixed = _fixed_activation(ctx, clip)
+        fixed = fixed_activation(ctx, clip)
         targets = [h for h in heads if h is not None]
-        message += f" Fix: {_FIX[REASON_CLAMP]}: [{clip[0]:g}, {clip[1]:g}] on {', '.join(targets[:4])}" + (
+        message += f" Fix: {FIX[REASON_CLAMP]}: [{clip[0]:g}, {clip[1]:g}] on {', '.join(targets[:4])}" + (
             f" and {len(targets) - 4} more" if len(targets) > 4 else ""
         )
         own_input = [h for h in targets if h in observed]
@@ -347,225 +326,6 @@ class UnfusedPattern(Rule):
                 "fold_functional": [h for h in targets if h in folded],
             },
         )
-
-
-def _chain_end_activation(ctx: LintContext, chain: list[OpNode]) -> ActivationError | None:
-    """The trial's rounding error where the chain hands its value to the clamp. Fusion renames
-    it: a conv → BN pair folds into one module named after the conv, so the last chain node the
-    trial observed is the one that stands for the chain's end."""
-    if ctx.trial is None:
-        return None
-    return next((found for node in reversed(chain) if (found := ctx.trial.activation(node.name)) is not None), None)
-
-
-def _foldable_functional(chain: list[OpNode], reasons: list[tuple[str, str]]) -> bool:
-    """A chain kept unfused only because its conv is a functional call, with a BN to fold into it."""
-    return [code for code, _ in reasons] == [REASON_FUNCTIONAL] and any(n.kind == "batch_norm" for n in chain)
-
-
-def _unfused_clamp(ctx: LintContext, chain: list[OpNode], pattern: tuple[str, ...]) -> OpNode | None:
-    """The ReLU6 / Hardtanh(0, x) module right after a fused chain the backend would extend with ReLU."""
-    if pattern[-1] == "relu" or not ctx.backend.can_fuse(pattern + ("relu",)):
-        return None
-    if ctx.backend.can_fuse(pattern + (chain[-1].kind,)):
-        return None
-    consumers = ctx.graph.consumers(chain[-1].name)
-    if len(consumers) != 1:
-        return None
-    clamp = consumers[0]
-    if clamp.kind not in _CLAMP_KINDS or clamp.op != "module" or not clamp.module:
-        return None
-    module = ctx.graph.modules.get(clamp.module)
-    if ctx.backend.can_fuse(pattern + (clamp.kind,)) or module is None:
-        return None
-    if clamp.kind == "hardtanh" and ctx.model_factory is not None:
-        low = getattr(ctx.model_factory().get_submodule(clamp.module), "min_val", None)
-        if low != 0.0:
-            return None  # only a clamp at 0 can become a ReLU
-    return clamp
-
-
-def _head_module(head: OpNode) -> str | None:
-    """The module a qconfig names for the chain's conv: the module itself, or for a functional
-    conv the module holding its weight (the fold rewrite makes that a plain conv module)."""
-    if head.op == "module":
-        return head.module
-    return head.weight.rpartition(".")[0] or None if head.weight else None
-
-
-def _saturating_ranges(
-    ctx: LintContext, clamps: list[tuple[list[OpNode], tuple[str, ...], OpNode]]
-) -> list[tuple[tuple[float, float] | None, bool]]:
-    """Per chain, the fixed range [0, clip] whose int8 saturation computes its clamp exactly, from
-    one float pass over the trial's calibration batches (the example inputs without one), and
-    whether the conv's input needs an op of its own to be quantized.
-
-    The range is None where the values never reach the clip: a fixed range would only waste
-    levels there. FX quantizes a conv's input with the conv's own qconfig when no quantized op
-    produced it (a model input, or an op the backend leaves float such as a pad); such a conv
-    gets the observe_input rewrite, so that the fixed range is its output's alone."""
-    if ctx.trial_bench is not None:
-        batches = list(ctx.trial_bench.calibration)
-    else:
-        batches = [tuple(ctx.example_inputs)] if ctx.example_inputs else []
-    if ctx.model_factory is None or not batches:
-        return [(None, False)] * len(clamps)
-    model = ctx.model_factory().eval()
-    highest: dict[str, float] = {}
-
-    def watch(fqn: str) -> None:
-        def record(_module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
-            highest[fqn] = max(highest.get(fqn, float("-inf")), float(args[0].max()))
-
-        model.get_submodule(fqn).register_forward_hook(record)
-
-    own_input: list[bool] = []
-    for chain, _, clamp in clamps:
-        watch(str(clamp.module))
-        producers = ctx.graph.producers(chain[0].name)
-        own_input.append(not (producers and producers[0].op != "input" and ctx.backend.supports(producers[0].kind)))
-    with torch.no_grad():
-        for batch in batches:  # a tensor, a tuple of arguments or a mapping of keyword arguments
-            call_model(model, batch)
-    ranges: list[tuple[tuple[float, float] | None, bool]] = []
-    for (_, _, clamp), observe in zip(clamps, own_input, strict=True):
-        high = 6.0
-        if clamp.kind == "hardtanh":
-            high = float(getattr(model.get_submodule(str(clamp.module)), "max_val", 6.0))
-        reached = highest.get(str(clamp.module), 0.0) >= high
-        ranges.append(((0.0, round(high, 4)), observe) if reached else (None, False))
-    return ranges
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fixed:
-    scale: float
-    zero_point: int
-    quant_min: int
-    quant_max: int
-
-    def qconfig(self, weight: Any) -> QConfig:
-        observer = FixedQParamsObserver.with_args(
-            scale=self.scale,
-            zero_point=self.zero_point,
-            dtype=torch.quint8,
-            quant_min=self.quant_min,
-            quant_max=self.quant_max,
-        )
-        return QConfig(activation=observer, weight=weight)
-
-
-def _fixed_activation(ctx: LintContext, clip: tuple[float, float]) -> _Fixed:
-    """quint8 qparams for ``clip``, in the backend's activation range (7 bits where it reduces)."""
-    quant_max = 127 if ctx.backend.wants_reduce_range else 255
-    scale = (clip[1] - clip[0]) / quant_max
-    return _Fixed(scale=scale, zero_point=round(-clip[0] / scale), quant_min=0, quant_max=quant_max)
-
-
-class _RangeMeter:
-    """Measures each group of fixed ranges as the gain of adding it to all the other groups.
-
-    The groups work together (a wide stem output ruins what the later ranges save), so each
-    finding's impact is measured with every other group applied: one trial for all groups and one
-    for each group left out. Functional chains are measured after the fold rewrite, so that the
-    gain is the ranges' own and not the fold's."""
-
-    def __init__(
-        self,
-        ctx: LintContext,
-        groups: list[tuple[_Fixed, list[str]]],
-        functional: list[list[OpNode]],
-        observed: list[str],
-    ):
-        self.ctx, self.groups = ctx, groups
-        self.bench = ctx.trial_bench
-        if self.bench is not None and (functional or observed):
-            example, original = ctx.example_inputs or (), self.bench.model_factory
-            provenance = [Provenance(rule="QL101")]
-            asked = (
-                Suggestions(rewrites=[Rewrite(kind="observe_input", modules=observed, provenance=provenance)])
-                if observed
-                else None
-            )
-            kinds = ["fold_bn_into_functional_conv"] * bool(functional) + ["observe_input"] * bool(observed)
-
-            @functools.cache
-            def rewritten_once() -> nn.Module:  # rewriting checks float outputs: once, not per trial
-                return apply_rewrites(original(), asked, example, kinds=kinds)[0]
-
-            self.bench = self.bench.variant(lambda: copy.deepcopy(rewritten_once()))
-        self.functional, self.rewritten = bool(functional), bool(functional or observed)
-        self._all: BatchPowers | None = None
-
-    def _powers(self, groups: list[tuple[_Fixed, list[str]]]) -> BatchPowers | None:
-        """The output's per-batch powers with ``groups`` fixed; None when no trial can tell."""
-        mapping = self.ctx.qconfig_mapping
-        if self.bench is None or mapping is None or self.ctx.trial is None or self.ctx.trial.output_powers is None:
-            return None
-        if not groups and not self.rewritten:
-            return self.ctx.trial.output_powers  # the lint trial already measured the intended mapping
-        mapping = copy.deepcopy(mapping)
-        weight = mapping.global_qconfig.weight if mapping.global_qconfig is not None else None
-        for fixed, targets in groups:
-            for fqn in targets:
-                mapping.set_module_name(fqn, fixed.qconfig(weight))
-        return self.bench.output_powers(mapping)
-
-    def impact(self, targets: list[str]) -> Impact | None:
-        if self._all is None:
-            self._all = self._powers(self.groups)
-        others = [g for g in self.groups if g[1] != targets]
-        base = self._powers(others)
-        if base is None or self._all is None:
-            return None
-        detail = "fixed saturating range on every listed conv in one trial"
-        if others:
-            detail += f", with the {len(others)} other fixed-range group(s) applied in both"
-        if self.functional:
-            detail += ", both models with the functional conv → BN folds applied"
-        if self.rewritten and not self.functional:
-            detail += ", both models with the convs' inputs given ops of their own"
-        return Impact.between(base, self._all, "rule-trial", detail)
-
-
-_MODULE_ONLY_KINDS = frozenset({"conv1d", "conv2d", "conv3d", "linear", "batch_norm"})
-
-
-def _match_chain(graph: ModelGraph, head: OpNode, pattern: tuple[str, ...]) -> list[OpNode] | None:
-    if head.kind != pattern[0]:
-        return None
-    chain = [head]
-    for kind in pattern[1:]:
-        nxt = [
-            c
-            for c in graph.consumers(chain[-1].name)
-            if c.kind == kind and graph.producers(c.name)[0].name == chain[-1].name
-        ]
-        if not nxt:
-            return None
-        chain.append(nxt[0])
-    return chain
-
-
-def _eager_fused(chain: list[OpNode]) -> bool:
-    """After fuse_modules the head is an intrinsic module (ConvBnReLU2d…) and the rest Identity."""
-    return any(n.module_type and ".intrinsic." in n.module_type for n in chain)
-
-
-def _qconfig_key(node: OpNode):
-    """Fusion needs the ops to agree on how the fused output is observed."""
-    qc = node.qconfig
-    if qc is None:
-        return None
-    return qc.activation.qparams_key() if qc.activation else None
-
-
-def _qconfig_text(node: OpNode) -> str:
-    qc = node.qconfig
-    if qc is None:
-        return "None (float)"
-    act = qc.activation.observer if qc.activation else "none"
-    return f"{act} via {qc.source}"
 
 
 # --- examples --------------------------------------------------------------------------
