@@ -24,6 +24,7 @@ from qlint.core.graph import OpNode
 from qlint.linter.calibration import FEATURES
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
+from qlint.linter.fixes import Fix, KeepFloat, SetActivationObserver
 from qlint.linter.json_values import json_float
 from qlint.linter.rule import Example, Need, ObservationSpec, Rule, RuleOptions
 
@@ -49,7 +50,8 @@ class ActivationOutlier(Rule):
     `(B, D)` or `(B, T, D)` tensor). A channel whose reference quantile is 0 (mostly zeros,
     as after a ReLU) is listed but not counted as losing resolution: int8 holds zero
     exactly; a finding of only such channels, whose other channels lose nothing to them,
-    is info and suggests no fix. With lint's trial it also gives the measured SQNR of that
+    is info and suggests no fix. Layers that read one tensor (a transformer's q, k and v)
+    share one finding, whose fix reaches each one's observer. With lint's trial it also gives the measured SQNR of that
     activation under the qparams the converted model uses.
 
     Its fix differs from the default qconfig: a clipping `PercentileObserver` (99.99th
@@ -124,6 +126,9 @@ class ActivationOutlier(Rule):
     options: Options  # this rule's own Options, so the type checker knows its fields
 
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
+        # Layers reading one tensor (a transformer's q, k and v) share one finding: it is one
+        # activation, with one set of channels, whichever layer's observer quantizes it.
+        readers: dict[str, tuple[list[OpNode], OutlierMeasurement]] = {}
         for node in ctx.graph.by_kind(*KINDS):
             measured = measure(
                 ctx.statistics, node, self.options.ratio_threshold, self.options.fraction_batches_used_threshold
@@ -131,50 +136,56 @@ class ActivationOutlier(Rule):
             if measured is None:
                 continue
             yield _layer_row(self.code, node, measured)
-            if node.qconfig is None or not node.is_quantized:
-                continue
-            stats = measured.stats
-            if measured.nan_count or measured.inf_count:
-                bad = ((stats.nan_count + stats.inf_count) > 0).nonzero().flatten().tolist()
-                yield self.finding(
-                    node.display,
-                    f"the input of {node.display} contains {measured.nan_count} NaN and {measured.inf_count} "
-                    f"Inf values during calibration (channels {_short(bad)}): observers would compute "
-                    "NaN/Inf qparams and the quantized model would produce garbage. Fix the numerics "
-                    "upstream (overflow, division by zero, log of 0) before quantizing.",
-                    data={
-                        "kind": "non-finite",
-                        "node": node.name,
-                        "nan_count": measured.nan_count,
-                        "inf_count": measured.inf_count,
-                        "channels": bad,
-                    },
-                    severity=Severity.ERROR,
-                )
-            outliers = measured.outlier.nonzero().flatten().tolist()
-            if outliers:
-                yield self._outlier_finding(ctx, node, measured, outliers)
-            constant = measured.constant.nonzero().flatten().tolist()
-            if constant and self.options.report_constant_channels:
-                values = [json_float(stats.channel_max[c]) for c in constant[:32]]
-                yield self.finding(
-                    node.display,
-                    f"{len(constant)} of {stats.num_channels} input channels of {node.display} are constant over "
-                    f"all calibration data (channels {_short(constant)}): they carry no information; fold them "
-                    "into the bias or prune them.",
-                    data={
-                        "kind": "constant-channels",
-                        "node": node.name,
-                        "constant_channels": constant,
-                        "values": values,
-                    },
-                    severity=Severity.INFO,
-                )
+            if node.qconfig is not None and node.is_quantized:
+                readers.setdefault(_input_tensor(ctx, node), ([], measured))[0].append(node)
+        for nodes, measured in readers.values():
+            yield from self._findings(ctx, nodes, measured)
+
+    def _findings(self, ctx: LintContext, nodes: list[OpNode], measured: OutlierMeasurement) -> Iterable[Finding]:
+        stats, head, names = measured.stats, nodes[0], _joined(nodes)
+        if measured.nan_count or measured.inf_count:
+            bad = ((stats.nan_count + stats.inf_count) > 0).nonzero().flatten().tolist()
+            yield self.finding(
+                head.display,
+                f"the input of {names} contains {measured.nan_count} NaN and {measured.inf_count} "
+                f"Inf values during calibration (channels {_short(bad)}): observers would compute "
+                "NaN/Inf qparams and the quantized model would produce garbage. Fix the numerics "
+                "upstream (overflow, division by zero, log of 0) before quantizing.",
+                data={
+                    "kind": "non-finite",
+                    "node": head.name,
+                    "read_by": [node.display for node in nodes],
+                    "nan_count": measured.nan_count,
+                    "inf_count": measured.inf_count,
+                    "channels": bad,
+                },
+                severity=Severity.ERROR,
+            )
+        outliers = measured.outlier.nonzero().flatten().tolist()
+        if outliers:
+            yield self._outlier_finding(ctx, nodes, measured, outliers)
+        constant = measured.constant.nonzero().flatten().tolist()
+        if constant and self.options.report_constant_channels:
+            values = [json_float(stats.channel_max[c]) for c in constant[:32]]
+            yield self.finding(
+                head.display,
+                f"{len(constant)} of {stats.num_channels} input channels of {names} are constant over "
+                f"all calibration data (channels {_short(constant)}): they carry no information; fold them "
+                "into the bias or prune them.",
+                data={
+                    "kind": "constant-channels",
+                    "node": head.name,
+                    "read_by": [node.display for node in nodes],
+                    "constant_channels": constant,
+                    "values": values,
+                },
+                severity=Severity.INFO,
+            )
 
     def _outlier_finding(
-        self, ctx: LintContext, node: OpNode, measured: OutlierMeasurement, outliers: list[int]
+        self, ctx: LintContext, nodes: list[OpNode], measured: OutlierMeasurement, outliers: list[int]
     ) -> Finding:
-        stats = measured.stats
+        stats, node = measured.stats, nodes[0]
         high, low = stats.channel_max.cpu(), stats.channel_min.cpu()
         ratios_all = measured.metric
         # A channel whose reference quantile is 0 (mostly zeros, e.g. after a ReLU) has an
@@ -203,7 +214,7 @@ class ActivationOutlier(Rule):
         clip = clip_value(stats, dense or outliers)
         spikes = max((m for m in maxima if isinstance(m, float)), default=math.nan)
         message = (
-            f"{len(outliers)} input channel(s) of {node.display} have outliers (channels {_short(outliers)}: "
+            f"{len(outliers)} input channel(s) of {_joined(nodes)} have outliers (channels {_short(outliers)}: "
             f"max / {self.options.reference_percentile:g}-quantile > {self.options.ratio_threshold:g}, max up to "
             f"{spikes:.4g}). One per-tensor scale must "
             "cover them"
@@ -243,7 +254,7 @@ class ActivationOutlier(Rule):
                 "anyway (they lose under 0.1 bits to these channels)."
             )
         else:
-            target, suggestion, fix = _fix(ctx, node, _clip_text(clip, spikes, self.options.reference_percentile))
+            target, suggestion, fix = _fix(ctx, nodes, _clip_text(clip, spikes, self.options.reference_percentile))
             message += " " + fix
         return self.finding(
             node.display,
@@ -252,6 +263,7 @@ class ActivationOutlier(Rule):
             data={
                 "kind": "outlier",
                 "node": node.name,
+                "read_by": [layer.display for layer in nodes],
                 "outlier_channels": outliers,
                 "mostly_zero_channels": sparse,
                 "channel_max": maxima,
@@ -274,43 +286,59 @@ class ActivationOutlier(Rule):
 CLIP_PERCENTILE = 99.99  # what the suggested clipping observer keeps: rare spikes above it saturate
 
 
-def _fix(ctx: LintContext, node: OpNode, clip_text: str) -> tuple[str, dict | None, str]:
+def _fix(ctx: LintContext, nodes: list[OpNode], clip_text: str) -> tuple[str, Fix | None, str]:
     """Where a clipping observer goes: on the op whose qconfig makes the observer of the input
-    under prepare_fx (``observer_owner``: the producer, a ReLU on the way, or the layer itself);
-    in an exported graph (pt2e) on the layer, whose input edge has an observer of its own."""
+    under prepare_fx (``observer_owner``: the producer, a ReLU on the way, or each layer itself);
+    in an exported graph (pt2e) on the layers, whose input edges have observers of their own."""
+    head = nodes[0]
     subject = None
-    if ctx.graph.exported and node.module:
-        # pt2e observes the tensors a module's ops read: qlint's pt2e quantizer changes that observer
-        target, subject = node.module, f"{node.module}'s input tensor (shared by every op reading it)"
-    elif ctx.graph.exported:
-        return (
-            node.display,
-            None,
-            f"Fix: {node.display} is an op of the exported graph with no module of its own, which no "
-            "per-module setting of the pt2e quantizer reaches: clip or normalise these channels before it.",
-        )
-    else:
-        owner = observer_owner(ctx, node)
-        if owner.op == "module" and owner.module:
-            target = owner.module
-        elif owner is node:
-            target = node.display
-        else:
+    if ctx.graph.exported:
+        modules = [node.module for node in nodes if node.module]
+        if len(modules) < len(nodes):
             return (
-                node.display,
-                {"action": "keep_float", "module": node.display},
-                f"Fix: the observer of this input is made by {owner.display} ({owner.kind}), a functional op "
-                f"with no qconfig of its own to change: clip or normalise these channels before {node.display}, "
-                "or keep the layer float.",
+                head.display,
+                None,
+                f"Fix: {_joined_names([node.display for node in nodes])} reads it in an op of the exported graph with no module of its own, which "
+                "no per-module setting of the pt2e quantizer reaches: clip or normalise these channels before it.",
             )
+        # pt2e observes the tensors a module's ops read: qlint's pt2e quantizer changes that observer
+        targets = list(dict.fromkeys(modules))
+        subject = f"{_joined_names(targets)}'s input tensor (shared by every op reading it)"
+    else:
+        owners = [observer_owner(ctx, node) for node in nodes]
+        functional = [owner for owner, node in zip(owners, nodes) if owner is not node and owner.op != "module"]
+        if functional:
+            return (
+                head.display,
+                KeepFloat(targets=[node.display for node in nodes]),
+                f"Fix: the observer of this input is made by {functional[0].display} ({functional[0].kind}), a "
+                f"functional op with no qconfig of its own to change: clip or normalise these channels before "
+                f"{_joined_names([node.display for node in nodes])}, or keep {'it' if len(nodes) == 1 else 'them'} float.",
+            )
+        targets = list(dict.fromkeys(owner.module or owner.display for owner in owners))
     return (
-        target,
-        {"action": "set_activation_observer", "targets": [target], "percentile": CLIP_PERCENTILE},
-        f"Fix: give {subject or target} a clipping activation observer{clip_text}: "
+        targets[0],
+        SetActivationObserver(targets=targets, percentile=CLIP_PERCENTILE),
+        f"Fix: give {subject or _joined_names(targets)} a clipping activation observer{clip_text}: "
         f"PercentileObserver(percentile={CLIP_PERCENTILE:g}) instead of the default histogram search, so "
         "the rare spikes saturate and the bulk keeps its resolution; or clip/normalise these channels "
         "upstream, or keep the layer float.",
     )
+
+
+def _input_tensor(ctx: LintContext, node: OpNode) -> str:
+    """The node whose output ``node`` reads as its input (itself when it reads no node's)."""
+    producers = ctx.graph.producers(node.name)
+    return producers[0].name if producers else node.name
+
+
+def _joined(nodes: list[OpNode]) -> str:
+    text = _joined_names([node.display for node in nodes])
+    return text if len(nodes) == 1 else f"{text} (one tensor, read by each)"
+
+
+def _joined_names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _clip_text(clip: float, spikes: float, quantile: float) -> str:

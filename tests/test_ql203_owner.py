@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.ao.quantization import MinMaxObserver, QConfig, get_default_qconfig_mapping
+from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
 from torch.ao.quantization.quantize_fx import prepare_fx
 
 import qlint
@@ -69,11 +70,11 @@ def _marked() -> QConfig:
 
 
 def _input_observer_is_marked(model: nn.Module, example: tuple, target: str) -> bool:
-    """prepare_fx with a marked observer on module ``target``: is it the observer of conv's input?"""
+    """prepare_fx (x86) with a marked observer on module ``target``: is it the observer of conv's input?"""
     mapping = get_default_qconfig_mapping("x86").set_module_name(target, _marked())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = prepare_fx(model, mapping, example)
+        prepared = prepare_fx(model, mapping, example, backend_config=get_x86_backend_config())  # as lint's trial
     conv = next(node for node in prepared.graph.nodes if node.target == "conv")
     observer = conv.args[0]
     return observer.op == "call_module" and getattr(prepared.get_submodule(observer.target), "quant_max", None) == MARK
@@ -123,3 +124,40 @@ def test_an_observer_made_by_a_functional_op_is_named_and_the_layer_is_kept_floa
     assert "made by relu (relu), a functional op" in outliers[0].message
     # neither the layer's qconfig nor anything upstream makes it: F.relu's does
     assert not _input_observer_is_marked(model, (batches[0],), "conv")
+
+
+class _Attention(nn.Module):
+    """A GELU (no static int8 kernel under x86) feeding q, k and v: each observes its own input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.GELU()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.act(x)
+        return self.q(h) + self.k(h) + self.v(h)
+
+
+def test_layers_reading_one_tensor_share_one_finding_whose_fix_reaches_each_layers_observer():
+    """On MiniLM QL203 reported each attention block's q, k and v input three times."""
+    torch.manual_seed(0)
+    model = _Attention().eval()
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randn(4, 16, 8, generator=generator) for _ in range(8)]
+    for batch in batches:
+        batch[0, 0, 3] = 400.0  # a rare spike in channel 3
+    report = qlint.lint(model, (batches[0],), calibration=batches, select=["QL203"], trial_options={"enabled": False})
+    outliers = [f for f in report.findings if f.data.get("kind") == "outlier"]
+    assert len(outliers) == 1
+    assert outliers[0].data["read_by"] == ["q", "k", "v"] and "of q, k and v (one tensor" in outliers[0].message
+    suggestion = outliers[0].suggestion
+    assert suggestion is not None and suggestion.targets == ["q", "k", "v"]
+    assert [row.name for row in report.layers if row.rule == "QL203"] == ["q", "k", "v"]  # rows stay per layer
+    for layer in suggestion.targets:
+        mapping = get_default_qconfig_mapping("x86").set_module_name(layer, _marked())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prepared = prepare_fx(model, mapping, (batches[0],), backend_config=get_x86_backend_config())
+        observer = next(node for node in prepared.graph.nodes if node.target == layer).args[0]
+        assert getattr(prepared.get_submodule(observer.target), "quant_max", None) == MARK
