@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import sys
+import types
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -46,7 +47,58 @@ def load_model_arg(spec: str, trust_pickle: bool = False) -> torch.nn.Module:
     """FLOAT or QUANT: anything qlint's safe loader takes (.pt2, .pt, module:factory)."""
     from qlint.core.load import load_model
 
-    return load_model(spec, trust_pickle=trust_pickle).module
+    return _ready_for_eval(spec, load_model(spec, trust_pickle=trust_pickle).module)
+
+
+def _training_mode_ops(module: torch.fx.GraphModule) -> list[str]:
+    """The ops of an exported graph that run in training mode (batch norm updating its
+    statistics, dropout): aten ops carry the mode as an argument, ``training`` or ``train``."""
+    found = []
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        try:
+            normalized = node.normalized_arguments(module, normalize_to_only_use_kwargs=True)
+        except Exception:  # an op without a schema to normalize by: it has no mode argument either
+            normalized = None
+        if normalized is not None and any(normalized.kwargs.get(flag) is True for flag in ("training", "train")):
+            found.append(str(node.target))
+    return found
+
+
+def _as_exported(self: torch.nn.Module, mode: bool = False) -> torch.nn.Module:
+    """eval() of an exported module: it runs as it was exported (in eval mode, checked on loading)."""
+    return self
+
+
+def _ready_for_eval(spec: str, module: Any) -> Any:
+    """The model as compare can use it: compare puts both models in eval mode.
+
+    The module of an exported program (a .pt2, or ``ExportedProgram.module()`` from a factory)
+    refuses eval() and train(): its graph runs in the mode it was exported in, which each batch
+    norm and dropout op carries as an argument. One exported in eval mode already is what
+    eval() asks for, so its eval() leaves it as it is; one exported in training mode would
+    update its batch norm statistics and drop activations at random on every batch: refused."""
+    if not isinstance(module, torch.fx.GraphModule) or "eval" not in vars(module):
+        return module  # an ordinary module (or not one at all, which _compare refuses)
+    try:
+        module.eval()
+        return module  # the instance's own eval() works: nothing to do
+    except NotImplementedError:
+        pass
+    training = _training_mode_ops(module)
+    if training:
+        shown = ", ".join(dict.fromkeys(training))
+        raise ConfigError(
+            f"{spec} was exported in training mode ({shown} with training=True): compare needs the "
+            "model as it runs in inference; export it after model.eval()"
+        )
+    module.eval = types.MethodType(_as_exported, module)  # type: ignore[method-assign]
+    return module
+
+
+def _is_exported(module: torch.nn.Module) -> bool:
+    return getattr(getattr(module, "eval", None), "__func__", None) is _as_exported
 
 
 def load_data_arg(spec: str) -> Any:
@@ -57,7 +109,12 @@ def load_data_arg(spec: str) -> Any:
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("float_model", metavar="FLOAT", help="float model: package.module:factory")
+    parser.add_argument(
+        "float_model",
+        metavar="FLOAT",
+        help="float model: package.module:factory, .pt or .pt2 (exported in eval mode; its layers are aten ops, "
+        "which pair with the ops of a pt2e-converted QUANT, not with quantized modules)",
+    )
     parser.add_argument(
         "quantized_model",
         metavar="QUANT",
@@ -192,6 +249,26 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     return EXIT_FINDINGS if report.findings else EXIT_CLEAN
 
 
+def _note_layers_without_float(report: Report, spec: str, quantized_model: torch.nn.Module) -> Report:
+    """A warning naming QUANT's layer modules that no row compares, when FLOAT is an exported
+    program: its layers are aten ops, which pair with the ops of a pt2e model but not with modules."""
+    from qlint.measure.matching import quantized_layer_modules
+
+    compared = {row.extra.get("quantized_target") for row in report.compare_rows()}
+    missing = [fqn for fqn in quantized_layer_modules(quantized_model) if fqn not in compared]
+    if not missing:
+        return report
+    notice = Notice(
+        level=Severity.WARNING,
+        message=(
+            f"{spec} is an exported program, whose layers are aten ops, not modules: the quantized "
+            f"layers {', '.join(missing)} have no float layer to pair with and are compared only through "
+            "the model output; for their rows, give FLOAT as the nn.Module (package.module:factory)"
+        ),
+    )
+    return report.model_copy(update={"notices": [*report.notices, notice]})
+
+
 def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
     """(report, sensitivity ranking or None, bad-case report or None); runs the user's models."""
     float_model = load_model_arg(args.float_model, args.trust_pickle)
@@ -214,6 +291,8 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
         )
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    if _is_exported(float_model):
+        report = _note_layers_without_float(report, args.float_model, quantized_model)
     ranking = None
     if args.sensitivity:
         # Rank the layers of the quantized model the user gave: its shadow errors are the real ones.
