@@ -135,17 +135,28 @@ def clip_value(stats: TensorStats, channels: list[int]) -> float:
     return max(values) if values else math.nan
 
 
-def activation_bits(node: OpNode, measured: ActivationError | None, exported: bool) -> int:
+# torch's dynamic Linear and conv kernels quantize their input per call with reduce_range on
+# these engines (qnnpack ignores it): 128 levels, whatever the qconfig's quant range says.
+_DYNAMIC_REDUCE_RANGE = frozenset({"x86", "fbgemm", "onednn"})
+
+
+def activation_bits(node: OpNode, measured: ActivationError | None, exported: bool, backend: str) -> int:
     """Bits the layer's input is quantized to: log2 of its observer's level count (7 with
-    reduce_range): as measured in the trial, else as the pt2e quantizer (an exported graph)
-    or the intended qconfig says."""
-    levels = measured.levels if measured is not None else PT2E_ACTIVATION_LEVELS if exported else None
-    if levels is not None:
-        return max(1, math.ceil(math.log2(levels)))
-    spec = node.qconfig.activation if node.qconfig is not None else None
-    if spec is not None and spec.quant_min is not None and spec.quant_max is not None:
-        return max(1, math.ceil(math.log2(spec.quant_max - spec.quant_min + 1)))
-    return 8
+    reduce_range): for a dynamic layer, what its kernel uses on ``backend``'s engine; else as
+    measured in the trial, else as the pt2e quantizer (an exported graph) or the intended
+    qconfig says."""
+    qconfig = node.qconfig
+    spec = qconfig.activation if qconfig is not None else None
+    levels = None
+    if qconfig is not None and qconfig.is_dynamic and not exported:
+        levels = 128 if backend in _DYNAMIC_REDUCE_RANGE else 256
+    elif measured is not None:
+        levels = measured.levels
+    elif exported:
+        levels = PT2E_ACTIVATION_LEVELS
+    elif spec is not None and spec.quant_min is not None and spec.quant_max is not None:
+        levels = spec.quant_max - spec.quant_min + 1
+    return max(1, math.ceil(math.log2(levels))) if levels is not None else 8
 
 
 def physical_bits(value: float, bits: int) -> float:

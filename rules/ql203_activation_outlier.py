@@ -199,7 +199,7 @@ class ActivationOutlier(Rule):
         rest = ~mask & finite
         without = float(high[rest].max() - low[rest].min()) if bool(rest.any()) else math.nan
         quantized_input = measured_input(ctx, node)
-        bits = activation_bits(node, quantized_input, ctx.graph.exported)
+        bits = activation_bits(node, quantized_input, ctx.graph.exported, ctx.backend.name)
         loss_bits = physical_bits(math.log2(full / without) if full > 0 and without > 0 else math.nan, bits)
         maxima = [json_float(high[c]) for c in outliers]
         ratios = [json_float(ratios_all[c]) for c in outliers]

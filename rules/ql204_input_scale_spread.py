@@ -96,7 +96,10 @@ class InputScaleSpread(Rule):
                 continue
             # The quantized ops up to the ending layers have the bits of their input observers; the
             # fewest of them is what the median sample can lose at most.
-            bits = min(activation_bits(node, measured_input(ctx, node), ctx.graph.exported) for node in quantized)
+            bits = min(
+                activation_bits(node, measured_input(ctx, node), ctx.graph.exported, ctx.backend.name)
+                for node in quantized
+            )
             flagged = spread.ratio >= self.options.min_spread
             if flagged:
                 yield self._finding(candidate, spread, bits)

@@ -112,7 +112,7 @@ class LeadingTokenOutlier(Rule):
         worst = max(flagged, key=lambda layer: layer["ratio"])
         # the bits of the worst layer's input, counted as QL203 counts them for that input
         dtype_bits = min(
-            activation_bits(node, measured_input(ctx, node), ctx.graph.exported)
+            activation_bits(node, measured_input(ctx, node), ctx.graph.exported, ctx.backend.name)
             for node in ctx.graph.call_sites(worst["target"])
         )
         bits = physical_bits(math.log2(worst["ratio"]), dtype_bits)
