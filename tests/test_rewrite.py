@@ -13,7 +13,8 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 from qlint.advice.plan import Provenance, QuantPlan, Rewrite
 from qlint.errors import QlintError
-from qlint.measure.rewrite import apply_rewrites, find_rewrites, relative_error
+from qlint.measure.rewrite import apply_rewrites, relative_error
+from qlint.measure.rewrite_candidates import find_rewrites
 
 
 class SameConv2d(nn.Conv2d):

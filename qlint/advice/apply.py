@@ -31,10 +31,10 @@ from qlint.core.batches import as_call
 from qlint.core.ops import is_aten_graph
 from qlint.errors import QlintError
 from qlint.measure.calibrated import CalibratedQParams
+from qlint.measure.equalization import apply_equalization
 from qlint.measure.rewrite import (
     DEFAULT_MAX_RELATIVE_ERROR,
     AppliedRewrite,
-    apply_equalization,
     apply_requested_rewrites,
     apply_rewrites,
     fanout_follows_original,

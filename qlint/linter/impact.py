@@ -49,8 +49,9 @@ from qlint.linter.fixes import SetQConfig
 from qlint.linter.mapping import module_recipe, restore_type_default
 from qlint.linter.suggestions import Suggestions, collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
+from qlint.measure.equalization import apply_equalization
 from qlint.measure.pt2e_trial import TORCH_LAYER_CLASSES, missed_torch_layer, quantizer_leaves_float
-from qlint.measure.rewrite import apply_equalization, apply_requested_rewrites, fanout_follows_original
+from qlint.measure.rewrite import apply_requested_rewrites, fanout_follows_original
 from qlint.measure.trial import TrialBench, TrialResult
 
 Family = Literal["qconfig", "rewrite", "keep-float"]

@@ -1,0 +1,140 @@
+"""Input-weight equalization as a float-preserving rescale (cross-layer equalization): each
+Linear/Conv's input channels balanced against its weight columns, the scale folded into the
+previous layer through ReLUs, kept only when the float outputs stay the same."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qlint.core.batches import as_call
+from qlint.errors import QlintError
+from qlint.measure.rewrite import DEFAULT_MAX_RELATIVE_ERROR, AppliedRewrite, checked, float_outputs, relative_error
+
+_POSITIVE_HOMOGENEOUS = {F.relu, torch.relu, "relu"}
+_EQ_PREVIOUS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
+_EQ_NEXT = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _equalization_path(gm: fx.GraphModule, module: str) -> tuple[fx.Node, fx.Node] | None:
+    """(previous, next) call_module nodes with only ReLUs between them and no other consumer."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) == module]
+    if len(nodes) != 1 or not isinstance(gm.get_submodule(module), _EQ_NEXT):
+        return None
+    node = nodes[0].args[0] if nodes[0].args else None
+    while isinstance(node, fx.Node):
+        if len(node.users) != 1:
+            return None
+        if node.op == "call_module":
+            sub = gm.get_submodule(str(node.target))
+            if isinstance(sub, nn.ReLU):
+                node = node.args[0]
+                continue
+            if isinstance(sub, _EQ_PREVIOUS):
+                if isinstance(sub, nn.LayerNorm) and (sub.weight is None or sub.weight.dim() != 1):
+                    return None
+                if isinstance(sub, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and sub.groups != 1:
+                    return None
+                return node, nodes[0]
+            return None
+        if node.op in ("call_function", "call_method") and node.target in _POSITIVE_HOMOGENEOUS:
+            node = node.args[0]
+            continue
+        return None
+    return None
+
+
+def _input_channel_absmax(gm: fx.GraphModule, module: str, batches: Sequence[Any]) -> torch.Tensor:
+    target = gm.get_submodule(module)
+    seen: list[torch.Tensor] = []
+
+    def hook(_m, args):
+        x = args[0].detach()
+        dim = -1 if isinstance(target, nn.Linear) else 1
+        seen.append(x.abs().transpose(dim, -1).reshape(-1, x.shape[dim]).amax(0))
+
+    handle = target.register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                args, kwargs = as_call(batch)
+                gm(*args, **kwargs)
+    finally:
+        handle.remove()
+    return torch.stack(seen).amax(0)
+
+
+def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequence[Any]) -> None:
+    prev = gm.get_submodule(str(previous.target))
+    following = gm.get_submodule(str(nxt.target))
+    x_range = _input_channel_absmax(gm, str(nxt.target), batches).clamp_min(1e-8)
+    # nn.Module's stubs type submodule attributes as Tensor | Module; these layers hold tensors.
+    weight = cast(torch.Tensor, following.weight).detach()
+    w_range = weight.abs().transpose(0, 1).reshape(weight.shape[1], -1).amax(1).clamp_min(1e-8)
+    scale = torch.sqrt(w_range / x_range)
+    scale = scale / torch.exp(torch.log(scale).mean())  # geometric mean 1: overall ranges unchanged
+    with torch.no_grad():
+        shape_w = (-1,) + (1,) * (cast(torch.Tensor, prev.weight).dim() - 1)
+        cast(torch.Tensor, prev.weight).mul_(scale.reshape(shape_w))
+        if getattr(prev, "bias", None) is not None:
+            cast(torch.Tensor, prev.bias).mul_(scale)
+        cast(torch.Tensor, following.weight).div_(scale.reshape((1, -1) + (1,) * (weight.dim() - 2)))
+
+
+def apply_equalization(
+    graph_module: fx.GraphModule,
+    modules: Sequence[str],
+    batches: Sequence[Any],
+    *,
+    max_relative_error: float = DEFAULT_MAX_RELATIVE_ERROR,
+) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+    """Input-weight equalization realized as a float-preserving rescale (cross-layer equalization).
+
+    For each module (a Linear/Conv), the input channels are balanced against the weight
+    columns: channel j of the input is multiplied by ``c_j = sqrt(range(W[:, j]) /
+    range(x_j))`` and the column divided by it, so both ranges become
+    ``sqrt(range(W[:, j]) * range(x_j))``. The input scaling is folded into the previous
+    Linear/Conv/LayerNorm/BatchNorm (through ReLUs, which commute with positive scales), so
+    no op is added and the float function is unchanged. Ranges come from ``batches``.
+    """
+    if not batches:
+        raise QlintError("equalization needs calibration batches")
+    current = copy.deepcopy(graph_module)
+    example = as_call(batches[0])[0]
+    reference = float_outputs(current, example)
+    applied: list[AppliedRewrite] = []
+    for module in modules:
+        path = _equalization_path(current, module)
+        if path is None:
+            applied.append(
+                AppliedRewrite(
+                    kind="equalize",
+                    modules=[module],
+                    nodes=[],
+                    applied=False,
+                    requested_by_plan=True,
+                    reason="no foldable previous Linear/Conv/norm (through ReLU only)",
+                )
+            )
+            continue
+        trial = copy.deepcopy(current)
+        previous, nxt = (next(n for n in trial.graph.nodes if n.name == p.name) for p in path)
+        record = dict(
+            kind="equalize",
+            modules=[str(previous.target), module],
+            nodes=[previous.name, nxt.name],
+            requested_by_plan=True,
+        )
+        _equalize(trial, previous, nxt, batches)
+        error = relative_error(reference, float_outputs(trial, example))
+        outcome = checked(record, error, max_relative_error)
+        applied.append(outcome)
+        if outcome.applied:
+            current = trial
+    return current, applied
