@@ -13,7 +13,8 @@ from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver, de
 
 from qlint.core.batches import call_model
 from qlint.measure.calibrated import CalibratedQParams
-from qlint.measure.trial import TrialBench, prepare_model
+from qlint.measure.trial import prepare_model
+from qlint.measure.trial_bench import TrialBench
 
 
 class Block(nn.Module):

@@ -11,7 +11,8 @@ from torch.ao.quantization import QConfigMapping
 
 from qlint.core.backends import BackendInfo
 from qlint.core.graph import ModelGraph
-from qlint.measure.trial import TrialBench, TrialResult
+from qlint.measure.trial import TrialResult
+from qlint.measure.trial_bench import TrialBench
 
 # How the user stated their quantization intent.
 INTENT_DEFAULT = "backend default mapping"

@@ -52,7 +52,8 @@ from qlint.linter.trial_stage import TrialOptions
 from qlint.measure.equalization import apply_equalization
 from qlint.measure.pt2e_trial import TORCH_LAYER_CLASSES, missed_torch_layer, quantizer_leaves_float
 from qlint.measure.rewrite import apply_requested_rewrites, fanout_follows_original
-from qlint.measure.trial import TrialBench, TrialResult
+from qlint.measure.trial import TrialResult
+from qlint.measure.trial_bench import TrialBench
 
 Family = Literal["qconfig", "rewrite", "keep-float"]
 _FAMILY_DETAIL: dict[Family, str] = {

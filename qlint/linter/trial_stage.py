@@ -22,7 +22,8 @@ from qlint.linter.context import INTENT_DEFAULT, INTENT_MAPPING
 from qlint.linter.findings import TrialSummary
 from qlint.linter.rule import RuleOptions
 from qlint.measure.pt2e_trial import Pt2eBench, pt2e_blocker
-from qlint.measure.trial import TrialBench, TrialResult
+from qlint.measure.trial import TrialResult
+from qlint.measure.trial_bench import TrialBench
 
 
 class TrialOptions(RuleOptions):

@@ -49,11 +49,11 @@ from qlint.measure.trial import (
     STAGE_FLOAT,
     STAGE_RUN,
     LayerError,
-    TrialBench,
     TrialFailure,
     TrialResult,
     TrialStepError,
 )
+from qlint.measure.trial_bench import TrialBench
 
 STAGE_PREPARE_PT2E, STAGE_CONVERT_PT2E = "prepare_pt2e", "convert_pt2e"
 # X86InductorQuantizer's activations: uint8 over 0..255, the number format quantizer_for and
