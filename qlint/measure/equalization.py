@@ -20,6 +20,7 @@ from qlint.measure.rewrite import DEFAULT_MAX_RELATIVE_ERROR, AppliedRewrite, ch
 _POSITIVE_HOMOGENEOUS = {F.relu, torch.relu, "relu"}
 _EQ_PREVIOUS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 _EQ_NEXT = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_SILENT = 1e-6  # a range below this fraction of the widest channel's is no range at all
 
 
 def _equalization_path(gm: fx.GraphModule, module: str) -> tuple[fx.Node, fx.Node] | None:
@@ -73,12 +74,18 @@ def _input_channel_absmax(gm: fx.GraphModule, module: str, batches: Sequence[Any
 def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequence[Any]) -> None:
     prev = gm.get_submodule(str(previous.target))
     following = gm.get_submodule(str(nxt.target))
-    x_range = _input_channel_absmax(gm, str(nxt.target), batches).clamp_min(1e-8)
+    x_range = _input_channel_absmax(gm, str(nxt.target), batches)
     # nn.Module's stubs type submodule attributes as Tensor | Module; these layers hold tensors.
     weight = cast(torch.Tensor, following.weight).detach()
-    w_range = weight.abs().transpose(0, 1).reshape(weight.shape[1], -1).amax(1).clamp_min(1e-8)
-    scale = torch.sqrt(w_range / x_range)
-    scale = scale / torch.exp(torch.log(scale).mean())  # geometric mean 1: overall ranges unchanged
+    w_range = weight.abs().transpose(0, 1).reshape(weight.shape[1], -1).amax(1)
+    # A channel silent in calibration (all zeros after a ReLU) has no range to balance: a scale
+    # from it is unbounded (silero_vad's conv4 input: up to 4e4, and held-out batches that wake such a
+    # channel saturate the int8 layer before it), so it keeps scale 1 and no say in the mean.
+    live = (x_range > x_range.max() * _SILENT) & (w_range > w_range.max() * _SILENT)
+    scale = torch.ones_like(x_range)
+    if bool(live.any()):
+        balanced = torch.sqrt(w_range[live] / x_range[live])
+        scale[live] = balanced / torch.exp(torch.log(balanced).mean())  # geometric mean 1: overall ranges kept
     with torch.no_grad():
         shape_w = (-1,) + (1,) * (cast(torch.Tensor, prev.weight).dim() - 1)
         cast(torch.Tensor, prev.weight).mul_(scale.reshape(shape_w))
