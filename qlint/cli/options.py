@@ -83,7 +83,14 @@ def _code_setting(
 
 
 def check_rule_options(config: Config, registry: Registry) -> None:
-    """Options for a rule that does not exist are an error (a typo would silently do nothing)."""
+    """Options for a rule that does not exist are an error (a typo would silently do nothing),
+    and so is a select or ignore entry that names no rule; both errors name the file."""
+    for key, selectors in (("select", config.settings.select), ("ignore", config.settings.ignore)):
+        for selector in selectors or ():
+            try:
+                registry.select([selector])
+            except ConfigError as error:
+                raise ConfigError(f"{config.source} [tool.qlint] {key}: {error}") from error
     known = {cls.code for cls in registry.all()} | {cls.name for cls in registry.all()}
     for key in config.settings.rules:
         if key not in known:

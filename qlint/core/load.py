@@ -405,25 +405,37 @@ _DTYPES = {
 }
 
 
-def parse_input_shape(text: str) -> torch.Tensor:
-    """'1,3,224,224' or '1,128:int64' → a deterministic example tensor."""
+def check_input_shape(text: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype that '1,3,224,224' or '1,128:int64' asks for; nothing is allocated.
+
+    A ValueError says what is wrong with ``text``; the caller names where it came from (the
+    --input-shape flag, or the pyproject.toml setting)."""
     shape_text, _, dtype_text = text.partition(":")
     separator = "," if "," in shape_text else "x"
     try:
         shape = tuple(int(d) for d in shape_text.split(separator))
     except ValueError:
-        raise LoadError(f"bad --input-shape {text!r}: expected comma-separated integers like 1,3,224,224") from None
+        raise ValueError(f"{text!r}: expected comma-separated integers like 1,3,224,224") from None
     if not shape or any(d <= 0 for d in shape):
-        raise LoadError(f"bad --input-shape {text!r}: dimensions must be positive integers")
+        raise ValueError(f"{text!r}: dimensions must be positive integers")
     elements = math.prod(shape)
     if elements > MAX_INPUT_ELEMENTS:
-        raise LoadError(
-            f"--input-shape {text!r} has {elements:.3g} elements, more than qlint generates "
+        raise ValueError(
+            f"{text!r} has {elements:.3g} elements, more than qlint generates "
             f"({MAX_INPUT_ELEMENTS:.3g}); pass a real input with --example-inputs FILE"
         )
     dtype = _DTYPES.get(dtype_text.strip().lower() or "float32")
     if dtype is None:
-        raise LoadError(f"bad dtype in --input-shape {text!r}; use one of {', '.join(sorted(_DTYPES))}")
+        raise ValueError(f"{text!r}: unknown dtype; use one of {', '.join(sorted(_DTYPES))}")
+    return shape, dtype
+
+
+def parse_input_shape(text: str) -> torch.Tensor:
+    """'1,3,224,224' or '1,128:int64' → a deterministic example tensor."""
+    try:
+        shape, dtype = check_input_shape(text)
+    except ValueError as error:
+        raise LoadError(f"bad --input-shape {error}") from None
     generator = torch.Generator().manual_seed(0)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator).to(dtype)

@@ -28,11 +28,12 @@ import fnmatch
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
-from qlint.core.load import is_factory_spec, split_factory_spec
+from qlint.core.backends import BACKENDS
+from qlint.core.load import check_input_shape, is_factory_spec, split_factory_spec
 from qlint.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -45,24 +46,41 @@ class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
 
+def _input_shapes(values: list[str] | None) -> list[str] | None:
+    """Each shape as --input-shape takes it, checked when the settings are read, so that the
+    error names the pyproject.toml and the key (nothing is allocated)."""
+    for value in values or ():
+        check_input_shape(value)
+    return values
+
+
+def _backend(value: str | None) -> str | None:
+    if value is not None and value not in BACKENDS:
+        raise ValueError(f"unknown backend {value!r}; choose one of {', '.join(BACKENDS)}")
+    return value
+
+
+InputShapes = Annotated[list[str] | None, AfterValidator(_input_shapes)]
+
+
 class FileSettings(_Strict):
     path: str
-    input_shape: list[str] | None = Field(None, alias="input-shape")
+    input_shape: InputShapes = Field(None, alias="input-shape")
     example_inputs: str | None = Field(None, alias="example-inputs")
     weights: str | None = None
     calibration: str | None = None
     num_batches: PositiveInt | None = Field(None, alias="num-batches")
-    backend: str | None = None
+    backend: Annotated[str | None, AfterValidator(_backend)] = None
     qconfig_mapping: str | None = Field(None, alias="qconfig-mapping")
 
 
 class Settings(_Strict):
-    backend: str = "x86"
+    backend: Annotated[str, AfterValidator(_backend)] = "x86"
     select: list[str] | None = None
     ignore: list[str] = Field(default_factory=list)
     fail_on: Literal["error", "warning", "info"] = Field("warning", alias="fail-on")
     format: Literal["text", "json", "sarif", "github"] = "text"
-    input_shape: list[str] | None = Field(None, alias="input-shape")
+    input_shape: InputShapes = Field(None, alias="input-shape")
     qconfig_mapping: str | None = Field(None, alias="qconfig-mapping")
     calibration: str | None = None
     num_batches: PositiveInt | None = Field(None, alias="num-batches")
@@ -164,8 +182,25 @@ def load_config(path: Path | None) -> Config:
         return Config(Settings.model_validate(section), path)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"{path} [tool.qlint] {where}: {first['msg']}") from error
+        raise ConfigError(f"{path} {_where(section, first['loc'])}: {_problem(first)}") from error
+
+
+def _where(section: dict[str, Any], loc: tuple[int | str, ...]) -> str:
+    """The table and key of a setting: '[tool.qlint] input-shape', or for a per-file entry
+    '[[tool.qlint.files]] path = 'm.pt2': input-shape' (its path says which entry)."""
+    files = section.get("files")
+    if len(loc) > 2 and loc[0] == "files" and isinstance(loc[1], int) and isinstance(files, list):
+        entry = files[loc[1]]
+        named = entry.get("path") if isinstance(entry, dict) else None
+        which = f"path = {named!r}" if isinstance(named, str) else f"entry {loc[1] + 1}"
+        return f"[[tool.qlint.files]] {which}: " + ".".join(str(p) for p in loc[2:])
+    return "[tool.qlint] " + ".".join(str(p) for p in loc)
+
+
+def _problem(error: Any) -> str:
+    """pydantic's message, without the 'Value error, ' it puts before a validator's own."""
+    raised = error.get("ctx", {}).get("error")
+    return str(raised) if error["type"] == "value_error" and raised is not None else str(error["msg"])
 
 
 class ConfigFinder:
