@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -92,7 +93,7 @@ def describe_observer(observer_or_factory: Any) -> ObserverSpec | None:
     observer = observer_or_factory
     if not isinstance(observer, torch.nn.Module):
         try:
-            observer = observer_or_factory()
+            observer = _instantiate(observer_or_factory)
         except Exception as exc:  # a user-supplied factory may fail for any reason
             raise ValueError(f"cannot instantiate observer {observer_or_factory!r}: {exc}") from exc
     inner = getattr(observer, "activation_post_process", None)
@@ -155,7 +156,14 @@ class NodeQConfigCache:
 
 
 def _instantiate(factory: Any) -> Any:
-    return factory if isinstance(factory, torch.nn.Module) else factory()
+    """An observer from its factory, to read its settings. torch's default observers warn when
+    made (reduce_range "will be deprecated"): a warning the user's process did not cause, and an
+    error under ``-W error``, so it is not passed on."""
+    if isinstance(factory, torch.nn.Module):
+        return factory
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return factory()
 
 
 def default_mapping(backend: str) -> QConfigMapping:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -170,6 +171,21 @@ def copy_sharing_parameters(model: _M) -> _M:
     return copy.deepcopy(model, {id(p): p for p in model.parameters()})
 
 
+@contextlib.contextmanager
+def _observer_warnings_off() -> Iterator[None]:
+    # torch's observers warn when made (prepare_fx and convert_fx make them) of settings the
+    # user did not choose (reduce_range "will be deprecated"); under -W error they would fail.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def convert_model(prepared: fx.GraphModule, **kwargs: Any) -> fx.GraphModule:
+    """``convert_fx`` without the warnings of the observers it makes."""
+    with _observer_warnings_off():
+        return convert_fx(prepared, **kwargs)
+
+
 def prepare_model(model: nn.Module, mapping: QConfigMapping, example: tuple[Any, ...], **kwargs: Any) -> fx.GraphModule:
     """``prepare_fx`` without a Python stack trace recorded on every node of the prepared graph.
 
@@ -179,7 +195,8 @@ def prepare_model(model: nn.Module, mapping: QConfigMapping, example: tuple[Any,
     previous = fx_config.do_not_emit_stack_traces
     fx_config.do_not_emit_stack_traces = True
     try:
-        return prepare_fx(model, mapping, example, **kwargs)
+        with _observer_warnings_off():
+            return prepare_fx(model, mapping, example, **kwargs)
     finally:
         fx_config.do_not_emit_stack_traces = previous
 
@@ -259,7 +276,7 @@ def _quantize_fx(
         calibrated.record(prepared)
         calibrated.reuse(prepared)  # convert_fx reads what record computed instead of searching again
     try:
-        converted = convert_fx(prepared, backend_config=config)
+        converted = convert_model(prepared, backend_config=config)
     except Exception as error:
         raise TrialStepError(STAGE_CONVERT, error, prepared) from error
     if input_sums is not None:

@@ -30,7 +30,6 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
-from torch.ao.quantization.quantize_fx import convert_fx
 
 from qlint.core.batches import as_call, batch_size, call_model, reiterable
 from qlint.core.nested import first_float, map_tensors, tensors_in
@@ -39,7 +38,7 @@ from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
 from qlint.errors import QlintError
 from qlint.measure.capture import PairedRunner
 from qlint.measure.matching import MODULE_SITE, LayerMatch, match_layers
-from qlint.measure.trial import prepare_model
+from qlint.measure.trial import convert_model, prepare_model
 
 
 class SensitivityRow(BaseModel):
@@ -84,7 +83,7 @@ def quantize_with_fx(
             if max_batches is not None and index >= max_batches:
                 break
             call_model(prepared, batch)
-    return convert_fx(prepared)
+    return convert_model(prepared)
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
@@ -330,7 +329,7 @@ def _exhaustive_sensitivity(
     mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping(backend)
     resolved = prepare_model(copy.deepcopy(model).eval(), mapping, _example_inputs(_first_batch(data)))
     if layers is None:
-        full = match_layers(model, convert_fx(copy.deepcopy(resolved)))
+        full = match_layers(model, convert_model(copy.deepcopy(resolved)))
         layers = [layer.name for layer in full.layers if layer.is_module]
     scores = []
     float_model = copy.deepcopy(model).eval()
