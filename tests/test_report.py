@@ -5,7 +5,7 @@ import torch
 
 import qlint
 from examples.badnet import build, qconfig_mapping
-from qlint.linter.findings import Finding, Report
+from qlint.linter.findings import Finding, Report, Severity
 
 
 def test_report_json_round_trip():
@@ -99,3 +99,19 @@ def test_every_message_and_target_reads_whole_at_any_width(width):
             assert f"{finding.rule} {finding.name} · {finding.target}" in flat
     else:
         assert "┃ Message" in text
+
+
+def test_printing_a_report_gives_its_findings_not_pydantics_field_dump():
+    """print(report) in a notebook dumped every field of every finding and layer row (pages)."""
+    report = qlint.lint(build(), (torch.randn(2, 3, 32, 32),), qconfig_mapping=qconfig_mapping())
+    counts = {severity: sum(f.severity is severity for f in report.findings) for severity in Severity}
+    assert repr(report) == (
+        f"Report(model={report.model!r}, backend='x86', findings: {counts[Severity.ERROR]} error, "
+        f"{counts[Severity.WARNING]} warning, {counts[Severity.INFO]} info, layers: {len(report.layers)})"
+    )
+    lines = str(report).splitlines()
+    assert lines[0] == repr(report) and len(lines) == 1 + len(report.findings)
+    ranks = [next(s for s in Severity if line.strip().startswith(s.value + " ")).rank for line in lines[1:]]
+    assert ranks == sorted(ranks, reverse=True)  # worst first
+    for finding in report.findings:
+        assert f"  {finding.severity.value} {finding.rule} {finding.target}: {finding.message}" in lines

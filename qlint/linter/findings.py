@@ -167,6 +167,9 @@ class Finding(_Frozen):
             check_json_able(value)
         return value
 
+    def __str__(self) -> str:
+        return f"{self.severity.value} {self.rule} {self.target}: {self.message}"
+
     def fingerprint(self) -> str:
         """A stable identity for baselines: rule, target and the finding's kind."""
         kind = str(self.data.get("kind", ""))
@@ -330,6 +333,16 @@ class Report(_Frozen):
     qconfig_table: list[QConfigRow] = Field(default_factory=list)
     rules: list[RuleInfo] = Field(default_factory=list, description="The rules of this run, ran or skipped.")
     trial: TrialSummary | None = Field(default=None, description="The trial quantization, when one ran.")
+
+    # print(report) and a notebook's echo: pydantic's field-by-field repr of a report runs to pages.
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{sum(f.severity is s for f in self.findings)} {s.value}" for s in Severity)
+        return f"Report(model={self.model!r}, backend={self.backend!r}, findings: {counts}, layers: {len(self.layers)})"
+
+    def __str__(self) -> str:
+        """One line per finding, worst first (the CLI's tables and the JSON are qlint.render's)."""
+        ordered = sorted(self.findings, key=lambda f: -f.severity.rank)
+        return "\n".join([repr(self), *(f"  {finding}" for finding in ordered)])
 
     def lint_rows(self) -> list[LayerRow]:
         return [row for row in self.layers if isinstance(row, LayerRow)]
