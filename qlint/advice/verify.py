@@ -213,7 +213,7 @@ def verify(
     at most ``max_prune_trials``, the scheme search ``max_scheme_trials``, and the target
     fallback what is left (at most ``max_sensitivity_trials``). ``eval_fn(quantized_model,
     eval_data) -> float`` adds the user's metric (also computed for the float model).
-    The plan's equalization pairs are realized by :func:`qlint.measure.rewrite.apply_equalization`
+    The plan's equalization pairs are realized by :func:`qlint.measure.equalization.apply_equalization`
     (a float-preserving cross-layer rescale using calibration ranges); pass torch's
     ``equalization_qconfig`` to use prepare_fx's ``_equalization_config`` instead.
     ``max_float_fraction`` caps how many conv/linear layers the target-SQNR fallback may

@@ -97,6 +97,13 @@ def _requires_grad_inputs(batch: Any) -> Any:
     return map_tensors(batch, lambda t: t.detach().clone().requires_grad_(True) if t.is_floating_point() else t)
 
 
+def _gates(recurrent: nn.Module) -> int:
+    """Gate count of a recurrent layer or cell (LSTM 4, GRU 3, plain RNN 1)."""
+    if isinstance(recurrent, (nn.LSTM, nn.LSTMCell)):
+        return 4
+    return 3 if isinstance(recurrent, (nn.GRU, nn.GRUCell)) else 1
+
+
 def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: Any) -> dict[str, tuple[float, int]]:
     """Multiply-accumulate count x2 (FLOPs) per sample and parameter count of each layer."""
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -115,11 +122,13 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
                 counts[name][0] += 2.0 * out.numel() * per_output / samples
             elif isinstance(module, nn.Linear):
                 counts[name][0] += 2.0 * out.numel() * module.in_features / samples
-            elif isinstance(module, (nn.LSTM, nn.GRU)):
-                gates = 4 if isinstance(module, nn.LSTM) else 3
-                steps = out.numel() / (module.hidden_size * (2 if module.bidirectional else 1))
+            elif isinstance(module, (nn.RNNBase, nn.RNNCellBase)):
+                # per step and direction: a (gates x hidden) by (input + hidden) matrix product
+                directions = 2 if getattr(module, "bidirectional", False) else 1
+                steps = out.numel() / (module.hidden_size * directions)
                 width = module.input_size + module.hidden_size
-                counts[name][0] += 2.0 * gates * module.hidden_size * width * steps * module.num_layers / samples
+                layers = getattr(module, "num_layers", 1)
+                counts[name][0] += 2.0 * _gates(module) * module.hidden_size * width * steps * layers / samples
             else:
                 counts[name][0] += float(out.numel()) / samples
 
