@@ -53,3 +53,70 @@ def test_the_flag_still_names_the_flag(run_main, project):
     line = _one_line_error(run_main("m:build", "--input-shape", "1,x,4", "--no-trial", cwd=project))
     assert "bad --input-shape '1,x,4': expected comma-separated integers" in line, line
     assert "pyproject" not in line
+
+
+WRONG_TYPES = [
+    ('trial = "yes"', "[tool.qlint] trial:", "valid boolean"),
+    ("trial = 1", "[tool.qlint] trial:", "valid boolean"),
+    ('num-batches = "8"', "[tool.qlint] num-batches:", "valid integer"),
+    ("max-fix-trials = true", "[tool.qlint] max-fix-trials:", "valid integer"),
+    ("min-impact-db = inf", "[tool.qlint] min-impact-db:", "finite"),
+    ("select = []", "[tool.qlint] select: selects no rule", "leave select out"),
+    (
+        '[[tool.qlint.files]]\npath = "m.py"\ninput-shape = ["1,4"]\nexample-inputs = "e.pt"',
+        "[[tool.qlint.files]] path = 'm.py': input-shape and example-inputs both give the example inputs",
+        "keep one",
+    ),
+]
+
+
+@pytest.mark.parametrize("setting, where, problem", WRONG_TYPES)
+def test_a_setting_of_the_wrong_type_or_meaning_is_refused_not_coerced(run_main, project, setting, where, problem):
+    """trial = "yes" read as True (and "no" too: pydantic's lax mode coerces strings and 0/1)."""
+    pyproject = project / "pyproject.toml"
+    pyproject.write_text(f"[tool.qlint]\n{setting}\n")
+    line = _one_line_error(run_main("m:build", "--input-shape", "1,4", "--no-trial", cwd=project))
+    assert f"{pyproject} {where}" in line and problem in line, line
+
+
+@pytest.mark.parametrize(
+    "table", ["[tool.qlint]\n", "[tool.qlint]\ntrial = false\nmin-impact-db = 1\nselect = ['QL1']\n"]
+)
+def test_an_empty_table_and_well_typed_settings_are_accepted(run_main, project, table):
+    (project / "pyproject.toml").write_text(table)
+    result = run_main("m:build", "--input-shape", "1,4", "-q", cwd=project)
+    assert result.returncode == 0, result.stderr
+
+
+def test_flags_that_contradict_each_other_or_mean_nothing_are_usage_errors(run_main, project):
+    """--input-shape with --example-inputs used the file, --num-batches without data did
+    nothing, --select '' ran every rule: each was accepted in silence."""
+    import torch
+
+    torch.save(torch.randn(1, 4), project / "e.pt")
+    torch.save([torch.randn(2, 4) for _ in range(2)], project / "c.pt")
+    shape = ("--input-shape", "1,4")
+    cases = [
+        ((*shape, "--example-inputs", "e.pt"), "--input-shape and --example-inputs both give the example inputs"),
+        ((*shape, "--num-batches", "3"), "--num-batches 3 applies to calibration data, and this run has none"),
+        ((*shape, "--percentile-every", "2"), "--percentile-every 2 applies to calibration data"),
+        ((*shape, "--select", ""), "--select names no rule"),
+        ((*shape, "--select", " , "), "--select names no rule"),
+        ((*shape, "--no-trial", "--min-impact", "1"), "--min-impact tunes the trial, which --no-trial skips"),
+        ((*shape, "--no-trial", "--fix-trials", "2"), "--fix-trials tunes the trial, which --no-trial skips"),
+        (
+            ("verify", "m:build", *shape, "--example-inputs", "e.pt", "--calibration", "c.pt", "--eval-data", "c.pt"),
+            "--input-shape and --example-inputs both give the example inputs",
+        ),
+    ]
+    for args, message in cases:
+        command = args if args[0] == "verify" else ("m:build", *args)
+        line = _one_line_error(run_main(*command, cwd=project))
+        assert message in line, (args, line)
+    # with calibration data, from the flag, --random-calibration or [tool.qlint], --num-batches means something
+    for data in (("--calibration", "c.pt"), ("--random-calibration", "2")):
+        result = run_main("m:build", *shape, "--num-batches", "1", *data, "--no-trial", "-q", cwd=project)
+        assert result.returncode in (0, 1), result.stderr
+    (project / "pyproject.toml").write_text('[tool.qlint]\ncalibration = "c.pt"\n')
+    result = run_main("m:build", *shape, "--num-batches", "1", "--no-trial", "-q", cwd=project)
+    assert result.returncode in (0, 1), result.stderr

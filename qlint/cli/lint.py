@@ -16,7 +16,7 @@ from qlint.cli.common import (
     user_output_to_stderr,
     write_stdout,
 )
-from qlint.cli.options import ModelOptions, check_rule_options, resolve_options
+from qlint.cli.options import ModelOptions, check_flags, check_rule_options, resolve_options
 from qlint.core.exported_batch import fit_calibration
 from qlint.core.load import (
     load_batches,
@@ -37,6 +37,7 @@ def run_lint(args: argparse.Namespace) -> int:
     models = list(args.model)
     if len(models) > 1 and args.output:
         raise ConfigError("--output takes one model; lint several models without it")
+    check_flags(args)
     finder = ConfigFinder(args.config)
     worst = EXIT_CLEAN
     for spec in models:

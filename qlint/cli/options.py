@@ -99,6 +99,34 @@ def check_rule_options(config: Config, registry: Registry) -> None:
             raise ConfigError(f"{config.source}: [tool.qlint.rules.{key}]: unknown rule {key!r}{hint}")
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Flags that contradict each other or cannot mean anything: a usage error before any work
+    (the settings of [tool.qlint] are project defaults, which flags override, and are not judged here)."""
+    if args.input_shape and args.example_inputs:
+        raise ConfigError("--input-shape and --example-inputs both give the example inputs: pass one")
+    if args.select is not None and not split_list(args.select):
+        raise ConfigError(
+            "--select names no rule: leave it out to run every rule, or name codes, prefixes or rule names (QL1, QL203)"
+        )
+    if args.no_trial:
+        for flag, value in (("--min-impact", args.min_impact), ("--fix-trials", args.fix_trials)):
+            if value is not None:
+                raise ConfigError(f"{flag} tunes the trial, which --no-trial skips: pass one")
+
+
+def check_calibration_flags(args: argparse.Namespace, calibration: str | None) -> None:
+    """--num-batches and --percentile-every shape the calibration: without any data (no
+    --calibration, --random-calibration or calibration setting) they would do nothing."""
+    if calibration is not None or args.random_calibration:
+        return
+    for flag, value in (("--num-batches", args.num_batches), ("--percentile-every", args.percentile_every)):
+        if value is not None:
+            raise ConfigError(
+                f"{flag} {value} applies to calibration data, and this run has none: "
+                "pass --calibration DATA (or --random-calibration N), or leave it out"
+            )
+
+
 def resolve_options(args: argparse.Namespace, spec: str, config: Config) -> ModelOptions:
     settings = config.settings
     entry = config.for_file(spec)
@@ -132,6 +160,7 @@ def resolve_options(args: argparse.Namespace, spec: str, config: Config) -> Mode
             always_code=False,
         )
 
+    check_calibration_flags(args, calibration)
     file_weights = per_file("weights")
     file_examples = per_file("example_inputs")
     example_file = args.example_inputs

@@ -54,6 +54,8 @@ def _load(args: argparse.Namespace):
     from qlint.advice.plan import QuantPlan, default_plan
     from qlint.core.load import load_example_inputs, load_model, parse_input_shape
 
+    if args.input_shape and args.example_inputs:
+        raise ConfigError("--input-shape and --example-inputs both give the example inputs: pass one")
     loaded = load_model(args.model, weights=args.weights, trust_pickle=args.trust_pickle)
     plan = QuantPlan.load(args.plan) if args.plan else default_plan(args.backend or "x86", model=loaded.name)
     if args.backend:

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from qlint.core.backends import BACKENDS
 from qlint.core.load import check_input_shape, is_factory_spec, split_factory_spec
@@ -43,7 +43,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    # strict: TOML has its own booleans and numbers, so trial = "yes" or num-batches = "8" is a
+    # mistake to name, not a value to coerce ("no" would read as False, "yes" as True)
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, strict=True)
 
 
 def _input_shapes(values: list[str] | None) -> list[str] | None:
@@ -60,6 +62,12 @@ def _backend(value: str | None) -> str | None:
     return value
 
 
+def _selection(values: list[str] | None) -> list[str] | None:
+    if values is not None and not any(value.strip() for value in values):
+        raise ValueError("selects no rule: leave select out to run every rule, or name codes, prefixes or rule names")
+    return values
+
+
 InputShapes = Annotated[list[str] | None, AfterValidator(_input_shapes)]
 
 
@@ -73,10 +81,16 @@ class FileSettings(_Strict):
     backend: Annotated[str | None, AfterValidator(_backend)] = None
     qconfig_mapping: str | None = Field(None, alias="qconfig-mapping")
 
+    @model_validator(mode="after")
+    def _one_source_of_example_inputs(self) -> FileSettings:
+        if self.input_shape is not None and self.example_inputs is not None:
+            raise ValueError("input-shape and example-inputs both give the example inputs: keep one")
+        return self
+
 
 class Settings(_Strict):
     backend: Annotated[str, AfterValidator(_backend)] = "x86"
-    select: list[str] | None = None
+    select: Annotated[list[str] | None, AfterValidator(_selection)] = None
     ignore: list[str] = Field(default_factory=list)
     fail_on: Literal["error", "warning", "info"] = Field("warning", alias="fail-on")
     format: Literal["text", "json", "sarif", "github"] = "text"
@@ -87,7 +101,7 @@ class Settings(_Strict):
     percentile_every: PositiveInt | None = Field(None, alias="percentile-every")
     baseline: str | None = None
     trial: bool = True
-    min_impact_db: float | None = Field(None, alias="min-impact-db", ge=0)
+    min_impact_db: float | None = Field(None, alias="min-impact-db", ge=0, allow_inf_nan=False)
     max_fix_trials: int | None = Field(None, alias="max-fix-trials", ge=0)
     rules: dict[str, dict[str, Any]] = Field(default_factory=dict)
     files: list[FileSettings] = Field(default_factory=list)
@@ -189,11 +203,12 @@ def _where(section: dict[str, Any], loc: tuple[int | str, ...]) -> str:
     """The table and key of a setting: '[tool.qlint] input-shape', or for a per-file entry
     '[[tool.qlint.files]] path = 'm.pt2': input-shape' (its path says which entry)."""
     files = section.get("files")
-    if len(loc) > 2 and loc[0] == "files" and isinstance(loc[1], int) and isinstance(files, list):
+    if len(loc) > 1 and loc[0] == "files" and isinstance(loc[1], int) and isinstance(files, list):
         entry = files[loc[1]]
         named = entry.get("path") if isinstance(entry, dict) else None
         which = f"path = {named!r}" if isinstance(named, str) else f"entry {loc[1] + 1}"
-        return f"[[tool.qlint.files]] {which}: " + ".".join(str(p) for p in loc[2:])
+        key = ".".join(str(p) for p in loc[2:])
+        return f"[[tool.qlint.files]] {which}" + (f": {key}" if key else "")
     return "[tool.qlint] " + ".".join(str(p) for p in loc)
 
 
