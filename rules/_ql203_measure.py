@@ -1,8 +1,5 @@
-"""QL203's measurements: torch's outlier statistic per channel, the observer that quantizes a
-layer's input, the trial's measurement of that activation, and the bits that activation has.
-
-QL204 and QL205 count their bits lost with the same ``activation_bits`` and ``physical_bits``,
-so every rule states the bits of one backend alike (7 under x86's reduce_range, not 8)."""
+"""QL203's measurements: torch's outlier statistic per channel (p_r), the bulk of an outlier
+channel, and where that bulk ends."""
 
 from __future__ import annotations
 
@@ -12,9 +9,6 @@ import math
 import torch
 
 from qlint.core.graph import OpNode
-from qlint.linter.context import LintContext
-from qlint.measure.pt2e_trial import PT2E_ACTIVATION_LEVELS
-from qlint.measure.trial import ActivationError
 from qlint.stats import TensorStats
 
 
@@ -29,75 +23,6 @@ def outlier_metric(average_ratio: torch.Tensor) -> torch.Tensor:
     p = average_ratio.to(torch.float64).abs()
     flipped = torch.where(p < 1, 1 / p, p)
     return torch.where(average_ratio == 0, math.nan, flipped)
-
-
-# Ops whose int8 output reuses their input's qparams (prepare_fx shares the observer), and
-# BatchNorm, which fuses into the conv before it: the observer that sets a layer's input
-# range sits on the output of the first op upstream that is none of these.
-_SHARES_INPUT_QPARAMS = frozenset(
-    {
-        "relu",
-        "relu6",
-        "hardtanh",
-        "max_pool",
-        "adaptive_avg_pool",
-        "avg_pool",
-        "flatten",
-        "view",
-        "reshape",
-        "permute",
-        "transpose",
-        "dropout",
-        "identity",
-        "contiguous",
-        "squeeze",
-        "unsqueeze",
-        "getitem",
-        "batch_norm",
-        "clamp",
-    }
-)
-
-
-def observer_owner(ctx: LintContext, node: OpNode) -> OpNode:
-    """The op whose qconfig makes the observer that quantizes ``node``'s input under prepare_fx.
-
-    The observer sits on the output of the first op upstream that does not share its input's
-    qparams (the producer). prepare_fx makes it from the first op, going from that producer
-    down to ``node``, that it quantizes statically: the producer itself when it has an int8
-    output (a conv, an add); else the first qparam-sharing op on the way (a ReLU after an
-    LSTMCell, which stays float, quantizes its own input); else ``node``, whose qconfig
-    observes its input (a conv after a ``sqrt``). Checked against prepare_fx with a marked
-    observer on each candidate (tests/test_ql203_owner.py)."""
-    chain: list[OpNode] = []  # from node's input upstream to the producer
-    producers = ctx.graph.producers(node.name)
-    current = producers[0] if producers else None
-    while current is not None:
-        chain.append(current)
-        if current.kind not in _SHARES_INPUT_QPARAMS:
-            break
-        upstream = ctx.graph.producers(current.name)
-        current = upstream[0] if upstream else None
-    for op in reversed(chain):
-        if op.op != "input" and op.is_quantized and ctx.backend.quantizes_output(op.kind):
-            return op
-    return node
-
-
-def measured_input(ctx: LintContext, node: OpNode) -> ActivationError | None:
-    """The trial's measurement of the tensor quantized as ``node``'s input: the nearest one up
-    the qparam-sharing ops (prepare_fx observes the producer's output, pt2e the input edge)."""
-    if ctx.trial is None:
-        return None
-    producers = ctx.graph.producers(node.name)
-    current = producers[0] if producers else None
-    while current is not None:
-        found = ctx.trial.activation(current.name)
-        if found is not None or current.kind not in _SHARES_INPUT_QPARAMS:
-            return found
-        upstream = ctx.graph.producers(current.name)
-        current = upstream[0] if upstream else None
-    return None
 
 
 def bulk_ratio(stats: TensorStats) -> torch.Tensor:
@@ -133,37 +58,6 @@ def clip_value(stats: TensorStats, channels: list[int]) -> float:
         elif not math.isnan(ratio):
             values.append(top / ratio)  # 0 for an infinite ratio
     return max(values) if values else math.nan
-
-
-# torch's dynamic Linear and conv kernels quantize their input per call with reduce_range on
-# these engines (qnnpack ignores it): 128 levels, whatever the qconfig's quant range says.
-_DYNAMIC_REDUCE_RANGE = frozenset({"x86", "fbgemm", "onednn"})
-
-
-def activation_bits(node: OpNode, measured: ActivationError | None, exported: bool, backend: str) -> int:
-    """Bits the layer's input is quantized to: log2 of its observer's level count (7 with
-    reduce_range): for a dynamic layer, what its kernel uses on ``backend``'s engine; else as
-    measured in the trial, else as the pt2e quantizer (an exported graph) or the intended
-    qconfig says."""
-    qconfig = node.qconfig
-    spec = qconfig.activation if qconfig is not None else None
-    levels = None
-    if qconfig is not None and qconfig.is_dynamic and not exported:
-        levels = 128 if backend in _DYNAMIC_REDUCE_RANGE else 256
-    elif measured is not None:
-        levels = measured.levels
-    elif exported:
-        levels = PT2E_ACTIVATION_LEVELS
-    elif spec is not None and spec.quant_min is not None and spec.quant_max is not None:
-        levels = spec.quant_max - spec.quant_min + 1
-    return max(1, math.ceil(math.log2(levels))) if levels is not None else 8
-
-
-def physical_bits(value: float, bits: int) -> float:
-    """A bit count clamped to what the dtype has: [0, bits]."""
-    if not math.isfinite(value):
-        return float(bits) if value == math.inf else math.nan
-    return min(max(value, 0.0), float(bits))
 
 
 @dataclasses.dataclass(frozen=True)

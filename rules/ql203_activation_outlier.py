@@ -8,19 +8,11 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 from pydantic import Field
-from qlint.rules._ql203_measure import (
-    OutlierMeasurement,
-    activation_bits,
-    bulk_ratio,
-    clip_value,
-    measure,
-    measured_input,
-    observer_owner,
-    physical_bits,
-)
+from qlint.rules._ql203_measure import OutlierMeasurement, bulk_ratio, clip_value, measure
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
 from qlint.core.graph import OpNode
+from qlint.linter.activation import activation_bits, measured_input, observer_owner, physical_bits
 from qlint.linter.calibration import FEATURES
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity

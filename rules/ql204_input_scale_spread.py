@@ -11,10 +11,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 from pydantic import Field
-from qlint.rules._ql203_measure import activation_bits, measured_input, physical_bits
 from torch.ao.quantization import get_default_qconfig_mapping
 
 from qlint.core.batches import as_call
+from qlint.linter.activation import activation_bits, measured_input, physical_bits
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions

@@ -11,10 +11,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from pydantic import Field
-from qlint.rules._ql203_measure import activation_bits, measured_input, physical_bits
 from torch.ao.quantization import QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
 
 from qlint.core.batches import call_model
+from qlint.linter.activation import activation_bits, measured_input, physical_bits
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, LayerRow, Severity
 from qlint.linter.mapping import qconfig_mapping
