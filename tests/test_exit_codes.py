@@ -167,6 +167,9 @@ def test_bad_settings_are_one_line(run_main, tmp_path, pyproject, needles):
     [
         (("--random-calibration", "0"), ("--random-calibration", "positive")),
         (("--random-calibration", "-3"), ("--random-calibration", "positive")),
+        # no upper bound ran one forward pass per batch for hours, or overflowed an index
+        (("--random-calibration", "10001"), ("--random-calibration", "at most 10,000", "--calibration")),
+        (("--random-calibration", "1" + "0" * 25), ("--random-calibration", "at most 10,000")),
         (("--num-batches", "0"), ("--num-batches", "positive")),
         (("--input-shape", "1000000,1000000,1000"), ("--input-shape", "elements", "--example-inputs")),
     ],
@@ -293,6 +296,16 @@ def test_random_batches_are_made_when_used():
     assert first is not again and torch.equal(first[0], again[0])  # made on access, reproducibly
     assert not torch.equal(batches[0][0], batches[1][0])
     assert [list(b[0].shape) for b in batches] == [[2, 3, 16, 16]] * 4
+
+
+def test_random_batches_are_bounded_from_python_too():
+    from qlint.core.load import MAX_RANDOM_BATCHES, random_calibration
+    from qlint.errors import QlintError
+
+    example = (torch.zeros(1, 4),)
+    assert len(random_calibration(example, MAX_RANDOM_BATCHES)) == MAX_RANDOM_BATCHES == 10_000
+    with pytest.raises(QlintError, match="at most 10,000"):
+        random_calibration(example, MAX_RANDOM_BATCHES + 1)
 
 
 def test_an_output_into_a_missing_folder_is_refused_before_any_work(run_main, tmp_path):

@@ -60,6 +60,20 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "0 or more")
 
 
+def random_batch_count(text: str) -> int:
+    """argparse type of --random-calibration: 1 to MAX_RANDOM_BATCHES (a huge count ran for
+    hours, one forward pass per batch, or was an internal OverflowError past sys.maxsize)."""
+    from qlint.core.load import MAX_RANDOM_BATCHES
+
+    value = positive_int(text)
+    if value > MAX_RANDOM_BATCHES:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_RANDOM_BATCHES:,} batches (random data says nothing more after a few "
+            f"hundred; calibrate on real data with --calibration), got {value}"
+        )
+    return value
+
+
 def finite_float(text: str) -> float:
     """argparse type: a finite number (nan and inf would make every comparison false)."""
     try:

@@ -25,6 +25,7 @@ from qlint.cli.common import (
     ParserExit,
     finite_float,
     positive_int,
+    random_batch_count,
     terminal_width,
     write_stdout,
 )
@@ -96,9 +97,10 @@ def build_lint_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--random-calibration",
-        type=positive_int,
+        type=random_batch_count,
         metavar="N",
-        help="calibrate on N random batches shaped like the example inputs (a warning)",
+        help="calibrate on N random batches shaped like the example inputs (a warning); at most 10,000: "
+        "random statistics settle within a few hundred batches, and each batch is a forward pass",
     )
     parser.add_argument(
         "--no-trial",

@@ -129,11 +129,22 @@ def _is_batch(value: Any) -> bool:
     return isinstance(value, Mapping)
 
 
+# Random batches describe random inputs only, and their statistics settle within a few hundred
+# batches (torch's PTQ tutorial calibrates on 32 batches of real data); each batch is a forward
+# pass, so a count far beyond this only runs for hours (and past sys.maxsize it cannot be a length).
+MAX_RANDOM_BATCHES = 10_000
+
+
 def random_calibration(example_inputs: Sequence[Any], n: int, seed: int = 0) -> RandomBatches:
     """``n`` random batches shaped like ``example_inputs`` (standard normal floats; ints kept in range),
-    made one at a time as they are used."""
+    made one at a time as they are used; ``n`` is at most :data:`MAX_RANDOM_BATCHES`."""
     if n <= 0:
         raise QlintError(f"--random-calibration needs a positive number of batches, got {n}")
+    if n > MAX_RANDOM_BATCHES:
+        raise QlintError(
+            f"--random-calibration takes at most {MAX_RANDOM_BATCHES:,} batches, got {n}: random data "
+            "says nothing more after a few hundred; calibrate on real data with --calibration"
+        )
     return RandomBatches(tuple(example_inputs), n, seed)
 
 
