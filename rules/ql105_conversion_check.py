@@ -15,7 +15,7 @@ from qlint.rules._ql105_locate import locate_by_running, locate_in_traceback, qu
 from qlint.rules._ql105_onset import best_keep_float, candidates, describe, error_onset
 from torch.ao.quantization import QConfigMapping, get_default_qconfig
 
-from qlint.core.ops import function_path
+from qlint.core.function_paths import function_path
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions

@@ -24,7 +24,7 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
 import qlint
 from qlint.advice.plan import plan_from_report
-from qlint.core.ops import resolve_function
+from qlint.core.function_paths import resolve_function
 from qlint.core.sqnr import sqnr_db as output_sqnr
 from qlint.linter.engine import analyse
 from qlint.linter.fixes import KeepFloat, KeepFloatFunction, ViewToReshape

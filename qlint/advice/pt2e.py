@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from qlint.core.ops import resolve_function
+from qlint.core.function_paths import resolve_function
 from qlint.errors import ConfigError
 from qlint.linter.mapping import activation_recipe, rewrite_float_modules
 from qlint.linter.suggestions import Suggestions

@@ -39,7 +39,8 @@ from torch.overrides import TorchFunctionMode
 from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.core.intent import CallDescription, function_candidates
 from qlint.core.nested import tensors_in
-from qlint.core.ops import FUNCTION_KINDS, WEIGHTED_KINDS, function_kind, method_kind, module_kind
+from qlint.core.op_tables import FUNCTION_KINDS
+from qlint.core.ops import WEIGHTED_KINDS, function_kind, method_kind, module_kind
 from qlint.core.preserve import cloned
 from qlint.errors import TraceError
 

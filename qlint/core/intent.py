@@ -248,7 +248,7 @@ def function_candidates(kind: str, raw_target: Any) -> tuple[Any, ...]:
     its own only candidate. An aten target from torch.export has no torch-level callable,
     so every function and method name of the same kind stands in for it.
     """
-    from qlint.core.ops import FUNCTION_KINDS, METHOD_KINDS
+    from qlint.core.op_tables import FUNCTION_KINDS, METHOD_KINDS
 
     if isinstance(raw_target, str) or (raw_target is not None and raw_target in FUNCTION_KINDS):
         return (raw_target,)

@@ -24,9 +24,9 @@ from torch.nn.parameter import is_lazy
 
 from qlint.core.graph import ModelGraph, ModuleInfo, OpNode, TensorInfo
 from qlint.core.intent import CallDescription, NodeQConfig
+from qlint.core.op_tables import MODULE_KINDS
 from qlint.core.ops import (
     CONV_OR_LINEAR_KINDS,
-    MODULE_KINDS,
     TRANSPOSED_CONV_KINDS,
     function_kind,
     kind_of_type_name,

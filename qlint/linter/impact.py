@@ -41,7 +41,7 @@ import torch.fx as fx
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.batches import as_call
-from qlint.core.ops import resolve_function
+from qlint.core.function_paths import resolve_function
 from qlint.core.sqnr import BatchPowers, noise_power_ratio
 from qlint.errors import QlintError
 from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity

@@ -24,8 +24,8 @@ from torch.ao.quantization.observer import (
 )
 
 from qlint.core.backends import backend_info
+from qlint.core.function_paths import resolve_function
 from qlint.core.intent import default_mapping
-from qlint.core.ops import resolve_function
 from qlint.errors import ConfigError
 from qlint.linter.suggestions import ActivationSpec, ModuleDecision, Suggestions, WeightSpec, backend_defaults
 from qlint.measure.normalize import helper_modules

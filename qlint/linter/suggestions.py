@@ -16,7 +16,7 @@ from typing import Any, Literal, NoReturn
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from qlint.core.backends import BACKENDS
-from qlint.core.ops import resolve_function
+from qlint.core.function_paths import resolve_function
 from qlint.errors import ConfigError
 from qlint.linter.fixes import (
     Equalize,

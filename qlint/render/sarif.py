@@ -94,7 +94,7 @@ def model_artifact_uri(model: str) -> str | None:
 
 
 def _functional_names() -> set[str]:
-    from qlint.core.ops import FUNCTION_KINDS, METHOD_KINDS
+    from qlint.core.op_tables import FUNCTION_KINDS, METHOD_KINDS
 
     names = set(FUNCTION_KINDS.values()) | set(METHOD_KINDS.values()) | set(METHOD_KINDS)
     names |= {getattr(f, "__name__", str(f)) for f in FUNCTION_KINDS}
