@@ -249,21 +249,16 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     return EXIT_FINDINGS if report.findings else EXIT_CLEAN
 
 
-def _note_layers_without_float(report: Report, spec: str, quantized_model: torch.nn.Module) -> Report:
-    """A warning naming QUANT's layer modules that no row compares, when FLOAT is an exported
-    program: its layers are aten ops, which pair with the ops of a pt2e model but not with modules."""
-    from qlint.measure.matching import quantized_layer_modules
-
-    compared = {row.extra.get("quantized_target") for row in report.compare_rows()}
-    missing = [fqn for fqn in quantized_layer_modules(quantized_model) if fqn not in compared]
-    if not missing:
+def _note_layers_without_float(report: Report, spec: str) -> Report:
+    """Why QUANT's layers have no rows when FLOAT is an exported program (the report's warning
+    names them): its layers are aten ops, which pair with a pt2e model's ops but not with modules."""
+    if not any("without a float counterpart" in notice.message for notice in report.notices):
         return report
     notice = Notice(
         level=Severity.WARNING,
         message=(
-            f"{spec} is an exported program, whose layers are aten ops, not modules: the quantized "
-            f"layers {', '.join(missing)} have no float layer to pair with and are compared only through "
-            "the model output; for their rows, give FLOAT as the nn.Module (package.module:factory)"
+            f"{spec} is an exported program, whose layers are aten ops, not modules: for rows of the "
+            "quantized model's layer modules, give FLOAT as the nn.Module (package.module:factory)"
         ),
     )
     return report.model_copy(update={"notices": [*report.notices, notice]})
@@ -292,7 +287,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
     except ValueError as error:
         raise ConfigError(str(error)) from error
     if _is_exported(float_model):
-        report = _note_layers_without_float(report, args.float_model, quantized_model)
+        report = _note_layers_without_float(report, args.float_model)
     ranking = None
     if args.sensitivity:
         # Rank the layers of the quantized model the user gave: its shadow errors are the real ones.

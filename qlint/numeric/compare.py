@@ -21,7 +21,8 @@ from qlint.core.nested import first_float
 from qlint.core.preserve import preserved_state
 from qlint.linter.findings import CompareRow, Notice, Report, Severity, Timing
 from qlint.measure.capture import PairedRunner
-from qlint.measure.matching import MODULE_SITE, LayerMatch, MatchResult, match_layers
+from qlint.measure.match_result import MODULE_SITE, LayerMatch, MatchResult
+from qlint.measure.matching import match_layers
 from qlint.measure.metrics import PairwiseErrorStats
 from qlint.measure.weights import float_layer_weights, quantized_layer_weights
 from qlint.numeric.diagnose import (
@@ -184,6 +185,16 @@ def _compare(
                 level=Severity.WARNING,
                 message=(
                     "float layers without a quantized counterpart (not compared): " + ", ".join(match.unmatched_float)
+                ),
+            )
+        )
+    if match.unmatched_quantized:
+        notices.append(
+            Notice(
+                level=Severity.WARNING,
+                message=(
+                    "quantized layers without a float counterpart (compared only through the model output): "
+                    + ", ".join(match.unmatched_quantized)
                 ),
             )
         )
