@@ -9,7 +9,8 @@ from torch import nn
 from torch.ao.quantization import get_default_qat_qconfig_mapping, quantize_dynamic
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_qat_fx
 
-from qlint.measure.matching import CounterpartKind, match_layers
+from qlint.measure.match_result import CounterpartKind
+from qlint.measure.matching import match_layers
 from qlint.numeric.compare import compare
 from qlint.numeric.examples import (
     EagerConvNet,

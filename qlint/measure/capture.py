@@ -42,7 +42,7 @@ from qlint.core.batches import as_call
 from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.core.preserve import preserved_state
 from qlint.errors import ModelRunError, QlintError
-from qlint.measure.matching import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
+from qlint.measure.match_result import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
 from qlint.measure.metrics import quantization_scale
 from qlint.measure.quantizers import FrozenQuantizer, apply_input_spec, frozen_quantizer, input_spec
 from qlint.measure.weights import simulated_weight_parameters

@@ -9,131 +9,31 @@ primary key is the module fqn.  Fusion is the complication: a quantized
 the float side's comparison point moves to the end of that chain ("absorbed"
 ops).  Functional ops of an FX graph (``x + y`` becoming ``quantized.add``) have
 no fqn; they are paired by op kind, by the nearest module layers that feed them
-and by their occurrence order.  Whatever is left is paired in graph order.
+and by their occurrence order (:mod:`qlint.measure.functional_matching`).  Whatever
+is left is paired in graph order.  The result's records are
+:mod:`qlint.measure.match_result`'s.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 from torch import nn
 from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 
-from qlint.core.ops import FunctionOp, function_op, fuses_relu, layer_kind, method_kind, quantized_form
+from qlint.core.ops import fuses_relu, layer_kind, quantized_form
 from qlint.core.trace import symbolic_graph
 from qlint.errors import TraceError
-
-MODULE_SITE = "module"
-NODE_SITE = "node"
-
-
-class CounterpartKind(str, enum.Enum):
-    FLOAT = "float"
-    PREPARED = "prepared"
-    CONVERTED_FX = "converted-fx"
-    DYNAMIC = "dynamic"
-    EAGER_CONVERTED = "eager-converted"
-
-
-@dataclass(frozen=True)
-class Site:
-    """Where a value is read: a module's call (hooks) or an FX node (interpreter)."""
-
-    kind: str
-    name: str
-
-
-@dataclass
-class LayerMatch:
-    name: str  # float module fqn, or float node name for functional ops
-    kind: str
-    float_entry: Site
-    float_exit: Site
-    quant_site: Site
-    quant_class: str
-    matched_by: str
-    float_exit_relu: bool = False  # the quantized op fuses a ReLU the float side applies functionally
-    absorbed: list[str] = field(default_factory=list)
-    # Float modules run after float_entry, in order, to reach float_exit (BN, ReLU fused on the quantized side).
-    float_chain: list[str] = field(default_factory=list)
-    folded_batch_norm: str | None = None  # float BN fqn folded into the quantized weight
-    quant_input_quantizer: str | None = None  # observer/fake-quant fqn feeding the layer
-    quant_output_quantizer: str | None = None  # observer/fake-quant fqn after the layer
-    predecessors: list[str] = field(default_factory=list)
-
-    @property
-    def is_module(self) -> bool:
-        return self.float_entry.kind == MODULE_SITE and self.quant_site.kind == MODULE_SITE
-
-
-@dataclass
-class MatchResult:
-    layers: list[LayerMatch]
-    counterpart: CounterpartKind
-    unmatched_float: list[str]
-    unmatched_quantized: list[str]
-    float_graph: torch.fx.GraphModule | None
-    quant_graph: torch.fx.GraphModule | None
-    notes: list[str]
-
-    def by_name(self) -> dict[str, LayerMatch]:
-        return {layer.name: layer for layer in self.layers}
-
+from qlint.measure.functional_matching import is_relu_node, match_functional, nearest_layer_ancestors
+from qlint.measure.match_result import MODULE_SITE, CounterpartKind, LayerMatch, MatchResult, Site
 
 # --- what counts as a layer ---------------------------------------------------
-# Functional ops worth a row of their own, by op kind.
-_COMPARED_FUNCTIONAL_KINDS = frozenset(
-    {
-        "add",
-        "mul",
-        "cat",
-        "matmul",
-        "linear",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "relu",
-        "relu6",
-        "hardswish",
-        "sigmoid",
-        "tanh",
-        "gelu",
-        "silu",
-        "leaky_relu",
-        "elu",
-        "hardtanh",
-        "layer_norm",
-        "softmax",
-    }
-)
 
 
 def _is_quantizer(module: nn.Module | None) -> bool:
     return isinstance(module, (ObserverBase, FakeQuantizeBase))
-
-
-def functional_kind(node: torch.fx.Node) -> tuple[str | None, bool]:
-    """(kind, fuses_relu) for a call_function / call_method node worth comparing, else (None, False)."""
-    if node.op == "call_method":
-        op = FunctionOp(method_kind(str(node.target)))
-    elif node.op == "call_function" and not isinstance(node.target, str):
-        op = function_op(node.target)
-    else:
-        return None, False
-    if op.kind not in _COMPARED_FUNCTIONAL_KINDS:
-        return None, False
-    return op.kind, op.fused_relu
-
-
-def _is_relu_node(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
-    if node.op == "call_module":
-        return isinstance(modules.get(str(node.target)), nn.ReLU)
-    kind, _ = functional_kind(node)
-    return kind == "relu"
 
 
 def detect_counterpart(model: nn.Module) -> CounterpartKind:
@@ -207,25 +107,6 @@ def trace_or_none(model: nn.Module, notes: list[str], label: str) -> torch.fx.Gr
 def _missing_or_identity(model_modules: dict[str, nn.Module], fqn: str) -> bool:
     module = model_modules.get(fqn)
     return module is None or isinstance(module, nn.Identity)
-
-
-def _nearest_layer_ancestors(
-    node: torch.fx.Node, layer_of: dict[torch.fx.Node, str], through: str | None = None
-) -> frozenset[str]:
-    """The layers nearest upstream of ``node``; the nodes of layer ``through`` are walked past."""
-    found: set[str] = set()
-    stack, seen = list(node.all_input_nodes), set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        owner = layer_of.get(current)
-        if owner is not None and owner != through:
-            found.add(owner)
-        else:
-            stack.extend(current.all_input_nodes)
-    return frozenset(found)
 
 
 def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchResult:
@@ -312,7 +193,7 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchRes
     unmatched_float = [fqn for fqn in unmatched_float if fqn not in absorbed and fqn not in layers]
 
     if float_graph is not None and quant_graph is not None:
-        absorbed_by_functional = _match_functional(float_graph, quant_graph, layers, float_modules, quant_modules)
+        absorbed_by_functional = match_functional(float_graph, quant_graph, layers, float_modules, quant_modules)
         unmatched_float = [fqn for fqn in unmatched_float if fqn not in absorbed_by_functional]
     if quant_graph is not None:
         _attach_quantizers(quant_graph, layers, quant_modules)
@@ -382,7 +263,7 @@ def _graph_followers(node: torch.fx.Node, float_modules) -> list:
             if kind not in ("batch_norm", "relu"):
                 break
             chain.append((kind, str(user.target)))
-        elif _is_relu_node(user, float_modules):
+        elif is_relu_node(user, float_modules):
             chain.append(("relu", user))
         else:
             break
@@ -393,73 +274,6 @@ def _graph_followers(node: torch.fx.Node, float_modules) -> list:
 def _order_followers(fqn: str, float_order: list[str], float_modules) -> list:
     index = float_order.index(fqn)
     return [(layer_kind(float_modules[name]), name) for name in float_order[index + 1 : index + 3]]
-
-
-def _match_functional(float_graph, quant_graph, layers, float_modules, quant_modules) -> set[str]:
-    """Pair functional ops by (kind, nearest module layers feeding them, occurrence).
-
-    Returns the float module fqns absorbed into a fused functional op.
-    """
-    absorbed_modules: set[str] = set()
-    absorbed_nodes = {name for layer in layers.values() for name in layer.absorbed}
-    float_layer_of = {}
-    for node in float_graph.graph.nodes:
-        if node.op == "call_module" and str(node.target) in layers:
-            float_layer_of[node] = str(node.target)
-    by_float_exit = {layer.float_exit.name: layer.name for layer in layers.values()}
-    for node in float_graph.graph.nodes:
-        if node.op == "call_module" and str(node.target) in by_float_exit:
-            float_layer_of[node] = by_float_exit[str(node.target)]
-        if node.name in absorbed_nodes:
-            owner = next(layer.name for layer in layers.values() if node.name in layer.absorbed)
-            float_layer_of[node] = owner
-    quant_to_float = {layer.quant_site.name: layer.name for layer in layers.values()}
-    quant_layer_of = {
-        node: quant_to_float[str(node.target)]
-        for node in quant_graph.graph.nodes
-        if node.op == "call_module" and str(node.target) in quant_to_float
-    }
-
-    def keyed(graph, layer_of, skip):
-        seen: dict[tuple, int] = {}
-        result = {}
-        for node in graph.graph.nodes:
-            kind, fused = functional_kind(node)
-            if kind is None or node in layer_of or node.name in skip:
-                continue
-            signature = (kind, _nearest_layer_ancestors(node, layer_of))
-            index = seen.get(signature, 0)
-            seen[signature] = index + 1
-            result[signature + (index,)] = (node, fused)
-        return result
-
-    float_keys = keyed(float_graph, float_layer_of, absorbed_nodes)
-    quant_keys = keyed(quant_graph, quant_layer_of, set())
-    for key, (float_node, _) in float_keys.items():
-        if key not in quant_keys:
-            continue
-        quant_node, fused = quant_keys[key]
-        layer = LayerMatch(
-            name=float_node.name,
-            kind=key[0],
-            float_entry=Site(NODE_SITE, float_node.name),
-            float_exit=Site(NODE_SITE, float_node.name),
-            quant_site=Site(NODE_SITE, quant_node.name),
-            quant_class=str(getattr(quant_node.target, "__name__", quant_node.target)),
-            matched_by="signature",
-        )
-        if fused and len(float_node.users) == 1:
-            follower = next(iter(float_node.users))
-            if _is_relu_node(follower, float_modules):
-                # quantized add_relu / linear_relu: the float ReLU after the op is part of it.
-                is_module = follower.op == "call_module"
-                layer.absorbed.append(str(follower.target) if is_module else follower.name)
-                layer.float_exit = Site(NODE_SITE, follower.name)
-                if is_module:
-                    absorbed_modules.add(str(follower.target))
-                    layers.pop(str(follower.target), None)
-        layers[layer.name] = layer
-    return absorbed_modules
 
 
 def _attach_quantizers(quant_graph, layers, quant_modules) -> None:
@@ -522,19 +336,12 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
         node = entry_nodes.get(layer.name)
         if node is None:
             continue
-        ancestors = _nearest_layer_ancestors(node, layer_of, through=layer.name)
+        ancestors = nearest_layer_ancestors(node, layer_of, through=layer.name)
         layer.predecessors = sorted(ancestors, key=lambda name: order.get(name, 0))
 
 
 __all__ = [
-    "CounterpartKind",
-    "LayerMatch",
-    "MatchResult",
-    "Site",
-    "MODULE_SITE",
-    "NODE_SITE",
     "match_layers",
-    "functional_kind",
     "detect_counterpart",
     "quantized_layer_modules",
     "float_layer_modules",

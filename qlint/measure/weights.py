@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from qlint.measure.matching import LayerMatch
+from qlint.measure.match_result import LayerMatch
 
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 

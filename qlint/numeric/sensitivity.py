@@ -37,7 +37,8 @@ from qlint.core.preserve import made_in_inference_mode, preserved_state
 from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
 from qlint.errors import QlintError
 from qlint.measure.capture import PairedRunner
-from qlint.measure.matching import MODULE_SITE, LayerMatch, match_layers
+from qlint.measure.match_result import MODULE_SITE, LayerMatch
+from qlint.measure.matching import match_layers
 from qlint.measure.trial import convert_model, prepare_model
 
 

@@ -1,0 +1,72 @@
+"""What a match of a float model's layers with its quantized counterpart's records.
+
+:func:`qlint.measure.matching.match_layers` returns a :class:`MatchResult`: the kind of
+counterpart (:class:`CounterpartKind`), one :class:`LayerMatch` per paired layer with the
+:class:`Site` its value is read at on each side (a module's call or an FX node) and what
+the quantized side fused in, and what stayed unpaired. The paired runs (capture), the
+numeric suite and the weight measurements read these records without matching anything.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+MODULE_SITE = "module"
+NODE_SITE = "node"
+
+
+class CounterpartKind(str, enum.Enum):
+    FLOAT = "float"
+    PREPARED = "prepared"
+    CONVERTED_FX = "converted-fx"
+    DYNAMIC = "dynamic"
+    EAGER_CONVERTED = "eager-converted"
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a value is read: a module's call (hooks) or an FX node (interpreter)."""
+
+    kind: str
+    name: str
+
+
+@dataclass
+class LayerMatch:
+    name: str  # float module fqn, or float node name for functional ops
+    kind: str
+    float_entry: Site
+    float_exit: Site
+    quant_site: Site
+    quant_class: str
+    matched_by: str
+    float_exit_relu: bool = False  # the quantized op fuses a ReLU the float side applies functionally
+    absorbed: list[str] = field(default_factory=list)
+    # Float modules run after float_entry, in order, to reach float_exit (BN, ReLU fused on the quantized side).
+    float_chain: list[str] = field(default_factory=list)
+    folded_batch_norm: str | None = None  # float BN fqn folded into the quantized weight
+    quant_input_quantizer: str | None = None  # observer/fake-quant fqn feeding the layer
+    quant_output_quantizer: str | None = None  # observer/fake-quant fqn after the layer
+    predecessors: list[str] = field(default_factory=list)
+
+    @property
+    def is_module(self) -> bool:
+        return self.float_entry.kind == MODULE_SITE and self.quant_site.kind == MODULE_SITE
+
+
+@dataclass
+class MatchResult:
+    layers: list[LayerMatch]
+    counterpart: CounterpartKind
+    unmatched_float: list[str]
+    unmatched_quantized: list[str]
+    float_graph: torch.fx.GraphModule | None
+    quant_graph: torch.fx.GraphModule | None
+    notes: list[str]
+
+    def by_name(self) -> dict[str, LayerMatch]:
+        return {layer.name: layer for layer in self.layers}
