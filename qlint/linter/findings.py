@@ -18,7 +18,8 @@ from qlint.core.sqnr import BatchPowers, steady_gain_db
 from qlint.linter.fixes import Fix
 from qlint.linter.json_values import check_json_able
 from qlint.linter.mapping import qconfig_mapping
-from qlint.linter.suggestions import Provenance, Suggestions, collect_suggestions
+from qlint.linter.suggestions import Provenance, Suggestions
+from qlint.linter.suggestions_from_fixes import collect_suggestions
 
 
 class Severity(str, enum.Enum):

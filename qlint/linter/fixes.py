@@ -2,7 +2,7 @@
 
 A rule may build a fix as a model or as a plain dict with an ``"action"`` key; the
 ``Finding`` validates it into the model of that action, and an unknown action or field is
-an error. :func:`qlint.linter.suggestions.collect_suggestions` matches the union
+an error. :func:`qlint.linter.suggestions_from_fixes.collect_suggestions` matches the union
 exhaustively, so a new action without a plan mapping fails the type checker and the tests.
 """
 

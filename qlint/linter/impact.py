@@ -47,7 +47,8 @@ from qlint.errors import QlintError
 from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.fixes import SetQConfig
 from qlint.linter.mapping import module_recipe, restore_type_default
-from qlint.linter.suggestions import Suggestions, collect_suggestions
+from qlint.linter.suggestions import Suggestions
+from qlint.linter.suggestions_from_fixes import collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
 from qlint.measure.equalization import apply_equalization
 from qlint.measure.pt2e_trial import TORCH_LAYER_CLASSES, missed_torch_layer, quantizer_leaves_float
