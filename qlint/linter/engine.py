@@ -15,6 +15,7 @@ from torch.ao.quantization import QConfigMapping
 from qlint.core.backends import BACKENDS, backend_info
 from qlint.core.batches import as_call, batches_of
 from qlint.core.graph import ModelGraph, OpNode
+from qlint.core.graph_builder import GraphBuilder
 from qlint.core.intent import (
     CallDescription,
     NodeQConfig,
@@ -26,7 +27,7 @@ from qlint.core.intent import (
 )
 from qlint.core.ops import module_kind
 from qlint.core.preserve import preserved_state
-from qlint.core.trace import GraphBuilder, Traced, initialized_copy, is_lazy_model, propagate_shapes, trace
+from qlint.core.trace import Traced, initialized_copy, is_lazy_model, propagate_shapes, trace
 from qlint.errors import ConfigError, QlintError, TraceError
 from qlint.linter.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
 from qlint.linter.docs import rule_info

@@ -25,10 +25,10 @@ import torch
 import torch.fx as fx
 
 from qlint.core.batches import as_call
+from qlint.core.graph_builder import sole_layer_scopes
 from qlint.core.nested import first_float
 from qlint.core.ops import CONV_OR_LINEAR_KINDS, TRANSPOSED_CONV_KINDS, function_op, kind_of_type_name
 from qlint.core.sqnr import SqnrSums
-from qlint.core.trace import sole_layer_scopes
 from qlint.measure.fallback import RECURRENT_KINDS
 from qlint.measure.trial import ActivationError
 
