@@ -34,10 +34,11 @@ from advice_models import MODELS  # noqa: E402
 
 import qlint  # noqa: E402
 from qlint.advice.plan import plan_from_report  # noqa: E402
-from qlint.advice.verify import conv_linear_coverage, verify  # noqa: E402
+from qlint.advice.verify import verify  # noqa: E402
 from qlint.advice.verify_session import conv_linear_modules, functional_owners  # noqa: E402
 from qlint.core.backends import backend_config  # noqa: E402
 from qlint.core.sqnr import SqnrSums  # noqa: E402
+from qlint.measure.fallback import weighted_coverage  # noqa: E402
 
 
 def sqnr_db(model, float_model, eval_data) -> float:
@@ -87,7 +88,7 @@ def quantize(model, mapping, calibration):
 
 def _measure(model, mapping, calibration, eval_data) -> tuple[float, int, int, list[str]]:
     q = quantize(model, mapping, calibration)
-    int8, total, floats = conv_linear_coverage(q)
+    int8, total, floats = weighted_coverage(q)
     return sqnr_db(q, model, eval_data), int8, total, floats
 
 

@@ -65,11 +65,11 @@ def _evaluate(float_model, quantized, held_out) -> tuple[float | None, str | Non
     """(output SQNR, failure, int8 conv+linear, all conv+linear) on the held-out batches."""
     import torch
 
-    from qlint.advice.verify_session import conv_linear_coverage
     from qlint.core.batches import call_model
     from qlint.core.sqnr import SqnrSums
+    from qlint.measure.fallback import weighted_coverage
 
-    int8, total, _ = conv_linear_coverage(quantized)
+    int8, total, _ = weighted_coverage(quantized)
     sums = SqnrSums()
     try:
         with torch.no_grad():

@@ -211,7 +211,7 @@ def test_verify_shows_no_counts_for_a_plan_that_failed(run_main, tmp_path):
     )  # fmt: skip
     assert result.returncode in (0, 1), result.stderr
     assert "does not have: no.such.layer" in result.stdout + result.stderr
-    row = next(line for line in result.stdout.splitlines() if "conv+linear int8" in line)
+    row = next(line for line in result.stdout.splitlines() if "int8 conv/linear/recurrent/attention ops" in line)
     cells = [cell.strip() for cell in row.strip("│ ").split("│")]
     assert cells[2] == "-" and "0/0" not in row, row
 

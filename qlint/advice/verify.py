@@ -10,7 +10,8 @@ users: the plan's float-preserving rewrites, equalization and mapping, calibrate
 * per-layer activation SQNR, matched by module fqn (forward hooks on the prepared
   float-with-observers model vs the converted model, so fused modules compare like
   with like);
-* int8 coverage of conv+linear ops, counted on the converted graph;
+* int8 coverage of conv/linear/recurrent/attention ops, counted on the converted graph as lint's
+  trial counts it;
 * model size (bytes of the serialized state_dict).
 
 A model whose default quantization fails (``.view`` on a quantized tensor, a missing
@@ -65,16 +66,14 @@ from qlint.advice.plan import (
 )
 from qlint.advice.verify_prune import Decision, prune_decisions, rounded
 from qlint.advice.verify_pt2e import verify_pt2e
-from qlint.advice.verify_report import DecisionOutcome, LayerComparison, RunResult, VerifyReport
+from qlint.advice.verify_report import SQNR_TOLERANCE_DB, DecisionOutcome, LayerComparison, RunResult, VerifyReport
 from qlint.advice.verify_search import activation_bits_step, bias_correction_step, float_fallback, scheme_search
 from qlint.advice.verify_session import (
-    SQNR_TOLERANCE_DB,
     Measured,
     Progress,
     Session,
     VerifyError,
     batch_list,
-    conv_linear_coverage,
     conv_linear_modules,
     state_dict_bytes,
 )
@@ -376,7 +375,7 @@ def _verify(
         plan=verified.result,
         layers=_layers(fqns, session, default, verified),
         decisions=outcomes,
-        rewrites=_rewrites_report(detected, current),
+        rewrites=_rewrites_report(detected, current) + session.equalizations(current),
         kept_float=kept_float,
         float_layer_fraction=round(1.0 - verified.result.int8_fraction, 4),
         verified_plan=current,
@@ -392,7 +391,6 @@ __all__ = [
     "DecisionOutcome",
     "VerifyError",
     "verify",
-    "conv_linear_coverage",
     "state_dict_bytes",
     "SQNR_TOLERANCE_DB",
 ]

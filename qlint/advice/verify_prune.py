@@ -17,8 +17,8 @@ from qlint.advice.plan import (
     Rewrite,
     default_plan,
 )
-from qlint.advice.verify_report import DecisionOutcome
-from qlint.advice.verify_session import FAILED, SQNR_TOLERANCE_DB, Measured, Session
+from qlint.advice.verify_report import SQNR_TOLERANCE_DB, DecisionOutcome
+from qlint.advice.verify_session import FAILED, Measured, Session
 from qlint.measure.rewrite import rewrite_key
 
 PlanItem = ModuleDecision | EqualizationPair | Rewrite | FloatFunction

@@ -17,8 +17,10 @@ class RunResult(_Model):
 
     label: str
     sqnr_db: float | None = Field(description="output SQNR on the eval batches; None when quantizing failed")
-    int8_layers: int = Field(description="conv+linear ops that run in int8 after convert_fx")
-    total_layers: int = Field(description="all conv+linear ops in the converted graph")
+    int8_layers: int = Field(description="conv/linear/recurrent/attention ops that run in int8 after convert_fx")
+    total_layers: int = Field(
+        description="all conv/linear/recurrent/attention ops (a tracer leaf: each layer inside it)"
+    )
     int8_fraction: float
     size_bytes: int
     metric: float | None = None
@@ -35,6 +37,9 @@ class LayerComparison(_Model):
     plan_int8: bool | None = None
 
 
+SQNR_TOLERANCE_DB = 1e-3  # "does not lower SQNR": a change that costs less than this is noise
+
+
 class DecisionOutcome(_Model):
     # module | equalization | rewrite | group | plan | bias_correction | activation_bits | scheme | keep_float
     kind: str
@@ -43,6 +48,9 @@ class DecisionOutcome(_Model):
     sqnr_with_db: float | None = None
     sqnr_without_db: float | None = None
     detail: str = ""
+    bar_db: float = Field(
+        default=SQNR_TOLERANCE_DB, description="how much 'with' had to beat 'without' for the decision to be kept"
+    )
 
 
 class VerifyReport(_Model):

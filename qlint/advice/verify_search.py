@@ -39,10 +39,9 @@ from collections.abc import Sequence
 import torch.fx as fx
 
 from qlint.advice.plan import ActivationSpec, BiasCorrection, ModuleDecision, Provenance, QuantPlan
-from qlint.advice.verify_report import DecisionOutcome
+from qlint.advice.verify_report import SQNR_TOLERANCE_DB, DecisionOutcome
 from qlint.advice.verify_session import (
     FAILED,
-    SQNR_TOLERANCE_DB,
     Session,
     conv_linear_modules,
     functional_owners,
@@ -126,6 +125,7 @@ def bias_correction_step(
         sqnr_with_db=round(on, 4),
         sqnr_without_db=round(off, 4),
         detail="bias lowered by the mean output shift of the int8 weights, on the calibration data",
+        bar_db=BIAS_CORRECTION_MIN_GAIN_DB,
     )
     if not keep:
         return plan.model_copy(update={"bias_correction": None}), off, [outcome]
@@ -257,7 +257,7 @@ def scheme_search(
         keep = value > best + SQNR_TOLERANCE_DB and trial_int8 >= int8
         detail = f"{before} -> {after}{note}"
         if trial_int8 < int8:
-            detail += f"; int8 conv+linear {int8} -> {trial_int8}"
+            detail += f"; int8 conv/linear/recurrent/attention ops {int8} -> {trial_int8}"
         outcomes.append(
             DecisionOutcome(
                 kind="scheme",

@@ -41,19 +41,17 @@ from qlint.core.ops import (
     CONV_OR_LINEAR_KINDS,
     TRANSPOSED_CONV_KINDS,
     function_kind,
-    function_op,
     is_aten_graph,
     module_kind,
-    quantized_form,
 )
 from qlint.core.sqnr import SQNR_CAP_DB, SqnrSums
 from qlint.core.trace import symbolic_graph
 from qlint.errors import ConfigError, QlintError, TraceError
 from qlint.measure.calibrated import CalibratedQParams
+from qlint.measure.fallback import weighted_coverage
 from qlint.measure.rewrite import AppliedRewrite
 from qlint.measure.trial import copy_sharing_parameters
 
-SQNR_TOLERANCE_DB = 1e-3  # "does not lower SQNR": a change that costs less than this is noise
 FAILED = -math.inf  # the selection SQNR of a plan that cannot be quantized or run
 
 # The ops int8 coverage counts: every convolution and linear layer.
@@ -78,32 +76,6 @@ def state_dict_bytes(model: nn.Module) -> int:
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     return buffer.getbuffer().nbytes
-
-
-def conv_linear_coverage(converted: fx.GraphModule) -> tuple[int, int, list[str]]:
-    """(int8 conv/linear ops, all conv/linear ops, float conv/linear names) in a converted graph."""
-    int8 = total = 0
-    float_names: list[str] = []
-    for node in converted.graph.nodes:
-        if node.op == "call_module":
-            module = converted.get_submodule(str(node.target))
-            if module_kind(module) not in _COVERED_KINDS:
-                continue
-            total += 1
-            if quantized_form(module) is not None:
-                int8 += 1
-            else:
-                float_names.append(str(node.target))
-        elif node.op == "call_function":
-            op = function_op(node.target)
-            if op.kind not in _COVERED_KINDS:
-                continue  # weight packing (quantized::linear_prepack) has a kind of its own
-            total += 1
-            if op.quantized:
-                int8 += 1
-            else:
-                float_names.append(node.name)
-    return int8, total, float_names
 
 
 def conv_linear_modules(model: nn.Module) -> list[str]:
@@ -237,8 +209,9 @@ class Session:
             raise VerifyError(f"cannot trace the model with torch.fx: {error}") from error
 
     def coverage(self, converted: fx.GraphModule) -> tuple[int, int, list[str]]:
-        """(int8 conv/linear ops, all of them, the float ones' names) of a quantized model."""
-        return conv_linear_coverage(converted)
+        """(int8 weighted ops, all of them, the float ones' names) of a quantized model, counted as
+        lint's trial counts them (conv, linear, recurrent and attention layers)."""
+        return weighted_coverage(converted)
 
     @staticmethod
     def run(model: nn.Module, batch: Any) -> Any:
@@ -285,6 +258,13 @@ class Session:
         if self._last_rewritten is None or self._last_rewritten[0] != key:
             self._last_rewritten = (key, *rewritten(self.traced, plan, self.calibration))
         return self._last_rewritten[1], self._last_rewritten[2]
+
+    def equalizations(self, plan: QuantPlan) -> list[AppliedRewrite]:
+        """The plan's equalization pairs as its quantization applied them (none when torch's
+        ``_equalization_config`` equalizes instead)."""
+        if self.equalization_qconfig is not None:
+            return []
+        return [applied for applied in self._rewritten(plan)[1] if applied.kind == "equalize"]
 
     # --- measure ----------------------------------------------------------------------
     def _output_sqnr(self, converted: nn.Module, batches: list[Any], references: list[Any]) -> float:

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import io
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -198,7 +199,7 @@ def render_verify(report: Any, width: int | None = 120) -> str:
         ("output SQNR", lambda r: "FAILED" if r.failure else _fmt(r.sqnr_db)),
         # a failed run built no model: nothing to count
         (
-            "conv+linear int8",
+            "int8 conv/linear/recurrent/attention ops",
             lambda r: "-" if r.failure else f"{r.int8_layers}/{r.total_layers} ({r.int8_fraction:.0%})",
         ),
         ("size", lambda r: "-" if r.failure else f"{r.size_bytes / 1024:.1f} KiB"),
@@ -234,21 +235,37 @@ def render_verify(report: Any, width: int | None = 120) -> str:
             f"numbers above from {report.eval_batches} eval batches not used for selection"
         )
     )
+    for rewrite in report.rewrites:
+        if rewrite.applied and rewrite.note:  # e.g. channels an equalization drops in int8 by design
+            lines.append(printable(f"{rewrite.kind} {' -> '.join(rewrite.modules)}: {rewrite.note}"))
     if report.target_sqnr_db is not None:
         lines.append(f"target {report.target_sqnr_db:g} dB: {'met' if report.target_met else 'NOT met'}")
     for d in report.decisions:
         if d.kind == "scheme":  # a trial: "with" is the SQNR after the flip, "without" before it
-            lines.append(
-                f"  {'kept    ' if d.kept else 'rejected'} scheme {printable(d.target)} ({d.detail}): "
+            line = (
+                f"{'kept    ' if d.kept else 'rejected'} scheme {d.target} ({d.detail}): "
                 f"{_fmt(d.sqnr_with_db)} after, {_fmt(d.sqnr_without_db)} before"
             )
-            continue
-        lines.append(
-            f"  {'kept   ' if d.kept else 'dropped'} {d.kind} {printable(d.target)}: "
-            f"{_fmt(d.sqnr_with_db)} with, {_fmt(d.sqnr_without_db)} without"
-        )
+        else:
+            line = (
+                f"{'kept   ' if d.kept else 'dropped'} {d.kind} {d.target}: {_fmt(d.sqnr_with_db)} with, "
+                f"{_fmt(d.sqnr_without_db)} without ({_why(d)})" + (f"; {d.detail}" if d.detail else "")
+            )
+        lines += textwrap.wrap(printable(line), width=width or 120, initial_indent="  ", subsequent_indent="      ")
     lines += [f"note: {printable(n)}" for n in report.notes]
     return "\n".join(lines) + "\n"
+
+
+def _why(decision: Any) -> str:
+    """Its measured gain, and for a dropped decision why that gain was not enough."""
+    if decision.sqnr_with_db is None or decision.sqnr_without_db is None:
+        return "not measured"
+    gain = decision.sqnr_with_db - decision.sqnr_without_db
+    if decision.kept:
+        return f"{gain:+.2f} dB"
+    if gain <= 0:
+        return f"{gain:+.2f} dB: it gains nothing"
+    return f"{gain:+.2f} dB: under the {decision.bar_db:.2f} dB it must gain"
 
 
 def verify_command(argv: list[str]) -> int:
@@ -446,8 +463,9 @@ def quantize_command(argv: list[str]) -> int:
         [("--output", args.output)],
         [args.model, args.weights, args.plan, args.example_inputs, args.calibration, args.eval_data],
     )
-    from qlint.advice.verify_session import batch_list, conv_linear_coverage
+    from qlint.advice.verify_session import batch_list
     from qlint.core.load import load_batches
+    from qlint.measure.fallback import weighted_coverage
 
     with user_output_to_stderr():
         loaded, plan, _ = _load(args)
@@ -456,9 +474,11 @@ def quantize_command(argv: list[str]) -> int:
         converted = plan.quantize(loaded.module, calibration)
         sqnr = _output_sqnr(loaded.module, converted, eval_data) if eval_data else None
         how = _save_int8(converted, calibration[0], out)
-    int8, total, _ = conv_linear_coverage(converted)
+    int8, total, _ = weighted_coverage(converted)
     measured = "" if sqnr is None else f"; output SQNR {sqnr:.2f} dB on {len(eval_data)} eval batches"
-    write_stdout(f"wrote {printable(out)} (TorchScript, {how}; int8 conv+linear {int8}/{total}{measured})\n")
+    write_stdout(
+        f"wrote {printable(out)} (TorchScript, {how}; int8 {int8}/{total} conv/linear/recurrent/attention ops{measured})\n"
+    )
     return 0
 
 

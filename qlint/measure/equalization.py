@@ -21,6 +21,7 @@ _POSITIVE_HOMOGENEOUS = {F.relu, torch.relu, "relu"}
 _EQ_PREVIOUS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 _EQ_NEXT = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _SILENT = 1e-6  # a range below this fraction of the widest channel's is no range at all
+_SILENT_SCALE = 1e4  # a silent channel's scale: its weights in the next layer fall far below one int8 step
 
 
 def _equalization_path(gm: fx.GraphModule, module: str) -> tuple[fx.Node, fx.Node] | None:
@@ -71,27 +72,34 @@ def _input_channel_absmax(gm: fx.GraphModule, module: str, batches: Sequence[Any
     return torch.stack(seen).amax(0)
 
 
-def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequence[Any]) -> None:
+def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequence[Any]) -> int:
+    """Rescale ``previous``'s output channels and ``nxt``'s input columns; returns how many
+    channels were silent in calibration."""
     prev = gm.get_submodule(str(previous.target))
     following = gm.get_submodule(str(nxt.target))
     x_range = _input_channel_absmax(gm, str(nxt.target), batches)
     # nn.Module's stubs type submodule attributes as Tensor | Module; these layers hold tensors.
     weight = cast(torch.Tensor, following.weight).detach()
     w_range = weight.abs().transpose(0, 1).reshape(weight.shape[1], -1).amax(1)
-    # A channel silent in calibration (all zeros after a ReLU) has no range to balance: a scale
-    # from it is unbounded (silero_vad's conv4 input: up to 4e4, and held-out batches that wake such a
-    # channel saturate the int8 layer before it), so it keeps scale 1 and no say in the mean.
-    live = (x_range > x_range.max() * _SILENT) & (w_range > w_range.max() * _SILENT)
+    # A channel silent in calibration (all zeros after a ReLU) has no range to balance. It gets
+    # _SILENT_SCALE, outside the mean: calibration never sees it, so no int8 range widens, and the
+    # next layer's int8 weights for it round to 0. Data that wakes it (silero_vad's held-out
+    # audio) then loses its contribution rather than passing it through a range set by the
+    # other channels: +0.6 dB of output SQNR over scale 1 on 48 held-out silero_vad chunks.
+    silent = x_range <= x_range.max() * _SILENT
+    live = ~silent & (w_range > w_range.max() * _SILENT)
     scale = torch.ones_like(x_range)
     if bool(live.any()):
         balanced = torch.sqrt(w_range[live] / x_range[live])
         scale[live] = balanced / torch.exp(torch.log(balanced).mean())  # geometric mean 1: overall ranges kept
+    scale[silent] = _SILENT_SCALE
     with torch.no_grad():
         shape_w = (-1,) + (1,) * (cast(torch.Tensor, prev.weight).dim() - 1)
         cast(torch.Tensor, prev.weight).mul_(scale.reshape(shape_w))
         if getattr(prev, "bias", None) is not None:
             cast(torch.Tensor, prev.bias).mul_(scale)
         cast(torch.Tensor, following.weight).div_(scale.reshape((1, -1) + (1,) * (weight.dim() - 2)))
+    return int(silent.sum())
 
 
 def apply_equalization(
@@ -138,7 +146,13 @@ def apply_equalization(
             nodes=[previous.name, nxt.name],
             requested_by_plan=True,
         )
-        _equalize(trial, previous, nxt, batches)
+        silent = _equalize(trial, previous, nxt, batches)
+        if silent:
+            record["note"] = (
+                f"{silent} output channel(s) of {previous.target} silent in calibration scaled x{_SILENT_SCALE:g}: "
+                f"int8 drops them ({module}'s weights for them round to 0; {previous.target}'s per-layer SQNR "
+                "counts them saturating)"
+            )
         error = relative_error(reference, float_outputs(trial, example))
         outcome = checked(record, error, max_relative_error)
         applied.append(outcome)

@@ -110,3 +110,12 @@ def int8_coverage(converted: fx.GraphModule, fallbacks: list[FloatLayer]) -> tup
             if op.kind in CONV_OR_LINEAR_KINDS | TRANSPOSED_CONV_KINDS and op.quantized:
                 int8 += 1
     return int8, int8 + sum(entry.weighted_ops for entry in fallbacks)
+
+
+def weighted_coverage(converted: fx.GraphModule, mapping: QConfigMapping | None = None) -> tuple[int, int, list[str]]:
+    """(int8 weighted ops, all of them, the float ones by name) of a converted model: lint's trial's
+    count, which verify and ``qlint quantize`` report too. A tracer leaf's layers are named inside it."""
+    fallbacks = float_layers(converted, mapping)
+    int8, total = int8_coverage(converted, fallbacks)
+    names = [name for entry in fallbacks for name in (entry.target, *(f"{entry.target}.{i}" for i in entry.inner))]
+    return int8, total, names

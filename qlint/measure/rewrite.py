@@ -82,7 +82,8 @@ class AppliedRewrite(BaseModel):
     applied: bool
     requested_by_plan: bool = False
     max_relative_error: float | None = None
-    reason: str | None = None
+    reason: str | None = None  # why it was refused
+    note: str | None = None  # what an applied one did that a reader of per-layer numbers should know
 
 
 def checked(record: dict[str, Any], error: float, max_relative_error: float) -> AppliedRewrite:
