@@ -206,12 +206,13 @@ class Finding(_Frozen):
     def fix_measured_useless(self) -> bool:
         """The fix cannot change the int8 model (its target stays float whatever its settings:
         ``stays-float``), or it gained too little to stay a warning (it was made info) when it
-        was applied, or when its target was kept float (the most any fix of it recovers)."""
+        was applied, when its target was kept float (the most any fix of it recovers), or on the
+        estimate that made it info where no trial could apply it (``local-error``)."""
         if self.impact is None:
             return False
         if self.impact.basis == "stays-float":
             return True
-        bounded = self.fix_measured() or self.impact.basis == "keep-float-trial"
+        bounded = self.fix_measured() or self.impact.basis in ("keep-float-trial", "local-error")
         return bounded and self.severity == Severity.INFO
 
 

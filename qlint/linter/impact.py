@@ -153,6 +153,7 @@ class ImpactMeter:
         self.aliases = aliases or {}  # module fqn -> the graph nodes it computes
         self.trials = 0  # every fix trial run, single and group
         self._measured: dict[str, BatchPowers | None] = {}
+        self._failures: dict[str, str] = {}  # trial key -> the step that failed and its error's first line
 
     def exhausted(self) -> bool:
         """The single-trial budget is spent: further findings are measured in groups."""
@@ -205,9 +206,21 @@ class ImpactMeter:
             self._measured[key] = None
             return None
         self.trials += 1
-        powers = bench.output_powers(mapping)
+        result = bench.run(mapping, measure_layers=False)
+        self._record_failure(key, result)
+        powers = result.output_powers
         self._measured[key] = powers if powers is not None and powers.sqnr_db() is not None else None
         return self._measured[key]
+
+    def _record_failure(self, key: str, result: TrialResult) -> None:
+        if result.failure is not None:
+            error = str(result.failure.error).strip().splitlines()
+            first = error[0][:160].rstrip(". ") if error else type(result.failure.error).__name__
+            self._failures[key] = f"the trial's {result.failure.stage} fails ({first})"
+
+    def fix_failure(self, finding: Finding) -> str | None:
+        """How the trial quantization with ``finding``'s own qconfig fix failed, if it ran and failed."""
+        return self._failures.get("qconfig:" + _fix_key(finding))
 
     def _already_float(self, target: str) -> bool:
         return any(layer.target == target for layer in self.result.float_layers)
@@ -265,6 +278,7 @@ class ImpactMeter:
             return None
         self.trials += 1
         fixed = self.bench.run(mapping, measure_layers=False)
+        self._record_failure("qconfig:" + _fix_key(finding), fixed)
         gained = fixed.int8_ops - self.result.int8_ops
         if gained > 0:
             detail = f"the fix applied in a trial: {gained} more op(s) run in int8"
@@ -315,8 +329,14 @@ class ImpactMeter:
             if fixed is not None:
                 measured = (family, fixed)
                 break
-        if base is None or measured is None:
+        if base is None:
             return {}
+        if measured is None:
+            if len(members) == 1 or self._groups_exhausted():
+                return {}
+            # one fix that torch cannot build fails the whole group: find it (and measure the rest)
+            half = len(members) // 2
+            return {**self._bisect(members[:half], families), **self._bisect(members[half:], families)}
         family, fixed = measured
         if len(members) == 1:
             return {members[0][0]: self._single_impact(fixed, family, findings[0].target)}
@@ -438,6 +458,11 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
     result = []
     for index in range(len(findings)):
         finding = measured[index]
+        failure = meter.fix_failure(finding) if finding.suggestion is not None else None
+        if failure is not None:
+            # torch cannot build or run the model this fix asks for: a plan must not carry it
+            why = f" Measured: with this fix {failure}, so no fix is suggested here."
+            finding = finding.model_copy(update={"suggestion": None, "message": finding.message + why})
         impact = finding.impact
         if finding.severity is not Severity.INFO and impact is not None and impact.kind == "sqnr-gain":
             note = demotion_note(impact, threshold)
