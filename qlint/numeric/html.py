@@ -110,7 +110,8 @@ def _sensitivity_table(items: Sequence[Mapping[str, Any]]) -> str:
         for rank, item in enumerate(items)
     )
     return (
-        "<table><tr><th>rank</th><th>layer</th><th>score (noise/signal)</th><th>local SQNR</th>"
+        "<table><tr><th>rank</th><th>layer</th><th>score (noise/signal)</th>"
+        '<th title="the layer quantized alone, everything else float">isolated SQNR</th>'
         f"<th>FLOPs</th><th>params</th></tr>{rows}</table>{_notes([item.get('local') for item in items])}"
     )
 
@@ -154,7 +155,7 @@ def render_html(
         _legend(
             [
                 ("propagated", PROPAGATED_COLOR),
-                ("shadow (local)", SHADOW_COLOR),
+                ("shadow (the layer's own error)", SHADOW_COLOR),
                 ("weight", WEIGHT_COLOR),
                 (f"threshold {sqnr_threshold:g} dB", THRESHOLD_COLOR),
             ],
