@@ -14,8 +14,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
+import torch.nn as nn
 
 from qlint.core.intent import NodeQConfig
+from qlint.core.ops import module_kind
 
 _COMPUTING = ("module", "function", "method")  # OpNode.op values that compute something
 
@@ -36,6 +38,18 @@ class ModuleInfo:
     is_leaf: bool
     training: bool
     has_parameters: bool
+
+    @classmethod
+    def of(cls, fqn: str, module: nn.Module) -> ModuleInfo:
+        kind = type(module)
+        return cls(
+            fqn=fqn,
+            type_name=f"{kind.__module__}.{kind.__qualname__}",
+            kind=module_kind(module),
+            is_leaf=not any(True for _ in module.children()),
+            training=module.training,
+            has_parameters=any(True for _ in module.parameters(recurse=False)),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -280,15 +280,7 @@ class GraphBuilder:
         for fqn, module in self.module_source.named_modules(remove_duplicate=False):
             if not fqn or fqn.startswith("_guards"):
                 continue
-            cls = type(module)
-            inventory[fqn] = ModuleInfo(
-                fqn=fqn,
-                type_name=f"{cls.__module__}.{cls.__qualname__}",
-                kind=module_kind(module),
-                is_leaf=not any(True for _ in module.children()),
-                training=module.training,
-                has_parameters=any(True for _ in module.parameters(recurse=False)),
-            )
+            inventory[fqn] = ModuleInfo.of(fqn, module)
         return inventory
 
 
