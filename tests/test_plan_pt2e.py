@@ -201,3 +201,23 @@ def test_a_dynamic_decision_beside_static_quantization_is_a_gap_not_a_silent_def
     assert quantizer_for(plan.to_qconfig_mapping(), default_mapping("x86"), {"fc": "linear"}) is None
     only_dynamic = plan.model_copy(update={"float_by_default": True})
     assert pt2e_gaps(only_dynamic) == []  # torch's quantize_dynamic recipe: every entry dynamic
+
+
+def test_compare_names_a_pt2e_converted_model_as_such():
+    """compare's report called a convert_pt2e model 'converted-fx' (it has quantize_per_tensor ops)."""
+    import qlint
+    from qlint.measure.match_result import CounterpartKind
+    from qlint.measure.matching import detect_counterpart
+
+    quantizer_module = pytest.importorskip("torchao.quantization.pt2e.quantizer.x86_inductor_quantizer")
+    quantizer = quantizer_module.X86InductorQuantizer().set_global(
+        quantizer_module.get_default_x86_inductor_quantization_config()
+    )
+    torch.manual_seed(0)
+    model = Net().eval()
+    batches = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    converted = _quantize(model, quantizer, batches)
+    assert detect_counterpart(converted) is CounterpartKind.CONVERTED_PT2E
+    report = qlint.compare(model, converted, batches)
+    assert report.frontend == "converted-pt2e"
+    assert any("of a converted-pt2e model" in notice.message for notice in report.notices)

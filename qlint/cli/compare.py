@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-import types
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,6 +28,7 @@ from qlint.cli.common import (
 )
 from qlint.core.backends import BACKENDS
 from qlint.core.batches import batches_of
+from qlint.core.exported import is_exported_module, put_in_eval
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
@@ -50,55 +50,12 @@ def load_model_arg(spec: str, trust_pickle: bool = False) -> torch.nn.Module:
     return _ready_for_eval(spec, load_model(spec, trust_pickle=trust_pickle).module)
 
 
-def _training_mode_ops(module: torch.fx.GraphModule) -> list[str]:
-    """The ops of an exported graph that run in training mode (batch norm updating its
-    statistics, dropout): aten ops carry the mode as an argument, ``training`` or ``train``."""
-    found = []
-    for node in module.graph.nodes:
-        if node.op != "call_function":
-            continue
-        try:
-            normalized = node.normalized_arguments(module, normalize_to_only_use_kwargs=True)
-        except Exception:  # an op without a schema to normalize by: it has no mode argument either
-            normalized = None
-        if normalized is not None and any(normalized.kwargs.get(flag) is True for flag in ("training", "train")):
-            found.append(str(node.target))
-    return found
-
-
-def _as_exported(self: torch.nn.Module, mode: bool = False) -> torch.nn.Module:
-    """eval() of an exported module: it runs as it was exported (in eval mode, checked on loading)."""
-    return self
-
-
 def _ready_for_eval(spec: str, module: Any) -> Any:
-    """The model as compare can use it: compare puts both models in eval mode.
-
-    The module of an exported program (a .pt2, or ``ExportedProgram.module()`` from a factory)
-    refuses eval() and train(): its graph runs in the mode it was exported in, which each batch
-    norm and dropout op carries as an argument. One exported in eval mode already is what
-    eval() asks for, so its eval() leaves it as it is; one exported in training mode would
-    update its batch norm statistics and drop activations at random on every batch: refused."""
-    if not isinstance(module, torch.fx.GraphModule) or "eval" not in vars(module):
-        return module  # an ordinary module (or not one at all, which _compare refuses)
-    try:
-        module.eval()
-        return module  # the instance's own eval() works: nothing to do
-    except NotImplementedError:
-        pass
-    training = _training_mode_ops(module)
-    if training:
-        shown = ", ".join(dict.fromkeys(training))
-        raise ConfigError(
-            f"{spec} was exported in training mode ({shown} with training=True): compare needs the "
-            "model as it runs in inference; export it after model.eval()"
-        )
-    module.eval = types.MethodType(_as_exported, module)  # type: ignore[method-assign]
+    """The model, refused in one line when it is an exported module that runs in training mode
+    (compare needs both models as they run in inference; qlint.core.exported)."""
+    if isinstance(module, torch.nn.Module):
+        put_in_eval(module, spec)
     return module
-
-
-def _is_exported(module: torch.nn.Module) -> bool:
-    return getattr(getattr(module, "eval", None), "__func__", None) is _as_exported
 
 
 def load_data_arg(spec: str) -> Any:
@@ -286,7 +243,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
         )
     except ValueError as error:
         raise ConfigError(str(error)) from error
-    if _is_exported(float_model):
+    if is_exported_module(float_model):
         report = _note_layers_without_float(report, args.float_model)
     ranking = None
     if args.sensitivity:

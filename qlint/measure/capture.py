@@ -39,6 +39,7 @@ from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 from torch.func import functional_call
 
 from qlint.core.batches import as_call
+from qlint.core.exported import put_in_eval
 from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.core.preserve import preserved_state
 from qlint.errors import ModelRunError, QlintError
@@ -166,8 +167,8 @@ class PairedRunner:
         try:
             # Observers update their statistics on every call and fake-quants may re-estimate
             # their scales; eval mode and the guard keep the user's models as they were.
-            self.float_model.eval()
-            self.quantized_model.eval()
+            put_in_eval(self.float_model, "the float model")
+            put_in_eval(self.quantized_model, "the quantized model")
             self._install()
         except BaseException:
             self.guard.__exit__(None, None, None)

@@ -23,6 +23,7 @@ class CounterpartKind(str, enum.Enum):
     FLOAT = "float"
     PREPARED = "prepared"
     CONVERTED_FX = "converted-fx"
+    CONVERTED_PT2E = "converted-pt2e"  # convert_pt2e's aten graph: quantize/dequantize ops around float ops
     DYNAMIC = "dynamic"
     EAGER_CONVERTED = "eager-converted"
 

@@ -23,7 +23,7 @@ import torch.fx
 from torch import nn
 from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 
-from qlint.core.ops import fuses_relu, layer_kind, quantized_form
+from qlint.core.ops import fuses_relu, is_aten_graph, layer_kind, quantized_form
 from qlint.core.trace import symbolic_graph
 from qlint.errors import TraceError
 from qlint.measure.functional_matching import is_relu_node, match_functional, nearest_layer_ancestors
@@ -52,6 +52,8 @@ def detect_counterpart(model: nn.Module) -> CounterpartKind:
             node.op == "call_function" and "quantize_per" in str(getattr(node.target, "__name__", node.target))
             for node in model.graph.nodes
         )
+        if quantize_ops and is_aten_graph(model):
+            return CounterpartKind.CONVERTED_PT2E
         if has_static or quantize_ops:
             return CounterpartKind.CONVERTED_FX
     if has_quantizer:
