@@ -23,9 +23,10 @@ fallback of the prepare_fx verify are not run (noted when asked for).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -71,8 +72,15 @@ class Pt2eSession(Session):
             raise QuantizeError(f"{step.failure.stage} failed: {first_line(step.failure.error)}") from step
         return Quantized(converted, prepared, [])
 
-    def layer_sqnr(self, q: Quantized, fqns: Iterable[str], batches: list[Any]) -> dict[str, float]:
-        """Propagated SQNR per weighted op (named as lint names it) of the converted graph."""
+    def layer_sqnr(
+        self,
+        q: Quantized,
+        fqns: Iterable[str],
+        batches: list[Any],
+        output_scales: Mapping[str, tuple[torch.Tensor, int]] | None = None,
+    ) -> dict[str, float]:
+        """Propagated SQNR per weighted op (named as lint names it) of the converted graph (pt2e
+        has no equalization rescale: ``output_scales`` is always empty here)."""
         if q.prepared is None:
             raise QlintError("per-layer SQNR needs the prepared model")
         wanted = set(fqns)

@@ -25,7 +25,7 @@ import functools
 import gc
 import io
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -333,7 +333,7 @@ class Session:
             metric=metric,
             float_modules=floats,
         )
-        per_layer = self.layer_sqnr(q, layers, self.eval_data) if layers else None
+        per_layer = self.layer_sqnr(q, layers, self.eval_data, self._output_scales(plan)) if layers else None
         measured = Measured(selection, result, per_layer, evaluated=evaluate)
         self._measured[key] = measured
         return measured
@@ -387,28 +387,58 @@ class Session:
             self.trials += 1
         return self.measure(label, plan, evaluate=False)
 
-    def layer_sqnr(self, q: Quantized, fqns: Iterable[str], batches: list[Any]) -> dict[str, float]:
+    def _output_scales(self, plan: QuantPlan) -> dict[str, tuple[torch.Tensor, int]]:
+        """Per layer whose output channels the plan's equalization rescaled (qlint's rescale):
+        each channel's factor and the channel dim of its output."""
+        scales: dict[str, tuple[torch.Tensor, int]] = {}
+        for rewrite in self.equalizations(plan):
+            if rewrite.applied and rewrite.output_scale is not None:
+                previous = rewrite.modules[0]
+                layer = self.traced.get_submodule(previous)
+                dim = -1 if isinstance(layer, (nn.Linear, nn.LayerNorm)) else 1
+                scales[previous] = (torch.tensor(rewrite.output_scale, dtype=torch.float64), dim)
+        return scales
+
+    def layer_sqnr(
+        self,
+        q: Quantized,
+        fqns: Iterable[str],
+        batches: list[Any],
+        output_scales: Mapping[str, tuple[torch.Tensor, int]] | None = None,
+    ) -> dict[str, float]:
         """Activation SQNR per module fqn: prepared (float + observers) vs converted outputs.
 
         The float pass keeps a copy of each layer's output (in-place ops downstream, such as
         ReLU6(inplace=True), change the output tensor itself); the quantized pass compares each
         output the moment it is made and drops the float copy, so at most one batch's float
-        outputs are held."""
+        outputs are held. A layer in ``output_scales`` (equalization multiplied its output
+        channels) is compared with both outputs divided back: as the original model computes it,
+        where a channel scaled x1e4 to be dropped weighs what the next layer gives it."""
         if q.prepared is None:
             raise QlintError("per-layer SQNR needs the prepared model")
         fqns = list(fqns)
+        scales = output_scales or {}
         sums: dict[str, SqnrSums] = {}
         captured: dict[str, torch.Tensor] = {}
+
+        def unscaled(value: torch.Tensor, fqn: str) -> torch.Tensor:
+            if fqn not in scales:
+                return value
+            scale, dim = scales[fqn]
+            shape = [1] * value.dim()
+            shape[dim] = -1
+            value = value.dequantize() if value.is_quantized else value
+            return value.double() / scale.reshape(shape)
 
         def keep(_m: nn.Module, _i: Any, output: Any, fqn: str) -> None:
             value = first_float(output)
             if value is not None:
-                captured[fqn] = value.clone()
+                captured[fqn] = unscaled(value.clone(), fqn)
 
         def compare(_m: nn.Module, _i: Any, output: Any, fqn: str) -> None:
             reference, value = captured.pop(fqn, None), first_float(output)
             if reference is not None and value is not None and reference.shape == value.shape:
-                sums.setdefault(fqn, SqnrSums()).add(reference, value)
+                sums.setdefault(fqn, SqnrSums()).add(reference, unscaled(value, fqn))
 
         handles = []
         for model, hook in ((q.prepared, keep), (q.converted, compare)):

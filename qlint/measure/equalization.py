@@ -72,9 +72,9 @@ def _input_channel_absmax(gm: fx.GraphModule, module: str, batches: Sequence[Any
     return torch.stack(seen).amax(0)
 
 
-def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequence[Any]) -> int:
-    """Rescale ``previous``'s output channels and ``nxt``'s input columns; returns how many
-    channels were silent in calibration."""
+def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequence[Any]) -> torch.Tensor:
+    """Rescale ``previous``'s output channels and ``nxt``'s input columns; returns the scale of
+    each channel (``_SILENT_SCALE`` where it was silent in calibration)."""
     prev = gm.get_submodule(str(previous.target))
     following = gm.get_submodule(str(nxt.target))
     x_range = _input_channel_absmax(gm, str(nxt.target), batches)
@@ -99,7 +99,7 @@ def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequ
         if getattr(prev, "bias", None) is not None:
             cast(torch.Tensor, prev.bias).mul_(scale)
         cast(torch.Tensor, following.weight).div_(scale.reshape((1, -1) + (1,) * (weight.dim() - 2)))
-    return int(silent.sum())
+    return scale
 
 
 def apply_equalization(
@@ -146,12 +146,13 @@ def apply_equalization(
             nodes=[previous.name, nxt.name],
             requested_by_plan=True,
         )
-        silent = _equalize(trial, previous, nxt, batches)
+        scale = _equalize(trial, previous, nxt, batches)
+        record["output_scale"] = scale.tolist()
+        silent = int((scale == _SILENT_SCALE).sum())
         if silent:
             record["note"] = (
                 f"{silent} output channel(s) of {previous.target} silent in calibration scaled x{_SILENT_SCALE:g}: "
-                f"int8 drops them ({module}'s weights for them round to 0; {previous.target}'s per-layer SQNR "
-                "counts them saturating)"
+                f"int8 drops them ({module}'s weights for them round to 0)"
             )
         error = relative_error(reference, float_outputs(trial, example))
         outcome = checked(record, error, max_relative_error)

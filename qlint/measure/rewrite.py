@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.nested import tensors_in
@@ -84,6 +84,9 @@ class AppliedRewrite(BaseModel):
     max_relative_error: float | None = None
     reason: str | None = None  # why it was refused
     note: str | None = None  # what an applied one did that a reader of per-layer numbers should know
+    # equalize: how much each output channel of the previous layer was multiplied by (left out of
+    # reports: verify divides it out to compare that layer with the original float model)
+    output_scale: list[float] | None = Field(default=None, exclude=True, repr=False)
 
 
 def checked(record: dict[str, Any], error: float, max_relative_error: float) -> AppliedRewrite:
