@@ -1,10 +1,12 @@
-"""A fix whose trial quantization fails is not suggested, and the finding says why.
+"""Which fixes a plan may carry, by what their trials measured.
 
-On MiniLM QL203's clipping observer for a layer's input made convert_fx build a model that
-fails to run ("mat1 and mat2 must have the same dtype"); the trial recorded nothing, the
-finding kept its fix on an estimate, and the plan carried it. A rule of this test asks to
-quantize a conv whose int8 output (channels-last) breaks the model's ``.view``: the lint runs
-with the conv float, as its mapping asks, and the fix's trial fails at run time.
+On MiniLM QL203's clipping observer for some layers' inputs made convert_fx build a model that
+fails to run ("mat1 and mat2 must have the same dtype"): the trial recorded nothing, the
+finding kept its fix on an estimate, and the plan carried it. Such a fix is now dropped with
+the failure in its message, but only where the trial measured nothing: a failure the trial
+bench works around (a ``.view`` on an int8 conv's channels-last output, run as ``reshape``)
+measured the fix, which stays. No small model here reproduces a fix that cannot be built at
+all (MiniLM's needs its full graph), so that branch is covered by the MiniLM benchmark run.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ class _QuantizeTheConv(Rule):
         )
 
 
-def test_a_fix_whose_trial_fails_is_dropped_with_the_reason():
+def test_a_fix_measured_through_the_benchs_workaround_keeps_its_suggestion():
+    """The review found the first version dropping this fix: the bench's run reports the failure
+    it worked around next to the measurement it then made."""
     torch.manual_seed(0)
     model = _ViewNet().eval()
     batches = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
@@ -85,11 +89,10 @@ def test_a_fix_whose_trial_fails_is_dropped_with_the_reason():
     report = qlint.lint(
         model, (batches[0],), calibration=batches, qconfig_mapping=mapping, registry=registry, select=["QL901", "QL105"]
     )
-    assert report.trial is not None and report.trial.output_sqnr_db is not None  # the lint's own trial runs
+    assert report.trial is not None and report.trial.output_sqnr_db is not None
     (finding,) = report.by_rule("QL901")
-    assert finding.suggestion is None
-    assert "Measured: with this fix the trial's quantized run fails (view size is not compatible" in finding.message
-    assert not report.suggestions().modules  # the plan does not carry it
+    assert finding.impact is not None and finding.impact.fixed_sqnr_db is not None  # measured
+    assert finding.suggestion is not None and "no fix is suggested" not in finding.message
 
 
 def test_a_fix_made_info_on_the_local_estimate_stays_out_of_the_plan():

@@ -213,14 +213,21 @@ class ImpactMeter:
         return self._measured[key]
 
     def _record_failure(self, key: str, result: TrialResult) -> None:
-        if result.failure is not None:
+        # A failure the bench worked around (a .view on a quantized tensor: reshape) still
+        # measured the fix: only a trial that measured nothing failed.
+        if result.failure is not None and result.output_powers is None:
             error = str(result.failure.error).strip().splitlines()
             first = error[0][:160].rstrip(". ") if error else type(result.failure.error).__name__
             self._failures[key] = f"the trial's {result.failure.stage} fails ({first})"
 
+    def _trial_failed(self, findings: Sequence[Finding], family: Family) -> bool:
+        return family + ":" + "|".join(_fix_key(f) for f in findings) in self._failures
+
     def fix_failure(self, finding: Finding) -> str | None:
-        """How the trial quantization with ``finding``'s own qconfig fix failed, if it ran and failed."""
-        return self._failures.get("qconfig:" + _fix_key(finding))
+        """How the trial quantization with ``finding``'s own fix (its qconfig change or its rewrite)
+        failed, if one ran and measured nothing."""
+        key = _fix_key(finding)
+        return self._failures.get("qconfig:" + key) or self._failures.get("rewrite:" + key)
 
     def _already_float(self, target: str) -> bool:
         return any(layer.target == target for layer in self.result.float_layers)
@@ -329,14 +336,12 @@ class ImpactMeter:
             if fixed is not None:
                 measured = (family, fixed)
                 break
-        if base is None:
+            if len(members) > 1 and self._trial_failed(findings, family):
+                # one fix that torch cannot build fails the whole group: find it, measure the rest
+                half = len(members) // 2
+                return {**self._bisect(members[:half], families), **self._bisect(members[half:], families)}
+        if base is None or measured is None:
             return {}
-        if measured is None:
-            if len(members) == 1 or self._groups_exhausted():
-                return {}
-            # one fix that torch cannot build fails the whole group: find it (and measure the rest)
-            half = len(members) // 2
-            return {**self._bisect(members[:half], families), **self._bisect(members[half:], families)}
         family, fixed = measured
         if len(members) == 1:
             return {members[0][0]: self._single_impact(fixed, family, findings[0].target)}
