@@ -120,7 +120,7 @@ class ActivationOutlier(Rule):
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         # Layers reading one tensor (a transformer's q, k and v) share one finding: it is one
         # activation, with one set of channels, whichever layer's observer quantizes it.
-        readers: dict[str, tuple[list[OpNode], OutlierMeasurement]] = {}
+        readers: dict[tuple[str, ...], tuple[list[OpNode], OutlierMeasurement]] = {}
         for node in ctx.graph.by_kind(*KINDS):
             measured = measure(
                 ctx.statistics, node, self.options.ratio_threshold, self.options.fraction_batches_used_threshold
@@ -129,7 +129,7 @@ class ActivationOutlier(Rule):
                 continue
             yield _layer_row(self.code, node, measured)
             if node.qconfig is not None and node.is_quantized:
-                readers.setdefault(_input_tensor(ctx, node), ([], measured))[0].append(node)
+                readers.setdefault(_input_tensor(ctx, node, measured), ([], measured))[0].append(node)
         for nodes, measured in readers.values():
             yield from self._findings(ctx, nodes, measured)
 
@@ -318,10 +318,19 @@ def _fix(ctx: LintContext, nodes: list[OpNode], clip_text: str) -> tuple[str, Fi
     )
 
 
-def _input_tensor(ctx: LintContext, node: OpNode) -> str:
-    """The node whose output ``node`` reads as its input (itself when it reads no node's)."""
+def _input_tensor(ctx: LintContext, node: OpNode, measured: OutlierMeasurement) -> tuple[str, ...]:
+    """What identifies the tensor ``node`` reads: its producer and what was measured of it.
+
+    The producer alone is not enough: a node of several outputs (an eager-traced tuple) feeds
+    different tensors under one name, and a conv and a Linear read one tensor along different
+    channel axes. Readers of one tensor measure the same channels, so the statistics decide.
+    A layer that reads no node's output (a parameter) is a tensor of its own."""
     producers = ctx.graph.producers(node.name)
-    return producers[0].name if producers else node.name
+    if not producers:
+        return ("own", node.name)
+    stats = measured.stats
+    seen = (stats.channel_axis, stats.num_channels, stats.channel_min.tolist(), stats.channel_max.tolist())
+    return ("read", producers[0].name, repr(seen))
 
 
 def _joined(nodes: list[OpNode]) -> str:

@@ -161,3 +161,32 @@ def test_layers_reading_one_tensor_share_one_finding_whose_fix_reaches_each_laye
             prepared = prepare_fx(model, mapping, (batches[0],), backend_config=get_x86_backend_config())
         observer = next(node for node in prepared.graph.nodes if node.target == layer).args[0]
         assert getattr(prepared.get_submodule(observer.target), "quant_max", None) == MARK
+
+
+class _Latents(nn.Module):
+    """proj reads a parameter (no producer node), next reads proj's output: two tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.rand(16, 8) + 1.0)
+        self.proj = nn.Linear(8, 8)
+        self.next = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.next(self.proj(self.latents)) + x
+
+
+def test_layers_reading_different_tensors_are_not_grouped():
+    """The review found proj and next merged into one finding (proj read no node, and the key
+    for it was its own name, which is next's producer's): next's own outlier channel vanished."""
+    torch.manual_seed(0)
+    model = _Latents().eval()
+    with torch.no_grad():
+        model.latents[0, 5] = 400.0  # proj's input: a spike in channel 5
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.rand(16, 4, generator=generator) for _ in range(8)]
+    report = qlint.lint(model, (batches[0],), calibration=batches, select=["QL203"], trial_options={"enabled": False})
+    outliers = {f.target: f for f in report.findings if f.data.get("kind") == "outlier"}
+    assert set(outliers) == {"proj", "next"}, [f.message for f in outliers.values()]
+    assert outliers["proj"].data["outlier_channels"] == [5]
+    assert outliers["next"].data["outlier_channels"] != [5]  # its own channels, not proj's
