@@ -103,3 +103,41 @@ def test_verify_compares_the_layer_before_as_the_original_model_computes_it():
     conv1 = next(row for row in report.layers if row.fqn == "conv1")
     assert conv1.default_sqnr_db is not None and conv1.plan_sqnr_db is not None
     assert conv1.plan_sqnr_db > conv1.default_sqnr_db - 1.0  # the rescale changes the layer's int8 error little
+
+
+class _NormPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(self.relu(self.norm(x)))
+
+
+def test_after_a_norm_layer_a_silent_channel_keeps_scale_one():
+    """prepare_fx observes a LayerNorm's output before the ReLU (it fuses ReLUs into convs and
+    Linears only): a dead channel's negative values x1e4 would set that observer's range."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _NormPair().eval()
+    with torch.no_grad():
+        model.norm.weight[SILENT] = 0.1
+        model.norm.bias[SILENT] = -5.0  # always negative: the ReLU silences it
+    batches = [torch.randn(16, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    equalized, applied = apply_equalization(fx.symbolic_trace(model), ["fc"], batches)
+    assert applied[0].applied and applied[0].note is None
+    scale = equalized.get_submodule("norm").weight / model.norm.weight
+    assert float(scale[SILENT]) == pytest.approx(1.0)
+    assert float(torch.exp(torch.log(scale[[c for c in range(8) if c != SILENT]]).mean())) == pytest.approx(
+        1.0, rel=1e-4
+    )
+
+
+def test_a_pair_with_no_active_channel_is_not_equalized():
+    model = _model()
+    with torch.no_grad():
+        model.conv1.bias.fill_(-100.0)  # every channel silent in calibration
+    _, applied = apply_equalization(fx.symbolic_trace(model), ["conv2"], _batches(0, wake=False))
+    assert not applied[0].applied and applied[0].reason == "no input channel was active in calibration"
