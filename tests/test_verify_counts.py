@@ -61,13 +61,15 @@ def test_a_dropped_decision_says_why():
         ),
         DecisionOutcome(kind="module", target="fc", kept=False, sqnr_with_db=10.0, sqnr_without_db=10.5),
         DecisionOutcome(kind="module", target="head", kept=True, sqnr_with_db=11.0, sqnr_without_db=10.0),
+        DecisionOutcome(kind="activation_bits", target="all", kept=False, sqnr_with_db=18.0, sqnr_without_db=17.6),
     ]
     text = render_verify(report.model_copy(update={"decisions": decisions}), width=200)
     assert (
-        "dropped bias_correction all: 17.96 dB with, 17.88 dB without (+0.08 dB: under the 0.10 dB it must gain)"
-        in text
+        "dropped bias_correction all: 17.96 dB with, 17.88 dB without (+0.08 dB: under the 0.1 dB it must gain)" in text
     )
     assert "dropped module fc: 10.00 dB with, 10.50 dB without (-0.50 dB: it gains nothing)" in text
     assert "kept    module head: 11.00 dB with, 10.00 dB without (+1.00 dB)" in text
+    # dropped on the swapped folds though it gains on the selection batches
+    assert "dropped activation_bits all: 18.00 dB with, 17.60 dB without (+0.40 dB, but not on its second check" in text
     narrow = render_verify(report.model_copy(update={"decisions": decisions}), width=60)
     assert all(len(line) <= 60 for line in narrow.splitlines() if "dB with" in line or line.startswith("      "))

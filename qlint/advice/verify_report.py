@@ -52,6 +52,19 @@ class DecisionOutcome(_Model):
         default=SQNR_TOLERANCE_DB, description="how much 'with' had to beat 'without' for the decision to be kept"
     )
 
+    def why(self) -> str:
+        """Its measured gain, and for a dropped decision why that gain was not enough."""
+        if self.sqnr_with_db is None or self.sqnr_without_db is None:
+            return "not measured"
+        gain = self.sqnr_with_db - self.sqnr_without_db
+        if self.kept:
+            return f"{gain:+.2f} dB"
+        if gain <= 0:
+            return f"{gain:+.2f} dB: it gains nothing"
+        if gain <= self.bar_db:
+            return f"{gain:+.2f} dB: under the {self.bar_db:g} dB it must gain"
+        return f"{gain:+.2f} dB, but not on its second check (below)"  # 8-bit activations: the swapped folds
+
 
 class VerifyReport(_Model):
     """Default mapping vs verified plan, side by side. JSON round-trips via model_dump_json."""

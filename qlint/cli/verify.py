@@ -249,23 +249,11 @@ def render_verify(report: Any, width: int | None = 120) -> str:
         else:
             line = (
                 f"{'kept   ' if d.kept else 'dropped'} {d.kind} {d.target}: {_fmt(d.sqnr_with_db)} with, "
-                f"{_fmt(d.sqnr_without_db)} without ({_why(d)})" + (f"; {d.detail}" if d.detail else "")
+                f"{_fmt(d.sqnr_without_db)} without ({d.why()})" + (f"; {d.detail}" if d.detail else "")
             )
         lines += textwrap.wrap(printable(line), width=width or 120, initial_indent="  ", subsequent_indent="      ")
     lines += [f"note: {printable(n)}" for n in report.notes]
     return "\n".join(lines) + "\n"
-
-
-def _why(decision: Any) -> str:
-    """Its measured gain, and for a dropped decision why that gain was not enough."""
-    if decision.sqnr_with_db is None or decision.sqnr_without_db is None:
-        return "not measured"
-    gain = decision.sqnr_with_db - decision.sqnr_without_db
-    if decision.kept:
-        return f"{gain:+.2f} dB"
-    if gain <= 0:
-        return f"{gain:+.2f} dB: it gains nothing"
-    return f"{gain:+.2f} dB: under the {decision.bar_db:.2f} dB it must gain"
 
 
 def verify_command(argv: list[str]) -> int:
