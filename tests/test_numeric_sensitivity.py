@@ -118,3 +118,25 @@ def test_recurrent_cells_count_their_gates_flops_as_torchs_flop_counter():
         with FlopCounterMode(display=False) as counter:
             model.get_submodule(name)(*inputs[0])
         assert rows[name].flops == pytest.approx(counter.get_total_flops() / 8), name
+
+
+class _Sequence(nn.Module):
+    def __init__(self, bidirectional: bool) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(8, 16, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(32 if bidirectional else 16, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def test_a_bidirectional_recurrent_layer_counts_both_directions():
+    """Each direction runs the same gates over every step: twice the FLOPs of one (the count
+    divided the steps by the directions and never multiplied them back)."""
+    batches = [torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    flops = {}
+    for bidirectional in (False, True):
+        torch.manual_seed(0)
+        rows = {row.name: row for row in sensitivity_rows(_Sequence(bidirectional).eval(), batches)}
+        flops[bidirectional] = rows["rnn"].flops
+    assert flops[False] > 0 and flops[True] == pytest.approx(2 * flops[False])

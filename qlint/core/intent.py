@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch.ao.quantization import QConfig, QConfigMapping, get_default_qconfig_mapping
 
 from qlint.core.backends import BACKENDS
+from qlint.core.torch_warnings import quiet_about_qlints_choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +161,7 @@ def _instantiate(factory: Any) -> Any:
     error under ``-W error``, so it is not passed on."""
     if isinstance(factory, torch.nn.Module):
         return factory
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_about_qlints_choices():
         return factory()
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -38,6 +37,7 @@ from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 from qlint.core.backends import backend_config
 from qlint.core.batches import as_call, call_model
 from qlint.core.sqnr import BatchPowers
+from qlint.core.torch_warnings import quiet_about_qlints_choices
 from qlint.errors import QlintError
 from qlint.measure.bias_correction import InputSums
 from qlint.measure.calibrated import CalibratedQParams
@@ -171,18 +171,9 @@ def copy_sharing_parameters(model: _M) -> _M:
     return copy.deepcopy(model, {id(p): p for p in model.parameters()})
 
 
-@contextlib.contextmanager
-def _observer_warnings_off() -> Iterator[None]:
-    # torch's observers warn when made (prepare_fx and convert_fx make them) of settings the
-    # user did not choose (reduce_range "will be deprecated"); under -W error they would fail.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 def convert_model(prepared: fx.GraphModule, **kwargs: Any) -> fx.GraphModule:
     """``convert_fx`` without the warnings of the observers it makes."""
-    with _observer_warnings_off():
+    with quiet_about_qlints_choices():
         return convert_fx(prepared, **kwargs)
 
 
@@ -195,7 +186,7 @@ def prepare_model(model: nn.Module, mapping: QConfigMapping, example: tuple[Any,
     previous = fx_config.do_not_emit_stack_traces
     fx_config.do_not_emit_stack_traces = True
     try:
-        with _observer_warnings_off():
+        with quiet_about_qlints_choices():
             return prepare_fx(model, mapping, example, **kwargs)
     finally:
         fx_config.do_not_emit_stack_traces = previous

@@ -129,7 +129,8 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
                 steps = out.numel() / (module.hidden_size * directions)
                 width = module.input_size + module.hidden_size
                 layers = getattr(module, "num_layers", 1)
-                counts[name][0] += 2.0 * _gates(module) * module.hidden_size * width * steps * layers / samples
+                flops = 2.0 * _gates(module) * module.hidden_size * width * steps * directions * layers
+                counts[name][0] += flops / samples
             else:
                 counts[name][0] += float(out.numel()) / samples
 
