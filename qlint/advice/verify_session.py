@@ -33,10 +33,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qlint.advice.apply import Quantized, QuantizeError, first_line, quantize_rewritten, rewritten
+from qlint.advice.layer_outputs import compare_layer_outputs
 from qlint.advice.plan import QuantPlan
 from qlint.advice.verify_report import RunResult
 from qlint.core.batches import as_call, batches_of, call_model
-from qlint.core.nested import first_float, float_tensors, tensors_in
+from qlint.core.nested import float_tensors, tensors_in
 from qlint.core.ops import (
     CONV_OR_LINEAR_KINDS,
     TRANSPOSED_CONV_KINDS,
@@ -416,48 +417,7 @@ class Session:
         where a channel scaled x1e4 to be dropped weighs what the next layer gives it."""
         if q.prepared is None:
             raise QlintError("per-layer SQNR needs the prepared model")
-        fqns = list(fqns)
-        scales = output_scales or {}
-        sums: dict[str, SqnrSums] = {}
-        captured: dict[str, torch.Tensor] = {}
-
-        def unscaled(value: torch.Tensor, fqn: str) -> torch.Tensor:
-            if fqn not in scales:
-                return value
-            scale, dim = scales[fqn]
-            shape = [1] * value.dim()
-            shape[dim] = -1
-            value = value.dequantize() if value.is_quantized else value
-            return value.double() / scale.reshape(shape)
-
-        def keep(_m: nn.Module, _i: Any, output: Any, fqn: str) -> None:
-            value = first_float(output)
-            if value is not None:
-                captured[fqn] = unscaled(value.clone(), fqn)
-
-        def compare(_m: nn.Module, _i: Any, output: Any, fqn: str) -> None:
-            reference, value = captured.pop(fqn, None), first_float(output)
-            if reference is not None and value is not None and reference.shape == value.shape:
-                sums.setdefault(fqn, SqnrSums()).add(reference, unscaled(value, fqn))
-
-        handles = []
-        for model, hook in ((q.prepared, keep), (q.converted, compare)):
-            for fqn in fqns:
-                try:
-                    module = model.get_submodule(fqn)
-                except AttributeError:
-                    continue
-                handles.append(module.register_forward_hook(functools.partial(hook, fqn=fqn)))
-        try:
-            for batch in batches:
-                captured.clear()
-                self.run(q.prepared, batch)
-                self.run(q.converted, batch)
-        finally:
-            captured.clear()
-            for h in handles:
-                h.remove()
-        return {fqn: round(s.sqnr_db() or 0.0, 4) for fqn, s in sums.items()}
+        return compare_layer_outputs(q.prepared, q.converted, list(fqns), batches, self.run, output_scales or {})
 
     def own_errors(self, plan: QuantPlan, fqns: Sequence[str]) -> dict[str, float]:
         """Each of ``fqns``' own error under ``plan``: its shadow SQNR (torch NS's definition: the
