@@ -268,6 +268,7 @@ class ActivationOutlier(Rule):
                 "activation_sqnr_db": measured_db,
                 "clip_value": json_float(clip),
                 "fix_target": target,
+                "fix_targets": list(suggestion.targets) if isinstance(suggestion, SetActivationObserver) else [],
                 "ratio_threshold": self.options.ratio_threshold,
                 "reference_percentile": self.options.reference_percentile,
             },

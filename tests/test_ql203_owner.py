@@ -152,7 +152,7 @@ def test_layers_reading_one_tensor_share_one_finding_whose_fix_reaches_each_laye
     assert len(outliers) == 1
     assert outliers[0].data["read_by"] == ["q", "k", "v"] and "of q, k and v (one tensor" in outliers[0].message
     suggestion = outliers[0].suggestion
-    assert suggestion is not None and suggestion.targets == ["q", "k", "v"]
+    assert suggestion is not None and suggestion.targets == ["q", "k", "v"] == outliers[0].data["fix_targets"]
     assert [row.name for row in report.layers if row.rule == "QL203"] == ["q", "k", "v"]  # rows stay per layer
     for layer in suggestion.targets:
         mapping = get_default_qconfig_mapping("x86").set_module_name(layer, _marked())

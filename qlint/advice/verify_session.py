@@ -395,7 +395,7 @@ class Session:
         for rewrite in self.equalizations(plan):
             if rewrite.applied and rewrite.output_scale is not None:
                 previous = rewrite.modules[0]
-                layer = self.traced.get_submodule(previous)
+                layer = self._rewritten(plan)[0].get_submodule(previous)  # a rewrite may have made it
                 dim = -1 if isinstance(layer, (nn.Linear, nn.LayerNorm)) else 1
                 scales[previous] = (torch.tensor(rewrite.output_scale, dtype=torch.float64), dim)
         return scales
