@@ -206,10 +206,13 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     return EXIT_FINDINGS if report.findings else EXIT_CLEAN
 
 
-def _note_layers_without_float(report: Report, spec: str) -> Report:
+def _note_layers_without_float(report: Report, spec: str, quantized_model: torch.nn.Module) -> Report:
     """Why QUANT's layers have no rows when FLOAT is an exported program (the report's warning
     names them): its layers are aten ops, which pair with a pt2e model's ops but not with modules."""
-    if not any("without a float counterpart" in notice.message for notice in report.notices):
+    from qlint.measure.matching import quantized_layer_modules
+
+    compared = {row.extra.get("quantized_target") for row in report.compare_rows()}
+    if all(fqn in compared for fqn in quantized_layer_modules(quantized_model)):
         return report
     notice = Notice(
         level=Severity.WARNING,
@@ -244,7 +247,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
     except ValueError as error:
         raise ConfigError(str(error)) from error
     if is_exported_module(float_model):
-        report = _note_layers_without_float(report, args.float_model)
+        report = _note_layers_without_float(report, args.float_model, quantized_model)
     ranking = None
     if args.sensitivity:
         # Rank the layers of the quantized model the user gave: its shadow errors are the real ones.
