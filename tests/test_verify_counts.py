@@ -71,5 +71,9 @@ def test_a_dropped_decision_says_why():
     assert "kept    module head: 11.00 dB with, 10.00 dB without (+1.00 dB)" in text
     # dropped on the swapped folds though it gains on the selection batches
     assert "dropped activation_bits all: 18.00 dB with, 17.60 dB without (+0.40 dB, but not on its second check" in text
-    narrow = render_verify(report.model_copy(update={"decisions": decisions}), width=60)
-    assert all(len(line) <= 60 for line in narrow.splitlines() if "dB with" in line or line.startswith("      "))
+    long_note = "pruning stopped at its share of the trial budget: " + "x " * 60
+    narrow = render_verify(report.model_copy(update={"decisions": decisions, "notes": [long_note]}), width=60)
+    assert all(len(line) <= 60 for line in narrow.splitlines() if "dB with" in line or line.startswith("    "))
+    assert [line for line in narrow.splitlines() if line.startswith("note:")] and all(
+        len(line) <= 60 for line in narrow.splitlines() if line.startswith("note:")
+    )

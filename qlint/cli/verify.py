@@ -237,7 +237,8 @@ def render_verify(report: Any, width: int | None = 120) -> str:
     )
     for rewrite in report.rewrites:
         if rewrite.applied and rewrite.note:  # e.g. channels an equalization drops in int8 by design
-            lines.append(printable(f"{rewrite.kind} {' -> '.join(rewrite.modules)}: {rewrite.note}"))
+            note = f"{rewrite.kind} {' -> '.join(rewrite.modules)}: {rewrite.note}"
+            lines += textwrap.wrap(printable(note), width=width or 120, subsequent_indent="    ")
     if report.target_sqnr_db is not None:
         lines.append(f"target {report.target_sqnr_db:g} dB: {'met' if report.target_met else 'NOT met'}")
     for d in report.decisions:
@@ -252,7 +253,8 @@ def render_verify(report: Any, width: int | None = 120) -> str:
                 f"{_fmt(d.sqnr_without_db)} without ({d.why()})" + (f"; {d.detail}" if d.detail else "")
             )
         lines += textwrap.wrap(printable(line), width=width or 120, initial_indent="  ", subsequent_indent="      ")
-    lines += [f"note: {printable(n)}" for n in report.notes]
+    for note in report.notes:
+        lines += textwrap.wrap(printable(f"note: {note}"), width=width or 120, subsequent_indent="    ")
     return "\n".join(lines) + "\n"
 
 
