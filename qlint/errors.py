@@ -38,3 +38,10 @@ class StateError(QlintError):
 
 class ModelRunError(QlintError):
     """The user's float or quantized model raised while qlint ran it on their data."""
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters: how qlint quotes an
+    error it did not raise itself (torch's and the user's messages can run to pages)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:limit]

@@ -120,7 +120,7 @@ class ActivationOutlier(Rule):
     def check(self, ctx: LintContext) -> Iterable[Finding | LayerRow]:
         # Layers reading one tensor (a transformer's q, k and v) share one finding: it is one
         # activation, with one set of channels, whichever layer's observer quantizes it.
-        readers: dict[tuple[str, ...], tuple[list[OpNode], OutlierMeasurement]] = {}
+        readers: list[tuple[list[OpNode], OutlierMeasurement]] = []
         for node in ctx.graph.by_kind(*KINDS):
             measured = measure(
                 ctx.statistics, node, self.options.ratio_threshold, self.options.fraction_batches_used_threshold
@@ -128,9 +128,16 @@ class ActivationOutlier(Rule):
             if measured is None:
                 continue
             yield _layer_row(self.code, node, measured)
-            if node.qconfig is not None and node.is_quantized:
-                readers.setdefault(_input_tensor(ctx, node, measured), ([], measured))[0].append(node)
-        for nodes, measured in readers.values():
+            if node.qconfig is None or not node.is_quantized:
+                continue
+            same = next(
+                (nodes for nodes, seen in readers if _read_one_tensor(ctx, nodes[0], seen, node, measured)), None
+            )
+            if same is not None:
+                same.append(node)
+            else:
+                readers.append(([node], measured))
+        for nodes, measured in readers:
             yield from self._findings(ctx, nodes, measured)
 
     def _findings(self, ctx: LintContext, nodes: list[OpNode], measured: OutlierMeasurement) -> Iterable[Finding]:
@@ -319,19 +326,23 @@ def _fix(ctx: LintContext, nodes: list[OpNode], clip_text: str) -> tuple[str, Fi
     )
 
 
-def _input_tensor(ctx: LintContext, node: OpNode, measured: OutlierMeasurement) -> tuple[str, ...]:
-    """What identifies the tensor ``node`` reads: its producer and what was measured of it.
+def _read_one_tensor(
+    ctx: LintContext, first: OpNode, first_measured: OutlierMeasurement, node: OpNode, measured: OutlierMeasurement
+) -> bool:
+    """Whether two layers read one tensor: one producer, and the same channels measured.
 
     The producer alone is not enough: a node of several outputs (an eager-traced tuple) feeds
     different tensors under one name, and a conv and a Linear read one tensor along different
-    channel axes. Readers of one tensor measure the same channels, so the statistics decide.
-    A layer that reads no node's output (a parameter) is a tensor of its own."""
-    producers = ctx.graph.producers(node.name)
-    if not producers:
-        return ("own", node.name)
-    stats = measured.stats
-    seen = (stats.channel_axis, stats.num_channels, stats.channel_min.tolist(), stats.channel_max.tolist())
-    return ("read", producers[0].name, repr(seen))
+    channel axes. A layer that reads no node's output (a parameter) reads a tensor of its own."""
+    producers, others = ctx.graph.producers(first.name), ctx.graph.producers(node.name)
+    if not producers or not others or producers[0].name != others[0].name:
+        return False
+    a, b = first_measured.stats, measured.stats
+    return (
+        a.channel_axis == b.channel_axis
+        and torch.equal(a.channel_min, b.channel_min)
+        and torch.equal(a.channel_max, b.channel_max)
+    )
 
 
 def _joined(nodes: list[OpNode]) -> str:

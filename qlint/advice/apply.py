@@ -29,7 +29,7 @@ from torch.fx.experimental.optimization import fuse as fuse_conv_bn
 
 from qlint.core.batches import as_call
 from qlint.core.ops import is_aten_graph
-from qlint.errors import QlintError
+from qlint.errors import QlintError, first_line
 from qlint.measure.calibrated import CalibratedQParams
 from qlint.measure.equalization import apply_equalization
 from qlint.measure.rewrite import (
@@ -79,11 +79,6 @@ class Quantized:
     converted: fx.GraphModule
     prepared: fx.GraphModule | None
     rewrites: list[AppliedRewrite]
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def rewritten(
@@ -206,7 +201,6 @@ __all__ = [
     "PlanToApply",
     "QuantizeError",
     "Quantized",
-    "first_line",
     "fixed_model",
     "quantize_rewritten",
     "quantize_with_plan",

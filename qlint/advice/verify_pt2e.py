@@ -30,13 +30,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from qlint.advice.apply import Quantized, QuantizeError, first_line
+from qlint.advice.apply import Quantized, QuantizeError
 from qlint.advice.plan import QuantPlan, default_plan
 from qlint.advice.pt2e import pt2e_gaps
 from qlint.advice.verify_prune import prune_decisions
 from qlint.advice.verify_report import DecisionOutcome, LayerComparison, VerifyReport
 from qlint.advice.verify_session import Measured, Progress, Session, VerifyError
-from qlint.errors import QlintError
+from qlint.errors import QlintError, first_line
 from qlint.measure.pt2e_errors import measure_errors, weighted_ops
 from qlint.measure.pt2e_trial import pt2e_blocker, pt2e_float_layers, quantize_pt2e
 from qlint.measure.trial import TrialStepError

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from qlint.advice.apply import Quantized, QuantizeError, first_line, quantize_rewritten, rewritten
+from qlint.advice.apply import Quantized, QuantizeError, quantize_rewritten, rewritten
 from qlint.advice.layer_outputs import compare_layer_outputs
 from qlint.advice.plan import QuantPlan
 from qlint.advice.verify_report import RunResult
@@ -47,7 +47,7 @@ from qlint.core.ops import (
 )
 from qlint.core.sqnr import SQNR_CAP_DB, SqnrSums
 from qlint.core.trace import symbolic_graph
-from qlint.errors import ConfigError, QlintError, TraceError
+from qlint.errors import ConfigError, QlintError, TraceError, first_line
 from qlint.measure.calibrated import CalibratedQParams
 from qlint.measure.fallback import weighted_coverage
 from qlint.measure.rewrite import AppliedRewrite
@@ -392,10 +392,14 @@ class Session:
         """Per layer whose output channels the plan's equalization rescaled (qlint's rescale):
         each channel's factor and the channel dim of its output."""
         scales: dict[str, tuple[torch.Tensor, int]] = {}
-        for rewrite in self.equalizations(plan):
+        equalized = self.equalizations(plan)
+        if not equalized:
+            return scales
+        rewritten = self._rewritten(plan)[0]  # a rewrite may have made the layer: look there
+        for rewrite in equalized:
             if rewrite.applied and rewrite.output_scale is not None:
                 previous = rewrite.modules[0]
-                layer = self._rewritten(plan)[0].get_submodule(previous)  # a rewrite may have made it
+                layer = rewritten.get_submodule(previous)
                 dim = -1 if isinstance(layer, (nn.Linear, nn.LayerNorm)) else 1
                 scales[previous] = (torch.tensor(rewrite.output_scale, dtype=torch.float64), dim)
         return scales

@@ -34,7 +34,7 @@ from qlint.cli.common import (
     write_stdout,
 )
 from qlint.core.backends import BACKENDS
-from qlint.errors import ConfigError, QlintError
+from qlint.errors import ConfigError, QlintError, first_line
 from qlint.render.literal import printable
 
 
@@ -360,8 +360,6 @@ def _save_fixed(gm: Any, example: Any, out: Path) -> None:
     weights_only=False)`` or ``qlint out.pt --trust-pickle`` reads it (it is your own file)."""
     import torch
 
-    from qlint.advice.apply import first_line
-
     if out.suffix == ".pt2":
         try:
             program = torch.export.export(gm, tuple(example))
@@ -419,7 +417,6 @@ def _save_int8(converted: Any, example: Any, out: Path) -> str:
     ``example`` instead. Returns how it was saved."""
     import torch
 
-    from qlint.advice.apply import first_line
     from qlint.core.batches import as_call
 
     how = "scripted"

@@ -42,7 +42,7 @@ from qlint.core.nested import tensors_in
 from qlint.core.op_tables import FUNCTION_KINDS
 from qlint.core.ops import WEIGHTED_KINDS, function_kind, method_kind, module_kind
 from qlint.core.preserve import cloned
-from qlint.errors import TraceError
+from qlint.errors import TraceError, first_line
 
 FRONTEND_EAGER = "eager-hooks"
 
@@ -238,10 +238,8 @@ def _record_run(model: nn.Module, example_inputs: Sequence[Any]) -> _Recorder:
     except TraceError:
         raise
     except Exception as error:  # the model itself failed on these inputs
-        text = str(error).strip().splitlines()
         raise TraceError(
-            f"eager fallback: the model failed on the example inputs: "
-            f"{type(error).__name__}: {text[0] if text else ''}"[:400]
+            f"eager fallback: the model failed on the example inputs: {first_line(error)}"[:400]
         ) from error
     finally:
         for handle in handles:

@@ -26,7 +26,7 @@ from torch.nn.parameter import is_lazy
 from qlint.core.graph import TensorInfo
 from qlint.core.ops import module_kind
 from qlint.core.preserve import cloned, preserved_state, stored_proxies
-from qlint.errors import StateError, TraceError
+from qlint.errors import StateError, TraceError, first_line
 
 FRONTEND_SYMBOLIC = "fx.symbolic_trace"
 FRONTEND_GRAPH_MODULE = "fx.GraphModule"
@@ -77,7 +77,7 @@ def trace(model: nn.Module, example_inputs: Sequence[Any] | None, exported_progr
             exported_module = program.module()
     except Exception as export_error:  # both front ends failed: report both reasons
         raise TraceError(
-            f"cannot trace the model: symbolic_trace failed ({first}); torch.export failed ({_one_line(export_error)})"
+            f"cannot trace the model: symbolic_trace failed ({first}); torch.export failed ({first_line(export_error)})"
         ) from export_error
     note = f"symbolic_trace failed ({first}); used torch.export(strict=False)"
     return Traced(exported_module, FRONTEND_EXPORT, exported=True, notes=(note,))
@@ -102,7 +102,7 @@ def symbolic_graph(model: nn.Module) -> fx.GraphModule:
             traced: fx.GraphModule | None = fx.GraphModule(tracer.root, graph, type(model).__name__)
             failure: Exception | None = None
         except Exception as error:  # user code fails symbolic tracing in many ways
-            traced, failure, reason = None, error, _one_line(error)
+            traced, failure, reason = None, error, first_line(error)
         stored = stored_proxies(model)
     if stored:
         raise StateError(
@@ -136,11 +136,6 @@ def _silenced():
         logging.disable(level)
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-
-
 def propagate_shapes(traced: Traced, example_inputs: Sequence[Any] | None) -> str | None:
     """Fill tensor metadata on every node; returns a notice when it could not."""
     if traced.exported or not example_inputs:
@@ -162,7 +157,7 @@ def propagate_shapes(traced: Traced, example_inputs: Sequence[Any] | None) -> st
                 _ShapeRecorder(module).run(*cloned(tuple(example_inputs)))
         except Exception as error:  # the inputs do not fit the model
             cause = error.__cause__ or error
-            raise TraceError(f"the example inputs do not fit the model: {_one_line(cause)}") from error
+            raise TraceError(f"the example inputs do not fit the model: {first_line(cause)}") from error
     return None
 
 
@@ -201,7 +196,7 @@ def initialized_copy(model: nn.Module, example_inputs: Sequence[Any] | None) -> 
         with torch.no_grad():
             working(*cloned(tuple(example_inputs)))
     except Exception as error:  # the inputs do not fit the model
-        raise TraceError(f"the example inputs do not fit the model: {_one_line(error)}") from error
+        raise TraceError(f"the example inputs do not fit the model: {first_line(error)}") from error
     for module, training in modes:
         module.training = training
     return working
@@ -212,4 +207,4 @@ def private_copy(model: nn.Module) -> nn.Module:
     try:
         return copy.deepcopy(model)
     except Exception as error:  # e.g. modules holding un-copyable handles
-        raise TraceError(f"cannot copy the model for analysis: {_one_line(error)}") from error
+        raise TraceError(f"cannot copy the model for analysis: {first_line(error)}") from error

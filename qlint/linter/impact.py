@@ -43,7 +43,7 @@ from torch.ao.quantization import QConfigMapping
 from qlint.core.batches import as_call
 from qlint.core.function_paths import resolve_function
 from qlint.core.sqnr import BatchPowers, noise_power_ratio
-from qlint.errors import QlintError
+from qlint.errors import QlintError, first_line
 from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.fixes import SetQConfig
 from qlint.linter.mapping import module_recipe, restore_type_default
@@ -180,7 +180,7 @@ class ImpactMeter:
         """The output, per evaluation batch, with the fixes of ``findings`` applied at once, in one
         trial (cached); None when they cannot be applied (no trial spent), the trial fails or its
         SQNR is undefined."""
-        key = family + ":" + "|".join(_fix_key(f) for f in findings)
+        key = _trial_key(findings, family)
         if key in self._measured:
             return self._measured[key]
         bench = self.bench
@@ -216,18 +216,17 @@ class ImpactMeter:
         # A failure the bench worked around (a .view on a quantized tensor: reshape) still
         # measured the fix: only a trial that measured nothing failed.
         if result.failure is not None and result.output_powers is None:
-            error = str(result.failure.error).strip().splitlines()
-            first = error[0][:160].rstrip(". ") if error else type(result.failure.error).__name__
-            self._failures[key] = f"the trial's {result.failure.stage} fails ({first})"
+            self._failures[key] = f"the trial's {result.failure.stage} fails ({first_line(result.failure.error, 200)})"
 
     def _trial_failed(self, findings: Sequence[Finding], family: Family) -> bool:
-        return family + ":" + "|".join(_fix_key(f) for f in findings) in self._failures
+        return _trial_key(findings, family) in self._failures
 
     def fix_failure(self, finding: Finding) -> str | None:
         """How the trial quantization with ``finding``'s own fix (its qconfig change or its rewrite)
         failed, if one ran and measured nothing."""
-        key = _fix_key(finding)
-        return self._failures.get("qconfig:" + key) or self._failures.get("rewrite:" + key)
+        return self._failures.get(_trial_key([finding], "qconfig")) or self._failures.get(
+            _trial_key([finding], "rewrite")
+        )
 
     def _already_float(self, target: str) -> bool:
         return any(layer.target == target for layer in self.result.float_layers)
@@ -285,7 +284,7 @@ class ImpactMeter:
             return None
         self.trials += 1
         fixed = self.bench.run(mapping, measure_layers=False)
-        self._record_failure("qconfig:" + _fix_key(finding), fixed)
+        self._record_failure(_trial_key([finding], "qconfig"), fixed)
         gained = fixed.int8_ops - self.result.int8_ops
         if gained > 0:
             detail = f"the fix applied in a trial: {gained} more op(s) run in int8"
@@ -400,6 +399,11 @@ class ImpactMeter:
             applicable = [finding for finding, families in ways if "qconfig" in families]
         fixed = self._trial(applicable, "qconfig") if applicable else None
         return fixed.sqnr_db() if fixed is not None else None
+
+
+def _trial_key(findings: Sequence[Finding], family: Family) -> str:
+    """One trial's identity: the way its fixes were applied and the fixes themselves."""
+    return family + ":" + "|".join(_fix_key(f) for f in findings)
 
 
 def _fix_key(finding: Finding) -> str:

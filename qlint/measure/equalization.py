@@ -73,13 +73,10 @@ def _input_channel_absmax(gm: fx.GraphModule, module: str, batches: Sequence[Any
     return torch.stack(seen).amax(0)
 
 
-class _NothingToBalance(Exception):
-    """Every channel of the pair was silent in calibration (or had no weights)."""
-
-
-def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequence[Any]) -> torch.Tensor:
+def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequence[Any]) -> torch.Tensor | None:
     """Rescale ``previous``'s output channels and ``nxt``'s input columns; returns the scale of
-    each channel (``_SILENT_SCALE`` where it was silent in calibration)."""
+    each channel (``_SILENT_SCALE`` where it was silent in calibration), or None, changing
+    nothing, when no input channel was active in calibration."""
     prev = gm.get_submodule(str(previous.target))
     following = gm.get_submodule(str(nxt.target))
     x_range = _input_channel_absmax(gm, str(nxt.target), batches)
@@ -97,7 +94,7 @@ def _equalize(gm: fx.GraphModule, previous: fx.Node, nxt: fx.Node, batches: Sequ
     silent = x_range <= x_range.max() * _SILENT
     live = ~silent & (w_range > w_range.max() * _SILENT)
     if not bool(live.any()):
-        raise _NothingToBalance("no input channel was active in calibration")
+        return None
     scale = torch.ones_like(x_range)
     balanced = torch.sqrt(w_range[live] / x_range[live])
     scale[live] = balanced / torch.exp(torch.log(balanced).mean())  # geometric mean 1: overall ranges kept
@@ -156,10 +153,9 @@ def apply_equalization(
             nodes=[previous.name, nxt.name],
             requested_by_plan=True,
         )
-        try:
-            scale = _equalize(trial, previous, nxt, batches)
-        except _NothingToBalance as nothing:
-            applied.append(AppliedRewrite(**record, applied=False, reason=str(nothing)))
+        scale = _equalize(trial, previous, nxt, batches)
+        if scale is None:
+            applied.append(AppliedRewrite(**record, applied=False, reason="no input channel was active in calibration"))
             continue
         record["output_scale"] = scale.tolist()
         silent = int((scale == _SILENT_SCALE).sum())

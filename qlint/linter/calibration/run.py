@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from qlint.core.batches import as_call, batch_count, batches_of, model_device
-from qlint.errors import CalibrationError, EmptyCalibrationError, QlintError
+from qlint.errors import CalibrationError, EmptyCalibrationError, QlintError, first_line
 
 
 def limited_batches(calibration: Any, num_batches: int | None) -> Iterator[Any]:
@@ -47,9 +47,8 @@ def run_calibration(model: nn.Module, batches: Iterable[Any], *, quiet: bool = F
                 except QlintError:
                     raise
                 except Exception as error:
-                    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                     raise CalibrationError(
-                        f"calibration batch {count_before} failed in the model: {type(error).__name__}: {message}"[:400]
+                        f"calibration batch {count_before} failed in the model: {first_line(error)}"[:400]
                     ) from error
                 count = count_before + 1
                 del args, kwargs, batch
