@@ -29,7 +29,8 @@ def compare_layer_outputs(
     output the moment it is made and drops the copy, so at most one batch's outputs are held.
     A layer in ``scales`` (equalization multiplied its output channels: the factor per channel
     and the channel dim) is compared with both outputs divided back, as the original model
-    computes it, where a channel scaled x1e4 to be dropped weighs what the next layer gives it."""
+    computes it, where a channel scaled x1e4 to be dropped weighs what the next layer gives it.
+    A layer whose outputs hold NaN or Inf has no SQNR and no entry."""
     sums: dict[str, SqnrSums] = {}
     captured: dict[str, torch.Tensor] = {}
 
@@ -69,4 +70,7 @@ def compare_layer_outputs(
         captured.clear()
         for h in handles:
             h.remove()
-    return {fqn: round(s.sqnr_db() or 0.0, 4) for fqn, s in sums.items()}
+    # A layer whose SQNR is undefined (NaN or Inf in an output) gets no entry: the table then
+    # shows no number for it rather than a measured-looking 0 dB.
+    measured = {fqn: s.sqnr_db() for fqn, s in sums.items()}
+    return {fqn: round(value, 4) for fqn, value in measured.items() if value is not None}
