@@ -128,8 +128,6 @@ def test_a_data_function_whose_generator_raises_is_one_line(run_main, tmp_path):
     verify = run_main(
         "verify",
         "flaky_data:build",
-        "--input-shape",
-        "2,4",
         "--calibration",
         "calib.pt",
         "--eval-data",
@@ -206,7 +204,7 @@ def test_verify_shows_no_counts_for_a_plan_that_failed(run_main, tmp_path):
         default_plan("x86").model_copy(update={"modules": [elsewhere]}).model_dump_json()
     )
     result = run_main(
-        "verify", "tiny_model:build", "--input-shape", "2,4", "--calibration", "d.pt", "--eval-data", "d.pt",
+        "verify", "tiny_model:build", "--calibration", "d.pt", "--eval-data", "d.pt",
         "--plan", "plan.json", "--max-trials", "2", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode in (0, 1), result.stderr

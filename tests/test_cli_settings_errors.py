@@ -2,6 +2,7 @@
 and the key, exit 2 (a bad input-shape said 'bad --input-shape', as if it were a flag)."""
 
 import pytest
+import torch
 
 MODEL = "import torch.nn as nn\n\n\ndef build():\n    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()\n"
 
@@ -105,12 +106,12 @@ def test_flags_that_contradict_each_other_or_mean_nothing_are_usage_errors(run_m
         ((*shape, "--no-trial", "--min-impact", "1"), "--min-impact tunes the trial, which --no-trial skips"),
         ((*shape, "--no-trial", "--fix-trials", "2"), "--fix-trials tunes the trial, which --no-trial skips"),
         (
-            ("verify", "m:build", *shape, "--example-inputs", "e.pt", "--calibration", "c.pt", "--eval-data", "c.pt"),
+            ("fix", "m:build", *shape, "--example-inputs", "e.pt", "-o", "fixed.pt2"),
             "--input-shape and --example-inputs both give the example inputs",
         ),
     ]
     for args, message in cases:
-        command = args if args[0] == "verify" else ("m:build", *args)
+        command = args if args[0] == "fix" else ("m:build", *args)
         line = _one_line_error(run_main(*command, cwd=project))
         assert message in line, (args, line)
     # with calibration data, from the flag, --random-calibration or [tool.qlint], --num-batches means something
@@ -120,3 +121,16 @@ def test_flags_that_contradict_each_other_or_mean_nothing_are_usage_errors(run_m
     (project / "pyproject.toml").write_text('[tool.qlint]\ncalibration = "c.pt"\n')
     result = run_main("m:build", *shape, "--num-batches", "1", "--no-trial", "-q", cwd=project)
     assert result.returncode in (0, 1), result.stderr
+
+
+@pytest.mark.parametrize("command", ["verify", "quantize"])
+@pytest.mark.parametrize("flag", [("--input-shape", "1,4"), ("--example-inputs", "e.pt")])
+def test_verify_and_quantize_refuse_example_inputs_they_would_not_use(run_main, project, command, flag):
+    """They run the model on the calibration batches; the flags were accepted and ignored."""
+    torch.save([torch.randn(2, 4) for _ in range(2)], project / "c.pt")
+    torch.save(torch.randn(1, 4), project / "e.pt")
+    output = ("-o", "int8.pt") if command == "quantize" else ()
+    result = run_main(command, "m:build", *flag, "--calibration", "c.pt", "--eval-data", "c.pt", *output, cwd=project)
+    line = _one_line_error(result)
+    assert f"unrecognized arguments: {flag[0]}" in line and f"qlint {command} --help" in line, line
+    assert not (project / "int8.pt").exists()

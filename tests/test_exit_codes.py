@@ -315,7 +315,7 @@ def test_an_output_into_a_missing_folder_is_refused_before_any_work(run_main, tm
     line = _one_line(run_main("m:build", "--input-shape", "1,4", "-o", "missing/report.txt"))
     assert _mentions(line, "--output", "missing", "does not exist"), line
     started = run_main(
-        "verify", "m:build", "--input-shape", "1,4", "--calibration", "nope.pt", "--eval-data", "nope.pt",
+        "verify", "m:build", "--calibration", "nope.pt", "--eval-data", "nope.pt",
         "-o", "missing/report.txt",
     )  # fmt: skip
     assert _mentions(_one_line(started), "missing", "does not exist")  # before it looks for the data

@@ -1,7 +1,7 @@
 """``qlint verify`` and ``qlint fix``.
 
     qlint verify MODEL --plan plan.json --calibration DATA --eval-data DATA
-                 [--input-shape SHAPE] [--target-sqnr DB] [--backend B] [--format text|json] [-o FILE]
+                 [--target-sqnr DB] [--backend B] [--format text|json] [-o FILE]
                  [--no-prune] [--no-scheme-search] [--max-scheme-trials N]
     qlint fix MODEL [--plan plan.json] --output out.pt2|out.pt [--emit-qconfig q.py]
               [--input-shape SHAPE | --example-inputs FILE]
@@ -45,29 +45,38 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "--trust-pickle", action="store_true", help="trust the model file (.pt or .pt2): allows code from it to run"
     )
     parser.add_argument("--plan", metavar="PLAN.json", help="a qlint plan (default: the backend defaults)")
-    parser.add_argument("--input-shape", action="append", metavar="SHAPE[:DTYPE]")
-    parser.add_argument("--example-inputs", metavar="FILE")
     parser.add_argument("--backend", choices=BACKENDS)
     parser.add_argument("--debug", action="store_true")
 
 
+def _example_arguments(parser: argparse.ArgumentParser) -> None:
+    """Only fix, which exports the rewritten model, takes example inputs; verify and quantize run
+    the model on their calibration batches, so there these flags are unknown (exit 2) rather
+    than accepted and ignored."""
+    parser.add_argument("--input-shape", action="append", metavar="SHAPE[:DTYPE]")
+    parser.add_argument("--example-inputs", metavar="FILE")
+
+
 def _load(args: argparse.Namespace):
     from qlint.advice.plan import QuantPlan, default_plan
-    from qlint.core.load import load_example_inputs, load_model, parse_input_shape
+    from qlint.core.load import load_model
 
-    if args.input_shape and args.example_inputs:
-        raise ConfigError("--input-shape and --example-inputs both give the example inputs: pass one")
     loaded = load_model(args.model, weights=args.weights, trust_pickle=args.trust_pickle)
     plan = QuantPlan.load(args.plan) if args.plan else default_plan(args.backend or "x86", model=loaded.name)
     if args.backend:
         plan = plan.model_copy(update={"backend": args.backend})
+    return loaded, plan
+
+
+def _example(args: argparse.Namespace, loaded: Any) -> tuple[Any, ...] | None:
+    """fix's example inputs: from --example-inputs, --input-shape or the model file."""
+    from qlint.core.load import load_example_inputs, parse_input_shape
+
     if args.example_inputs:
-        example: tuple[Any, ...] | None = load_example_inputs(args.example_inputs)
-    elif args.input_shape:
-        example = tuple(parse_input_shape(s) for s in args.input_shape)
-    else:
-        example = loaded.example_inputs
-    return loaded, plan, example
+        return load_example_inputs(args.example_inputs)
+    if args.input_shape:
+        return tuple(parse_input_shape(s) for s in args.input_shape)
+    return loaded.example_inputs
 
 
 def _write_text(path: str, text: str) -> None:
@@ -266,7 +275,6 @@ def verify_command(argv: list[str]) -> int:
             args.model,
             args.weights,
             args.plan,
-            args.example_inputs,
             args.calibration,
             args.eval_data,
             args.selection_data,
@@ -276,7 +284,7 @@ def verify_command(argv: list[str]) -> int:
     from qlint.core.load import load_batches
 
     with user_output_to_stderr():
-        loaded, plan, _ = _load(args)
+        loaded, plan = _load(args)
         calibration = load_batches(args.calibration)
         eval_data = load_batches(args.eval_data)
         selection = load_batches(args.selection_data) if args.selection_data else None
@@ -315,6 +323,7 @@ def verify_command(argv: list[str]) -> int:
 def _fix_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="qlint fix", description="Apply a plan's float-preserving rewrites and save the model.")
     _model_arguments(parser)
+    _example_arguments(parser)
     parser.add_argument("--output", "-o", required=True, metavar="OUT.pt2|OUT.pt")
     parser.add_argument("--emit-qconfig", metavar="FILE.py", help="write the Python file building the mapping")
     return parser
@@ -331,8 +340,11 @@ def fix_command(argv: list[str]) -> int:
         [("--output", args.output), ("--emit-qconfig", args.emit_qconfig)],
         [args.model, args.weights, args.plan, args.example_inputs],
     )
+    if args.input_shape and args.example_inputs:
+        raise ConfigError("--input-shape and --example-inputs both give the example inputs: pass one")
     with user_output_to_stderr():
-        loaded, plan, example = _load(args)
+        loaded, plan = _load(args)
+        example = _example(args, loaded)
         if not example:
             raise ConfigError("qlint fix needs example inputs: pass --input-shape or --example-inputs")
         # with --plan, exactly the plan's rewrites (what QuantPlan.quantize applies); else all the graph allows
@@ -448,14 +460,14 @@ def quantize_command(argv: list[str]) -> int:
         raise ConfigError(f"--output must end in .pt (the int8 model as TorchScript), got {out.name}")
     check_outputs(
         [("--output", args.output)],
-        [args.model, args.weights, args.plan, args.example_inputs, args.calibration, args.eval_data],
+        [args.model, args.weights, args.plan, args.calibration, args.eval_data],
     )
     from qlint.advice.verify_session import batch_list
     from qlint.core.load import load_batches
     from qlint.measure.fallback import weighted_coverage
 
     with user_output_to_stderr():
-        loaded, plan, _ = _load(args)
+        loaded, plan = _load(args)
         calibration = batch_list(load_batches(args.calibration), "calibration")
         eval_data = batch_list(load_batches(args.eval_data), "eval") if args.eval_data else []
         converted = plan.quantize(loaded.module, calibration)
