@@ -13,6 +13,8 @@ with live inputs but zero weights keeps scale 1: a large one would widen the cal
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.fx as fx
@@ -141,3 +143,56 @@ def test_a_pair_with_no_active_channel_is_not_equalized():
         model.conv1.bias.fill_(-100.0)  # every channel silent in calibration
     _, applied = apply_equalization(fx.symbolic_trace(model), ["conv2"], _batches(0, wake=False))
     assert not applied[0].applied and applied[0].reason == "no input channel was active in calibration"
+
+
+class _ConvNormPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(4, 8, 1)
+        self.bn = nn.BatchNorm1d(8)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv1d(8, 4, 1)
+
+    def forward(self, x):
+        return self.conv2(self.relu(self.bn(self.conv1(x))))
+
+
+def test_verify_divides_back_the_rescale_of_a_norm_in_the_layer_it_is_fused_into():
+    """With a BatchNorm as the pair's previous layer, prepare_fx fuses it into conv1, whose row then
+    showed the rescaled output (33.0 dB where the original units give 27.1). The row must be the
+    SQNR of conv1 + bn + relu (fused) as the original model computes them against the int8 model's, divided back."""
+    import qlint
+    from qlint.advice.plan import default_plan
+    from qlint.linter.suggestions import EqualizationPair, Provenance
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _ConvNormPair().eval()
+    with torch.no_grad():  # channel ranges far apart: scales from ~0.02 to ~34
+        model.bn.weight.copy_(torch.tensor([20.0, 0.05, 1.0, 1.0, 5.0, 0.2, 1.0, 3.0]))
+        model.conv2.weight[:, 0] *= 0.01
+        model.conv2.weight[:, 1] *= 50
+    generator = torch.Generator().manual_seed(0)
+    calibration, held_out = ([torch.randn(16, 4, 32, generator=generator) for _ in range(4)] for _ in range(2))
+    pair = EqualizationPair(module="conv2", previous="bn", provenance=[Provenance(source="user")])
+    plan = default_plan("x86").model_copy(update={"equalization": [pair]})
+    report = qlint.verify(model, plan, calibration, held_out, max_trials=0, prune=False, search_schemes=False)
+    rescale = next(r for r in report.rewrites if r.kind == "equalize" and r.applied)
+    assert rescale.modules == ["bn", "conv2"] and rescale.output_scale is not None
+    shown = next(row for row in report.layers if row.fqn == "conv1").plan_sqnr_db
+
+    converted = plan.quantize(model, calibration)
+    scale = torch.tensor(rescale.output_scale, dtype=torch.float64).reshape(1, -1, 1)
+    outputs: list[torch.Tensor] = []
+    handle = converted.get_submodule("conv1").register_forward_hook(
+        lambda _m, _i, out: outputs.append(out.dequantize().double() / scale)
+    )
+    signal = noise = 0.0
+    with torch.no_grad():
+        for batch in held_out:
+            expected = model.relu(model.bn(model.conv1(batch))).double()  # fused: conv1 + bn + relu
+            converted(batch)
+            signal += float(expected.square().sum())
+            noise += float((expected - outputs.pop()).square().sum())
+    handle.remove()
+    assert shown == pytest.approx(10 * math.log10(signal / noise), abs=0.05)

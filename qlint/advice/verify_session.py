@@ -401,7 +401,11 @@ class Session:
                 previous = rewrite.modules[0]
                 layer = rewritten.get_submodule(previous)
                 dim = -1 if isinstance(layer, (nn.Linear, nn.LayerNorm)) else 1
-                scales[previous] = (torch.tensor(rewrite.output_scale, dtype=torch.float64), dim)
+                scale = (torch.tensor(rewrite.output_scale, dtype=torch.float64), dim)
+                scales[previous] = scale
+                fused_into = _layer_fused_with_norm(rewritten, previous)
+                if fused_into is not None:
+                    scales[fused_into] = scale
         return scales
 
     def layer_sqnr(
@@ -473,3 +477,17 @@ class Session:
         """``fqns`` from the lowest own (shadow) SQNR under ``plan`` up; unmeasured ones last."""
         own = self.own_errors(plan, fqns)
         return sorted(fqns, key=lambda f: own.get(f, SQNR_CAP_DB))
+
+
+def _layer_fused_with_norm(gm: fx.GraphModule, fqn: str) -> str | None:
+    """The conv or Linear whose only consumer is the BatchNorm ``fqn``: prepare_fx fuses the
+    norm into it, so that layer's output (the row verify shows) is the norm's, rescaled with it."""
+    if not isinstance(gm.get_submodule(fqn), (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+        return None
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target == fqn and node.args and isinstance(node.args[0], fx.Node):
+            producer = node.args[0]
+            if producer.op == "call_module" and len(producer.users) == 1:
+                if isinstance(gm.get_submodule(str(producer.target)), (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                    return str(producer.target)
+    return None
