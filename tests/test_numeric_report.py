@@ -15,6 +15,7 @@ from qlint.cli.compare import EXIT_FINDINGS, EXIT_USAGE, add_compare_arguments, 
 from qlint.linter.findings import Report
 from qlint.numeric import html as report_html
 from qlint.numeric.compare import activation_histograms, compare, worst_layers
+from qlint.numeric.display import format_sqnr
 from qlint.numeric.examples import (
     SmallConvNet,
     bad_layer_qconfig_mapping,
@@ -78,6 +79,16 @@ def test_html_is_one_self_contained_file_with_every_section(compared, tmp_path):
     shadow_rows = [row.name for row in report.layers if row.sqnr_shadow is not None]
     assert shadow_rows[shadow.index(max(shadow))] == BAD_LAYER
     assert ranking[0].name == BAD_LAYER and page.index(BAD_LAYER) < page.index("Findings")
+    # the labels say what each number is: the shadow series is the layer's own error, and the
+    # ranking's "isolated SQNR" column holds each layer's SQNR quantized alone
+    legend = dict(re.findall(r'<i class="swatch" style="background:(#[0-9a-f]+)"></i>([^<]+)</span>', page))
+    assert legend[report_html.SHADOW_COLOR] == "shadow (the layer&#x27;s own error)"
+    ranking_table = page[page.index("Sensitivity ranking") :]
+    headers = re.findall(r"<th[^>]*>([^<]+)</th>", ranking_table[: ranking_table.index("</tr>")])
+    column = headers.index("isolated SQNR")
+    cells = [re.findall(r"<td[^>]*>([^<]*)</td>", tr) for tr in re.findall(r"<tr><td.*?</tr>", ranking_table)]
+    assert [cell[1] for cell in cells[: len(ranking)]] == [row.name for row in ranking]
+    assert [cell[column] for cell in cells[: len(ranking)]] == [format_sqnr(row.local_sqnr_db) for row in ranking]
     for finding in report.findings:
         assert finding.rule in page
 
