@@ -192,26 +192,52 @@ def test_a_data_function_returning_none_and_two_calibration_sources_are_usage_er
 
 
 def test_verify_shows_no_counts_for_a_plan_that_failed(run_main, tmp_path):
-    """A plan that failed built no model: its column says '-', not '0/0 (0%)' and '0.0 KiB'."""
+    """A plan that failed built no model: its column says '-', not '0/0 (0%)' and '0.0 KiB'. Here
+    the default fails (convert_fx makes the conv's output channels-last and `view` raises)."""
+    (tmp_path / "view_model.py").write_text(
+        "import torch.nn as nn\n\n"
+        "class ViewAfterConv(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.conv, self.relu, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Linear(8 * 6 * 6, 5)\n\n"
+        "    def forward(self, x):\n"
+        "        y = self.relu(self.conv(x))\n"
+        "        return self.fc(y.view(y.size(0), -1))\n\n"
+        "def build():\n    return ViewAfterConv().eval()\n"
+    )
+    torch.save(
+        [torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)], tmp_path / "d.pt"
+    )
+    result = run_main(
+        "verify", "view_model:build", "--calibration", "d.pt", "--eval-data", "d.pt", "--max-trials", "2", cwd=tmp_path
+    )  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr
+    row = next(line for line in result.stdout.splitlines() if "int8 conv/linear/recurrent/attention ops" in line)
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    assert cells[1] == "-" and cells[2] != "-" and "0/0" not in row, row
+
+
+def test_verify_refuses_a_plan_for_another_model_before_any_trial(run_main, tmp_path):
+    """A plan naming modules the model lacks ran every trial (minutes on a transformer) and only
+    then said so, with a count that depended on how far pruning got."""
     from qlint.advice.plan import ModuleDecision, Provenance, default_plan
 
     (tmp_path / "tiny_model.py").write_text(
         "import torch.nn as nn\n\ndef build():\n    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()\n"
     )
     torch.save([torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)], tmp_path / "d.pt")
-    elsewhere = ModuleDecision(fqn="no.such.layer", mode="dynamic", provenance=[Provenance(source="user")])
-    (tmp_path / "plan.json").write_text(
-        default_plan("x86").model_copy(update={"modules": [elsewhere]}).model_dump_json()
-    )
-    result = run_main(
-        "verify", "tiny_model:build", "--calibration", "d.pt", "--eval-data", "d.pt",
-        "--plan", "plan.json", "--max-trials", "2", cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode in (0, 1), result.stderr
-    assert "does not have: no.such.layer" in result.stdout + result.stderr
-    row = next(line for line in result.stdout.splitlines() if "int8 conv/linear/recurrent/attention ops" in line)
-    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
-    assert cells[2] == "-" and "0/0" not in row, row
+    elsewhere = [
+        ModuleDecision(fqn=fqn, mode="dynamic", provenance=[Provenance(source="user")])
+        for fqn in ("no.such.layer", "0", "lstm")
+    ]
+    (tmp_path / "plan.json").write_text(default_plan("x86").model_copy(update={"modules": elsewhere}).model_dump_json())
+    for trials in ("1", "10"):
+        result = run_main(
+            "verify", "tiny_model:build", "--calibration", "d.pt", "--eval-data", "d.pt",
+            "--plan", "plan.json", "--max-trials", trials, cwd=tmp_path,
+        )  # fmt: skip
+        _check_one_line_error(result, "the plan names 2 module(s) this model does not have: no.such.layer, lstm")
+        assert "trial" not in result.stderr
 
 
 def test_more_example_inputs_than_the_model_takes_is_a_usage_error(run_main, tmp_path):

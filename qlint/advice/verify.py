@@ -56,6 +56,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from qlint.advice.apply import refuse_unknown_modules
 from qlint.advice.plan import (
     BiasCorrection,
     ModuleDecision,
@@ -308,9 +309,12 @@ def _verify(
     float_metric = float(session.eval_fn(session.model, session.eval_data)) if session.eval_fn is not None else None
     fqns = conv_linear_modules(session.traced)
 
-    # 1. measure the backend default and the plan as given (with every rewrite the graph allows)
+    # 1. measure the backend default and the plan as given (with every rewrite the graph allows),
+    # after refusing a plan that names modules this model lacks (made for another model): every
+    # trial of it would fail the same way, and only the last one would say why
+    with_rewrites, detected = apply_rewrites(session.traced, plan, session.example)
+    refuse_unknown_modules(with_rewrites, plan)
     default = session.measure("default mapping", default_plan(plan.backend, model=plan.model), layers=fqns)
-    _, detected = apply_rewrites(session.traced, plan, session.example)
     given_plan = _with_detected_rewrites(plan, detected)
     given = session.measure("plan as given", given_plan)
     current, best = given_plan, given.selection_sqnr
