@@ -44,4 +44,8 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     """``Type: first line of the message``, at most ``limit`` characters: how qlint quotes an
     error it did not raise itself (torch's and the user's messages can run to pages)."""
     text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:limit]
+    line = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 1]  # cut at a word, and say the rest is left out
+    return (cut.rsplit(" ", 1)[0] if " " in cut[limit // 2 :] else cut) + "…"

@@ -267,3 +267,29 @@ def test_badcases_go_into_a_folder_that_compare_creates(run_main, repo_root, tmp
     )  # fmt: skip
     assert result.returncode in (0, 1), result.stderr
     assert target.is_file() and target.with_suffix(".report.json").is_file()
+
+
+def test_a_torchscript_file_is_named_as_such_not_called_corrupt(run_main, tmp_path):
+    """`qlint quantize` writes TorchScript; given back to lint (even with --trust-pickle) or as
+    weights, it was 'not a readable PyTorch file (truncated or corrupt?)' with torch's riddle cut
+    mid-word."""
+    torch.jit.script(torch.nn.Linear(4, 2)).save(str(tmp_path / "scripted.pt"))
+    (tmp_path / "m.py").write_text("import torch.nn as nn\n\ndef build():\n    return nn.Linear(4, 2)\n")
+    for args in (
+        ("scripted.pt", "--input-shape", "1,4"),
+        ("scripted.pt", "--trust-pickle", "--input-shape", "1,4"),
+        ("m:build", "--weights", "scripted.pt", "--input-shape", "1,4"),
+    ):
+        result = run_main(*args, cwd=tmp_path)
+        _check_one_line_error(result, "scripted.pt is a TorchScript archive (torch.jit.save)", "package.module:factory")
+        assert "corrupt" not in result.stderr
+
+
+def test_a_long_quoted_error_is_cut_at_a_word_and_says_so():
+    from qlint.errors import first_line
+
+    error = RuntimeError("word " * 100 + "\nsecond line")
+    quoted = first_line(error, limit=60)
+    assert len(quoted) <= 60 and quoted.endswith("word…") and quoted.startswith("RuntimeError: word")
+    assert first_line(RuntimeError("short\nmore")) == "RuntimeError: short"
+    assert first_line(KeyError()) == "KeyError"

@@ -79,6 +79,17 @@ def check_zip_file(path: os.PathLike, label: str) -> None:
         return  # torch.load reports the corrupt file in its own words
 
 
+def is_torchscript_archive(path: os.PathLike) -> bool:
+    """Whether a zip-format file is a TorchScript archive (``torch.jit.save``: its record holds
+    ``constants.pkl`` and the ``code/`` of the script), not a ``torch.save`` file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = {name.split("/", 2)[1] for name in archive.namelist() if name.count("/") >= 1}
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+    return "constants.pkl" in names and "code" in names
+
+
 def inspect_pt2(handle: BinaryIO, label: str, *, trust: bool) -> None:
     """Refuse (LoadError) a ``.pt2`` that would run code when torch loads it, or that is too big."""
     handle.seek(0, os.SEEK_END)
