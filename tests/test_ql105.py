@@ -181,6 +181,12 @@ def test_a_view_failure_is_measured_with_the_reshape_it_suggests():
     assert impact_text(finding)[0] == f"fails → {expected:.1f} dB"
     assert f"QL105 view fails → {expected:.1f} dB" in summary_line(report)
     assert f"{expected:.1f} → {expected:.1f} dB" not in summary_line(report)
+    # the failure is the user's intended quantization failing, never "as intended"
+    from qlint.render.text import trial_line
+
+    lines = summary_line(report) + " " + (trial_line(report) or "")
+    assert "Quantized as you intend, the model fails at quantized run (QL105)" in lines
+    assert "as intended" not in lines
 
 
 class _MaskedAttention(nn.Module):

@@ -205,7 +205,11 @@ def trial_line(report: Report) -> str | None:
         f"trial quantization ({trial.backend}, {trial.seconds:.1f} s, {trial.fix_trials} fix trials): "
         f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}; output SQNR {sqnr}; "
         f"int8 {trial.int8_ops}/{trial.weighted_ops} conv/linear/recurrent/attention ops."
-        + (f" It fails as intended at {trial.failed_stage} (QL105); {trial.workaround}." if trial.workaround else "")
+        + (
+            f" Quantized as you intend, the model fails at {trial.failed_stage} (QL105); {trial.workaround}."
+            if trial.workaround
+            else ""
+        )
     )
 
 
@@ -283,7 +287,10 @@ def _impact_summary(report: Report) -> str:
     trial = report.trial
     if trial is not None and trial.workaround is not None and trial.fixed_sqnr_db is not None:
         # the trial's own SQNR was measured with the workaround, so "before" is the failure
-        text += f" Every such fix applied together in one trial: fails as intended → {trial.fixed_sqnr_db:.1f} dB."
+        text += (
+            f" Every such fix applied together in one trial: fails → {trial.fixed_sqnr_db:.1f} dB "
+            "(quantized as you intend, the model fails without them)."
+        )
     elif trial is not None and trial.recoverable_db is not None and trial.fixed_sqnr_db is not None:
         text += (
             f" Every such fix applied together in one trial: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
