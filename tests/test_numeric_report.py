@@ -12,9 +12,8 @@ import torch
 from rich.console import Console
 
 from qlint.cli.compare import EXIT_FINDINGS, EXIT_USAGE, add_compare_arguments, load_data_arg, run_compare
-from qlint.linter.findings import Report
 from qlint.numeric import html as report_html
-from qlint.numeric.compare import activation_histograms, compare, worst_layers
+from qlint.numeric.compare import CompareReport, activation_histograms, compare, worst_layers
 from qlint.numeric.display import format_sqnr
 from qlint.numeric.examples import (
     SmallConvNet,
@@ -149,7 +148,7 @@ def test_command_json_html_and_badcases(tmp_path):
         stdout=stdout,
     )
     assert code == EXIT_FINDINGS
-    report = Report.model_validate_json(stdout.getvalue())
+    report = CompareReport.model_validate_json(stdout.getvalue())
     assert [finding.target for finding in report.by_rule("QL301")] == [BAD_LAYER]
     assert html_path.read_text().startswith("<!DOCTYPE html>")
     saved = torch.load(badcases_path, weights_only=True)

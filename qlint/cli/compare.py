@@ -32,7 +32,7 @@ from qlint.core.exported import is_exported_module, put_in_eval
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
-from qlint.numeric.compare import MODES, activation_histograms, compare, worst_layers
+from qlint.numeric.compare import MODES, CompareReport, activation_histograms, compare, worst_layers
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB, DEFAULT_WEIGHT_SQNR_THRESHOLD_DB
 from qlint.numeric.display import format_sqnr, sqnr_notes
 from qlint.numeric.html import write_html
@@ -110,9 +110,19 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument(
         "--sensitivity",
         action="store_true",
-        help="rank layers by sensitivity (re-quantizes FLOAT with FX PTQ for --backend)",
+        help="rank QUANT's layers by how much of the error each adds reaches the model output (QUANT as given: "
+        'nothing is re-quantized); text: the top 10 on one line, JSON: the "sensitivity" list (one entry per '
+        "layer, most sensitive first: name, kind, score, estimated_output_sqnr_db, local_sqnr_db, flops, "
+        "flops_share, params, params_share), HTML: the ranking table",
     )
-    parser.add_argument("--backend", default="x86", choices=BACKENDS, help="quantization backend for --sensitivity")
+    parser.add_argument(
+        "--backend",
+        default="x86",
+        choices=BACKENDS,
+        help='the backend QUANT was quantized for, a label: it is written in the report (JSON "backend", the '
+        "HTML header) and is the default mapping a plan made from the report's keep-float fixes starts from; "
+        "compare runs QUANT as given, whatever it says",
+    )
     parser.add_argument("--max-batches", type=positive_int, default=None, help="use at most this many batches")
     parser.add_argument(
         "--trust-pickle", action="store_true", help="trust the model files (.pt or .pt2): allows code from them to run"
@@ -179,7 +189,7 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
             result = _compare(args, modes)
     except QlintError as error:
         return _usage_error(error)
-    report, ranking, badcase_report = result
+    report, badcase_report = result
     if args.format == "json":
         text = report.model_dump_json(indent=2) + "\n"
     else:
@@ -188,11 +198,11 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         to_terminal = stdout is None and sys.stdout is not None and sys.stdout.isatty()
         console = make_console(buffer, color=None if to_terminal else False, width=width or 140)
         print_text(report, console)
-        if ranking:
+        if report.sensitivity:
             console.print(
                 literal(
                     "sensitivity (most sensitive first): "
-                    + ", ".join(f"{row.name} {row.score:.2e}" for row in ranking[:10])
+                    + ", ".join(f"{row.name} {row.score:.2e}" for row in report.sensitivity[:10])
                 )
             )
         if badcase_report is not None:
@@ -224,8 +234,8 @@ def _note_layers_without_float(report: Report, spec: str, quantized_model: torch
     return report.model_copy(update={"notices": [*report.notices, notice]})
 
 
-def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
-    """(report, sensitivity ranking or None, bad-case report or None); runs the user's models."""
+def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[CompareReport, Report | None]:
+    """(report with the sensitivity ranking when asked for, bad-case report or None); runs the user's models."""
     float_model = load_model_arg(args.float_model, args.trust_pickle)
     quantized_model = load_model_arg(args.quantized_model, args.trust_pickle)
     data = load_data_arg(args.calibration)
@@ -283,6 +293,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
                 ]
             }
         )
+    report = CompareReport(**dict(report), sensitivity=ranking)
     if args.html:
         histograms = activation_histograms(
             float_model, quantized_model, data, report, worst_layers(report, 4), max_batches=args.max_batches
@@ -293,4 +304,4 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]):
             write_html(report, html, sensitivity=ranking, histograms=histograms, sqnr_threshold=args.sqnr_threshold)
         except OSError as error:
             raise QlintError(f"cannot write --html {args.html}: {error.strerror or error}") from error
-    return report, ranking, badcase_report
+    return report, badcase_report

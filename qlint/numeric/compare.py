@@ -15,10 +15,12 @@ from importlib import metadata
 from typing import Any
 
 import torch
+from pydantic import Field
 from torch import nn
 
-from qlint.core.nested import first_float
+from qlint.core.nested import first_float, float_tensors
 from qlint.core.preserve import preserved_state
+from qlint.core.sqnr import SqnrSums
 from qlint.linter.findings import CompareRow, Notice, Report, Severity, Timing
 from qlint.measure.capture import PairedRunner
 from qlint.measure.match_result import MODULE_SITE, LayerMatch, MatchResult
@@ -33,8 +35,20 @@ from qlint.numeric.diagnose import (
     inherited_sqnr,
     local_sqnr,
 )
+from qlint.numeric.display import describe_sqnr
+from qlint.numeric.sensitivity import SensitivityRow
 
 MODES = ("propagated", "shadow")
+
+
+class CompareReport(Report):
+    """What ``qlint compare --format json`` writes: the comparison's ``Report`` and the
+    sensitivity ranking of the quantized model's layers, when one was asked for."""
+
+    sensitivity: list[SensitivityRow] | None = Field(
+        default=None,
+        description="The layers of the quantized model, most sensitive first (--sensitivity); null when not ranked.",
+    )
 
 
 def qlint_version() -> str:
@@ -133,7 +147,9 @@ def _compare(
     started = time.perf_counter()
     match = match or match_layers(float_model, quantized_model)
     stats = {layer.name: LayerStats() for layer in match.layers}
-    output_stats = PairwiseErrorStats()
+    output_sqnr, output_stats = SqnrSums(), PairwiseErrorStats()
+    unpaired_outputs: str | None = None
+    output_tensors = 0
     batches = 0
 
     def on_propagated(layer, reference, quantized, scale):
@@ -155,9 +171,11 @@ def _compare(
         for layer in match.layers:
             stats[layer.name].weight = weight_stats(layer, float_model, quantized_model)
         for _, float_output, quant_output in runner.run(data):
-            reference, quantized = first_float(float_output), first_float(quant_output)
-            if reference is not None and quantized is not None and reference.shape == quantized.shape:
-                output_stats.update(reference, quantized)
+            paired = _fold_outputs(output_sqnr, output_stats, float_output, quant_output)
+            if isinstance(paired, str):
+                unpaired_outputs = paired
+            else:
+                output_tensors = max(output_tensors, paired)
             batches += 1
             if max_batches is not None and batches >= max_batches:
                 break
@@ -175,10 +193,23 @@ def _compare(
         Notice(
             message=(
                 f"compared {len(rows)} layers of a {match.counterpart.value} model over {batches} batches; "
-                f"model output SQNR {_format_db(output_stats.sqnr_db())}, cosine {_format_float(output_stats.cosine())}"
+                f"model output SQNR {_format_db(output_sqnr.sqnr_db())}, cosine {_format_float(output_stats.cosine())}"
+                + (
+                    f", both over all {output_tensors} floating-point tensors of the output"
+                    if output_tensors > 1
+                    else ""
+                )
             )
         )
     )
+    if unpaired_outputs is not None:
+        notices.append(
+            Notice(
+                level=Severity.WARNING,
+                message=f"the two models' outputs do not pair up ({unpaired_outputs}); batches where they do not are "
+                "left out of the model output SQNR",
+            )
+        )
     if match.unmatched_float:
         notices.append(
             Notice(
@@ -213,8 +244,25 @@ def _compare(
     )
 
 
+def _fold_outputs(sums: SqnrSums, stats: PairwiseErrorStats, reference: Any, quantized: Any) -> int | str:
+    """Fold one batch's model outputs in: every floating-point tensor, in order (verify's output
+    SQNR, ``qlint.core.sqnr.SqnrSums``). The number of tensor pairs, or why the outputs do not pair
+    up (nothing is folded in then)."""
+    references, approximations = float_tensors(reference), float_tensors(quantized)
+    if len(references) != len(approximations):
+        return f"{len(references)} and {len(approximations)} floating-point tensors"
+    for x, y in zip(references, approximations):
+        if x.numel() != y.numel():
+            return f"tensors of {x.numel()} and {y.numel()} elements"
+    sums.add(references, approximations)
+    for x, y in zip(references, approximations):
+        stats.update(x, y)
+    return len(references)
+
+
 def _format_db(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f} dB"
+    """An SQNR in the info line, as the tables show it: "exact" at the cap (no error), not 200 dB."""
+    return "n/a" if value is None else describe_sqnr(value)
 
 
 def _format_float(value: float | None) -> str:

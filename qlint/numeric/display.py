@@ -15,7 +15,7 @@ NO_SIGNAL = "no signal"
 EXACT_NOTE = (
     f"{EXACT}: no error (infinite SQNR, stored as the {SQNR_CAP_DB:g} dB cap): weights or a layer kept in "
     "float; as shadow, also an op that passes quantized values through unchanged (max pooling, ReLU), "
-    "which adds no error of its own while its propagated value still carries its input's"
+    "which adds no error of its own while its propagated value still carries the error of its input"
 )
 NO_SIGNAL_NOTE = f"{NO_SIGNAL}: the float value is all zeros, so there is no signal to compare the error with"
 
