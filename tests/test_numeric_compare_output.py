@@ -126,3 +126,20 @@ def test_help_says_what_sensitivity_and_backend_do():
     assert "re-quantizes FLOAT" not in actions["sensitivity"] and "nothing is re-quantized" in actions["sensitivity"]
     assert all(field in actions["sensitivity"] for field in SensitivityRow.model_fields)
     assert "a label" in actions["backend"]
+
+
+class FirstHeadOnly(TwoHeads):
+    def forward(self, x):
+        return super().forward(x)[0]
+
+
+def test_outputs_that_do_not_pair_up_are_named_not_scored_on_the_first_tensor():
+    """A QUANT returning fewer output tensors than FLOAT was scored on the first tensor of each
+    (an 'exact' output here); the outputs do not pair up, and compare now says so."""
+    model = float_model()
+    other = FirstHeadOnly().eval()
+    other.load_state_dict(model.state_dict())
+    report = compare(model, other, batches())
+    assert "model output SQNR n/a" in _info_line(report)
+    warning = next(notice.message for notice in report.notices if "do not pair up" in notice.message)
+    assert "2 and 1 floating-point tensors" in warning
