@@ -187,6 +187,16 @@ def test_a_view_failure_is_measured_with_the_reshape_it_suggests():
     lines = summary_line(report) + " " + (trial_line(report) or "")
     assert "Quantized as you intend, the model fails at quantized run (QL105)" in lines
     assert "as intended" not in lines
+    # in the plan, the view fix made a failing model run: no "gain" of the whole SQNR either
+    from qlint.advice.plan import plan_from_report
+
+    from qlint.advice.verify_prune import decisions_of
+
+    plan = plan_from_report(report)
+    [why] = next(r for r in plan.rewrites if r.kind == "view_to_reshape").provenance
+    assert why.gain_db is None and why.value == pytest.approx(report.trial.output_sqnr_db, abs=1e-3)
+    assert why.describe() == f"QL105 on view, measured fails → {why.value:.2f} dB"
+    assert decisions_of(plan)[-1].measured_gain == math.inf  # verify's pruning tries it last
 
 
 class _MaskedAttention(nn.Module):

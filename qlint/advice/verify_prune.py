@@ -55,7 +55,7 @@ class Decision:
     @property
     def measured_gain(self) -> float:
         """The most a measurement credited this decision with (dB); -inf when none measured it."""
-        gains = [p.gain_db for p in self.item.provenance if p.gain_db is not None]
+        gains = [db for p in self.item.provenance if (db := p.credited_db()) is not None]
         return max(gains) if gains else FAILED
 
     def added_to(self, plan: QuantPlan) -> QuantPlan:

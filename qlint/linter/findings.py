@@ -185,8 +185,18 @@ class Finding(_Frozen):
             target=self.target,
             fingerprint=self.fingerprint(),
             detail=self.name,
-            gain_db=self.impact.db if self.fix_measured() and self.impact is not None else None,
+            **self._measured_gain(),
         )
+
+    def _measured_gain(self) -> dict[str, Any]:
+        """The provenance fields of what the fix measured: its gain, or, for a fix that makes a
+        failing int8 model run, the SQNR it then runs at (there is no SQNR to gain from)."""
+        impact = self.impact
+        if impact is None or not self.fix_measured():
+            return {}
+        if impact.base_sqnr_db is None and impact.fixed_sqnr_db is not None:
+            return {"metric": "output SQNR of the int8 model the fix makes run", "value": impact.fixed_sqnr_db}
+        return {"gain_db": impact.db}
 
     def fix_measured(self) -> bool:
         """Whether a trial applied this finding's fix (alone or in a group) and measured the gain."""

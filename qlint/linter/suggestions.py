@@ -11,6 +11,7 @@ rewrites), each recording its :class:`Provenance`: the models of this module.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -67,9 +68,20 @@ class Provenance(_Frozen):
     )
     detail: str | None = None
 
+    def makes_a_failing_model_run(self) -> bool:
+        """A finding's fix measured to make an int8 model that failed run (``value``: its SQNR)."""
+        return self.source == "finding" and self.gain_db is None and self.value is not None
+
+    def credited_db(self) -> float | None:
+        """What a measurement credits the decision with: its gain, infinite for making a failing
+        model run, None when nothing measured it."""
+        return math.inf if self.makes_a_failing_model_run() else self.gain_db
+
     def describe(self) -> str:
         if self.source == "finding":
             gain = "" if self.gain_db is None else f", measured {self.gain_db:+.2f} dB"
+            if self.makes_a_failing_model_run():
+                gain = f", measured fails → {self.value:.2f} dB"
             return f"{self.rule} on {self.target}{gain}"
         if self.source == "measurement":
             value = "" if self.value is None else f" = {self.value:.4g}"
