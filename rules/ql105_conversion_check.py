@@ -16,6 +16,7 @@ from qlint.rules._ql105_onset import best_keep_float, candidates, describe, erro
 from torch.ao.quantization import QConfigMapping, get_default_qconfig
 
 from qlint.core.function_paths import function_path
+from qlint.core.sqnr import sqnr_text
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.rule import Example, Need, Rule, RuleOptions
@@ -168,7 +169,7 @@ class ConversionCheck(Rule):
 
     def _output_error(self, ctx: LintContext, trial: TrialResult) -> Iterable[Finding]:
         sqnr = trial.output_sqnr_db
-        text = "n/a (no floating-point outputs)" if sqnr is None else f"{sqnr:.1f} dB"
+        text = "n/a (no floating-point outputs)" if sqnr is None else sqnr_text(sqnr)
         where = f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}, {ctx.backend.name}"
         severity = Severity.INFO
         if sqnr is not None and sqnr < self.options.error_below_db:

@@ -189,7 +189,6 @@ def test_a_view_failure_is_measured_with_the_reshape_it_suggests():
     assert "as intended" not in lines
     # in the plan, the view fix made a failing model run: no "gain" of the whole SQNR either
     from qlint.advice.plan import plan_from_report
-
     from qlint.advice.verify_prune import decisions_of
 
     plan = plan_from_report(report)
@@ -273,3 +272,22 @@ def test_the_onset_search_never_walks_past_a_functional_conv():
     [add] = [n for n in graph.ops() if function_of.get(n.name) is operator.add]
     upstream, layer = _functional_until_weighted(graph, [add], function_of, upstream=True)
     assert upstream == [] and layer is not None and function_of.get(layer.name) is nn.functional.conv2d
+
+
+def test_a_model_left_all_float_reads_exact_not_the_200_db_cap():
+    """Nothing quantized (here an empty mapping; a .pt2 of Conv1d layers under the x86 pt2e
+    quantizer did the same): the output is error-free and was printed as 'output SQNR 200.0 dB'."""
+    from torch.ao.quantization import QConfigMapping
+
+    from qlint.core.sqnr import SQNR_CAP_DB
+    from qlint.render.text import trial_line
+
+    model = _seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))().eval()
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randn(8, 4, generator=generator) for _ in range(8)]
+    report = qlint.lint(model, (data[0],), calibration=data, qconfig_mapping=QConfigMapping())
+    assert report.trial is not None and report.trial.output_sqnr_db == SQNR_CAP_DB  # stored at the cap
+    [finding] = report.by_rule("QL105")
+    for text in (trial_line(report) or "", finding.message):
+        assert "output SQNR exact (no error)" in text or "vs float: exact (no error)" in text, text
+        assert "200" not in text

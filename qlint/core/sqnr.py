@@ -31,6 +31,16 @@ def sqnr_db_from_powers(signal_power: float, noise_power: float) -> float | None
     return max(-SQNR_CAP_DB, min(SQNR_CAP_DB, value))
 
 
+def sqnr_text(value: float, digits: int = 1) -> str:
+    """An SQNR for a sentence: ``"12.3 dB"``, or at the cap what the cap stands for (no error at
+    all, or no signal to compare with), never the cap itself as if measured."""
+    if value >= SQNR_CAP_DB:
+        return "exact (no error)"
+    if value <= -SQNR_CAP_DB:
+        return "undefined (the float output is all zeros)"
+    return f"{value:.{digits}f} dB"
+
+
 def noise_power_ratio(sqnr_db: float) -> float:
     """The inverse of sqnr_db_from_powers: noise power over signal power."""
     return 10.0 ** (-sqnr_db / 10.0)
@@ -118,5 +128,6 @@ __all__ = [
     "noise_power_ratio",
     "sqnr_db",
     "sqnr_db_from_powers",
+    "sqnr_text",
     "steady_gain_db",
 ]

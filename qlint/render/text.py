@@ -15,6 +15,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from qlint.core.sqnr import sqnr_text
 from qlint.linter.findings import Finding, Report, Severity
 from qlint.render.literal import printable
 
@@ -200,7 +201,7 @@ def trial_line(report: Report) -> str | None:
         return None
     if not trial.converted and trial.workaround is None:
         return f"trial quantization ({trial.backend}): failed at {trial.failed_stage}; see QL105."
-    sqnr = "n/a" if trial.output_sqnr_db is None else f"{trial.output_sqnr_db:.1f} dB"
+    sqnr = "n/a" if trial.output_sqnr_db is None else sqnr_text(trial.output_sqnr_db)
     return (
         f"trial quantization ({trial.backend}, {trial.seconds:.1f} s, {trial.fix_trials} fix trials): "
         f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}; output SQNR {sqnr}; "
