@@ -165,7 +165,7 @@ class ActivationOutlier(Rule):
             yield self._outlier_finding(ctx, nodes, measured, outliers)
         constant = measured.constant.nonzero().flatten().tolist()
         if constant and self.options.report_constant_channels:
-            values = [json_float(stats.channel_max[c]) for c in constant[:32]]
+            values = [json_float(stats.channel_max[c]) for c in constant]  # one per channel listed
             yield self.finding(
                 head.display,
                 f"{len(constant)} of {stats.num_channels} input channels of {names} are constant over "

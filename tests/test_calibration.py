@@ -189,6 +189,23 @@ def test_constant_channels_are_reported():
     report.model_validate_json(report.model_dump_json())
 
 
+def test_every_constant_channel_has_its_value():
+    """The finding listed every constant channel but the values of the first 32 only, so the two
+    lists of its JSON could not be zipped."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 4)).eval()
+    generator = torch.Generator().manual_seed(0)
+    levels = torch.arange(35, dtype=torch.float32) / 7
+    batches = [torch.cat([levels.expand(8, 35), torch.randn(8, 5, generator=generator)], 1) for _ in range(3)]
+    report = qlint.lint(
+        model, (batches[0],), calibration=batches, select=["QL203"], calibration_options={"quiet": True}
+    )
+    [constant] = [f for f in report.findings if f.data.get("kind") == "constant-channels"]
+    assert constant.data["constant_channels"] == list(range(35))
+    assert constant.data["values"] == pytest.approx(levels.tolist())
+
+
 def test_all_constant_input_gives_a_report():
     report = _lint(_net(), [torch.ones(2, 3, 8, 8)] * 3)
     assert not report.skipped
