@@ -7,6 +7,7 @@ import torch.nn as nn
 from qlint.advice.plan import ModuleDecision, Provenance, default_plan
 from qlint.advice.verify import SQNR_TOLERANCE_DB, verify
 from qlint.advice.verify_session import Session
+from qlint.linter.suggestions import WeightSpec
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -251,3 +252,23 @@ def test_the_fallback_tries_layers_from_the_worst_own_error_up():
     own = [float(d.detail.split("own SQNR ")[1].split(" dB")[0]) for d in tried]
     assert own == sorted(own)  # the worst own error first
     assert [d.target for d in tried if d.kept] == report.kept_float
+
+
+def test_a_layer_flipped_back_to_static_leaves_no_decision_equal_to_the_globals():
+    """The scheme search wrote 'fc_layers.0: static' (the global default) into digit_cnn's verified
+    plan after flipping it dynamic and back, and measured that plan again as if it were new."""
+    from qlint.advice.verify_search import _flipped
+    from qlint.advice.verify_session import plan_key
+
+    plan = default_plan("x86")
+    back = _flipped(_flipped(plan, ["fc"], 1.0), ["fc"], 0.5)
+    assert back.decision("fc") is None and plan_key(back) == plan_key(plan)
+    # where the plan keeps everything else float, static must stay explicit
+    floating = plan.model_copy(update={"float_by_default": True})
+    assert _flipped(_flipped(floating, ["fc"], 1.0), ["fc"], 0.5).decision("fc").mode == "static"
+    # a decision with a spec of its own keeps it, and its history
+    own = ModuleDecision(
+        fqn="fc", mode="dynamic", weight=WeightSpec(per_channel=False), provenance=[Provenance(source="user")]
+    )
+    kept = _flipped(plan.model_copy(update={"modules": [own]}), ["fc"], 0.5).decision("fc")
+    assert kept.mode == "static" and kept.weight == own.weight and len(kept.provenance) == 2

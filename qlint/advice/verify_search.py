@@ -75,12 +75,19 @@ def _mode(plan: QuantPlan, fqn: str) -> str:
 
 
 def _with_mode(plan: QuantPlan, fqn: str, mode: str, provenance: Provenance) -> QuantPlan:
-    """``plan`` with ``fqn`` run ``mode``; an existing decision keeps its weight spec and its history."""
+    """``plan`` with ``fqn`` run ``mode``; an existing decision keeps its weight spec and its history.
+
+    A decision flipped back to plain static, with no spec of its own, is what the plan's globals
+    give the layer already (unless the plan keeps everything else float): it is dropped rather
+    than kept as an entry that changes nothing, and the plan is then the one measured before it."""
     old = plan.decision(fqn)
     if old is None:
         return plan.model_copy(
             update={"modules": [*plan.modules, ModuleDecision(fqn=fqn, mode=mode, provenance=[provenance])]}
         )
+    if mode == "static" and old.quantize and old.activation is None and old.weight is None:
+        if not plan.float_by_default:
+            return plan.model_copy(update={"modules": [d for d in plan.modules if d.fqn != fqn]})
     new = old.model_copy(update={"mode": mode, "provenance": [*old.provenance, provenance]})
     return plan.model_copy(update={"modules": [new if d.fqn == fqn else d for d in plan.modules]})
 
