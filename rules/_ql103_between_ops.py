@@ -27,7 +27,8 @@ KIND_CAT = "cat-input-qparams"
 
 # --- float islands -------------------------------------------------------------------
 def float_island_findings(rule: Rule, state: QConfigCheckState, min_island_ops: int) -> Iterator[Finding]:
-    islands = eager_float_islands(state.graph) if state.eager else fx_float_islands(state.graph)
+    graph, backend = state.graph, state.ctx.backend
+    islands = eager_float_islands(graph) if state.eager else fx_float_islands(graph, backend)
     for island in islands:
         compute = [n for n in island.nodes if n.kind not in SHAPE_KINDS]
         if len(compute) < min_island_ops:
@@ -44,6 +45,9 @@ def _island_finding(rule: Rule, state: QConfigCheckState, island: Island, comput
     producers = ", ".join(dict.fromkeys(p.display for p in island.producers))
     consumers = ", ".join(dict.fromkeys(c.display for c in island.consumers))
     unsupported = sorted({n.kind for n in compute if not backend.supports(n.kind)})
+    # ops no module computes: a qconfig by module name (what a plan and the trial apply) names
+    # nothing for them, so torch would ignore it
+    functional = [] if state.eager else [n for n in compute if n.module is None]
     if state.eager:
         how = "between a DeQuantStub and a QuantStub, with quantized modules on both sides"
         fix = (
@@ -57,6 +61,14 @@ def _island_finding(rule: Rule, state: QConfigCheckState, island: Island, comput
             "give them a quantized qconfig (e.g. the one their neighbours use), or move them "
             "to the start or end of the model"
         )
+        if functional:
+            fix += (
+                f"; {', '.join(n.display for n in functional)} "
+                f"{'is a function call' if len(functional) == 1 else 'are function calls'}, which no "
+                "module-name entry reaches: set its qconfig by op type (mapping.set_object_type(function, "
+                "qconfig), every call) or by call (mapping.set_module_name_object_type_order(scope, "
+                "function, index, qconfig))"
+            )
     if unsupported:
         fix += (
             f"; {backend.name} has no quantized kernel for {', '.join(unsupported)}, so moving "
@@ -83,6 +95,10 @@ def _island_finding(rule: Rule, state: QConfigCheckState, island: Island, comput
         "eager": state.eager,
         "qconfig_table": state.table(unique_nodes(involved)),
     }
+    if functional:
+        # a qconfig by op type or by call: no module-name entry (what a plan and the trial
+        # apply) expresses it, and torch would ignore one named after the node
+        return rule.finding(head.display, message, data=data)
     like = neighbour.qconfig.activation if neighbour.qconfig and neighbour.qconfig.activation else None
     suggestion = {
         "action": "set_qconfig",

@@ -1,7 +1,13 @@
 """Float islands: ops left in float between quantized ops, found on a ModelGraph.
 
 Each island costs a dequantize on the way in and a quantize on the way out. FX flows
-find them from resolved qconfigs; eager flows from DeQuantStub → … → QuantStub regions.
+find them from resolved qconfigs and the backend's kernels; eager flows from DeQuantStub → … →
+QuantStub regions.
+
+An FX island is costly only between ops that really run in int8: a qconfig on an op the backend
+has no int8 kernel for (``pow``, ``sqrt``, ``gelu`` on x86) leaves it float, so it is neither
+a quantized neighbour nor an island member a qconfig could change. A dynamic op with no static
+kernel (a recurrent layer) is as quantized as torch makes it: no island either.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from qlint.core.backends import BackendInfo
 from qlint.core.graph import ModelGraph, OpNode
 from qlint.core.ops import SHAPE_KINDS
 
@@ -40,6 +47,23 @@ def is_static_quantized(node: OpNode) -> bool:
     )
 
 
+def runs_int8(node: OpNode, backend: BackendInfo) -> bool:
+    """Whether prepare_fx gives ``node`` an int8 output: a static quantized qconfig on an op the
+    backend quantizes statically (``BackendInfo.quantizes_output``)."""
+    return is_static_quantized(node) and backend.quantizes_output(node.kind)
+
+
+def left_float(node: OpNode, backend: BackendInfo) -> bool:
+    """Whether ``node`` runs in float by its qconfig (None, float, or dynamic) where a static
+    qconfig would make it int8: the ops a float island is made of. A dynamic op with no static
+    kernel (an LSTMCell) is in its intended state, and an op with a qconfig but no int8 kernel
+    (``sqrt``) stays float whatever its qconfig: neither is left float by a qconfig."""
+    if is_static_quantized(node):
+        return False
+    qc = node.qconfig
+    return not (qc is not None and qc.is_dynamic and not backend.quantizes_output(node.kind))
+
+
 def through_shape_ops(graph: ModelGraph, node: OpNode) -> OpNode:
     """Walk up through shape-only ops (they reuse their input's qparams) to the real producer."""
     while node.op in _OPS and node.kind in SHAPE_KINDS:
@@ -50,8 +74,8 @@ def through_shape_ops(graph: ModelGraph, node: OpNode) -> OpNode:
     return node
 
 
-def quantized_downstream(graph: ModelGraph, node: OpNode) -> list[OpNode]:
-    """Quantized computing ops reached from ``node`` through shape-only ops (``node`` included)."""
+def quantized_downstream(graph: ModelGraph, node: OpNode, backend: BackendInfo) -> list[OpNode]:
+    """Int8 computing ops reached from ``node`` through shape-only ops (``node`` included)."""
     found, stack, seen = [], [node], set()
     while stack:
         current = stack.pop()
@@ -60,13 +84,13 @@ def quantized_downstream(graph: ModelGraph, node: OpNode) -> list[OpNode]:
         seen.add(current.name)
         if current.kind in SHAPE_KINDS:
             stack.extend(graph.consumers(current.name))
-        elif is_static_quantized(current):
+        elif runs_int8(current, backend):
             found.append(current)
     return found
 
 
-def fx_float_islands(graph: ModelGraph) -> list[Island]:
-    floating = {n.name for n in graph.ops() if not is_static_quantized(n)}
+def fx_float_islands(graph: ModelGraph, backend: BackendInfo) -> list[Island]:
+    floating = {n.name for n in graph.ops() if left_float(n, backend)}
     seen: set[str] = set()
     islands = []
     for start in graph.ops():
@@ -92,13 +116,13 @@ def fx_float_islands(graph: ModelGraph) -> list[Island]:
                 if producer.name in member_set:
                     continue
                 source = through_shape_ops(graph, producer)
-                if source.op in _OPS and is_static_quantized(source):
+                if source.op in _OPS and runs_int8(source, backend):
                     producers.append(source)
                     into += 1
             for consumer in graph.consumers(name):
                 if consumer.name in member_set:
                     continue
-                reached = quantized_downstream(graph, consumer)
+                reached = quantized_downstream(graph, consumer, backend)
                 if reached:
                     consumers.extend(reached)
                     out += 1

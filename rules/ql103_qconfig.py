@@ -48,7 +48,12 @@ class QConfigCheck(Rule):
       (affine or float-qparams weights where the kernel wants symmetric ones), and
       `reduce_range` settings that risk overflow (off on x86/fbgemm) or waste a bit (on
       elsewhere);
-    - **float islands**: ops left in float (qconfig `None`) between quantized ops;
+    - **float islands**: ops left in float (qconfig `None`, or dynamic where a static kernel
+      exists) between ops the backend really runs in int8. An op with a qconfig but no int8
+      kernel (`pow`, `sqrt` on x86) runs in float anyway, so it is no quantized neighbour, and
+      a dynamic recurrent layer (no static kernel) is as quantized as torch makes it. The fix
+      names modules; for a function call, which no module-name entry reaches, the message
+      says how to set its qconfig (by op type or by call) and no fix is suggested;
     - **cat inputs** observed with different qparams.
 
     Each finding carries the qconfig table (node, target, kind, input/output dtype,
