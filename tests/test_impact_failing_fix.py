@@ -5,8 +5,8 @@ fails to run ("mat1 and mat2 must have the same dtype"): the trial recorded noth
 finding kept its fix on an estimate, and the plan carried it. Such a fix is now dropped with
 the failure in its message, but only where the trial measured nothing: a failure the trial
 bench works around (a ``.view`` on an int8 conv's channels-last output, run as ``reshape``)
-measured the fix, which stays. No small model here reproduces a fix that cannot be built at
-all (MiniLM's needs its full graph), so that branch is covered by the MiniLM benchmark run.
+measured the fix, which stays. A fix that cannot be built at all (MiniLM's case: two post-LN
+blocks reproduce it) is tested in tests/test_impact_unbuildable_fix.py.
 """
 
 from __future__ import annotations

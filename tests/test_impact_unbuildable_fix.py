@@ -14,7 +14,7 @@ output (q/k/v, intermediate.dense) makes the trial's quantized run fail. Any pos
   Keeping block2.dense float fails too ("mat1 and mat2 must have the same dtype").
 
 Impact records the failure, drops that fix with the error's first line in the finding's message,
-and splits the group trials it fails. block1.dense reads the float input (quantized twice, each
+and leaves it out of the group trials (it would only make its group fail). block1.dense reads the float input (quantized twice, each
 time from float) and the head reads block2.norm alone: their clipping observers build and run, and
 are measured.
 """
@@ -37,7 +37,7 @@ WIDTH = 96
 BROKEN = "block2.dense"  # reads block1.norm, as block2's residual add does
 HEALTHY = ("block1.dense", "head")
 # Single fix trials: block2.dense's fix and its keep-float bound (both fail) and one healthy fix; the
-# healthy fix measured after block2.dense's is left to the group trials (as many again).
+# healthy fix measured after block2.dense's is left to the group trials.
 MAX_FIX_TRIALS = 3
 
 
@@ -137,8 +137,8 @@ def test_the_fix_torch_cannot_run_is_dropped_and_the_finding_says_why(report, to
 def test_the_other_fixes_are_measured_around_it(report):
     # Impact measures the findings in the order of their local-error estimates (what a lint with no
     # trial budget reports). block2.dense's is not the smallest, so a healthy fix comes after it and
-    # is left to the group trials, where the group it shares with block2.dense's fix fails and is
-    # split in halves: only that split measures it.
+    # is left to the group trials. block2.dense's fix, whose own trial failed, joins no group: the
+    # healthy fix is measured in one group trial, not in a group that fails and is split in halves.
     unmeasured = _lint(0)
     estimates = {target: _outlier(unmeasured, target).impact for target in (BROKEN, *HEALTHY)}
     assert all(impact is not None and impact.basis == "local-error" for impact in estimates.values())
@@ -150,3 +150,4 @@ def test_the_other_fixes_are_measured_around_it(report):
         assert finding.fix_measured(), (target, finding.impact)
         # a kept warning's fix is planned; an info one's was measured not to help
         assert finding.severity is Severity.INFO or target in planned
+    assert report.trial is not None and report.trial.fix_trials == MAX_FIX_TRIALS + 1

@@ -456,8 +456,10 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
             measured[index] = finding.model_copy(update={"impact": impact}) if impact else finding
             continue
         impact = meter.impact(finding)
-        if impact is None and meter.families(finding):
-            pending.append((index, finding))  # measured in groups, past the single-trial budget
+        if impact is None and meter.families(finding) and meter.fix_failure(finding) is None:
+            # measured in groups, past the single-trial budget; a fix whose own trial failed
+            # would only make its group fail too
+            pending.append((index, finding))
             continue
         measured[index] = finding.model_copy(update={"impact": impact or meter.estimate(finding.target)})
     grouped = meter.grouped(pending)
