@@ -218,8 +218,7 @@ class ActivationOutlier(Rule):
             f"{spikes:.4g}). One per-tensor scale must "
             "cover them"
             + (
-                f": the bulk of an outlier channel keeps 1/{max(dense_ratios):.3g} of the int8 range "
-                f"(about {channel_bits:.1f} of {bits} bits lost)"
+                _bulk_text(max(dense_ratios), channel_bits, bits)
                 if math.isfinite(channel_bits) and channel_bits > 0
                 else ""
             )
@@ -281,6 +280,14 @@ class ActivationOutlier(Rule):
             },
             suggestion=suggestion,
         )
+
+
+def _bulk_text(ratio: float, bits_lost: float, bits: int) -> str:
+    """What calibrating to the spike leaves the bulk of an outlier channel: a fraction of the
+    range, or, past one step of the grid, nothing at all."""
+    if ratio >= 2**bits - 1:
+        return f": the bulk of an outlier channel falls within one int8 step (1/{ratio:.3g} of the range: all {bits} bits lost)"
+    return f": the bulk of an outlier channel keeps 1/{ratio:.3g} of the int8 range (about {bits_lost:.1f} of {bits} bits lost)"
 
 
 CLIP_PERCENTILE = 99.99  # what the suggested clipping observer keeps: rare spikes above it saturate

@@ -169,3 +169,29 @@ def test_a_flipped_ratio_is_not_read_as_the_bulk_fraction_of_a_negative_channel(
     span = float(stats.channel_max[0] - stats.channel_min[0])
     lost = finding.data["outlier_channel_bits_lost"]
     assert not isinstance(lost, float) or lost <= math.log2(full / span)
+
+
+def test_a_bulk_below_one_int8_step_is_said_to_lose_every_bit():
+    """MiniLM: 'keeps 1/7.48e+04 of the int8 range (about 7.0 of 7 bits lost)', a fraction of
+    the range below one step of its grid."""
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(8):
+        x = torch.rand(64, 8, generator=generator) + 1.0
+        x[:, 1] = torch.rand(64, generator=generator) * 1e-3 + 1e-3  # bulk ~1e-3
+        x[0, 1] = 100.0  # one spike per batch: max / quantile ~5e4
+        batches.append(x)
+    report = qlint.lint(
+        _linear(),
+        (batches[0],),
+        calibration=batches,
+        qconfig_mapping=get_default_qconfig_mapping("x86"),
+        select=["QL203"],
+        trial_options={"enabled": False},
+    )
+    (finding,) = [f for f in report.by_rule("QL203") if f.data["kind"] == "outlier"]
+    assert 1 in finding.data["outlier_channels"]
+    bits = finding.data["dtype_bits"]
+    assert finding.data["outlier_channel_bits_lost"] == bits
+    assert "falls within one int8 step" in finding.message and f"all {bits} bits lost" in finding.message
+    assert "keeps 1/" not in finding.message

@@ -155,7 +155,7 @@ def _verify_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_TRIALS,
         metavar="N",
         help=f"at most N trial quantizations in all (default {DEFAULT_MAX_TRIALS}): up to "
-        f"{DEFAULT_PRUNE_TRIALS} for bias correction and pruning, up to --max-scheme-trials for the scheme "
+        f"{DEFAULT_PRUNE_TRIALS} for bias correction, 8-bit activations and pruning, up to --max-scheme-trials for the scheme "
         "search, the rest for the --target-sqnr fallback; each costs about one prepare + calibrate + convert",
     )
     parser.add_argument("--target-sqnr", type=finite_float, metavar="DB")
