@@ -140,3 +140,31 @@ def test_a_bidirectional_recurrent_layer_counts_both_directions():
         rows = {row.name: row for row in sensitivity_rows(_Sequence(bidirectional).eval(), batches)}
         flops[bidirectional] = rows["rnn"].flops
     assert flops[False] > 0 and flops[True] == pytest.approx(2 * flops[False])
+
+
+class _TwoHeads(nn.Module):
+    """A trunk and two heads; the second head's output is the model's second output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.head_a = nn.Linear(16, 4)
+        self.head_b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        hidden = torch.relu(self.trunk(x))
+        return self.head_a(hidden), self.head_b(hidden)
+
+
+def test_the_exhaustive_reference_scores_every_output_as_the_estimate_does():
+    """exhaustive_sensitivity scored the first output tensor only, so a layer feeding the second
+    output ranked 0 there while sensitivity() (every output's power) ranked it."""
+    torch.manual_seed(0)
+    model = _TwoHeads().eval()
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randn(16, 8, generator=generator) for _ in range(3)]
+    exhaustive = dict(exhaustive_sensitivity(model, data))
+    estimated = dict(sensitivity(model, data))
+    assert exhaustive["head_b"] > 0 and estimated["head_b"] > 0
+    # linear heads and few outputs per sample: the estimate is exact up to rounding
+    assert exhaustive == pytest.approx(estimated, rel=0.01)

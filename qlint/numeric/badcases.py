@@ -120,8 +120,10 @@ def find_badcases(
 ) -> BadCaseSet:
     """The ``top`` worst samples of ``data`` for each metric in ``metrics``.
 
-    Outputs must have the batch as their first dimension.  Memory holds at
-    most ``top`` samples per metric, whatever the size of the dataset.
+    Samples are scored on the first floating-point tensor of the output (a model's other
+    outputs, such as a recurrent state, need not be batch-first), which must have the batch as
+    its first dimension.  Memory holds at most ``top`` samples per metric, whatever the size
+    of the dataset.
     """
     unknown = set(metrics) - set(METRICS)
     if unknown:

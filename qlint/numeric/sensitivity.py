@@ -353,7 +353,8 @@ def _exhaustive_sensitivity(
             for index, batch in enumerate(data):
                 if max_batches is not None and index >= max_batches:
                     break
-                output.add(first_float(call_model(float_model, batch)), first_float(call_model(quantized, batch)))
+                # every floating-point output tensor, as the estimate's output power counts them
+                output.add(call_model(float_model, batch), call_model(quantized, batch))
         scores.append((name, output.noise_power / output.signal_power if output.signal_power > 0 else 0.0))
     scores.sort(key=lambda item: item[1], reverse=True)
     return scores
