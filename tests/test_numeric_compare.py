@@ -278,3 +278,45 @@ def test_weights_of_another_float_model_are_named_not_blamed_on_quantization():
     assert finding.rule == "QL301" and finding.data["kind"] == "other-weights" and finding.suggestion is None
     assert "not a quantization of this float model's weights" in finding.message
     assert not [f for f in report.findings if f.rule == "QL302" and f.target == "0"]
+
+
+def test_weights_rescaled_column_by_column_are_named_though_their_sqnr_stays_positive():
+    """silero_vad quantized from its verified plan: conv4, equalized (its input columns scaled by
+    factors from 0.4 to 2.6), kept a weight SQNR of 0.2 dB, above what the SQNR test can tell,
+    and compare blamed its precision ('quantize its weights to 8 bits per channel', which they
+    were). Re-rounding the float weights on the layer's own scales tells it: most integers are
+    more than one step away, where quantizing moves none by more than one."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    generator = torch.Generator().manual_seed(0)
+    original = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    with torch.no_grad():
+        for parameter in original.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    data = [torch.randn(4, 8, generator=generator) for _ in range(3)]
+
+    def quantized(model):
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (data[0],))
+        for batch in data:
+            prepared(batch)
+        return convert_fx(prepared)
+
+    plain = compare(original, quantized(original), data)
+    assert all(row.weight_off_grid == 0.0 for row in plain.compare_rows() if row.name in ("0", "2"))
+    assert not [f for f in plain.findings if f.data.get("kind") == "other-weights"]
+
+    scales = torch.linspace(0.8, 1.25, 16)  # per channel of fc1's output, as equalization makes them
+    equalized = copy.deepcopy(original)
+    with torch.no_grad():
+        equalized[0].weight.mul_(scales[:, None])
+        equalized[0].bias.mul_(scales)
+        equalized[2].weight.div_(scales)
+    assert torch.allclose(original(data[0]), equalized(data[0]), atol=1e-5)
+    report = compare(original, quantized(equalized), data)
+    row = next(row for row in report.compare_rows() if row.name == "2")
+    assert row.weight_sqnr is not None and row.weight_sqnr > 0  # the SQNR test alone misses it
+    assert row.weight_off_grid is not None and row.weight_off_grid > 0.3
+    [finding] = [f for f in report.findings if f.target == "2" and f.rule == "QL301"]
+    assert finding.data["kind"] == "other-weights" and finding.suggestion is None
+    assert f"{row.weight_off_grid:.0%} of its integer weights are more than one step" in finding.message

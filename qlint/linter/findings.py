@@ -273,6 +273,11 @@ class CompareRow(_Row):
     """One row of ``qlint compare``: the error one matched layer shows, float vs quantized (dB)."""
 
     weight_sqnr: float | None = None
+    weight_off_grid: float | None = Field(
+        default=None,
+        description="Fraction of the int8 weights more than one step from the rounding of the float weights on the "
+        "layer's own grid (above a few percent: made from another float model); None without int8 weight tensors.",
+    )
     sqnr_propagated: float | None = None
     sqnr_shadow: float | None = None
     cosine: float | None = None

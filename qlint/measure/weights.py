@@ -145,3 +145,34 @@ def quantized_layer_weights(layer: LayerMatch, quant_module: nn.Module) -> dict[
         if batch_norm is None:
             return {"weight": simulated[key]}
     return {"weight": weight}
+
+
+def off_grid_fraction(float_weight: torch.Tensor, quant_module: nn.Module) -> float | None:
+    """The fraction of a converted layer's integer weights more than one step away from the
+    rounding of ``float_weight`` on the layer's own grid (its scales and zero points).
+
+    Quantizing a weight rounds it to the nearest grid point (a tie or the quantizer's narrower
+    range moves it by one step at most), so a fraction above a few percent says the int8 weights
+    were made from another float tensor (a model a rewrite changed). None where the layer holds
+    no quantized weight tensor (fake-quantized, prepared, dynamic recurrent layers)."""
+    weight_attribute = getattr(quant_module, "weight", None)
+    if not callable(weight_attribute) or isinstance(weight_attribute, torch.Tensor):
+        return None
+    quantized = weight_attribute()
+    if not isinstance(quantized, torch.Tensor) or not quantized.is_quantized:
+        return None
+    if quantized.numel() != float_weight.numel() or not quantized.numel():
+        return None
+    integers = quantized.int_repr()
+    weight = float_weight.detach().reshape(quantized.shape).double()
+    if quantized.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        shape = [1] * weight.dim()
+        shape[quantized.q_per_channel_axis()] = -1
+        scale = quantized.q_per_channel_scales().double().reshape(shape)
+        zero_point = quantized.q_per_channel_zero_points().double().reshape(shape)
+    else:
+        scale = torch.tensor(quantized.q_scale(), dtype=torch.float64)
+        zero_point = torch.tensor(float(quantized.q_zero_point()), dtype=torch.float64)
+    limits = torch.iinfo(integers.dtype)
+    expected = (torch.round(weight / scale) + zero_point).clamp(limits.min, limits.max)
+    return float(((expected - integers.double()).abs() > 1).double().mean())

@@ -26,7 +26,7 @@ from qlint.measure.capture import PairedRunner
 from qlint.measure.match_result import MODULE_SITE, LayerMatch, MatchResult
 from qlint.measure.matching import match_layers
 from qlint.measure.metrics import PairwiseErrorStats
-from qlint.measure.weights import float_layer_weights, quantized_layer_weights
+from qlint.measure.weights import float_layer_weights, off_grid_fraction, quantized_layer_weights
 from qlint.numeric.diagnose import (
     DEFAULT_ONSET_JUMP_DB,
     DEFAULT_SQNR_THRESHOLD_DB,
@@ -63,6 +63,7 @@ class LayerStats:
     """Everything compare accumulates for one layer; constant size per layer."""
 
     weight: PairwiseErrorStats = field(default_factory=PairwiseErrorStats)
+    weight_off_grid: float | None = None
     propagated: PairwiseErrorStats = field(default_factory=PairwiseErrorStats)
     shadow: PairwiseErrorStats = field(default_factory=PairwiseErrorStats)
 
@@ -86,6 +87,17 @@ def weight_stats(layer: LayerMatch, float_model: nn.Module, quantized_model: nn.
         if quant_weight is not None and quant_weight.numel() == float_weight.numel():
             stats.update(float_weight, quant_weight.reshape(float_weight.shape))
     return stats
+
+
+def weight_off_grid(layer: LayerMatch, float_model: nn.Module, quantized_model: nn.Module) -> float | None:
+    """How many of a converted layer's int8 weights are not the rounding of its float weight
+    (:func:`qlint.measure.weights.off_grid_fraction`); None where that cannot be told."""
+    if layer.float_entry.kind != MODULE_SITE or layer.quant_site.kind != MODULE_SITE:
+        return None
+    float_weight = float_layer_weights(layer, float_model).get("weight")
+    if float_weight is None:
+        return None
+    return off_grid_fraction(float_weight, quantized_model.get_submodule(layer.quant_site.name))
 
 
 def compare(
@@ -170,6 +182,7 @@ def _compare(
     with runner:
         for layer in match.layers:
             stats[layer.name].weight = weight_stats(layer, float_model, quantized_model)
+            stats[layer.name].weight_off_grid = weight_off_grid(layer, float_model, quantized_model)
         for _, float_output, quant_output in runner.run(data):
             paired = _fold_outputs(output_sqnr, output_stats, float_output, quant_output)
             if isinstance(paired, str):
@@ -294,6 +307,7 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
                 name=layer.name,
                 kind=layer.kind,
                 weight_sqnr=layer_stats.weight.sqnr_db(),
+                weight_off_grid=layer_stats.weight_off_grid,
                 sqnr_propagated=layer_stats.propagated.sqnr_db(),
                 sqnr_shadow=layer_stats.shadow.sqnr_db(),
                 cosine=layer_stats.propagated.cosine()

@@ -35,6 +35,10 @@ _MIN_LOCAL_SHARE = 0.1
 # further than 0 is from it: quantized weights have SQNR >= 0 dB against the weights they were
 # made from. Below (with a margin for float sums), they were made from other weights.
 _NOT_A_QUANTIZATION_DB = -0.5
+# Quantizing rounds each weight to the nearest point of the layer's grid: a tie, or a quantizer
+# range one narrower than the dtype's, moves it by one step at most. More than this share of the
+# integer weights further away, and they were made from other weights (an equalized layer: ~50 %).
+_OFF_GRID_LIMIT = 0.05
 
 LOW_SQNR = ("QL301", COMPARE_DIAGNOSTICS["QL301"])
 ERROR_ONSET = ("QL302", COMPARE_DIAGNOSTICS["QL302"])
@@ -210,14 +214,25 @@ def low_sqnr_findings(
 
 
 def _other_weights(row: CompareRow) -> bool:
-    return row.weight_sqnr is not None and row.weight_sqnr < _NOT_A_QUANTIZATION_DB
+    below_zero = row.weight_sqnr is not None and row.weight_sqnr < _NOT_A_QUANTIZATION_DB
+    return below_zero or (row.weight_off_grid is not None and row.weight_off_grid > _OFF_GRID_LIMIT)
 
 
 def _other_weights_finding(row: CompareRow) -> Finding:
+    evidence = []
+    if row.weight_sqnr is not None and row.weight_sqnr < _NOT_A_QUANTIZATION_DB:
+        evidence.append(
+            f"weight SQNR {row.weight_sqnr:.1f} dB; rounding to a grid that holds 0, clipped or not, never moves a "
+            "weight further than 0 is from it, so it cannot fall below 0 dB"
+        )
+    if row.weight_off_grid is not None and row.weight_off_grid > _OFF_GRID_LIMIT:
+        evidence.append(
+            f"{row.weight_off_grid:.0%} of its integer weights are more than one step from the float weights "
+            "rounded on the layer's own scales, where quantizing moves none by more than one"
+        )
     message = (
         f"{row.name} ({row.kind}): its quantized weights are not a quantization of this float model's "
-        f"weights (weight SQNR {row.weight_sqnr:.1f} dB; rounding to a grid that holds 0, clipped or not, "
-        "never moves a weight further than 0 is from it, so it cannot fall below 0 dB). The quantized model "
+        f"weights ({'; and '.join(evidence)}). The quantized model "
         "was built from another float model, such as one a rewrite changed (cross-layer equalization, "
         "normalize_input, BN folding): compare it against that model. Here the numbers of this layer "
         "and those after it measure the difference between the two float models, not quantization."
@@ -228,7 +243,7 @@ def _other_weights_finding(row: CompareRow) -> Finding:
         severity=Severity.ERROR,
         target=row.name,
         message=message,
-        data={"kind": "other-weights", "weight_sqnr_db": row.weight_sqnr},
+        data={"kind": "other-weights", "weight_sqnr_db": row.weight_sqnr, "weight_off_grid": row.weight_off_grid},
     )
 
 
