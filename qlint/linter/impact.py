@@ -46,7 +46,7 @@ from qlint.core.sqnr import BatchPowers, noise_power_ratio
 from qlint.errors import QlintError, first_line
 from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.fixes import SetQConfig
-from qlint.linter.mapping import module_recipe, restore_type_default
+from qlint.linter.mapping import module_recipe, restore_type_default, rewrite_float_modules
 from qlint.linter.suggestions import Suggestions
 from qlint.linter.suggestions_from_fixes import collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
@@ -95,13 +95,17 @@ def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str)
 
 
 def with_decisions(base: QConfigMapping, suggestions: Suggestions) -> QConfigMapping:
-    """A copy of ``base`` with the suggestions' per-module and keep-float-function decisions."""
+    """A copy of ``base`` with the suggestions' per-module and keep-float-function decisions, and
+    the modules their rewrites add that stay float (normalize_input's), as the plan's mapping
+    keeps them: a trial that quantized those measured another model than the plan builds."""
     mapping = copy.deepcopy(base)
     for decision in suggestions.modules:
         recipe = module_recipe(suggestions, decision)
         mapping.set_module_name(decision.fqn, None if recipe is None else recipe.build())
     for kept in suggestions.float_functions:
         mapping.set_object_type(resolve_function(kept.function), None)
+    for helper in rewrite_float_modules(suggestions):
+        mapping.set_module_name(helper, None)
     return mapping
 
 
