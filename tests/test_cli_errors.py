@@ -250,6 +250,22 @@ def test_more_example_inputs_than_the_model_takes_is_a_usage_error(run_main, tmp
     _check_one_line_error(result, "do not fit the model", "takes 1 input(s)", "got 2")
 
 
+def test_fewer_example_inputs_than_the_model_needs_names_them(run_main, tmp_path):
+    """silero_vad takes (x, state): one --input-shape said 'do not fit the model: StopIteration'."""
+    (tmp_path / "two_inputs.py").write_text(
+        "import torch, torch.nn as nn\n\n"
+        "class Two(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 4)\n\n"
+        "    def forward(self, x, state, scale=None):\n        return self.fc(x) + state\n\n"
+        "def build():\n    return Two().eval()\n"
+    )
+    result = run_main("two_inputs:build", "--input-shape", "2,4", "--no-trial", cwd=tmp_path)
+    _check_one_line_error(result, "takes 2 input(s) and 1 optional one(s) (x, state, scale), got 1")
+    assert "StopIteration" not in result.stderr
+    both = run_main("two_inputs:build", "--input-shape", "2,4", "--input-shape", "2,4", "--no-trial", cwd=tmp_path)
+    assert both.returncode in (0, 1), both.stderr  # the optional input may be left out
+
+
 def test_selecting_a_compare_diagnostic_in_lint_says_where_it_lives(run_main, tmp_path):
     """`qlint rule QL301` documents QL301; `--select QL301` said 'unknown rule selector'."""
     (tmp_path / "m.py").write_text("import torch.nn as nn\n\ndef build():\n    return nn.Linear(4, 2)\n")

@@ -141,12 +141,18 @@ def propagate_shapes(traced: Traced, example_inputs: Sequence[Any] | None) -> st
     if traced.exported or not example_inputs:
         return None if traced.exported else "no example inputs: shapes are unknown"
     module = traced.graph_module
-    placeholders = [str(node.target) for node in module.graph.nodes if node.op == "placeholder"]
-    if len(example_inputs) > len(placeholders) and not any(name.startswith("*") for name in placeholders):
-        # fx.Interpreter ignores inputs beyond the graph's; the model itself would raise
+    nodes = [node for node in module.graph.nodes if node.op == "placeholder"]
+    placeholders = [str(node.target) for node in nodes]
+    required = [str(node.target) for node in nodes if not node.args and not str(node.target).startswith("*")]
+    variadic = any(name.startswith("*") for name in placeholders)
+    # fx.Interpreter ignores inputs beyond the graph's (the model itself would raise) and raises
+    # a bare StopIteration for a missing one
+    if (len(example_inputs) > len(placeholders) and not variadic) or len(example_inputs) < len(required):
+        optional = len(placeholders) - len(required)
         raise TraceError(
-            f"the example inputs do not fit the model: it takes {len(placeholders)} input(s) "
-            f"({', '.join(placeholders)}), got {len(example_inputs)}"
+            f"the example inputs do not fit the model: it takes {len(required)} input(s)"
+            + (f" and {optional} optional one(s)" if optional else "")
+            + f" ({', '.join(placeholders)}), got {len(example_inputs)}"
         )
     # A forward pass updates BN running stats and observer/fake-quant buffers; calibration
     # and the rules must see them as the user left them.
