@@ -49,3 +49,20 @@ def first_line(error: BaseException, limit: int = 300) -> str:
         return line
     cut = line[: limit - 1]  # cut at a word, and say the rest is left out
     return (cut.rsplit(" ", 1)[0] if " " in cut[limit // 2 :] else cut) + "…"
+
+
+def validation_problems(error: Exception) -> str:
+    """A pydantic ValidationError in a user's words: ``name: problem`` per field (an unknown
+    option named as such), without pydantic's type tags and input echoes; other errors as
+    their first line."""
+    problems = getattr(error, "errors", None)
+    if not callable(problems):
+        return first_line(error)
+    described = []
+    for problem in problems():
+        where = ".".join(str(part) for part in problem.get("loc", ())) or "value"
+        if problem.get("type") == "extra_forbidden":
+            described.append(f"{where}: unknown option")
+        else:
+            described.append(f"{where}: {problem.get('msg', 'invalid')}")
+    return "; ".join(described) or first_line(error)

@@ -159,3 +159,33 @@ def test_plugin_declared_in_the_working_directory_is_not_loaded(tmp_path, run_cl
     _make_plugin(_site(tmp_path), "qlint_site_plugin", f"open({str(marker)!r}, 'w').write('ran')\n")
     run_cli("rules", cwd=tmp_path, env={"PYTHONPATH": f"{ROOT}:{tmp_path / 'site'}"})
     assert marker.exists()
+
+
+def test_the_api_refuses_what_it_cannot_mean_in_one_readable_line():
+    """QA in a notebook: options for a rule that does not exist were ignored (the CLI refuses
+    them), select="QL101" was read one character at a time ("unknown rule selector 'L'"),
+    num_batches=0 blamed the data for being empty, and option errors quoted pydantic's tags."""
+    import torch
+
+    import qlint
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2)).eval()
+    example = (torch.randn(2, 4),)
+    assert {c.code for c in Registry.default().select("QL101")} == {"QL101"}
+    assert {c.code for c in Registry.default().select("QL101, QL203")} == {"QL101", "QL203"}
+    report = qlint.lint(model, example, select="QL101", trial_options={"enabled": False})
+    assert {rule.code for rule in report.rules} <= {"QL101"}
+    with pytest.raises(ConfigError, match="unknown rule 'QL999'"):
+        qlint.lint(model, example, options={"QL999": {"a": 1}})
+    with pytest.raises(ConfigError, match="num_batches must be at least 1"):
+        qlint.lint(model, example, calibration=[torch.randn(2, 4)], calibration_options={"num_batches": 0})
+    for call, expected in (
+        (dict(trial_options={"bogus": 1}), "bad trial options: bogus: unknown option"),
+        (
+            dict(options={"QL203": {"ratio_treshold": 1}}),
+            "bad options for QL203 (activation-outlier): ratio_treshold: unknown option",
+        ),
+    ):
+        with pytest.raises(ConfigError) as raised:
+            qlint.lint(model, example, **call)
+        assert str(raised.value) == expected and "type=" not in str(raised.value)

@@ -28,7 +28,7 @@ from qlint.core.intent import (
 from qlint.core.ops import module_kind
 from qlint.core.preserve import preserved_state
 from qlint.core.trace import Traced, initialized_copy, is_lazy_model, propagate_shapes, trace
-from qlint.errors import ConfigError, QlintError, TraceError
+from qlint.errors import ConfigError, QlintError, TraceError, validation_problems
 from qlint.linter.context import INTENT_DEFAULT, INTENT_EAGER, INTENT_MAPPING, INTENT_PREPARED, LintContext
 from qlint.linter.docs import rule_info
 from qlint.linter.findings import Finding, LayerRow, Notice, Report, Severity, SkippedRule, Timing
@@ -294,9 +294,7 @@ def instantiate_rules(classes: Iterable[type[Rule]], options: Mapping[str, Mappi
         try:
             rules.append(cls(cls.Options(**raw)))
         except Exception as error:  # pydantic ValidationError: unknown or bad option
-            first = str(error).splitlines()
-            detail = "; ".join(line.strip() for line in first[1:3]) if len(first) > 1 else str(error)
-            raise ConfigError(f"bad options for {cls.code} ({cls.name}): {detail}") from error
+            raise ConfigError(f"bad options for {cls.code} ({cls.name}): {validation_problems(error)}") from error
     return rules
 
 
@@ -331,6 +329,8 @@ def lint(
         example_inputs = (example_inputs,)
     example = tuple(example_inputs) if example_inputs is not None else None
     registry = registry or Registry.default()
+    for key in options or {}:
+        registry.get(key)  # options for a rule that does not exist are an error, as in [tool.qlint.rules]
     rules = instantiate_rules(registry.select(select, ignore), options or {})
     trial = TrialOptions.of(trial_options)
     if isinstance(model, torch.export.ExportedProgram):

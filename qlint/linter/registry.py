@@ -143,6 +143,8 @@ class Registry:
 
     def _match_all(self, selectors: Iterable[str]) -> list[type[Rule]]:
         matched: dict[str, type[Rule]] = {}
+        if isinstance(selectors, str):  # select="QL101" or "QL1,QL203": not one selector per character
+            selectors = selectors.split(",")
         for raw in selectors:
             selector = raw.strip()
             if not selector:

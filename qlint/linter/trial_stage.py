@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from qlint.core.batches import batches_of
-from qlint.errors import ConfigError
+from qlint.errors import ConfigError, validation_problems
 from qlint.linter.context import INTENT_DEFAULT, INTENT_MAPPING
 from qlint.linter.findings import TrialSummary
 from qlint.linter.rule import RuleOptions
@@ -54,8 +54,7 @@ class TrialOptions(RuleOptions):
         try:
             return cls(**dict(options))
         except ValueError as error:  # pydantic's ValidationError: unknown or bad option
-            detail = str(error).splitlines()
-            raise ConfigError(f"bad trial options: {'; '.join(line.strip() for line in detail[1:3])}") from error
+            raise ConfigError(f"bad trial options: {validation_problems(error)}") from error
 
 
 def trial_blocker(analysis: Any, example: Sequence[Any] | None, options: TrialOptions, backend: str) -> str | None:

@@ -35,6 +35,9 @@ class CalibrationOptions:
     def __post_init__(self) -> None:
         if self.percentile_every < 1:
             raise ConfigError(f"percentile_every must be at least 1, got {self.percentile_every}")
+        if self.num_batches is not None and self.num_batches < 1:
+            # 0 would run no batch and blame the data for being empty
+            raise ConfigError(f"num_batches must be at least 1 (or None: every batch), got {self.num_batches}")
 
     @classmethod
     def of(cls, options: None | CalibrationOptions | Mapping[str, Any]) -> CalibrationOptions:
