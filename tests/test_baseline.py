@@ -35,8 +35,8 @@ def test_write_then_filter_in_process(tmp_path):
     path = tmp_path / "sub" / "baseline.json"
     write_baseline(_report(_finding("a"), _finding("b")), path)
     data = json.loads(path.read_text())
-    assert data["version"] == 1
-    assert {e["target"] for e in data["fingerprints"].values()} == {"a", "b"}
+    assert data["version"] == 2
+    assert {e["target"] for e in data["models"]["m.pt2"]["fingerprints"].values()} == {"a", "b"}
     later = _report(_finding("a", message="reworded"), _finding("b", kind="other"), _finding("c"))
     filtered = filter_new(later, path)
     assert [(f.target, f.data["kind"]) for f in filtered.findings] == [("b", "other"), ("c", "k")]
@@ -46,13 +46,58 @@ def test_write_then_filter_in_process(tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    ["{not json", "[]", '{"version": 99, "fingerprints": {}}', '{"version": 1}', '{"version": 1, "fingerprints": [1]}'],
+    [
+        "{not json",
+        "[]",
+        '{"version": 99, "fingerprints": {}}',
+        '{"version": 1}',
+        '{"version": 1, "fingerprints": [1]}',
+        '{"version": 2}',
+        '{"version": 2, "models": {"m.pt2": {}}}',
+        '{"version": 2, "models": {"m.pt2": {"fingerprints": [""]}}}',
+    ],
 )
 def test_corrupt_baseline_is_config_error(tmp_path, content):
     path = tmp_path / "b.json"
     path.write_text(content)
     with pytest.raises(ConfigError):
-        read_baseline(path)
+        read_baseline(path, "m.pt2")
+
+
+def _model_report(model: str, *findings: Finding) -> Report:
+    return _report(*findings).model_copy(update={"model": model})
+
+
+def test_each_model_has_its_own_entry_and_recording_one_keeps_the_others(tmp_path):
+    """A pre-commit hook lints several models into one baseline: each model overwrote the whole
+    file (only the last model's findings stayed), and fingerprints had no model, so an entry
+    for conv1 of one model hid the same finding in every other model (QA)."""
+    path = tmp_path / "baseline.json"
+    write_baseline(_model_report("a.pt2", _finding("conv1"), _finding("fc")), path)
+    write_baseline(_model_report("b.pt2", _finding("head")), path)
+    data = json.loads(path.read_text())
+    assert sorted(data["models"]) == ["a.pt2", "b.pt2"]
+    assert read_baseline(path, "a.pt2") == {_finding("conv1").fingerprint(), _finding("fc").fingerprint()}
+    # the same problem at conv1 of model b is new there
+    later = filter_new(_model_report("b.pt2", _finding("head"), _finding("conv1")), path)
+    assert [f.target for f in later.findings] == ["conv1"]
+    # a model the file does not know: every finding is new, and the notice says why
+    unknown = filter_new(_model_report("c.pt2", _finding("conv1")), path)
+    assert [f.target for f in unknown.findings] == ["conv1"] and "no entry for c.pt2" in unknown.notices[-1].message
+    # re-recording a replaces its own entry only
+    write_baseline(_model_report("a.pt2", _finding("fc")), path)
+    assert read_baseline(path, "a.pt2") == {_finding("fc").fingerprint()}
+    assert read_baseline(path, "b.pt2") == {_finding("head").fingerprint()}
+
+
+def test_a_version_1_file_is_the_entry_of_the_model_it_names(tmp_path):
+    path = tmp_path / "old.json"
+    fingerprint = _finding("conv1").fingerprint()
+    path.write_text(json.dumps({"version": 1, "model": "a.pt2", "fingerprints": {fingerprint: {}}}))
+    assert read_baseline(path, "a.pt2") == {fingerprint}
+    assert read_baseline(path, "b.pt2") == set()
+    write_baseline(_model_report("b.pt2", _finding("head")), path)  # upgraded, a's entry kept
+    assert json.loads(path.read_text())["version"] == 2 and read_baseline(path, "a.pt2") == {fingerprint}
 
 
 def _fingerprints(result) -> set[str]:
@@ -67,7 +112,8 @@ def test_cli_round_trip(run_cli, repo_root, tmp_path):
     written = run_cli(*BADNET, "--baseline", baseline, "--write-baseline", "--format", "json", cwd=repo_root)
     assert written.returncode == 0, written.stderr  # writing the baseline accepts today's findings
     assert baseline.is_file() and "recorded" in written.stderr
-    assert set(json.loads(baseline.read_text())["fingerprints"]) == _fingerprints(before)
+    recorded = json.loads(baseline.read_text())["models"]
+    assert list(recorded) == [BADNET[0]] and set(recorded[BADNET[0]]["fingerprints"]) == _fingerprints(before)
 
     again = run_cli(*BADNET, "--baseline", baseline, cwd=repo_root)
     assert again.returncode == 0, again.stdout + again.stderr

@@ -35,24 +35,54 @@ from qlint.render.literal import printable
 def run_lint(args: argparse.Namespace) -> int:
     """Lint each model; the exit status is the worst of them (2 > 1 > 0)."""
     models = list(args.model)
-    if len(models) > 1 and args.output:
-        raise ConfigError("--output takes one model; lint several models without it")
+    if len(models) > 1:
+        for flag, value in (
+            ("--output", args.output),
+            ("--emit-plan", args.emit_plan),
+            ("--emit-qconfig", args.emit_qconfig),
+        ):
+            if value:  # each model would overwrite the file the one before wrote
+                raise ConfigError(f"{flag} takes one model; lint several models without it")
     check_flags(args)
     finder = ConfigFinder(args.config)
     worst = EXIT_CLEAN
+    # JSON and SARIF of several models go out as one document once every model is linted
+    # (documents one after another on stdout are not JSON)
+    documents: dict[str, list[Report]] | None = {} if len(models) > 1 else None
     for spec in models:
         try:
-            status = _lint_one(args, resolve_options(args, spec, finder.for_model(spec)))
+            status = _lint_one(args, resolve_options(args, spec, finder.for_model(spec)), documents)
         except QlintError as error:
             if len(models) == 1:
                 raise
             print(f"qlint: error: {printable(spec)}: {printable(str(error).strip()) or 'error'}", file=sys.stderr)
             status = EXIT_ERROR
         worst = max(worst, status)
+    if documents:
+        _emit_documents(documents)
     return worst
 
 
-def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
+def _emit_documents(documents: dict[str, list[Report]]) -> None:
+    if len(documents) > 1:
+        raise ConfigError(
+            f"these models ask for several output formats ({', '.join(sorted(documents))}) on one stdout: "
+            "give them one --format"
+        )
+    [(output_format, reports)] = documents.items()
+    if output_format == "json":
+        from qlint.render.json import render_json_reports
+
+        write_stdout(render_json_reports(reports))
+    else:
+        from qlint.render.sarif import render_sarif_reports
+
+        write_stdout(render_sarif_reports(reports))
+
+
+def _lint_one(args: argparse.Namespace, options: ModelOptions, documents: dict[str, list[Report]] | None = None) -> int:
+    """Lint one model and print its report; a JSON or SARIF report goes into ``documents``
+    instead when several models share stdout."""
     if options.output_format not in ("text", "json", "sarif", "github"):
         raise ConfigError(f"unknown format {options.output_format!r}")
     check_outputs(
@@ -101,7 +131,10 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions) -> int:
         from qlint.cli.plan import emit_plan_outputs
 
         emit_plan_outputs(report, args.emit_plan, args.emit_qconfig)
-    _emit(report, options.output_format, args)
+    if documents is not None and options.output_format in ("json", "sarif"):
+        documents.setdefault(options.output_format, []).append(report)
+    else:
+        _emit(report, options.output_format, args)
     crashed = [s for s in report.skipped if s.crashed]
     if crashed:
         # The other rules' findings are out; the run still failed: the analysis is incomplete.

@@ -1,12 +1,16 @@
 """Baselines: accept today's findings, report only new ones (``--baseline FILE``).
 
-    qlint MODEL --baseline .qlint-baseline.json --write-baseline   # record
-    qlint MODEL --baseline .qlint-baseline.json                    # only new findings
+    qlint MODEL... --baseline .qlint-baseline.json --write-baseline   # record
+    qlint MODEL... --baseline .qlint-baseline.json                    # only new findings
 
-The file is JSON: ``{"version": 1, "tool": "qlint", "fingerprints": {FP: {rule, name,
-target, kind}}}``. Identity is :meth:`Finding.fingerprint` (rule, target and the
-finding's kind), so a reworded message or a changed number does not make an old
-finding look new, while the same problem at another module does.
+The file is JSON: ``{"version": 2, "tool": "qlint", "models": {MODEL: {"fingerprints": {FP:
+{rule, name, target, kind, severity}}}}}``, one entry per model as the command line names it,
+so one file serves every model a pre-commit hook lints: recording a model replaces its own
+entry and keeps the others', and a model's findings are matched against its own entry only
+(the same problem at ``conv1`` of two models is two findings). Identity is
+:meth:`Finding.fingerprint` (rule, target and the finding's kind), so a reworded message or a
+changed number does not make an old finding look new. A version 1 file (one model's
+fingerprints) is read as the entry of the model it names.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from typing import Any
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import Notice, Report, Severity
 
-BASELINE_VERSION = 1
+BASELINE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 
 
-def baseline_payload(report: Report) -> dict[str, Any]:
+def _entries(report: Report) -> dict[str, dict[str, Any]]:
     entries: dict[str, dict[str, Any]] = {}
     for finding in report.findings:
         entries.setdefault(
@@ -36,25 +41,38 @@ def baseline_payload(report: Report) -> dict[str, Any]:
                 "severity": finding.severity.value,
             },
         )
+    return dict(sorted(entries.items()))
+
+
+def baseline_payload(report: Report, recorded: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The file's content: ``recorded`` (the other models' entries) with this report's model's
+    entry replaced by its findings."""
+    models = dict(recorded or {})
+    models[report.model] = {"fingerprints": _entries(report)}
     return {
         "version": BASELINE_VERSION,
         "tool": "qlint",
         "qlint_version": report.qlint_version,
-        "model": report.model,
-        "fingerprints": dict(sorted(entries.items())),
+        "models": dict(sorted(models.items())),
     }
 
 
 def write_baseline(report: Report, path: str | Path) -> None:
-    """Record every current finding in ``path`` (atomically: a crash leaves the old file)."""
+    """Record every current finding of the report's model in ``path``, keeping the other
+    models' entries (atomically: a crash leaves the old file). An unreadable old file is replaced."""
     target = Path(path)
-    text = json.dumps(baseline_payload(report), indent=2, ensure_ascii=False) + "\n"
+    try:
+        recorded = _read_models(target) if target.exists() else {}
+    except ConfigError:
+        recorded = {}
+    text = json.dumps(baseline_payload(report, recorded), indent=2, ensure_ascii=False) + "\n"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".qlint-baseline-", dir=target.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a baseline is a file to commit
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -63,9 +81,9 @@ def write_baseline(report: Report, path: str | Path) -> None:
         raise QlintError(f"cannot write baseline {path}: {error.strerror or error}") from error
 
 
-def read_baseline(path: str | Path) -> set[str]:
-    """The fingerprints recorded in ``path``; a missing or corrupt file is a ConfigError."""
-    source = Path(path)
+def _read_models(source: Path) -> dict[str, dict[str, Any]]:
+    """Every model's entry in the file at ``source``; a missing or corrupt file is a ConfigError."""
+    path = str(source)
     try:
         text = source.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -84,31 +102,44 @@ def read_baseline(path: str | Path) -> set[str]:
         ) from error
     if not isinstance(data, dict):
         raise ConfigError(f"baseline {path} is not a qlint baseline (expected a JSON object)")
-    if data.get("version") != BASELINE_VERSION:
+    if data.get("version") not in _READABLE_VERSIONS:
         raise ConfigError(
             f"baseline {path} has version {data.get('version')!r}; this qlint reads "
-            f"version {BASELINE_VERSION}: rewrite it with --write-baseline"
+            f"versions {', '.join(map(str, _READABLE_VERSIONS))}: rewrite it with --write-baseline"
         )
-    fingerprints = data.get("fingerprints")
-    if isinstance(fingerprints, list):
-        keys = fingerprints
-    elif isinstance(fingerprints, dict):
-        keys = list(fingerprints)
-    else:
-        raise ConfigError(f"baseline {path} has no 'fingerprints' object")
-    if not all(isinstance(k, str) and k for k in keys):
-        raise ConfigError(f"baseline {path} holds a fingerprint that is not a string")
-    return set(keys)
+    models: Any = data.get("models")
+    if data["version"] == 1:  # one model's fingerprints
+        models = {str(data.get("model", "")): {"fingerprints": data.get("fingerprints")}}
+    elif not isinstance(models, dict):
+        raise ConfigError(f"baseline {path} has no 'models' object")
+    for model, entry in models.items():
+        fingerprints = entry.get("fingerprints") if isinstance(entry, dict) else None
+        keys = list(fingerprints) if isinstance(fingerprints, (dict, list)) else None
+        if keys is None:
+            raise ConfigError(f"baseline {path} has no 'fingerprints' object for model {model!r}")
+        if not all(isinstance(k, str) and k for k in keys):
+            raise ConfigError(f"baseline {path} holds a fingerprint that is not a string")
+    return models
+
+
+def read_baseline(path: str | Path, model: str) -> set[str]:
+    """The fingerprints recorded in ``path`` for ``model`` (none when the file has no entry for
+    it); a missing or corrupt file is a ConfigError."""
+    entry = _read_models(Path(path)).get(model)
+    return set(entry["fingerprints"]) if entry is not None else set()
 
 
 def filter_new(report: Report, path: str | Path) -> Report:
     """``report`` with findings recorded in the baseline removed, plus a notice saying how many."""
-    known = read_baseline(path)
+    entry = _read_models(Path(path)).get(report.model)
+    known = set(entry["fingerprints"]) if entry is not None else set()
     kept = [f for f in report.findings if f.fingerprint() not in known]
     suppressed = len(report.findings) - len(kept)
     seen = {f.fingerprint() for f in report.findings}
     stale = len(known - seen)
     message = f"baseline {path}: {suppressed} known finding{'s' if suppressed != 1 else ''} suppressed"
+    if entry is None:
+        message = f"baseline {path} has no entry for {report.model}: record one with --write-baseline"
     if stale:
         message += f"; {stale} baseline entr{'ies' if stale != 1 else 'y'} no longer found (fixed?)"
     notice = Notice(level=Severity.INFO, message=message)

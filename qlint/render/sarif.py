@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, metadata
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,9 @@ def to_sarif(report: Report) -> dict[str, Any]:
 
 def render_sarif(report: Report) -> str:
     return json.dumps(to_sarif(report), indent=2) + "\n"
+
+
+def render_sarif_reports(reports: Sequence[Report]) -> str:
+    """Several models' reports as one SARIF log: one run per model, in the order linted."""
+    runs = [run for report in reports for run in to_sarif(report)["runs"]]
+    return json.dumps({"$schema": SARIF_SCHEMA, "version": SARIF_VERSION, "runs": runs}, indent=2) + "\n"
