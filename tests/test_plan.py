@@ -444,9 +444,14 @@ def test_plan_from_report_maps_weight_and_fixed_qparams_suggestions():
         assert spec.observer == "fixed" and spec.scale == pytest.approx(f.suggestion.scale)
     converted, out = _quantize(_build(Gate), plan.to_qconfig_mapping(), _inputs(Gate), "x86")
     assert torch.isfinite(out).all()
-    # the report's own shortcut builds the same mapping, without a plan
-    assert _same_mapping(report.qconfig_mapping(), plan.to_qconfig_mapping())
+    # the report's own shortcut makes the same decisions, on top of the mapping it was linted with
+    # (a plan file cannot hold that mapping: it starts from the backend default, as does a report
+    # read back from JSON)
+    assert report.qconfig_mapping().global_qconfig is not None
+    assert report.qconfig_mapping().global_qconfig.weight.p.keywords["qscheme"] == torch.per_tensor_symmetric
     assert report.qconfig_mapping().module_name_qconfigs.keys() == {d.fqn for d in plan.modules}
+    again = type(report).model_validate_json(report.model_dump_json())
+    assert _same_mapping(again.qconfig_mapping(), plan.to_qconfig_mapping())
 
 
 # --- CLI ----------------------------------------------------------------------------------

@@ -131,6 +131,14 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions, documents: dict[s
         from qlint.cli.plan import emit_plan_outputs
 
         emit_plan_outputs(report, args.emit_plan, args.emit_qconfig)
+        if options.qconfig_mapping:
+            # a plan file holds decisions, not code: it cannot name the user's mapping as its base
+            print(
+                f"qlint: note: the plan starts from the {options.backend} default, not from --qconfig-mapping "
+                f"{printable(options.qconfig_mapping)}: apply its decisions to your mapping (in Python, "
+                "report.qconfig_mapping() does)",
+                file=sys.stderr,
+            )
     if documents is not None and options.output_format in ("json", "sarif"):
         documents.setdefault(options.output_format, []).append(report)
     else:

@@ -452,7 +452,7 @@ def _lint(
             timings.append(Timing(stage="impact", seconds=time.perf_counter() - stage))
         trial_summary = summary(bench, trial, fixed_sqnr_db=fixed, fix_trials=meter.trials if meter else 0)
     timings.append(Timing(stage="total", seconds=time.perf_counter() - start))
-    return Report(
+    report = Report(
         qlint_version=__version__,
         torch_version=torch.__version__,
         model=ctx.model_name,
@@ -467,3 +467,5 @@ def _lint(
         rules=[rule_info(type(rule)) for rule in rules],
         trial=trial_summary,
     )
+    # the fixes were measured on top of the user's mapping: report.qconfig_mapping() starts from it
+    return report.linted_with(analysis.qconfig_mapping if analysis.intent == INTENT_MAPPING else None)

@@ -11,7 +11,7 @@ import enum
 import hashlib
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.sqnr import BatchPowers, steady_gain_db
@@ -350,6 +350,23 @@ class Report(_Frozen):
     qconfig_table: list[QConfigRow] = Field(default_factory=list)
     rules: list[RuleInfo] = Field(default_factory=list, description="The rules of this run, ran or skipped.")
     trial: TrialSummary | None = Field(default=None, description="The trial quantization, when one ran.")
+    # The QConfigMapping the model was linted with, when the caller gave one: the fixes were
+    # measured on top of it. Held in this process only (a mapping holds code, not JSON).
+    _linted_mapping: QConfigMapping | None = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal fields (the report JSON holds); the mapping kept in this process is not compared."""
+        if not isinstance(other, Report):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = _Frozen.__hash__
+
+    def linted_with(self, mapping: QConfigMapping | None) -> Report:
+        """This report, remembering the mapping it was linted with (see :meth:`qconfig_mapping`)."""
+        report = self.model_copy()
+        report._linted_mapping = mapping
+        return report
 
     # print(report) and a notebook's echo: pydantic's field-by-field repr of a report runs to pages.
     def __repr__(self) -> str:
@@ -380,8 +397,12 @@ class Report(_Frozen):
         )
 
     def qconfig_mapping(self) -> QConfigMapping:
-        """The QConfigMapping the findings call for: the backend default with their suggestions applied."""
-        return qconfig_mapping(self.suggestions())
+        """The QConfigMapping the findings call for: their suggestions applied to the mapping the
+        model was linted with (``qlint.lint(..., qconfig_mapping=...)``, whose settings the fixes
+        were measured on), or to the backend default without one and for a report read back
+        from JSON, which cannot hold a mapping. Rewrites and equalization are not expressible in
+        a QConfigMapping: ``qlint.advice.plan.plan_from_report(report).quantize(...)`` applies them."""
+        return qconfig_mapping(self.suggestions(), base=self._linted_mapping)
 
     def by_rule(self, code: str) -> list[Finding]:
         return [f for f in self.findings if f.rule == code or f.name == code]

@@ -8,6 +8,7 @@ returns.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -185,13 +186,14 @@ def module_recipe(suggestions: Suggestions, decision: ModuleDecision) -> QConfig
     return QConfigRecipe(activation_recipe(decision.activation or suggestions.activation, suggestions.backend), weight)
 
 
-def qconfig_mapping(suggestions: Suggestions) -> QConfigMapping:
-    """get_default_qconfig_mapping(backend) with the global and module-name decisions applied;
-    an empty mapping plus the module decisions when the plan is float by default."""
+def qconfig_mapping(suggestions: Suggestions, base: QConfigMapping | None = None) -> QConfigMapping:
+    """get_default_qconfig_mapping(backend) (or a copy of ``base``, the mapping the user linted
+    with) with the global and module-name decisions applied; an empty mapping plus the module
+    decisions when the plan is float by default."""
     if suggestions.float_by_default:
         mapping = QConfigMapping()
     else:
-        mapping = get_default_qconfig_mapping(suggestions.backend)
+        mapping = copy.deepcopy(base) if base is not None else get_default_qconfig_mapping(suggestions.backend)
         recipe = global_recipe(suggestions)
         if recipe is not None:
             mapping.set_global(recipe.build())
