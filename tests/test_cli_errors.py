@@ -309,3 +309,19 @@ def test_a_long_quoted_error_is_cut_at_a_word_and_says_so():
     assert len(quoted) <= 60 and quoted.endswith("word…") and quoted.startswith("RuntimeError: word")
     assert first_line(RuntimeError("short\nmore")) == "RuntimeError: short"
     assert first_line(KeyError()) == "KeyError"
+
+
+def test_example_inputs_that_do_not_fit_a_pt2_are_a_usage_error(run_main, tmp_path):
+    """A .pt2 given another model's --example-inputs was accepted: exit 0 with --no-trial, and a
+    QL105 'float run fails' error finding (exit 1) with the trial."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2)).eval()
+    program = torch.export.export(model, (torch.randn(3, 4),))
+    torch.export.save(program, str(tmp_path / "m.pt2"))
+    torch.save((torch.randn(3, 4), torch.randn(3, 4)), tmp_path / "two.pt")
+    torch.save(torch.randn(3, 7), tmp_path / "wide.pt")
+    for inputs, needle in (("two.pt", "takes 1 input(s) (input), got 2"), ("wide.pt", "do not fit the model")):
+        for trial in ((), ("--no-trial",)):
+            result = run_main("m.pt2", "--example-inputs", inputs, *trial, cwd=tmp_path)
+            _check_one_line_error(result, "the example inputs do not fit the model", needle)
+    fits = run_main("m.pt2", "--no-trial", cwd=tmp_path)
+    assert fits.returncode == 0, fits.stderr

@@ -138,7 +138,7 @@ def _silenced():
 
 def propagate_shapes(traced: Traced, example_inputs: Sequence[Any] | None) -> str | None:
     """Fill tensor metadata on every node; returns a notice when it could not."""
-    if traced.exported or not example_inputs:
+    if not example_inputs:
         return None if traced.exported else "no example inputs: shapes are unknown"
     module = traced.graph_module
     nodes = [node for node in module.graph.nodes if node.op == "placeholder"]
@@ -154,6 +154,15 @@ def propagate_shapes(traced: Traced, example_inputs: Sequence[Any] | None) -> st
             + (f" and {optional} optional one(s)" if optional else "")
             + f" ({', '.join(placeholders)}), got {len(example_inputs)}"
         )
+    if traced.exported:
+        # an exported graph carries its own shapes; inputs that do not fit it (another model's)
+        # would only fail later, inside the trial, as a finding
+        try:
+            with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+                module(*cloned(tuple(example_inputs)))
+        except Exception as error:
+            raise TraceError(f"the example inputs do not fit the model: {first_line(error)}") from error
+        return None
     # A forward pass updates BN running stats and observer/fake-quant buffers; calibration
     # and the rules must see them as the user left them.
     with preserved_state(module):
