@@ -22,6 +22,7 @@ from qlint.advice.export import PercentileObserver
 from qlint.advice.plan import (
     ActivationSpec,
     EqualizationPair,
+    FloatFunction,
     ModuleDecision,
     PlanFormatError,
     Provenance,
@@ -525,3 +526,21 @@ def test_plan_check_refuses_an_activation_range_its_dtype_cannot_hold():
         QuantPlan.from_json(json.dumps(data))
     data["activation"].update({"quant_min": 0, "quant_max": 127})  # reduce_range's 7 bits: fine
     assert QuantPlan.from_json(json.dumps(data)).activation.quant_max == 127
+
+
+def test_plan_check_counts_every_kind_of_decision(tmp_path, capsys):
+    """It counted module decisions only ('1 module decisions'), as if rewrites and kept-float
+    functions were not part of the plan."""
+    user = [Provenance(source="user")]
+    plan = default_plan("x86").model_copy(
+        update={
+            "modules": [ModuleDecision(fqn="fc", mode="dynamic", provenance=user)],
+            "rewrites": [Rewrite(kind="view_to_reshape", modules=["view"], provenance=user)],
+            "float_functions": [FloatFunction(function="operator.add", provenance=user)],
+        }
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    assert plan_command(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "backend x86: 1 module decision, 0 equalization pairs, 1 rewrite, 1 float function)" in out

@@ -17,6 +17,7 @@ from qlint.cli.common import Parser, check_outputs, write_stdout
 from qlint.errors import QlintError
 from qlint.linter.findings import Report
 from qlint.render.literal import printable
+from qlint.render.text import counted
 
 
 def _write(path: str, text: str) -> None:
@@ -65,8 +66,16 @@ def plan_command(argv: list[str]) -> int:
             write_stdout(text)
     else:
         plan.to_qconfig_mapping()  # also checks backend support (e.g. int16)
+        parts = [
+            counted(len(plan.modules), "module decision"),
+            counted(len(plan.equalization), "equalization pair"),
+            counted(len(plan.rewrites), "rewrite"),
+            counted(len(plan.float_functions), "float function"),
+        ]
+        if plan.bias_correction is not None:
+            parts.append("bias correction")
         write_stdout(
-            f"{printable(args.plan)}: valid qlint plan (schema {plan.schema_version}, "
-            f"backend {plan.backend}, {len(plan.modules)} module decisions)\n"
+            f"{printable(args.plan)}: valid qlint plan (schema {plan.schema_version}, backend {plan.backend}: "
+            f"{', '.join(parts)})\n"
         )
     return 0
