@@ -291,3 +291,49 @@ def test_a_model_left_all_float_reads_exact_not_the_200_db_cap():
     for text in (trial_line(report) or "", finding.message):
         assert "output SQNR exact (no error)" in text or "vs float: exact (no error)" in text, text
         assert "200" not in text
+
+
+class _TwoOutputs(nn.Module):
+    """A probability and a large state, as silero_vad returns: pooled by power, the state decides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.prob = nn.Linear(16, 1)
+        self.state = nn.Linear(16, 32)
+
+    def forward(self, x):
+        hidden = torch.relu(self.trunk(x))
+        return torch.sigmoid(self.prob(hidden)), 10 * self.state(hidden)
+
+
+def test_the_trial_reports_each_output_tensor_where_the_output_holds_several():
+    from qlint.core.sqnr import sqnr_db
+    from qlint.render.text import trial_line
+
+    model = _seeded(_TwoOutputs)().eval()
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randn(16, 8, generator=generator) for _ in range(8)]
+    report = qlint.lint(model, (data[0],), calibration=data, select=["QL105"])
+    trial = report.trial
+    assert trial is not None and trial.output_tensor_sqnr_db is not None and len(trial.output_tensor_sqnr_db) == 2
+    # by hand: torch's pass, calibrated and evaluated on the trial's split
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "x86"
+    try:
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (data[0],))
+        with torch.no_grad():
+            for batch in data[:4]:
+                prepared(batch)
+            converted = convert_fx(prepared)
+            expected = [model(b) for b in data[4:]]
+            got = [converted(b) for b in data[4:]]
+    finally:
+        torch.backends.quantized.engine = previous
+    for index in range(2):
+        by_hand = sqnr_db([e[index] for e in expected], [g[index] for g in got])
+        assert trial.output_tensor_sqnr_db[index] == pytest.approx(by_hand, abs=0.01)
+    assert trial.output_sqnr_db == pytest.approx(sqnr_db(expected, got), abs=0.01)
+    assert "the powers of 2 output tensors pooled" in (trial_line(report) or "")
+    single = qlint.lint(_seeded(_ConvView)(), _image(), select=["QL105"])
+    assert single.trial is not None and single.trial.output_tensor_sqnr_db is None

@@ -85,6 +85,13 @@ class BatchPowers:
     whether a change of it rests on one batch."""
 
     batches: tuple[tuple[float, float], ...]
+    # per floating-point tensor of the output, over every batch: a model's outputs pool by power,
+    # so a large auxiliary output (a recurrent state) can outweigh the one that matters
+    tensors: tuple[tuple[float, float], ...] = ()
+
+    def tensor_sqnr_db(self) -> list[float | None]:
+        """The SQNR of each floating-point output tensor, in output order."""
+        return [sqnr_db_from_powers(signal, noise) for signal, noise in self.tensors]
 
     def sqnr_db(self, leave_out: int | None = None) -> float | None:
         """The SQNR over every batch, or every batch but ``leave_out``; None without a batch."""

@@ -327,6 +327,11 @@ class TrialSummary(_Frozen):
         default=None, description="How the numbers were measured when the intended model fails (e.g. .view → .reshape)"
     )
     output_sqnr_db: float | None = None
+    output_tensor_sqnr_db: list[float | None] | None = Field(
+        default=None,
+        description="Per floating-point output tensor, when the output holds several: output_sqnr_db pools their "
+        "signal and noise powers, so the largest tensor weighs most.",
+    )
     int8_ops: int = 0
     weighted_ops: int = 0
     float_layers: list[str] = Field(default_factory=list)

@@ -136,6 +136,7 @@ def summary(bench: TrialBench, result: TrialResult, *, fixed_sqnr_db: float | No
         workaround=result.workaround,
         failed_stage=result.failure.stage if result.failure else None,
         output_sqnr_db=None if result.output_sqnr_db is None else round(result.output_sqnr_db, 3),
+        output_tensor_sqnr_db=_per_tensor(result),
         int8_ops=result.int8_ops,
         weighted_ops=result.weighted_ops,
         float_layers=[layer.target for layer in result.float_layers],
@@ -144,3 +145,11 @@ def summary(bench: TrialBench, result: TrialResult, *, fixed_sqnr_db: float | No
         fix_trials=fix_trials,
         seconds=round(bench.seconds, 3),
     )
+
+
+def _per_tensor(result: TrialResult) -> list[float | None] | None:
+    """Each output tensor's SQNR where the output holds several (None: one, or none measured)."""
+    powers = result.output_powers
+    if powers is None or len(powers.tensors) < 2:
+        return None
+    return [None if value is None else round(value, 3) for value in powers.tensor_sqnr_db()]

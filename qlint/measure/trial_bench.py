@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.batches import as_call, call_model
+from qlint.core.nested import float_tensors
 from qlint.core.sqnr import BatchPowers, SqnrSums
 from qlint.errors import QlintError
 from qlint.measure.calibrated import CalibratedQParams
@@ -203,12 +204,19 @@ class TrialBench:
     def _output_powers(self, converted: nn.Module, reference: list[Any]) -> BatchPowers | None:
         """Signal and noise power per evaluation batch; None when no output is floating-point."""
         batches = []
+        per_tensor: list[SqnrSums] = []
         for batch, expected in zip(self.evaluation, reference):
             sums = SqnrSums()
-            sums.add(expected, call_model(converted, batch))
+            output = call_model(converted, batch)
+            sums.add(expected, output)
             if sums.pairs:
                 batches.append((sums.signal_power, sums.noise_power))
-        return BatchPowers(tuple(batches)) if batches else None
+                for index, (want, got) in enumerate(zip(float_tensors(expected), float_tensors(output))):
+                    if index == len(per_tensor):
+                        per_tensor.append(SqnrSums())
+                    per_tensor[index].add(want, got)
+        tensors = tuple((sums.signal_power, sums.noise_power) for sums in per_tensor)
+        return BatchPowers(tuple(batches), tensors) if batches else None
 
 
 def _view_on_quantized(failure: TrialFailure | None) -> bool:

@@ -202,6 +202,9 @@ def trial_line(report: Report) -> str | None:
     if not trial.converted and trial.workaround is None:
         return f"trial quantization ({trial.backend}): failed at {trial.failed_stage}; see QL105."
     sqnr = "n/a" if trial.output_sqnr_db is None else sqnr_text(trial.output_sqnr_db)
+    if trial.output_tensor_sqnr_db and trial.output_sqnr_db is not None:
+        each = ", ".join("n/a" if value is None else sqnr_text(value) for value in trial.output_tensor_sqnr_db)
+        sqnr += f" (the powers of {len(trial.output_tensor_sqnr_db)} output tensors pooled; each: {each})"
     return (
         f"trial quantization ({trial.backend}, {trial.seconds:.1f} s, {trial.fix_trials} fix trials): "
         f"calibrated on {trial.calibrated_on}, evaluated on {trial.evaluated_on}; output SQNR {sqnr}; "
