@@ -320,3 +320,23 @@ def test_weights_rescaled_column_by_column_are_named_though_their_sqnr_stays_pos
     [finding] = [f for f in report.findings if f.target == "2" and f.rule == "QL301"]
     assert finding.data["kind"] == "other-weights" and finding.suggestion is None
     assert f"{row.weight_off_grid:.0%} of its integer weights are more than one step" in finding.message
+
+
+def test_an_onset_at_exact_inputs_with_little_error_of_its_own_names_other_inputs():
+    """silero_vad quantized from a plan with normalize_input: stft_conv's propagated SQNR fell
+    from exact model inputs to -5.4 dB with 0 % of the error its own, and QL302 said it
+    'amplifies noise it receives' and to 'improve the precision of its inputs (model input)'."""
+    from qlint.linter.findings import CompareRow
+    from qlint.numeric.diagnose import error_onset_findings
+
+    first = CompareRow(name="stft", kind="conv1d", sqnr_propagated=-5.4, sqnr_shadow=45.0, extra={"predecessors": []})
+    later = CompareRow(
+        name="conv", kind="conv1d", sqnr_propagated=-30.0, sqnr_shadow=45.0, extra={"predecessors": ["stft"]}
+    )
+    by_target = {f.target: f for f in error_onset_findings([first, later], 20.0, 6.0)}
+    onset = by_target["stft"]
+    assert onset.data["kind"] == "other-inputs"
+    assert "amplifies" not in onset.message and "improve the precision of its inputs" not in onset.message
+    assert "compare against the float model the quantized model was built from" in onset.message
+    assert by_target["conv"].data["kind"] == "amplified"  # inherited noise, which it can amplify
+    assert "improve the precision of its inputs (stft)" in by_target["conv"].message

@@ -285,13 +285,23 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
                 f"or keep it in float; re-run compare to find the next onset"
             )
             kind = "local"
+        elif not upstream:
+            # Exact inputs, little error of its own, and yet its output is far off: the quantized
+            # model does not feed it the model's inputs. There is no noise here to amplify.
+            why = (
+                f"{local_text}, so only about {local_share:.0%} of the error is its own, and its inputs are the "
+                "model's: the quantized model feeds it other values than the float model does, as one built "
+                "from another float model would (a rewrite before this layer, such as normalize_input)"
+            )
+            fix = "compare against the float model the quantized model was built from"
+            kind = "other-inputs"
         else:
             why = (
                 f"{local_text}, so only about {local_share:.0%} of the error is added here: the layer "
                 f"amplifies noise it receives"
             )
             fix = (
-                f"improve the precision of its inputs ({', '.join(upstream) or 'model input'}) or keep "
+                f"improve the precision of its inputs ({', '.join(upstream)}) or keep "
                 f"{row.name} in float; quantizing it alone is not the problem"
             )
             kind = "amplified"
