@@ -215,6 +215,13 @@ def test_verify_shows_no_counts_for_a_plan_that_failed(run_main, tmp_path):
     row = next(line for line in result.stdout.splitlines() if "int8 conv/linear/recurrent/attention ops" in line)
     cells = [cell.strip() for cell in row.strip("│ ").split("│")]
     assert cells[1] == "-" and cells[2] != "-" and "0/0" not in row, row
+    # each quantization is logged with the budget spent so far, not as a numbered trial that
+    # repeats ('trial 0/2: default mapping', 'trial 0/2: plan as given')
+    logged = [line for line in result.stderr.splitlines() if line.startswith("qlint verify: ")]
+    assert logged[:2] == [
+        "qlint verify: default mapping (0 of 2 trials used)",
+        "qlint verify: plan as given (0 of 2 trials used)",
+    ], result.stderr
 
 
 def test_verify_refuses_a_plan_for_another_model_before_any_trial(run_main, tmp_path):

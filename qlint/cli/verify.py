@@ -98,7 +98,9 @@ def trial_progress() -> Iterator[Callable[[str, int, int], None]]:
     if not stream.isatty():
 
         def log(label: str, done: int, budget: int) -> None:
-            print(printable(f"qlint verify: trial {done}/{budget}: {label}"), file=stream, flush=True)
+            # the count is of the trial budget spent so far: measuring the default, the plan as given
+            # and the verified plan spends none
+            print(printable(f"qlint verify: {label} ({done} of {budget} trials used)"), file=stream, flush=True)
 
         yield log
         return
