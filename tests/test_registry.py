@@ -185,6 +185,15 @@ def test_the_api_refuses_what_it_cannot_mean_in_one_readable_line():
             dict(options={"QL203": {"ratio_treshold": 1}}),
             "bad options for QL203 (activation-outlier): ratio_treshold: unknown option",
         ),
+        # any spelling that names the rule reaches it (it was accepted, then ignored)
+        (
+            dict(options={"ql203": {"ratio_treshold": 1}}),
+            "bad options for QL203 (activation-outlier): ratio_treshold: unknown option",
+        ),
+        (
+            dict(options={"QL203": {}, "activation-outlier": {}}),
+            "options for QL203 are given twice (as 'activation-outlier' and another name)",
+        ),
     ):
         with pytest.raises(ConfigError) as raised:
             qlint.lint(model, example, **call)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.ao.quantization import QConfig, QConfigMapping, get_default_qconfig_mapping
@@ -40,10 +41,14 @@ def test_the_fixes_apply_on_top_of_the_users_mapping():
     data = [torch.randn(64, 16, generator=generator) for _ in range(8)]
     model = _model()
     options = {"enabled": False}  # no trial to judge the fix's gain: this test is about the mapping
+    users = _users_mapping()
     report = qlint.lint(
-        model, (data[0],), calibration=data, qconfig_mapping=_users_mapping(), select=["QL104"], trial_options=options
+        model, (data[0],), calibration=data, qconfig_mapping=users, select=["QL104"], trial_options=options
     )
     [finding] = report.by_rule("QL104")
+    users.set_module_name("2", None)  # changed after the lint: the report keeps what it linted with
+    with pytest.raises(TypeError):
+        hash(report)  # a report holds lists
     assert finding.suggestion is not None
     mapping = report.qconfig_mapping()
     assert mapping.module_name_qconfigs["4"] is None  # the user's float layer stays float

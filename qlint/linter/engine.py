@@ -298,6 +298,19 @@ def instantiate_rules(classes: Iterable[type[Rule]], options: Mapping[str, Mappi
     return rules
 
 
+def _options_by_code(options: Mapping[str, Mapping[str, Any]], registry: Registry) -> dict[str, Mapping[str, Any]]:
+    """Rule options keyed by rule code, whatever spelling named the rule ('ql203', the rule's
+    name); options for a rule that does not exist, or given twice, are an error (as in
+    [tool.qlint.rules]), never silently ignored."""
+    by_code: dict[str, Mapping[str, Any]] = {}
+    for key, value in options.items():
+        code = registry.get(str(key)).code
+        if code in by_code:
+            raise ConfigError(f"options for {code} are given twice (as {key!r} and another name)")
+        by_code[code] = value
+    return by_code
+
+
 def lint(
     model: nn.Module | torch.export.ExportedProgram,
     example_inputs: Sequence[Any] | None = None,
@@ -329,9 +342,7 @@ def lint(
         example_inputs = (example_inputs,)
     example = tuple(example_inputs) if example_inputs is not None else None
     registry = registry or Registry.default()
-    for key in options or {}:
-        registry.get(key)  # options for a rule that does not exist are an error, as in [tool.qlint.rules]
-    rules = instantiate_rules(registry.select(select, ignore), options or {})
+    rules = instantiate_rules(registry.select(select, ignore), _options_by_code(options or {}, registry))
     trial = TrialOptions.of(trial_options)
     if isinstance(model, torch.export.ExportedProgram):
         # what `qlint model.pt2` lints: the program's module, its graph for the pt2e trial, and

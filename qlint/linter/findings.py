@@ -7,6 +7,7 @@ and so that reporters never have to guess at the shape of what rules produced.
 
 from __future__ import annotations
 
+import copy
 import enum
 import hashlib
 from typing import Annotated, Any, Literal
@@ -365,12 +366,12 @@ class Report(_Frozen):
             return NotImplemented
         return self.__dict__ == other.__dict__
 
-    __hash__ = _Frozen.__hash__
+    __hash__ = None  # type: ignore[assignment]  # a report holds lists: it was never hashable
 
     def linted_with(self, mapping: QConfigMapping | None) -> Report:
-        """This report, remembering the mapping it was linted with (see :meth:`qconfig_mapping`)."""
+        """This report, remembering (a copy of) the mapping it was linted with (see :meth:`qconfig_mapping`)."""
         report = self.model_copy()
-        report._linted_mapping = mapping
+        report._linted_mapping = copy.deepcopy(mapping)
         return report
 
     # print(report) and a notebook's echo: pydantic's field-by-field repr of a report runs to pages.
