@@ -81,23 +81,45 @@ def test_each_model_has_its_own_entry_and_recording_one_keeps_the_others(tmp_pat
     # the same problem at conv1 of model b is new there
     later = filter_new(_model_report("b.pt2", _finding("head"), _finding("conv1")), path)
     assert [f.target for f in later.findings] == ["conv1"]
-    # a model the file does not know: every finding is new, and the notice says why
+    # a model the file does not know: every finding is new, and a warning (shown under -q) says why
     unknown = filter_new(_model_report("c.pt2", _finding("conv1")), path)
     assert [f.target for f in unknown.findings] == ["conv1"] and "no entry for c.pt2" in unknown.notices[-1].message
+    assert unknown.notices[-1].level is Severity.WARNING
     # re-recording a replaces its own entry only
     write_baseline(_model_report("a.pt2", _finding("fc")), path)
     assert read_baseline(path, "a.pt2") == {_finding("fc").fingerprint()}
     assert read_baseline(path, "b.pt2") == {_finding("head").fingerprint()}
 
 
-def test_a_version_1_file_is_the_entry_of_the_model_it_names(tmp_path):
+def test_a_version_1_file_applies_to_every_model_without_its_own_entry(tmp_path):
+    """As it did before entries were keyed by model: a hook that passed keeps passing."""
     path = tmp_path / "old.json"
     fingerprint = _finding("conv1").fingerprint()
     path.write_text(json.dumps({"version": 1, "model": "a.pt2", "fingerprints": {fingerprint: {}}}))
+    assert read_baseline(path, "a.pt2") == read_baseline(path, "b.pt2") == {fingerprint}
+    write_baseline(_model_report("b.pt2", _finding("head")), path)  # upgraded; b now has its own entry
+    assert json.loads(path.read_text())["version"] == 2
+    assert read_baseline(path, "b.pt2") == {_finding("head").fingerprint()}
     assert read_baseline(path, "a.pt2") == {fingerprint}
-    assert read_baseline(path, "b.pt2") == set()
-    write_baseline(_model_report("b.pt2", _finding("head")), path)  # upgraded, a's entry kept
-    assert json.loads(path.read_text())["version"] == 2 and read_baseline(path, "a.pt2") == {fingerprint}
+
+
+def test_a_model_file_is_one_entry_however_the_command_line_spells_its_path(tmp_path, monkeypatch):
+    """Keyed as typed, 'models/m.pt2' recorded in the project folder did not match
+    './models/m.pt2', nor 'proj/models/m.pt2' from the repository root, as pre-commit runs."""
+    project = tmp_path / "proj"
+    (project / "models").mkdir(parents=True)
+    (project / "models" / "m.pt2").write_bytes(b"")
+    baseline = project / "qlint-baseline.json"
+    monkeypatch.chdir(project)
+    write_baseline(_model_report("models/m.pt2", _finding("conv1")), "qlint-baseline.json")
+    assert list(json.loads(baseline.read_text())["models"]) == ["models/m.pt2"]
+    for spelling, where in (("./models/m.pt2", project), ("proj/models/m.pt2", tmp_path)):
+        monkeypatch.chdir(where)
+        assert read_baseline(baseline.relative_to(where), spelling) == {_finding("conv1").fingerprint()}
+        assert not filter_new(_model_report(spelling, _finding("conv1")), baseline.relative_to(where)).findings
+    # a module:factory model is its spec
+    write_baseline(_model_report("nets:conv", _finding("fc")), baseline)
+    assert "nets:conv" in json.loads(baseline.read_text())["models"]
 
 
 def _fingerprints(result) -> set[str]:

@@ -4,13 +4,16 @@
     qlint MODEL... --baseline .qlint-baseline.json                    # only new findings
 
 The file is JSON: ``{"version": 2, "tool": "qlint", "models": {MODEL: {"fingerprints": {FP:
-{rule, name, target, kind, severity}}}}}``, one entry per model as the command line names it,
-so one file serves every model a pre-commit hook lints: recording a model replaces its own
-entry and keeps the others', and a model's findings are matched against its own entry only
-(the same problem at ``conv1`` of two models is two findings). Identity is
-:meth:`Finding.fingerprint` (rule, target and the finding's kind), so a reworded message or a
-changed number does not make an old finding look new. A version 1 file (one model's
-fingerprints) is read as the entry of the model it names.
+{rule, name, target, kind, severity}}}}}``, one entry per model, so one file serves every model
+a pre-commit hook lints: recording a model replaces its own entry and keeps the others', and a
+model's findings are matched against its own entry only (the same problem at ``conv1`` of two
+models is two findings). A model file is named by its path relative to the baseline's folder,
+however the command line spelled it (``models/m.pt2``, ``./models/m.pt2`` or, from the
+repository root as pre-commit runs, ``proj/models/m.pt2``); a ``module:factory`` model as
+written. Identity is :meth:`Finding.fingerprint` (rule, target and the finding's kind), so a
+reworded message or a changed number does not make an old finding look new. A version 1 file
+(fingerprints not keyed by model) applies to every model without an entry of its own, as it
+did.
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ from qlint.linter.findings import Notice, Report, Severity
 
 BASELINE_VERSION = 2
 _READABLE_VERSIONS = (1, 2)
+_EVERY_MODEL = ""  # the entry of a version 1 file: it applies to any model without its own
+
+
+def model_key(model: str, baseline: str | Path) -> str:
+    """The name of ``model``'s entry in the baseline at ``baseline``: a model file's path
+    relative to the baseline's folder, a ``module:factory`` spec as written."""
+    candidate = Path(model)
+    if not candidate.is_file():
+        return model
+    folder = Path(baseline).resolve().parent
+    return Path(os.path.relpath(candidate.resolve(), folder)).as_posix()
 
 
 def _entries(report: Report) -> dict[str, dict[str, Any]]:
@@ -44,11 +58,13 @@ def _entries(report: Report) -> dict[str, dict[str, Any]]:
     return dict(sorted(entries.items()))
 
 
-def baseline_payload(report: Report, recorded: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The file's content: ``recorded`` (the other models' entries) with this report's model's
-    entry replaced by its findings."""
+def baseline_payload(
+    report: Report, recorded: dict[str, dict[str, Any]] | None = None, key: str | None = None
+) -> dict[str, Any]:
+    """The file's content: ``recorded`` (the other models' entries) with the entry of this
+    report's model (named ``key``, default the report's model) replaced by its findings."""
     models = dict(recorded or {})
-    models[report.model] = {"fingerprints": _entries(report)}
+    models[key or report.model] = {"fingerprints": _entries(report)}
     return {
         "version": BASELINE_VERSION,
         "tool": "qlint",
@@ -65,7 +81,8 @@ def write_baseline(report: Report, path: str | Path) -> None:
         recorded = _read_models(target) if target.exists() else {}
     except ConfigError:
         recorded = {}
-    text = json.dumps(baseline_payload(report, recorded), indent=2, ensure_ascii=False) + "\n"
+    text = json.dumps(baseline_payload(report, recorded, model_key(report.model, target)), indent=2, ensure_ascii=False)
+    text += "\n"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".qlint-baseline-", dir=target.parent)
@@ -108,8 +125,8 @@ def _read_models(source: Path) -> dict[str, dict[str, Any]]:
             f"versions {', '.join(map(str, _READABLE_VERSIONS))}: rewrite it with --write-baseline"
         )
     models: Any = data.get("models")
-    if data["version"] == 1:  # one model's fingerprints
-        models = {str(data.get("model", "")): {"fingerprints": data.get("fingerprints")}}
+    if data["version"] == 1:  # fingerprints not keyed by model
+        models = {_EVERY_MODEL: {"fingerprints": data.get("fingerprints")}}
     elif not isinstance(models, dict):
         raise ConfigError(f"baseline {path} has no 'models' object")
     for model, entry in models.items():
@@ -125,22 +142,29 @@ def _read_models(source: Path) -> dict[str, dict[str, Any]]:
 def read_baseline(path: str | Path, model: str) -> set[str]:
     """The fingerprints recorded in ``path`` for ``model`` (none when the file has no entry for
     it); a missing or corrupt file is a ConfigError."""
-    entry = _read_models(Path(path)).get(model)
+    entry = _entry(_read_models(Path(path)), model_key(model, path))
     return set(entry["fingerprints"]) if entry is not None else set()
+
+
+def _entry(models: dict[str, dict[str, Any]], key: str) -> dict[str, Any] | None:
+    return models.get(key, models.get(_EVERY_MODEL))
 
 
 def filter_new(report: Report, path: str | Path) -> Report:
     """``report`` with findings recorded in the baseline removed, plus a notice saying how many."""
-    entry = _read_models(Path(path)).get(report.model)
+    key = model_key(report.model, path)
+    entry = _entry(_read_models(Path(path)), key)
     known = set(entry["fingerprints"]) if entry is not None else set()
     kept = [f for f in report.findings if f.fingerprint() not in known]
     suppressed = len(report.findings) - len(kept)
     seen = {f.fingerprint() for f in report.findings}
     stale = len(known - seen)
     message = f"baseline {path}: {suppressed} known finding{'s' if suppressed != 1 else ''} suppressed"
-    if entry is None:
-        message = f"baseline {path} has no entry for {report.model}: record one with --write-baseline"
+    level = Severity.INFO
+    if entry is None:  # every finding of this model is reported as new: -q must say why
+        message = f"baseline {path} has no entry for {key}: record one with --write-baseline"
+        level = Severity.WARNING
     if stale:
         message += f"; {stale} baseline entr{'ies' if stale != 1 else 'y'} no longer found (fixed?)"
-    notice = Notice(level=Severity.INFO, message=message)
+    notice = Notice(level=level, message=message)
     return report.model_copy(update={"findings": kept, "notices": list(report.notices) + [notice]})
