@@ -6,6 +6,7 @@ model one after another, which no JSON reader takes)."""
 import json
 
 import pytest
+import torch
 
 from qlint.linter.findings import Report
 
@@ -61,3 +62,22 @@ def test_an_output_file_takes_one_model(run_main, project, flag):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "takes one model" in lines[0], result.stderr
     assert not (project / flag[1]).exists()
+
+
+def test_failing_models_still_leave_one_document(run_main, project):
+    result = run_main("nets:nope", "nets:linear", "nets:gone", "--format", "json", cwd=project)
+    assert result.returncode == 2
+    assert [Report.model_validate(item).model for item in json.loads(result.stdout)] == ["nets:linear"]
+    none = run_main("nets:nope", "nets:gone", "--format", "sarif", cwd=project)
+    assert none.returncode == 2 and json.loads(none.stdout)["runs"] == []
+
+
+def test_models_whose_settings_ask_for_different_formats_are_refused_before_any_lint(run_main, tmp_path):
+    for folder, output in (("a", "json"), ("b", "text")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "net.py").write_text(MODELS)
+        (tmp_path / folder / "pyproject.toml").write_text(f'[tool.qlint]\ntrial = false\nformat = "{output}"\n')
+        torch.save(torch.nn.Linear(4, 2), tmp_path / folder / "m.pt")
+    result = run_main("a/m.pt", "b/m.pt", "--trust-pickle", "--input-shape", "2,4", cwd=tmp_path)
+    assert result.returncode == 2 and not result.stdout
+    assert "several output formats (json, text) on one stdout" in result.stderr

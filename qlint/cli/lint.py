@@ -47,29 +47,42 @@ def run_lint(args: argparse.Namespace) -> int:
     finder = ConfigFinder(args.config)
     worst = EXIT_CLEAN
     # JSON and SARIF of several models go out as one document once every model is linted
-    # (documents one after another on stdout are not JSON)
-    documents: dict[str, list[Report]] | None = {} if len(models) > 1 else None
+    # (documents one after another on stdout are not JSON), even when some or all fail
+    document = _one_document_format(args, models, finder) if len(models) > 1 else None
+    reports: list[Report] = []
     for spec in models:
         try:
-            status = _lint_one(args, resolve_options(args, spec, finder.for_model(spec)), documents)
+            status = _lint_one(args, resolve_options(args, spec, finder.for_model(spec)), reports if document else None)
         except QlintError as error:
             if len(models) == 1:
                 raise
             print(f"qlint: error: {printable(spec)}: {printable(str(error).strip()) or 'error'}", file=sys.stderr)
             status = EXIT_ERROR
         worst = max(worst, status)
-    if documents:
-        _emit_documents(documents)
+    if document:
+        _emit_document(document, reports)
     return worst
 
 
-def _emit_documents(documents: dict[str, list[Report]]) -> None:
-    if len(documents) > 1:
+def _one_document_format(args: argparse.Namespace, models: list[str], finder: ConfigFinder) -> str | None:
+    """ "json" or "sarif" when several models print one document; None for text or github,
+    which print per model. Formats that cannot share one stdout are refused before any lint."""
+    formats = set()
+    for spec in models:
+        try:
+            formats.add(resolve_options(args, spec, finder.for_model(spec)).output_format)
+        except QlintError:
+            continue  # the lint of this model says what is wrong with it
+    structured = formats & {"json", "sarif"}
+    if structured and len(formats) > 1:
         raise ConfigError(
-            f"these models ask for several output formats ({', '.join(sorted(documents))}) on one stdout: "
+            f"these models ask for several output formats ({', '.join(sorted(formats))}) on one stdout: "
             "give them one --format"
         )
-    [(output_format, reports)] = documents.items()
+    return next(iter(structured), None)
+
+
+def _emit_document(output_format: str, reports: list[Report]) -> None:
     if output_format == "json":
         from qlint.render.json import render_json_reports
 
@@ -80,9 +93,9 @@ def _emit_documents(documents: dict[str, list[Report]]) -> None:
         write_stdout(render_sarif_reports(reports))
 
 
-def _lint_one(args: argparse.Namespace, options: ModelOptions, documents: dict[str, list[Report]] | None = None) -> int:
-    """Lint one model and print its report; a JSON or SARIF report goes into ``documents``
-    instead when several models share stdout."""
+def _lint_one(args: argparse.Namespace, options: ModelOptions, document: list[Report] | None = None) -> int:
+    """Lint one model and print its report; its report goes into ``document`` instead when
+    several models print one JSON or SARIF document."""
     if options.output_format not in ("text", "json", "sarif", "github"):
         raise ConfigError(f"unknown format {options.output_format!r}")
     check_outputs(
@@ -139,8 +152,8 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions, documents: dict[s
                 "report.qconfig_mapping() does)",
                 file=sys.stderr,
             )
-    if documents is not None and options.output_format in ("json", "sarif"):
-        documents.setdefault(options.output_format, []).append(report)
+    if document is not None:
+        document.append(report)
     else:
         _emit(report, options.output_format, args)
     crashed = [s for s in report.skipped if s.crashed]
