@@ -4,6 +4,7 @@ the tables show it ("exact", not the 200 dB cap), and the sensitivity ranking in
 import argparse
 import copy
 import io
+import json
 import math
 import re
 import warnings
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from qlint.cli.compare import add_compare_arguments, run_compare
+from qlint.linter.findings import Report
 from qlint.numeric.compare import CompareReport, compare
 from qlint.numeric.display import EXACT_NOTE
 from qlint.numeric.examples import bad_layer_qconfig_mapping, quantize_fx_ptq
@@ -117,6 +119,9 @@ def test_json_carries_the_sensitivity_ranking():
 
     _, plain = _run(*specs, "--format", "json")
     assert CompareReport.model_validate_json(plain).sensitivity is None
+    # without a ranking it is a plain Report, as before CompareReport (Report refuses unknown keys)
+    assert "sensitivity" not in json.loads(plain)
+    assert Report.model_validate_json(plain).model == CompareReport.model_validate_json(plain).model
 
 
 def test_help_says_what_sensitivity_and_backend_do():

@@ -191,7 +191,9 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         return _usage_error(error)
     report, badcase_report = result
     if args.format == "json":
-        text = report.model_dump_json(indent=2) + "\n"
+        # without a ranking the document is a plain Report, which Report readers take as it is
+        absent = {"sensitivity"} if report.sensitivity is None else None
+        text = report.model_dump_json(indent=2, exclude=absent) + "\n"
     else:
         buffer = io.StringIO()
         width = terminal_width(to_stdout=stdout is None)
