@@ -54,10 +54,11 @@ def runs_int8(node: OpNode, backend: BackendInfo) -> bool:
 
 
 def left_float(node: OpNode, backend: BackendInfo) -> bool:
-    """Whether ``node`` runs in float by its qconfig (None, float, or dynamic) where a static
-    qconfig would make it int8: the ops a float island is made of. A dynamic op with no static
-    kernel (an LSTMCell) is in its intended state, and an op with a qconfig but no int8 kernel
-    (``sqrt``) stays float whatever its qconfig: neither is left float by a qconfig."""
+    """Whether ``node`` runs in float by its qconfig (None, float, or dynamic): the ops a float
+    island is made of. A dynamic op with no static kernel (an LSTMCell) is in its intended state,
+    not an island member; an op with a static qconfig is not either, even where the backend has
+    no int8 kernel for it (``sqrt``: it stays float, but no qconfig left it so); an op with
+    qconfig None is a member whatever the backend has for it."""
     if is_static_quantized(node):
         return False
     qc = node.qconfig

@@ -144,7 +144,7 @@ class ConversionCheck(Rule):
                 finding = finding.model_copy(
                     update={
                         "message": f"{finding.message} Measured: {trial.workaround}, the int8 model runs at "
-                        f"{measured:.1f} dB output SQNR.",
+                        f"{sqnr_text(measured)} output SQNR.",
                         "impact": Impact(
                             db=measured,
                             basis="rule-trial",
@@ -288,7 +288,7 @@ def _rounded(value: float | None) -> float | None:
 
 
 def _db(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f} dB"
+    return "n/a" if value is None else sqnr_text(value)
 
 
 # --- examples -----------------------------------------------------------------------------------

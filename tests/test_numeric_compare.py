@@ -340,3 +340,25 @@ def test_an_onset_at_exact_inputs_with_little_error_of_its_own_names_other_input
     assert "compare against the float model the quantized model was built from" in onset.message
     assert by_target["conv"].data["kind"] == "amplified"  # inherited noise, which it can amplify
     assert "improve the precision of its inputs (stft)" in by_target["conv"].message
+
+
+def test_weights_clipped_by_a_narrow_quantizer_range_are_on_the_grid():
+    """A 4-bit clipping quantizer stores qint8 integers in [-8, 7]: rounded on the layer's scales
+    and clamped to the dtype's range instead, the clipped float weights sat many steps off."""
+    from qlint.measure.weights import off_grid_fraction
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, 16, generator=generator)
+    scales = (weight.abs().amax(1) / 16).double()  # the largest weights round to 16: clipped to 7
+    integers = torch.clamp(torch.round(weight / scales[:, None].float()), -8, 7).to(torch.int8)
+    quantized = torch._make_per_channel_quantized_tensor(integers, scales, torch.zeros(8, dtype=torch.long), 0)
+    assert float((integers.abs() >= 7).float().mean()) > 0.05  # many clipped
+
+    class Converted(torch.nn.Module):  # what a converted layer exposes: weight() -> its quantized tensor
+        def weight(self):
+            return quantized
+
+    assert off_grid_fraction(weight, Converted()) == 0.0
+    other = weight.clone()
+    other[:, :8] *= 2.5  # another float weight: its integers are not these
+    assert off_grid_fraction(other, Converted()) > 0.2

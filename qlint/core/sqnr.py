@@ -31,9 +31,11 @@ def sqnr_db_from_powers(signal_power: float, noise_power: float) -> float | None
     return max(-SQNR_CAP_DB, min(SQNR_CAP_DB, value))
 
 
-def sqnr_text(value: float, digits: int = 1) -> str:
+def sqnr_text(value: float | None, digits: int = 1) -> str:
     """An SQNR for a sentence: ``"12.3 dB"``, or at the cap what the cap stands for (no error at
-    all, or no signal to compare with), never the cap itself as if measured."""
+    all, or no signal to compare with), never the cap itself as if measured; "n/a" for none."""
+    if value is None:
+        return "n/a"
     if value >= SQNR_CAP_DB:
         return "exact (no error)"
     if value <= -SQNR_CAP_DB:

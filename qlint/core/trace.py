@@ -158,7 +158,7 @@ def propagate_shapes(traced: Traced, example_inputs: Sequence[Any] | None) -> st
         # an exported graph carries its own shapes; inputs that do not fit it (another model's)
         # would only fail later, inside the trial, as a finding
         try:
-            with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+            with preserved_state(module), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
                 module(*cloned(tuple(example_inputs)))
         except Exception as error:
             raise TraceError(f"the example inputs do not fit the model: {first_line(error)}") from error

@@ -173,6 +173,13 @@ def off_grid_fraction(float_weight: torch.Tensor, quant_module: nn.Module) -> fl
     else:
         scale = torch.tensor(quantized.q_scale(), dtype=torch.float64)
         zero_point = torch.tensor(float(quantized.q_zero_point()), dtype=torch.float64)
-    limits = torch.iinfo(integers.dtype)
-    expected = (torch.round(weight / scale) + zero_point).clamp(limits.min, limits.max)
-    return float(((expected - integers.double()).abs() > 1).double().mean())
+    # The quantizer's range may be narrower than the dtype's (a clipping or 4-bit observer): each
+    # channel's own smallest and largest integers stand for it, so clipped weights count as rounded.
+    actual = integers.double()
+    if quantized.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        dims = [d for d in range(actual.dim()) if d != quantized.q_per_channel_axis()]
+        low, high = actual.amin(dims, keepdim=True), actual.amax(dims, keepdim=True)
+    else:
+        low, high = actual.min(), actual.max()
+    expected = torch.minimum(torch.maximum(torch.round(weight / scale) + zero_point, low), high)
+    return float(((expected - actual).abs() > 1).double().mean())

@@ -185,7 +185,7 @@ def impact_text(finding: Finding) -> tuple[str, ...]:
             return ("float", "no fix here")
         return (f"+{counted(impact.int8_ops_gained, 'int8 op')}", f"{impact.db:+.1f} dB")
     if _from_a_failure(finding):
-        return (f"fails → {impact.fixed_sqnr_db:.1f} dB", _BASIS[impact.basis])
+        return (f"fails → {sqnr_text(impact.fixed_sqnr_db)}", _BASIS[impact.basis])
     return (f"{impact.db:+.1f} dB", _BASIS[impact.basis])
 
 
@@ -292,12 +292,12 @@ def _impact_summary(report: Report) -> str:
     if trial is not None and trial.workaround is not None and trial.fixed_sqnr_db is not None:
         # the trial's own SQNR was measured with the workaround, so "before" is the failure
         text += (
-            f" Every such fix applied together in one trial: fails → {trial.fixed_sqnr_db:.1f} dB "
+            f" Every such fix applied together in one trial: fails → {sqnr_text(trial.fixed_sqnr_db)} "
             "(quantized as you intend, the model fails without them)."
         )
     elif trial is not None and trial.recoverable_db is not None and trial.fixed_sqnr_db is not None:
         text += (
-            f" Every such fix applied together in one trial: {trial.output_sqnr_db:.1f} → {trial.fixed_sqnr_db:.1f} dB "
-            f"({trial.recoverable_db:+.1f} dB, measured)."
+            f" Every such fix applied together in one trial: {sqnr_text(trial.output_sqnr_db)} → "
+            f"{sqnr_text(trial.fixed_sqnr_db)} ({trial.recoverable_db:+.1f} dB, measured)."
         )
     return text
