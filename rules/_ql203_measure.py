@@ -90,3 +90,11 @@ def measure(
     return OutlierMeasurement(
         metric, outlier, sufficient, constant, int(stats.nan_count.sum()), int(stats.inf_count.sum()), stats
     )
+
+
+def bulk_text(ratio: float, bits_lost: float, bits: int) -> str:
+    """What calibrating to the spike leaves the bulk of an outlier channel: a fraction of the
+    range, or, past one step of the grid, nothing at all."""
+    if ratio >= 2**bits - 1:
+        return f": the bulk of an outlier channel falls within one int8 step (1/{ratio:.3g} of the range: all {bits} bits lost)"
+    return f": the bulk of an outlier channel keeps 1/{ratio:.3g} of the int8 range (about {bits_lost:.1f} of {bits} bits lost)"

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 from pydantic import Field
-from qlint.rules._ql203_measure import OutlierMeasurement, bulk_ratio, clip_value, measure
+from qlint.rules._ql203_measure import OutlierMeasurement, bulk_ratio, bulk_text, clip_value, measure
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
 from qlint.core.graph import OpNode
@@ -218,7 +218,7 @@ class ActivationOutlier(Rule):
             f"{spikes:.4g}). One per-tensor scale must "
             "cover them"
             + (
-                _bulk_text(max(dense_ratios), channel_bits, bits)
+                bulk_text(max(dense_ratios), channel_bits, bits)
                 if math.isfinite(channel_bits) and channel_bits > 0
                 else ""
             )
@@ -280,14 +280,6 @@ class ActivationOutlier(Rule):
             },
             suggestion=suggestion,
         )
-
-
-def _bulk_text(ratio: float, bits_lost: float, bits: int) -> str:
-    """What calibrating to the spike leaves the bulk of an outlier channel: a fraction of the
-    range, or, past one step of the grid, nothing at all."""
-    if ratio >= 2**bits - 1:
-        return f": the bulk of an outlier channel falls within one int8 step (1/{ratio:.3g} of the range: all {bits} bits lost)"
-    return f": the bulk of an outlier channel keeps 1/{ratio:.3g} of the int8 range (about {bits_lost:.1f} of {bits} bits lost)"
 
 
 CLIP_PERCENTILE = 99.99  # what the suggested clipping observer keeps: rare spikes above it saturate

@@ -90,6 +90,18 @@ def is_torchscript_archive(path: os.PathLike) -> bool:
     return "constants.pkl" in names and "code" in names
 
 
+def refuse_torchscript(path: os.PathLike) -> None:
+    """LoadError naming a TorchScript archive as such (torch's own weights_only error reads as
+    a corrupt file), with what to give instead."""
+    if is_torchscript_archive(path):
+        raise LoadError(
+            f"{path} is a TorchScript archive (torch.jit.save), which qlint cannot trace or inspect; give the "
+            "Python model: package.module:factory (with --weights), a .pt2 from torch.export.save, or a pickled "
+            "nn.Module with --trust-pickle (the int8 model qlint quantize writes is for deployment: to inspect "
+            "it, build it with QuantPlan.quantize in a package.module:factory)"
+        )
+
+
 def inspect_pt2(handle: BinaryIO, label: str, *, trust: bool) -> None:
     """Refuse (LoadError) a ``.pt2`` that would run code when torch loads it, or that is too big."""
     handle.seek(0, os.SEEK_END)

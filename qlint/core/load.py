@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from qlint.core.archive import check_zip_file, inspect_pt2, is_torchscript_archive
+from qlint.core.archive import check_zip_file, inspect_pt2, refuse_torchscript
 from qlint.errors import EmptyCalibrationError, LoadError, QlintError, first_line
 
 MODEL_SUFFIXES = (".pt2", ".pt", ".pth", ".ckpt", ".bin")
@@ -490,13 +490,7 @@ def _weights_only_load(path: Path, what: str) -> Any:
     LoadError: a weights_only load runs no code, so whatever it raises means a corrupt file."""
     _check_torch_save_format(path, what)
     check_zip_file(path, str(path))
-    if is_torchscript_archive(path):
-        raise LoadError(
-            f"{path} is a TorchScript archive (torch.jit.save), which qlint cannot trace or inspect; give the "
-            "Python model: package.module:factory (with --weights), a .pt2 from torch.export.save, or a pickled "
-            "nn.Module with --trust-pickle (the int8 model qlint quantize writes is for deployment: to inspect "
-            "it, build it with QuantPlan.quantize in a package.module:factory)"
-        )
+    refuse_torchscript(path)
     try:
         with _quiet_torch():
             return torch.load(str(path), weights_only=True, map_location="cpu")

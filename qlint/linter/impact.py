@@ -95,9 +95,8 @@ def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str)
 
 
 def with_decisions(base: QConfigMapping, suggestions: Suggestions) -> QConfigMapping:
-    """A copy of ``base`` with the suggestions' per-module and keep-float-function decisions, and
-    the modules their rewrites add that stay float (normalize_input's), as the plan's mapping
-    keeps them: a trial that quantized those measured another model than the plan builds."""
+    """A copy of ``base`` with the suggestions' module and function decisions, and the modules
+    their rewrites add kept float as the plan keeps them (else the trial measures another model)."""
     mapping = copy.deepcopy(base)
     for decision in suggestions.modules:
         recipe = module_recipe(suggestions, decision)
@@ -461,9 +460,7 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
             continue
         impact = meter.impact(finding)
         if impact is None and meter.families(finding) and meter.fix_failure(finding) is None:
-            # measured in groups, past the single-trial budget; a fix whose own trial failed
-            # would only make its group fail too
-            pending.append((index, finding))
+            pending.append((index, finding))  # measured in groups; a fix that failed alone would fail them
             continue
         measured[index] = finding.model_copy(update={"impact": impact or meter.estimate(finding.target)})
     grouped = meter.grouped(pending)
