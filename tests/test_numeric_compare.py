@@ -320,6 +320,10 @@ def test_weights_rescaled_column_by_column_are_named_though_their_sqnr_stays_pos
     [finding] = [f for f in report.findings if f.target == "2" and f.rule == "QL301"]
     assert finding.data["kind"] == "other-weights" and finding.suggestion is None
     assert f"{row.weight_off_grid:.0%} of its integer weights are more than one step" in finding.message
+    # and said once for the report: every number after that layer is affected
+    [notice] = [n for n in report.notices if "not quantized from this float model" in n.message]
+    assert notice.level.value == "warning" and "(0, 2: see QL301/QL302): from 0 on" in notice.message
+    assert not [n for n in plain.notices if "not quantized from this float model" in n.message]
 
 
 def test_an_onset_at_exact_inputs_with_little_error_of_its_own_names_other_inputs():

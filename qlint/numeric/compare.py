@@ -31,6 +31,7 @@ from qlint.numeric.diagnose import (
     DEFAULT_ONSET_JUMP_DB,
     DEFAULT_SQNR_THRESHOLD_DB,
     DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
+    OTHER_MODEL_KINDS,
     diagnose,
     inherited_sqnr,
     local_sqnr,
@@ -244,6 +245,16 @@ def _compare(
         )
     if batches == 0:
         notices.append(Notice(level=Severity.WARNING, message="the data yielded no batches; nothing was compared"))
+    elsewhere = [f.target for f in findings if f.data.get("kind") in OTHER_MODEL_KINDS]
+    if elsewhere:  # said once for the whole report: every layer after the first is affected
+        notices.append(
+            Notice(
+                level=Severity.WARNING,
+                message=f"QUANT was not quantized from this float model ({', '.join(elsewhere)}: see QL301/QL302): "
+                f"from {elsewhere[0]} on, the numbers measure the difference between two float models as well as "
+                "quantization; compare QUANT against the float model it was quantized from",
+            )
+        )
     return Report(
         qlint_version=qlint_version(),
         torch_version=torch.__version__,

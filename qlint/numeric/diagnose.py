@@ -40,6 +40,9 @@ _NOT_A_QUANTIZATION_DB = -0.5
 # integer weights further away, and they were made from other weights (an equalized layer: ~50 %).
 _OFF_GRID_LIMIT = 0.05
 
+# Finding kinds that say the quantized model was made from another float model.
+OTHER_MODEL_KINDS = frozenset({"other-weights", "other-inputs"})
+
 LOW_SQNR = ("QL301", COMPARE_DIAGNOSTICS["QL301"])
 ERROR_ONSET = ("QL302", COMPARE_DIAGNOSTICS["QL302"])
 
