@@ -41,13 +41,11 @@ import torch.fx as fx
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.batches import as_call
-from qlint.core.function_paths import resolve_function
 from qlint.core.sqnr import BatchPowers, noise_power_ratio
 from qlint.errors import QlintError, first_line
 from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.fixes import SetQConfig
-from qlint.linter.mapping import module_recipe, restore_type_default, rewrite_float_modules
-from qlint.linter.suggestions import Suggestions
+from qlint.linter.mapping import restore_type_default, with_decisions
 from qlint.linter.suggestions_from_fixes import collect_suggestions
 from qlint.linter.trial_stage import TrialOptions
 from qlint.measure.equalization import apply_equalization
@@ -84,27 +82,13 @@ def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str)
             return None
         if not (suggestions.modules or suggestions.float_functions):
             return None
-        mapping = with_decisions(base, suggestions)
+        mapping = with_decisions(copy.deepcopy(base), suggestions)
     else:
         mapping = copy.deepcopy(base)
     for fix in by_type:
         default_source = fix.source is not None and fix.source.startswith("get_default_qconfig_mapping")
         if not default_source or fix.object_type is None or not restore_type_default(mapping, backend, fix.object_type):
             return None
-    return mapping
-
-
-def with_decisions(base: QConfigMapping, suggestions: Suggestions) -> QConfigMapping:
-    """A copy of ``base`` with the suggestions' module and function decisions, and the modules
-    their rewrites add kept float as the plan keeps them (else the trial measures another model)."""
-    mapping = copy.deepcopy(base)
-    for decision in suggestions.modules:
-        recipe = module_recipe(suggestions, decision)
-        mapping.set_module_name(decision.fqn, None if recipe is None else recipe.build())
-    for kept in suggestions.float_functions:
-        mapping.set_object_type(resolve_function(kept.function), None)
-    for helper in rewrite_float_modules(suggestions):
-        mapping.set_module_name(helper, None)
     return mapping
 
 
@@ -201,7 +185,7 @@ class ImpactMeter:
             suggestions = collect_suggestions(bench.backend, None, suggested)
             rewritten = self._rewritten_model(suggestions)
             if rewritten is not None:  # the rewritten copy is compared with its own float outputs
-                mapping = fanout_follows_original(with_decisions(self.base, suggestions), rewritten)
+                mapping = fanout_follows_original(with_decisions(copy.deepcopy(self.base), suggestions), rewritten)
                 bench = bench.variant(lambda: copy.deepcopy(rewritten))
             else:
                 mapping = None

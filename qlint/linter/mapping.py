@@ -197,6 +197,12 @@ def qconfig_mapping(suggestions: Suggestions, base: QConfigMapping | None = None
         recipe = global_recipe(suggestions)
         if recipe is not None:
             mapping.set_global(recipe.build())
+    return with_decisions(mapping, suggestions)
+
+
+def with_decisions(mapping: QConfigMapping, suggestions: Suggestions) -> QConfigMapping:
+    """``mapping`` (changed in place, and returned) with the suggestions' module and function
+    decisions, and the modules their rewrites add kept float as the plan keeps them."""
     for decision in suggestions.modules:
         module_qconfig = module_recipe(suggestions, decision)
         mapping.set_module_name(decision.fqn, None if module_qconfig is None else module_qconfig.build())
