@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 
 class QlintError(Exception):
     """A problem with the user's input (model file, options, data), not a bug in qlint."""
@@ -51,18 +54,25 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     return (cut.rsplit(" ", 1)[0] if " " in cut[limit // 2 :] else cut) + "…"
 
 
+def validation_problem(problem: Mapping[str, Any]) -> str:
+    """One item of a pydantic ValidationError in a user's words: an unknown option named as such,
+    a validator's own message without pydantic's 'Value error, ', else pydantic's message."""
+    if problem.get("type") == "extra_forbidden":
+        return "unknown option"
+    raised = (problem.get("ctx") or {}).get("error")
+    if problem.get("type") == "value_error" and raised is not None:
+        return str(raised)
+    return str(problem.get("msg", "invalid"))
+
+
 def validation_problems(error: Exception) -> str:
-    """A pydantic ValidationError in a user's words: ``name: problem`` per field (an unknown
-    option named as such), without pydantic's type tags and input echoes; other errors as
-    their first line."""
+    """A pydantic ValidationError as ``name: problem`` per field, without pydantic's type tags and
+    input echoes; other errors as their first line."""
     problems = getattr(error, "errors", None)
     if not callable(problems):
         return first_line(error)
-    described = []
-    for problem in problems():
-        where = ".".join(str(part) for part in problem.get("loc", ())) or "value"
-        if problem.get("type") == "extra_forbidden":
-            described.append(f"{where}: unknown option")
-        else:
-            described.append(f"{where}: {problem.get('msg', 'invalid')}")
+    described = [
+        f"{'.'.join(str(part) for part in problem.get('loc', ())) or 'value'}: {validation_problem(problem)}"
+        for problem in problems()
+    ]
     return "; ".join(described) or first_line(error)

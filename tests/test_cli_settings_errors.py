@@ -63,6 +63,8 @@ WRONG_TYPES = [
     ("max-fix-trials = true", "[tool.qlint] max-fix-trials:", "valid integer"),
     ("min-impact-db = inf", "[tool.qlint] min-impact-db:", "finite"),
     ("select = []", "[tool.qlint] select: selects no rule", "leave select out"),
+    # an unknown key in pydantic's words was "Extra inputs are not permitted"
+    ("bogus = 1", "[tool.qlint] bogus:", "unknown option"),
     (
         '[[tool.qlint.files]]\npath = "m.py"\ninput-shape = ["1,4"]\nexample-inputs = "e.pt"',
         "[[tool.qlint.files]] path = 'm.py': input-shape and example-inputs both give the example inputs",

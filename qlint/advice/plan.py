@@ -36,7 +36,7 @@ from qlint.advice.export import to_equalization_mapping, to_python
 from qlint.advice.pt2e import to_pt2e_quantizer
 from qlint.core.batches import batches_of
 from qlint.core.preserve import preserved_state
-from qlint.errors import ConfigError
+from qlint.errors import ConfigError, validation_problem
 from qlint.linter.findings import Report
 from qlint.linter.mapping import qconfig_mapping
 from qlint.linter.suggestions import (
@@ -101,7 +101,7 @@ class QuantPlan(Suggestions):
         except ValidationError as error:
             first = error.errors()[0]
             where = ".".join(str(p) for p in first.get("loc", ())) or "plan"
-            raise PlanFormatError(f"bad plan at {where}: {first.get('msg')}") from error
+            raise PlanFormatError(f"bad plan at {where}: {validation_problem(first)}") from error
 
     @classmethod
     def load(cls, path: str) -> QuantPlan:

@@ -34,7 +34,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, 
 
 from qlint.core.backends import BACKENDS
 from qlint.core.load import check_input_shape, is_factory_spec, split_factory_spec
-from qlint.errors import ConfigError
+from qlint.errors import ConfigError, validation_problem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -196,7 +196,7 @@ def load_config(path: Path | None) -> Config:
         return Config(Settings.model_validate(section), path)
     except ValidationError as error:
         first = error.errors()[0]
-        raise ConfigError(f"{path} {_where(section, first['loc'])}: {_problem(first)}") from error
+        raise ConfigError(f"{path} {_where(section, first['loc'])}: {validation_problem(first)}") from error
 
 
 def _where(section: dict[str, Any], loc: tuple[int | str, ...]) -> str:
@@ -210,12 +210,6 @@ def _where(section: dict[str, Any], loc: tuple[int | str, ...]) -> str:
         key = ".".join(str(p) for p in loc[2:])
         return f"[[tool.qlint.files]] {which}" + (f": {key}" if key else "")
     return "[tool.qlint] " + ".".join(str(p) for p in loc)
-
-
-def _problem(error: Any) -> str:
-    """pydantic's message, without the 'Value error, ' it puts before a validator's own."""
-    raised = error.get("ctx", {}).get("error")
-    return str(raised) if error["type"] == "value_error" and raised is not None else str(error["msg"])
 
 
 class ConfigFinder:
