@@ -203,19 +203,25 @@ class TrialBench:
 
     def _output_powers(self, converted: nn.Module, reference: list[Any]) -> BatchPowers | None:
         """Signal and noise power per evaluation batch; None when no output is floating-point."""
-        batches = []
-        per_tensor: list[SqnrSums] = []
+        batches: list[tuple[float, float]] = []
+        totals: list[list[float]] = []  # per output tensor: signal and noise power over every batch
         for batch, expected in zip(self.evaluation, reference):
-            sums = SqnrSums()
-            output = call_model(converted, batch)
-            sums.add(expected, output)
-            if sums.pairs:
-                batches.append((sums.signal_power, sums.noise_power))
-                for index, (want, got) in enumerate(zip(float_tensors(expected), float_tensors(output))):
-                    if index == len(per_tensor):
-                        per_tensor.append(SqnrSums())
-                    per_tensor[index].add(want, got)
-        tensors = tuple((sums.signal_power, sums.noise_power) for sums in per_tensor)
+            wanted, got = float_tensors(expected), float_tensors(call_model(converted, batch))
+            if len(wanted) != len(got):
+                raise ValueError(f"the values hold {len(wanted)} and {len(got)} floating-point tensors")
+            if not wanted:
+                continue
+            totals += [[0.0, 0.0] for _ in range(len(wanted) - len(totals))]
+            this_batch = SqnrSums()
+            for total, pair in zip(totals, zip(wanted, got)):  # each tensor's powers, computed once
+                one = SqnrSums()
+                one.add(*pair)
+                total[0] += one.signal_power
+                total[1] += one.noise_power
+                this_batch.signal_power += one.signal_power
+                this_batch.noise_power += one.noise_power
+            batches.append((this_batch.signal_power, this_batch.noise_power))
+        tensors = tuple((signal, noise) for signal, noise in totals)
         return BatchPowers(tuple(batches), tensors) if batches else None
 
 
