@@ -45,14 +45,24 @@ def run_lint(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{flag} takes one model; lint several models without it")
     check_flags(args)
     finder = ConfigFinder(args.config)
-    worst = EXIT_CLEAN
+    resolved: list[ModelOptions | QlintError] = []
+    for spec in models:  # each model's settings once, before any lint
+        try:
+            resolved.append(resolve_options(args, spec, finder.for_model(spec)))
+        except QlintError as error:
+            if len(models) == 1:
+                raise
+            resolved.append(error)
     # JSON and SARIF of several models go out as one document once every model is linted
     # (documents one after another on stdout are not JSON), even when some or all fail
-    document = _one_document_format(args, models, finder) if len(models) > 1 else None
+    document = _one_document_format(resolved) if len(models) > 1 else None
     reports: list[Report] = []
-    for spec in models:
+    worst = EXIT_CLEAN
+    for spec, options in zip(models, resolved):
         try:
-            status = _lint_one(args, resolve_options(args, spec, finder.for_model(spec)), reports if document else None)
+            if isinstance(options, QlintError):
+                raise options
+            status = _lint_one(args, options, reports if document else None)
         except QlintError as error:
             if len(models) == 1:
                 raise
@@ -64,15 +74,10 @@ def run_lint(args: argparse.Namespace) -> int:
     return worst
 
 
-def _one_document_format(args: argparse.Namespace, models: list[str], finder: ConfigFinder) -> str | None:
+def _one_document_format(resolved: list[ModelOptions | QlintError]) -> str | None:
     """ "json" or "sarif" when several models print one document; None for text or github,
     which print per model. Formats that cannot share one stdout are refused before any lint."""
-    formats = set()
-    for spec in models:
-        try:
-            formats.add(resolve_options(args, spec, finder.for_model(spec)).output_format)
-        except QlintError:
-            continue  # the lint of this model says what is wrong with it
+    formats = {options.output_format for options in resolved if not isinstance(options, QlintError)}
     structured = formats & {"json", "sarif"}
     if structured and len(formats) > 1:
         raise ConfigError(
