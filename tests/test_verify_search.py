@@ -272,3 +272,40 @@ def test_a_layer_flipped_back_to_static_leaves_no_decision_equal_to_the_globals(
     )
     kept = _flipped(plan.model_copy(update={"modules": [own]}), ["fc"], 0.5).decision("fc")
     assert kept.mode == "static" and kept.weight == own.weight and len(kept.provenance) == 2
+
+
+def test_a_decision_on_a_parent_module_covers_its_layers_as_in_torch():
+    """A QConfigMapping's module name covers the submodules: a plan keeping 'block' float keeps
+    'block.fc' float. The scheme search read decisions by exact name only, so it offered to
+    quantize block.fc dynamically inside the float block, and a new decision under a quantized
+    parent dropped the parent's weight spec."""
+    from qlint.advice.verify_search import _flipped, _quantized_by, scheme_candidates
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(self.block(x))
+
+    gm = torch.fx.symbolic_trace(Blocks())
+    user = Provenance(source="user")
+    float_block = default_plan("x86").model_copy(
+        update={"modules": [ModuleDecision(fqn="block", quantize=False, provenance=[user])]}
+    )
+    assert scheme_candidates(gm, float_block, "x86") == ["head"]
+    assert not _quantized_by(float_block, "block.0") and _quantized_by(float_block, "head")
+    per_tensor = WeightSpec(per_channel=False)
+    dynamic_block = default_plan("x86").model_copy(
+        update={"modules": [ModuleDecision(fqn="block", mode="dynamic", weight=per_tensor, provenance=[user])]}
+    )
+    # --no-prune freezes the plan's decisions, and with them the layers they cover
+    assert scheme_candidates(gm, dynamic_block, "x86", frozen=["block"]) == ["head"]
+    assert dynamic_block.effective_weight("block.2") == per_tensor
+    child = _flipped(dynamic_block, ["block.2"], 1.0).decision("block.2")
+    assert child.mode == "static" and child.weight == per_tensor
+    # flipped back, the layer is what its parent makes it: no decision of its own is left
+    back = _flipped(_flipped(dynamic_block, ["block.2"], 1.0), ["block.2"], 0.5)
+    assert back.decision("block.2") is None and back.governing_decision("block.2").fqn == "block"

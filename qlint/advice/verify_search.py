@@ -61,8 +61,10 @@ def scheme_candidates(gm: fx.GraphModule, plan: QuantPlan, backend: str, frozen:
     called = dict.fromkeys(str(n.target) for n in gm.graph.nodes if n.op == "call_module")
     out = []
     for fqn in called:
-        decision = plan.decision(fqn)
-        if fqn in frozen or (decision is not None and not decision.quantize):
+        decision = plan.governing_decision(fqn)
+        if decision is not None and (decision.fqn in frozen or not decision.quantize):
+            continue
+        if fqn in frozen:
             continue
         if module_kind(gm.get_submodule(fqn)) in kinds:
             out.append(fqn)
@@ -70,26 +72,43 @@ def scheme_candidates(gm: fx.GraphModule, plan: QuantPlan, backend: str, frozen:
 
 
 def _mode(plan: QuantPlan, fqn: str) -> str:
-    decision = plan.decision(fqn)
+    decision = plan.governing_decision(fqn)
     return decision.mode if decision is not None else "static"
 
 
 def _with_mode(plan: QuantPlan, fqn: str, mode: str, provenance: Provenance) -> QuantPlan:
-    """``plan`` with ``fqn`` run ``mode``; an existing decision keeps its weight spec and its history.
+    """``plan`` with ``fqn`` run ``mode``; an existing decision keeps its weight spec and its history,
+    a new one takes the specs of the ancestor's decision that covered the layer until now.
 
-    A decision flipped back to plain static, with no spec of its own, is what the plan's globals
-    give the layer already (unless the plan keeps everything else float): it is dropped rather
-    than kept as an entry that changes nothing, and the plan is then the one measured before it."""
+    A decision flipped back to what the layer gets without it (the plan's globals, or its
+    ancestor's decision) is dropped rather than kept as an entry that changes nothing, and the
+    plan is then the one measured before it."""
     old = plan.decision(fqn)
     if old is None:
-        return plan.model_copy(
-            update={"modules": [*plan.modules, ModuleDecision(fqn=fqn, mode=mode, provenance=[provenance])]}
-        )
-    if mode == "static" and old.quantize and old.activation is None and old.weight is None:
-        if not plan.float_by_default:
-            return plan.model_copy(update={"modules": [d for d in plan.modules if d.fqn != fqn]})
+        inherited = plan.governing_decision(fqn)
+        specs = {} if inherited is None else {"activation": inherited.activation, "weight": inherited.weight}
+        decision = ModuleDecision(fqn=fqn, mode=mode, provenance=[provenance], **specs)
+        return plan.model_copy(update={"modules": [*plan.modules, decision]})
+    without = plan.model_copy(update={"modules": [d for d in plan.modules if d.fqn != fqn]})
+    if _same_effect(old.model_copy(update={"mode": mode}), without, fqn):
+        return without
     new = old.model_copy(update={"mode": mode, "provenance": [*old.provenance, provenance]})
     return plan.model_copy(update={"modules": [new if d.fqn == fqn else d for d in plan.modules]})
+
+
+def _same_effect(decision: ModuleDecision, plan: QuantPlan, fqn: str) -> bool:
+    """Whether ``plan`` (without a decision of its own for ``fqn``) treats the layer as ``decision`` does."""
+    inherited = plan.governing_decision(fqn)
+    if inherited is None:
+        if plan.float_by_default:
+            return False
+        inherited = ModuleDecision(fqn=fqn, provenance=decision.provenance)
+    return (decision.quantize, decision.mode, decision.activation, decision.weight) == (
+        inherited.quantize,
+        inherited.mode,
+        inherited.activation,
+        inherited.weight,
+    )
 
 
 def _flipped(plan: QuantPlan, fqns: Sequence[str], gain: float) -> QuantPlan:
@@ -407,7 +426,7 @@ MIN_FALLBACK_GAIN_DB = 0.5
 
 def _quantized_by(plan: QuantPlan, fqn: str) -> bool:
     """Whether ``plan`` quantizes module ``fqn`` (a float-by-default plan only what it lists)."""
-    decision = plan.decision(fqn)
+    decision = plan.governing_decision(fqn)
     if decision is None:
         return not plan.float_by_default
     return decision.quantize

@@ -272,14 +272,26 @@ class Suggestions(_Frozen):
         return self
 
     def decision(self, fqn: str) -> ModuleDecision | None:
+        """The decision listed for module ``fqn`` itself (see :meth:`governing_decision`)."""
         return next((d for d in self.modules if d.fqn == fqn), None)
 
+    def governing_decision(self, fqn: str) -> ModuleDecision | None:
+        """The decision that applies to module ``fqn``: its own, else that of its nearest ancestor
+        with one (a QConfigMapping's module name covers the module's submodules)."""
+        listed = {d.fqn: d for d in self.modules}
+        name = fqn
+        while name not in listed:
+            if "." not in name:
+                return None
+            name = name.rpartition(".")[0]
+        return listed[name]
+
     def effective_activation(self, fqn: str) -> ActivationSpec:
-        d = self.decision(fqn)
+        d = self.governing_decision(fqn)
         return d.activation if d is not None and d.activation is not None else self.activation
 
     def effective_weight(self, fqn: str) -> WeightSpec:
-        d = self.decision(fqn)
+        d = self.governing_decision(fqn)
         return d.weight if d is not None and d.weight is not None else self.weight
 
 
