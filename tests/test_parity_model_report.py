@@ -33,6 +33,7 @@ from torch.ao.quantization.quantize_fx import prepare_fx, prepare_qat_fx
 from qlint.linter.calibration import collect_statistics
 from qlint.linter.engine import analyse, instantiate_rules
 from qlint.linter.registry import Registry
+from qlint.stats.selection import PERCENTILE_SAMPLE, is_exact
 
 
 def _dynamic_static(rules, statistics, node):
@@ -348,3 +349,88 @@ def test_outlier_verdicts_agree_where_the_reference_is_selected_on_a_subset_of_b
     ]
     assert sum(torch_outlier) >= 1 and not all(torch_outlier)  # both verdicts occur
     assert ours.outlier.tolist() == torch_outlier
+
+
+class LargeConv(nn.Module):
+    """A 1x1 conv whose input batches, (8, 16, 32, 32), hold 131072 values."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+LARGE_SHAPE = (8, 16, 32, 32)
+# Channels whose max / p97.5 ratio is planted well above torch's 3.5 (by spikes of different
+# height and density, or a heavy tail); every other channel stays near 1-2.6.
+PLANTED_OUTLIERS = (8, 9, 10, 11, 12, 13)
+
+
+def _heavy_tailed_batches(count, seed):
+    """Drifting batches of ``LARGE_SHAPE``: Gaussian channels of several scales, offsets and
+    shapes (uniform, ReLU, 5-sigma spikes: ratios <= 2.7) beside channels with 10, 25 and
+    80-sigma spikes, a Student-t(3) and a Cauchy tail, and spikes in every other batch only
+    (ratios >= 5 in torch's exact statistic)."""
+    generator = torch.Generator().manual_seed(seed)
+    n, _, h, w = LARGE_SHAPE
+    plane = (n, h, w)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator)
+
+    def spike(channel, height, density):
+        mask = torch.rand(plane, generator=generator) < density
+        mask.view(-1)[0] = True  # at least one per batch
+        sign = torch.where(torch.rand(plane, generator=generator) < 0.5, -1.0, 1.0)
+        channel[mask] = (height * sign)[mask]
+
+    batches = []
+    for k, scale in enumerate([1.0, 6.0, 0.3, 2.0, 12.0, 0.8][:count]):
+        x = randn(*LARGE_SHAPE)
+        x[:, 1] *= 4.0
+        x[:, 2] *= 0.2
+        x[:, 3] += 2.0
+        x[:, 4] = torch.rand(plane, generator=generator) * 2 - 1
+        x[:, 5].clamp_(min=0)
+        x[:, 14] *= 3.0
+        spike(x[:, 6], 5.0, 0.002)  # spiky, but not enough for an outlier
+        spike(x[:, 8], 10.0, 0.002)
+        spike(x[:, 9], 25.0, 0.0005)
+        spike(x[:, 10], 80.0, 0.0)  # one value per batch
+        x[:, 11] = x[:, 11] / (randn(3, *plane).square().sum(0) / 3).sqrt()  # Student-t, 3 dof
+        x[:, 12] = x[:, 12] / randn(*plane).abs()  # Cauchy
+        if k % 2 == 0:
+            spike(x[:, 13], 30.0, 0.001)
+        batches.append((x * scale,))
+    return batches
+
+
+def test_outlier_verdicts_agree_where_the_reference_is_estimated_from_a_sample():
+    """Batches of 131072 values at a point, above EXACT_VALUES: qlint estimates each channel's
+    reference quantile from PERCENTILE_SAMPLE sampled values (qlint.stats.selection) where torch
+    selects it exactly from 8192. The planted outliers and plain channels keep their verdicts."""
+    n, channels, h, w = LARGE_SHAPE
+    assert not is_exact(n * h * w, channels, PERCENTILE_SAMPLE)
+    torch.manual_seed(0)
+    prepared = prepare_fx(LargeConv().eval(), get_default_qconfig_mapping("x86"), (torch.randn(LARGE_SHAPE),)).eval()
+    batches = _heavy_tailed_batches(6, seed=14)
+    graph, rules, statistics = _qlint(prepared, None, batches)
+    ours = _outliers(rules, statistics, _node_for(graph, "conv"))
+    assert ours is not None
+    detector = OutlierDetector()
+    assert rules["QL203"].options.ratio_threshold == detector.ratio_threshold
+    assert rules["QL203"].options.reference_percentile == detector.reference_percentile
+    info = _torch_report(prepared, detector, batches)["conv"]
+    torch_metric = info[OutlierDetector.COMP_METRIC_KEY].tolist()
+    torch_outlier = [
+        bool(o and s)
+        for o, s in zip(info[OutlierDetector.OUTLIER_KEY], info[OutlierDetector.IS_SUFFICIENT_BATCHES_KEY])
+    ]
+    # The data is as planted, with margins around the threshold the sample's error stays within.
+    assert [c for c, o in enumerate(torch_outlier) if o] == list(PLANTED_OUTLIERS), torch_metric
+    assert all(m > 1.4 * detector.ratio_threshold or m < 0.8 * detector.ratio_threshold for m in torch_metric)
+    # The sampled estimate is not torch's exact element (the exact path would match it to RTOL).
+    assert not all(_close(a, b) for a, b in zip(ours.metric.tolist(), torch_metric))
+    assert ours.outlier.tolist() == torch_outlier, (ours.metric.tolist(), torch_metric)
