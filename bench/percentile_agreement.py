@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import calibration as bench  # noqa: E402  (bench/calibration.py: models and batches)
-from qlint.rules._ql203_measure import outlier_metric  # noqa: E402
 
 from qlint.linter.calibration import insert_observers, resolve_point_needs, resolve_points, run_calibration  # noqa: E402
 from qlint.linter.engine import analyse, instantiate_rules  # noqa: E402
 from qlint.linter.registry import Registry  # noqa: E402
+from qlint.rules._ql203_measure import outlier_metric  # noqa: E402
 from qlint.stats import PERCENTILE_SAMPLE  # noqa: E402
 from qlint.stats.selection import PERCENTILE_EVERY  # noqa: E402
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from qlint.core.graph import OpNode
+from qlint.core.ops import CONV_OR_LINEAR_KINDS, FIXED_QPARAMS_KINDS, WEIGHTED_KINDS
+from qlint.linter.findings import Finding
+from qlint.linter.rule import Rule
 from qlint.rules._ql103_checks import (
     FindingGroups,
     QConfigCheckState,
@@ -24,11 +28,6 @@ from qlint.rules._ql103_checks import (
     within_quant_range,
 )
 from qlint.rules._ql103_islands import feeds_cat, is_static_quantized
-
-from qlint.core.graph import OpNode
-from qlint.core.ops import CONV_OR_LINEAR_KINDS, FIXED_QPARAMS_KINDS, WEIGHTED_KINDS
-from qlint.linter.findings import Finding
-from qlint.linter.rule import Rule
 
 # Sub-check kinds (data["kind"]; part of each finding's fingerprint).
 KIND_FIXED_OBSERVER = "fixed-qparams-observer"

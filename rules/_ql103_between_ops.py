@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from qlint.core.graph import OpNode
+from qlint.core.ops import SHAPE_KINDS
+from qlint.linter.findings import Finding
+from qlint.linter.rule import Rule
 from qlint.rules._ql103_checks import (
     CALL_OPS,
     LISTED_NODES,
@@ -14,11 +18,6 @@ from qlint.rules._ql103_checks import (
     qparams_text,
 )
 from qlint.rules._ql103_islands import Island, eager_float_islands, fx_float_islands, is_static_quantized, unique_nodes
-
-from qlint.core.graph import OpNode
-from qlint.core.ops import SHAPE_KINDS
-from qlint.linter.findings import Finding
-from qlint.linter.rule import Rule
 
 # Sub-check kinds (data["kind"]; part of each finding's fingerprint).
 KIND_FLOAT_ISLAND = "float-island"

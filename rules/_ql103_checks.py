@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from qlint.rules._ql103_islands import is_static_quantized, through_shape_ops
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.graph import ModelGraph, OpNode
@@ -13,6 +12,7 @@ from qlint.core.intent import ObserverSpec, default_mapping, function_candidates
 from qlint.linter.context import INTENT_EAGER, INTENT_PREPARED, LintContext
 from qlint.linter.findings import QConfigRow, Severity
 from qlint.linter.qconfig_table import qconfig_rows
+from qlint.rules._ql103_islands import is_static_quantized, through_shape_ops
 
 # node.op values of calls: producers that are real ops (not inputs, outputs or attributes).
 CALL_OPS = ("module", "function", "method")

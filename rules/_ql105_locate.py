@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import traceback
-import warnings
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -81,11 +77,3 @@ def locate_in_traceback(error: BaseException, modules: dict[int, str]) -> dict[s
                     where["module"] = str(value.target)
                 return where
     return None
-
-
-@contextlib.contextmanager
-def quiet_run():
-    # A failing GraphModule prints its generated code's traceback to stderr; the finding reports it.
-    with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        yield

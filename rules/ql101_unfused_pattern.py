@@ -8,6 +8,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
+from torch.ao.quantization import DeQuantStub, QConfigMapping, QuantStub, get_default_qconfig_mapping
+
+from qlint.core.graph import ModelGraph, OpNode
+from qlint.linter.context import LintContext
+from qlint.linter.findings import Finding, Severity
+from qlint.linter.rule import Example, Need, Rule, RuleOptions
 from qlint.rules._ql101_chains import (
     MODULE_ONLY_KINDS,
     eager_fused,
@@ -29,12 +35,6 @@ from qlint.rules._ql101_reasons import (
     foldable_functional,
     qconfig_text,
 )
-from torch.ao.quantization import DeQuantStub, QConfigMapping, QuantStub, get_default_qconfig_mapping
-
-from qlint.core.graph import ModelGraph, OpNode
-from qlint.linter.context import LintContext
-from qlint.linter.findings import Finding, Severity
-from qlint.linter.rule import Example, Need, Rule, RuleOptions
 
 
 class UnfusedPattern(Rule):

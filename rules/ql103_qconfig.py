@@ -8,9 +8,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
-from qlint.rules._ql103_backend_fit import backend_support_findings, fixed_qparams_findings, reduce_range_findings
-from qlint.rules._ql103_between_ops import cat_input_findings, float_island_findings
-from qlint.rules._ql103_checks import QConfigCheckState
 from torch.ao.quantization import (
     DeQuantStub,
     QConfig,
@@ -28,7 +25,10 @@ from torch.ao.quantization.observer import (
 
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Severity
-from qlint.linter.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.rule import Example, Need, Rule, RuleOptions, seeded
+from qlint.rules._ql103_backend_fit import backend_support_findings, fixed_qparams_findings, reduce_range_findings
+from qlint.rules._ql103_between_ops import cat_input_findings, float_island_findings
+from qlint.rules._ql103_checks import QConfigCheckState
 
 
 class QConfigCheck(Rule):
@@ -135,12 +135,6 @@ class QConfigCheck(Rule):
 # --- examples --------------------------------------------------------------------------
 
 
-def _seeded(build):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return build().eval()
-
-
 class _Head(nn.Module):
     """Conv stem, a two-branch cat, a sigmoid gate, a linear head and a softmax."""
 
@@ -206,19 +200,19 @@ class _EagerIsland(nn.Module):
 
 
 def _head() -> nn.Module:
-    return _seeded(_Head)
+    return seeded(_Head)()
 
 
 def _gelu_sandwich() -> nn.Module:
-    return _seeded(_GeluSandwich)
+    return seeded(_GeluSandwich)()
 
 
 def _gated_cat() -> nn.Module:
-    return _seeded(_GatedCat)
+    return seeded(_GatedCat)()
 
 
 def _eager(island: bool) -> nn.Module:
-    model = _seeded(lambda: _EagerIsland(island))
+    model = seeded(_EagerIsland, island)()
     model.qconfig = get_default_qconfig("x86")
     return model
 

@@ -18,7 +18,7 @@ from qlint.core.ops import CONV_KINDS, CONV_OR_LINEAR_KINDS
 from qlint.core.sqnr import sqnr_db
 from qlint.linter.context import INTENT_EAGER, LintContext
 from qlint.linter.findings import Finding, Severity
-from qlint.linter.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.rule import Example, Need, Rule, RuleOptions, seeded
 from qlint.measure.weights import batch_norm_factor
 
 
@@ -329,12 +329,6 @@ def _weight_sqnr(weight: torch.Tensor, qmin: int, qmax: int) -> dict[str, float]
 # --- examples --------------------------------------------------------------------------
 
 
-def _seeded(build):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return build().eval()
-
-
 class _ConvHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -370,19 +364,19 @@ class _Mlp(nn.Module):
 
 
 def _conv_head() -> nn.Module:
-    return _seeded(_ConvHead)
+    return seeded(_ConvHead)()
 
 
 def _depthwise() -> nn.Module:
-    return _seeded(_Depthwise)
+    return seeded(_Depthwise)()
 
 
 def _flat_depthwise() -> nn.Module:
-    return _seeded(lambda: _Depthwise(1.0))
+    return seeded(_Depthwise, 1.0)()
 
 
 def _mlp() -> nn.Module:
-    return _seeded(_Mlp)
+    return seeded(_Mlp)()
 
 
 def _image() -> tuple[torch.Tensor, ...]:

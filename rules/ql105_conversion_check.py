@@ -10,17 +10,18 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
-from qlint.rules._ql105_diagnose import diagnose, first_line
-from qlint.rules._ql105_locate import locate_by_running, locate_in_traceback, quiet_run
-from qlint.rules._ql105_onset import best_keep_float, candidates, describe, error_onset
 from torch.ao.quantization import QConfigMapping, get_default_qconfig
 
 from qlint.core.function_paths import function_path
 from qlint.core.sqnr import sqnr_text
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
-from qlint.linter.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.rule import Example, Need, Rule, RuleOptions, seeded
 from qlint.measure.trial import STAGE_CONVERT, STAGE_PREPARE, TrialFailure, TrialResult
+from qlint.measure.trial_bench import quiet_trial
+from qlint.rules._ql105_diagnose import diagnose, first_line
+from qlint.rules._ql105_locate import locate_by_running, locate_in_traceback
+from qlint.rules._ql105_onset import best_keep_float, candidates, describe, error_onset
 
 DEFAULT_WARN_BELOW_DB = 20.0  # 10 % RMS error at the output: enough to move top-1 on many tasks
 DEFAULT_ERROR_BELOW_DB = 10.0  # 32 % RMS error: the int8 model computes something else
@@ -163,7 +164,7 @@ class ConversionCheck(Rule):
         if failure.stage in (STAGE_PREPARE, STAGE_CONVERT):
             modules = {id(m): name for name, m in model.named_modules() if name} if model is not None else {}
             return self._failure(ctx, failure.stage, failure.error, locate_in_traceback(failure.error, modules), None)
-        with quiet_run():
+        with quiet_trial():
             where, node = locate_by_running(model, inputs)
         return self._failure(ctx, failure.stage, failure.error, where, node)
 
@@ -356,14 +357,6 @@ class _Decoder(nn.Module):
         return self.up(torch.relu(self.conv(x)))
 
 
-def _seeded(cls, *args):
-    def build():
-        torch.manual_seed(0)
-        return cls(*args).eval()
-
-    return build
-
-
 def _image():
     return (torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)
 
@@ -380,17 +373,17 @@ def _global_per_channel_x86() -> QConfigMapping:
 _QUIET = {"report_success_sqnr": False}
 
 VALID = (
-    Example("conv-bn-relu with torch.flatten on x86", _seeded(_ConvFlatten), _image, options=_QUIET),
-    Example("MLP with a sigmoid head on qnnpack", _seeded(_Mlp), _rows, backend="qnnpack", options=_QUIET),
-    Example("bilinear upsampling (has a quantized kernel)", _seeded(_Upsample, "bilinear"), _image, options=_QUIET),
+    Example("conv-bn-relu with torch.flatten on x86", seeded(_ConvFlatten), _image, options=_QUIET),
+    Example("MLP with a sigmoid head on qnnpack", seeded(_Mlp), _rows, backend="qnnpack", options=_QUIET),
+    Example("bilinear upsampling (has a quantized kernel)", seeded(_Upsample, "bilinear"), _image, options=_QUIET),
 )
 INVALID = (
-    Example(".view on a quantized conv output (channels-last)", _seeded(_ConvView), _image, flagged=("view",)),
-    Example("bicubic interpolation has no quantized kernel", _seeded(_Upsample), _image, flagged=("interpolate",)),
+    Example(".view on a quantized conv output (channels-last)", seeded(_ConvView), _image, flagged=("view",)),
+    Example("bicubic interpolation has no quantized kernel", seeded(_Upsample), _image, flagged=("interpolate",)),
     Example(
-        "per-channel weights on ConvTranspose2d", _seeded(_Decoder), _image, _global_per_channel_x86, flagged=("up",)
+        "per-channel weights on ConvTranspose2d", seeded(_Decoder), _image, _global_per_channel_x86, flagged=("up",)
     ),
     # Measured, not assumed: x86's int8 ConvTranspose2d (per-tensor weights, the default
     # mapping) converts and runs, yet its output is noise (-0.3 dB); kept float, 34.6 dB.
-    Example("transposed conv on x86 converts but destroys the output", _seeded(_Decoder), _image, flagged=("up",)),
+    Example("transposed conv on x86 converts but destroys the output", seeded(_Decoder), _image, flagged=("up",)),
 )

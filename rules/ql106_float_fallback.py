@@ -14,7 +14,7 @@ from torch.ao.quantization import quantize_dynamic
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, Impact, Severity
 from qlint.linter.impact import fix_mapping
-from qlint.linter.rule import Example, Need, Rule, RuleOptions
+from qlint.linter.rule import Example, Need, Rule, RuleOptions, seeded
 from qlint.measure.fallback import FloatLayer
 from qlint.measure.pt2e_trial import (
     as_torch_layers,
@@ -405,14 +405,6 @@ class _Mlp(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
-def _seeded(cls):
-    def build():
-        torch.manual_seed(0)
-        return cls().eval()
-
-    return build
-
-
 def _sequence():
     return (torch.randn(4, 12, 16, generator=torch.Generator().manual_seed(1)),)
 
@@ -424,20 +416,20 @@ def _keep_lstm_float():
 
 
 VALID = (
-    Example("an MLP: every linear becomes int8", _seeded(_Mlp), _sequence),
-    Example("an LSTM the mapping keeps float on purpose", _seeded(_LSTMClassifier), _sequence, _keep_lstm_float),
+    Example("an MLP: every linear becomes int8", seeded(_Mlp), _sequence),
+    Example("an LSTM the mapping keeps float on purpose", seeded(_LSTMClassifier), _sequence, _keep_lstm_float),
 )
 INVALID = (
     Example(
         "nn.LSTM stays float after convert_fx (needs a dynamic qconfig)",
-        _seeded(_LSTMClassifier),
+        seeded(_LSTMClassifier),
         _sequence,
         flagged=("lstm",),
     ),
-    Example("nn.GRU stays float after convert_fx", _seeded(_GRUClassifier), _sequence, flagged=("gru",)),
+    Example("nn.GRU stays float after convert_fx", seeded(_GRUClassifier), _sequence, flagged=("gru",)),
     Example(
         "nn.TransformerEncoder is a tracer leaf: its Linear layers stay float",
-        _seeded(_TransformerClassifier),
+        seeded(_TransformerClassifier),
         _sequence,
         flagged=("encoder",),
     ),

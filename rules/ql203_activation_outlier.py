@@ -8,7 +8,6 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 from pydantic import Field
-from qlint.rules._ql203_measure import OutlierMeasurement, bulk_ratio, bulk_text, clip_value, measure
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
 from qlint.core.graph import OpNode
@@ -19,6 +18,7 @@ from qlint.linter.findings import Finding, LayerRow, Severity
 from qlint.linter.fixes import Fix, KeepFloat, SetActivationObserver
 from qlint.linter.json_values import json_float
 from qlint.linter.rule import Example, Need, ObservationSpec, Rule, RuleOptions
+from qlint.rules._ql203_measure import OutlierMeasurement, bulk_ratio, bulk_text, clip_value, measure
 
 KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv"})
 

@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from qlint.rules.ql106_float_fallback import _LSTMClassifier
 from torch.ao.quantization import QConfig, QConfigMapping, default_dynamic_qconfig, get_default_qconfig_mapping
 from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
 from torch.ao.quantization.qconfig import qconfig_equals
@@ -19,6 +18,7 @@ from qlint.core.sqnr import sqnr_db
 from qlint.core.trace import symbolic_graph
 from qlint.linter.fixes import SetQConfig
 from qlint.linter.impact import fix_mapping
+from qlint.rules.ql106_float_fallback import _LSTMClassifier
 
 
 class _Spread(nn.Module):

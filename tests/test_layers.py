@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import networkx as nx
-import qlint.rules
 
 import qlint
+import qlint.rules
 
 PACKAGE = Path(qlint.__file__).resolve().parent
 RULES = Path(qlint.rules.__file__).resolve().parent
@@ -64,8 +64,7 @@ def _bound_names(package: str) -> set[str]:
 def _target(base: str, name: str) -> str:
     """What ``from base import name`` imports: a submodule, or the package that binds ``name``.
 
-    A name the package does not bind is a submodule that is not Python source (a compiled
-    extension): it imports nothing of qlint's."""
+    A name that is neither bound by the package nor one of its modules imports nothing of qlint's."""
     if f"{base}.{name}" in MODULES or base not in MODULES:
         return f"{base}.{name}"
     if MODULES[base].name != "__init__.py" or name in _bound_names(base):

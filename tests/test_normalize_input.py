@@ -11,12 +11,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from pydantic import ValidationError
-from qlint.rules.ql204_input_scale_spread import _SpectrumFrontEnd, _SquashedFrontEnd, _waveforms
 
 import qlint
 from qlint.advice.plan import FloatFunction, Provenance, QuantPlan, Rewrite, default_plan, plan_from_report
 from qlint.linter.mapping import qconfig_mapping
 from qlint.measure.normalize import find_normalizable_inputs, helper_modules, normalize_input
+from qlint.rules.ql204_input_scale_spread import _SpectrumFrontEnd, _SquashedFrontEnd, _waveforms
 from tests.models import output_sqnr
 
 USER = [Provenance(source="user", detail="test")]

@@ -230,13 +230,14 @@ def test_a_quantized_model_that_fails_on_the_data_is_one_clear_error():
     """torch's int8 model of a conv followed by `.view` raises on its channels-last output: compare
     says which model failed and torch's own words (".reshape"), as a QlintError (exit 2, one line),
     not an internal error."""
-    from qlint.rules.ql105_conversion_check import _ConvView, _image, _seeded
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
     from qlint.errors import ModelRunError
+    from qlint.linter.rule import seeded
+    from qlint.rules.ql105_conversion_check import _ConvView, _image
 
-    model = _seeded(_ConvView)().eval()
+    model = seeded(_ConvView)().eval()
     data = [_image(), (_image()[0] * 2,)]
     prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), data[0])
     for batch in data:

@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from qlint.rules import ql201_dynamic_static, ql202_input_weight_equalization, ql203_activation_outlier
 from torch.ao.quantization import get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from torch.ao.quantization.fx._model_report.detector import (
     DynamicStaticDetector,
@@ -33,6 +32,7 @@ from torch.ao.quantization.quantize_fx import prepare_fx, prepare_qat_fx
 from qlint.linter.calibration import collect_statistics
 from qlint.linter.engine import analyse, instantiate_rules
 from qlint.linter.registry import Registry
+from qlint.rules import ql201_dynamic_static, ql202_input_weight_equalization, ql203_activation_outlier
 from qlint.stats.selection import PERCENTILE_SAMPLE, is_exact
 
 

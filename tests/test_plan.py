@@ -402,9 +402,10 @@ def test_percentile_observer_clips_outliers():
 
 def test_plan_from_report_follows_findings_and_fixes_conversion():
     """QL105 flags per-channel ConvTranspose; the plan's mapping converts cleanly."""
-    from qlint.rules.ql105_conversion_check import _Decoder, _global_per_channel_x86, _image, _seeded
+    from qlint.linter.rule import seeded
+    from qlint.rules.ql105_conversion_check import _Decoder, _global_per_channel_x86, _image
 
-    build = _seeded(_Decoder)
+    build = seeded(_Decoder)
     report = qlint.lint(build(), _image(), qconfig_mapping=_global_per_channel_x86(), select=["QL105"])
     assert report.by_rule("QL105")[0].severity.value == "error"
     plan = plan_from_report(report)

@@ -8,8 +8,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from qlint.rules.ql103_qconfig import QConfigCheck
-from qlint.rules.ql104_per_channel import PerChannel
 from torch.ao.quantization import (
     DeQuantStub,
     QConfig,
@@ -35,7 +33,9 @@ from qlint.errors import ConfigError
 from qlint.linter.engine import analyse
 from qlint.linter.findings import Report, Severity
 from qlint.linter.fixes import SetWeightObserver
-from qlint.linter.rule import parse_doc_sections
+from qlint.linter.rule import parse_doc_sections, seeded
+from qlint.rules.ql103_qconfig import QConfigCheck
+from qlint.rules.ql104_per_channel import PerChannel
 
 BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
 TABLE_KEYS = {"node", "target", "kind", "input_dtype", "output_dtype", "observer", "ch_axis"}
@@ -43,12 +43,6 @@ TABLE_KEYS = {"node", "target", "kind", "input_dtype", "output_dtype", "observer
 
 def _image(channels=3, seed=0):
     return (torch.randn(2, channels, 8, 8, generator=torch.Generator().manual_seed(seed)),)
-
-
-def _seeded(cls, *args):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return cls(*args).eval()
 
 
 def _lint(model, inputs, code, backend="x86", mapping=None, **options):
@@ -118,7 +112,7 @@ def test_examples_and_docs_are_complete(rule):
 @pytest.mark.parametrize("rule", [QConfigCheck, PerChannel], ids=["QL103", "QL104"])
 def test_unknown_option_is_a_config_error(rule):
     with pytest.raises(ConfigError):
-        _lint(_seeded(_ConvStack), _image(), rule.code, no_such_option=True)
+        _lint(seeded(_ConvStack)(), _image(), rule.code, no_such_option=True)
 
 
 # --- QL103: the backends' own defaults are clean ----------------------------------------------
@@ -148,7 +142,7 @@ class _Everything(nn.Module):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_default_mapping_is_clean(backend):
-    model = _seeded(_Everything)
+    model = seeded(_Everything)()
     explicit = _lint(model, _image(), "QL103", backend, get_default_qconfig_mapping(backend))
     implicit = _lint(model, _image(), "QL103", backend)  # no mapping: the engine uses the default
     assert explicit.by_rule("QL103") == [] and implicit.by_rule("QL103") == []
@@ -159,8 +153,8 @@ def test_default_mapping_is_clean(backend):
 def test_prepared_models_are_clean(backend):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = prepare_fx(_seeded(_Everything), get_default_qconfig_mapping(backend), _image())
-        qat = prepare_qat_fx(_seeded(_Everything).train(), get_default_qat_qconfig_mapping(backend), _image())
+        prepared = prepare_fx(seeded(_Everything)(), get_default_qconfig_mapping(backend), _image())
+        qat = prepare_qat_fx(seeded(_Everything)().train(), get_default_qat_qconfig_mapping(backend), _image())
     for model in (prepared, qat):
         report = _lint(model, _image(), "QL103", backend)
         assert report.by_rule("QL103") == [], [f.message for f in report.by_rule("QL103")]
@@ -182,7 +176,7 @@ class _Gates(nn.Module):
 
 
 def test_generic_observer_on_fixed_ops_names_the_backend_qparams():
-    report = _lint(_seeded(_Gates), _image(), "QL103", mapping=QConfigMapping().set_global(get_default_qconfig("x86")))
+    report = _lint(seeded(_Gates)(), _image(), "QL103", mapping=QConfigMapping().set_global(get_default_qconfig("x86")))
     fixed = {f.target: f for f in report.by_rule("QL103") if f.data["kind"] == "fixed-qparams-observer"}
     # F.softmax is not a fixed-qparams op for torch (neither the default mapping nor the
     # backend config lists it), so only the module softmax is reported.
@@ -207,7 +201,7 @@ def test_generic_observer_on_fixed_ops_names_the_backend_qparams():
 def test_fixed_qparams_with_the_wrong_range_is_reported():
     tanh_qconfig = get_default_qconfig_mapping("x86").object_type_qconfigs[nn.Tanh]
     mapping = get_default_qconfig_mapping("x86").set_module_name("sig", tanh_qconfig)
-    report = _lint(_seeded(_Gates), _image(), "QL103", mapping=mapping)
+    report = _lint(seeded(_Gates)(), _image(), "QL103", mapping=mapping)
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "fixed-qparams-mismatch"]
     assert finding.target == "sig"
     assert finding.data["scale"] == pytest.approx(float(default_fixed_qparams_range_neg1to1_observer().scale))
@@ -222,14 +216,14 @@ def test_qnnpack_qint8_path_does_not_need_fixed_qparams():
             dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, quant_min=-127, quant_max=127
         ),
     )
-    report = _lint(_seeded(_Gates), _image(), "QL103", "qnnpack", QConfigMapping().set_global(qconfig))
+    report = _lint(seeded(_Gates)(), _image(), "QL103", "qnnpack", QConfigMapping().set_global(qconfig))
     assert "fixed-qparams-observer" not in _kinds(report)
     assert report.by_rule("QL103") == []
 
 
 def test_fixed_qparams_check_can_be_switched_off():
     mapping = QConfigMapping().set_global(get_default_qconfig("x86"))
-    report = _lint(_seeded(_Gates), _image(), "QL103", mapping=mapping, fixed_qparams=False)
+    report = _lint(seeded(_Gates)(), _image(), "QL103", mapping=mapping, fixed_qparams=False)
     assert "fixed-qparams-observer" not in _kinds(report)
 
 
@@ -253,7 +247,7 @@ def test_one_global_mistake_is_one_finding_listing_every_op():
         activation=HistogramObserver.with_args(dtype=torch.qint8, reduce_range=True),
         weight=default_per_channel_weight_observer,
     )
-    model = _seeded(_ConvStack)
+    model = seeded(_ConvStack)()
     report = _lint(model, _image(), "QL103", mapping=QConfigMapping().set_global(qconfig))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "activation-dtype"]
     assert finding.severity is Severity.ERROR
@@ -269,7 +263,7 @@ def test_quint8_weights_are_an_error():
     qconfig = QConfig(
         activation=HistogramObserver.with_args(reduce_range=True), weight=MinMaxObserver.with_args(dtype=torch.quint8)
     )
-    report = _lint(_seeded(_ConvStack), _image(), "QL103", mapping=QConfigMapping().set_global(qconfig))
+    report = _lint(seeded(_ConvStack)(), _image(), "QL103", mapping=QConfigMapping().set_global(qconfig))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "weight-dtype"]
     assert finding.severity is Severity.ERROR
     assert finding.data["targets"] == ["conv1", "conv2", "fc"]
@@ -284,7 +278,7 @@ def test_affine_weights(backend, severity):
         activation=HistogramObserver.with_args(reduce_range=backend in ("x86", "fbgemm")),
         weight=MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_affine),
     )
-    report = _lint(_seeded(_ConvStack), _image(), "QL103", backend, QConfigMapping().set_global(qconfig))
+    report = _lint(seeded(_ConvStack)(), _image(), "QL103", backend, QConfigMapping().set_global(qconfig))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "weight-qscheme"]
     assert finding.severity is severity
     assert finding.suggestion.qscheme == "torch.per_tensor_symmetric"
@@ -315,11 +309,11 @@ def test_onednn_affine_weights_really_fail_to_convert():
 
 def test_reduce_range_on_qnnpack_is_info_and_optional():
     mapping = QConfigMapping().set_global(get_default_qconfig("x86"))  # 7-bit activations
-    report = _lint(_seeded(_ConvStack), _image(), "QL103", "qnnpack", mapping)
+    report = _lint(seeded(_ConvStack)(), _image(), "QL103", "qnnpack", mapping)
     [waste] = [f for f in report.by_rule("QL103") if f.data["kind"] == "activation-reduce-range-waste"]
     assert waste.severity is Severity.INFO
     assert waste.data["targets"] == ["conv1", "conv2", "fc"]
-    quiet = _lint(_seeded(_ConvStack), _image(), "QL103", "qnnpack", mapping, report_wasted_reduce_range=False)
+    quiet = _lint(seeded(_ConvStack)(), _image(), "QL103", "qnnpack", mapping, report_wasted_reduce_range=False)
     assert "activation-reduce-range-waste" not in _kinds(quiet)
 
 
@@ -327,12 +321,12 @@ def test_explicit_seven_bit_range_counts_as_reduced():
     qconfig = QConfig(
         activation=HistogramObserver.with_args(quant_min=0, quant_max=127), weight=default_per_channel_weight_observer
     )
-    report = _lint(_seeded(_ConvStack), _image(), "QL103", "x86", QConfigMapping().set_global(qconfig))
+    report = _lint(seeded(_ConvStack)(), _image(), "QL103", "x86", QConfigMapping().set_global(qconfig))
     assert "activation-reduce-range" not in _kinds(report)
     full = QConfig(
         activation=HistogramObserver.with_args(reduce_range=False), weight=default_per_channel_weight_observer
     )
-    report = _lint(_seeded(_ConvStack), _image(), "QL103", "fbgemm", QConfigMapping().set_global(full))
+    report = _lint(seeded(_ConvStack)(), _image(), "QL103", "fbgemm", QConfigMapping().set_global(full))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "activation-reduce-range"]
     assert finding.severity is Severity.WARNING
     assert finding.data["quant_range"] == [0, 255]
@@ -349,15 +343,15 @@ def test_per_channel_conv_transpose_is_an_error():
         def forward(self, x):
             return self.out(self.up(self.conv(x)))
 
-    report = _lint(_seeded(Up), _image(), "QL103", "onednn", get_default_qconfig_mapping("onednn"))
+    report = _lint(seeded(Up)(), _image(), "QL103", "onednn", get_default_qconfig_mapping("onednn"))
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "weight-qscheme"]
     assert finding.target == "up" and finding.severity is Severity.ERROR
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(Exception, match="ConvTranspose"):
-            prepare_fx(_seeded(Up), get_default_qconfig_mapping("onednn"), _image())
+            prepare_fx(seeded(Up)(), get_default_qconfig_mapping("onednn"), _image())
     # x86's default mapping gives ConvTranspose a per-tensor qconfig: fine.
-    assert _lint(_seeded(Up), _image(), "QL103", "x86").by_rule("QL103") == []
+    assert _lint(seeded(Up)(), _image(), "QL103", "x86").by_rule("QL103") == []
 
 
 # --- QL103: float islands -----------------------------------------------------------------------
@@ -380,7 +374,7 @@ class _Island(nn.Module):
 def test_float_island_reports_producers_consumers_and_all_members():
     mapping = get_default_qconfig_mapping("x86").set_module_name("act", None).set_module_name("norm", None)
     mapping.set_object_type(torch.flatten, None)
-    report = _lint(_seeded(_Island), _image(), "QL103", mapping=mapping)
+    report = _lint(seeded(_Island)(), _image(), "QL103", mapping=mapping)
     [island] = report.by_rule("QL103")
     assert island.data["kind"] == "float-island" and island.target == "act"
     assert island.data["island"] == ["act", "flatten", "norm"]
@@ -389,13 +383,13 @@ def test_float_island_reports_producers_consumers_and_all_members():
     assert {row["node"] for row in island.data["qconfig_table"]} == {"conv1", "act", "flatten", "norm", "conv2"}
     assert all(set(row) == TABLE_KEYS for row in island.data["qconfig_table"])
     assert island.suggestion.like == "conv1"
-    fewer = _lint(_seeded(_Island), _image(), "QL103", mapping=mapping, min_island_ops=3)
+    fewer = _lint(seeded(_Island)(), _image(), "QL103", mapping=mapping, min_island_ops=3)
     assert fewer.by_rule("QL103") == []
 
 
 def test_shape_only_float_ops_are_not_islands():
     mapping = get_default_qconfig_mapping("x86").set_object_type(torch.flatten, None).set_object_type("view", None)
-    report = _lint(_seeded(_Island), _image(), "QL103", mapping=mapping)
+    report = _lint(seeded(_Island)(), _image(), "QL103", mapping=mapping)
     assert "float-island" not in _kinds(report)
 
 
@@ -411,7 +405,7 @@ def test_dynamic_op_between_static_ones_is_an_island():
             return self.fc3(self.fc2(self.fc1(x)))
 
     mapping = get_default_qconfig_mapping("x86").set_module_name("fc2", default_dynamic_qconfig)
-    report = _lint(_seeded(Mixed), (torch.randn(4, 16),), "QL103", mapping=mapping)
+    report = _lint(seeded(Mixed)(), (torch.randn(4, 16),), "QL103", mapping=mapping)
     [island] = report.by_rule("QL103")
     assert island.target == "fc2" and "dynamic" in island.message
 
@@ -435,7 +429,7 @@ class _EagerNet(nn.Module):
 
 
 def test_eager_flow_island_and_no_fixed_qparams_false_alarm():
-    model = _seeded(_EagerNet)
+    model = seeded(_EagerNet)()
     model.qconfig = get_default_qconfig("x86")  # eager prepare never observes nn.Sigmoid with it
     report = _lint(model, _image(), "QL103")
     [island] = report.by_rule("QL103")
@@ -463,7 +457,7 @@ class _Cat(nn.Module):
 
 
 def test_cat_after_fixed_qparams_input_clips_the_others_as_reported():
-    model, (x,) = _seeded(_Cat), _image()
+    model, (x,) = seeded(_Cat)(), _image()
     x = x * 4
     report = _lint(model, (x,), "QL103", mapping=get_default_qconfig_mapping("x86"))
     [finding] = report.by_rule("QL103")
@@ -488,15 +482,15 @@ def test_cat_after_fixed_qparams_input_clips_the_others_as_reported():
 def test_cat_with_matching_inputs_is_clean_and_order_matters_for_the_advice():
     mapping = get_default_qconfig_mapping("x86")
     same = QConfigMapping().set_global(get_default_qconfig("x86")).set_object_type(nn.Sigmoid, None)
-    assert "cat-input-qparams" not in _kinds(_lint(_seeded(_Cat), _image(), "QL103", mapping=same))
-    report = _lint(_seeded(_Cat, False), _image(), "QL103", mapping=mapping)
+    assert "cat-input-qparams" not in _kinds(_lint(seeded(_Cat)(), _image(), "QL103", mapping=same))
+    report = _lint(seeded(_Cat, False)(), _image(), "QL103", mapping=mapping)
     [finding] = [f for f in report.by_rule("QL103") if f.data["kind"] == "cat-input-qparams"]
     assert finding.data["first_input"] == "relu" and finding.data["mismatched"] == ["sig"]
     assert "clipped" not in finding.message
 
 
 def test_cat_finding_survives_torch_export_and_json():
-    model, inputs = _seeded(_Cat), _image()
+    model, inputs = seeded(_Cat)(), _image()
     program = torch.export.export(model, inputs)
     report = qlint.lint(
         model,
@@ -535,7 +529,7 @@ class _ConvBn(nn.Module):
 
 
 def test_per_channel_reads_the_bn_folded_weights():
-    model = _seeded(_ConvBn)
+    model = seeded(_ConvBn)()
     [finding] = _lint(model, _image(), "QL104", mapping=_per_tensor()).by_rule("QL104")
     raw = model.conv.weight.detach().abs().reshape(8, -1).amax(1)
     folded = raw * model.bn.weight.detach() / torch.sqrt(model.bn.running_var + model.bn.eps)
@@ -568,7 +562,7 @@ def _per_tensor(qscheme=torch.per_tensor_symmetric):
 
 
 def test_per_channel_evidence_matches_the_weights():
-    model = _seeded(_Spread)
+    model = seeded(_Spread)()
     report = _lint(model, _image(), "QL104", mapping=_per_tensor())
     [finding] = report.by_rule("QL104")  # the 1-output linear head gains nothing from per-channel
     absmax = model.conv.weight.detach().abs().reshape(6, -1).amax(1)
@@ -600,7 +594,7 @@ def test_per_channel_evidence_matches_the_weights():
 
 
 def test_affine_per_tensor_loss_uses_the_affine_step():
-    model = _seeded(_Spread)
+    model = seeded(_Spread)()
     report = _lint(model, _image(), "QL104", mapping=_per_tensor(torch.per_tensor_affine))
     [finding] = report.by_rule("QL104")
     weight = model.conv.weight.detach()
@@ -610,7 +604,7 @@ def test_affine_per_tensor_loss_uses_the_affine_step():
 
 
 def test_min_channel_spread_filters_on_evidence():
-    model = _seeded(_Spread)
+    model = seeded(_Spread)()
     spread = float(
         model.conv.weight.detach().abs().reshape(6, -1).amax(1).max()
         / model.conv.weight.detach().abs().reshape(6, -1).amax(1).min()
@@ -623,7 +617,7 @@ def test_min_channel_spread_filters_on_evidence():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_per_channel_defaults(backend):
-    report = _lint(_seeded(_ConvStack), _image(), "QL104", backend, get_default_qconfig_mapping(backend))
+    report = _lint(seeded(_ConvStack)(), _image(), "QL104", backend, get_default_qconfig_mapping(backend))
     flagged = _flagged(report)
     default_weight = get_default_qconfig(backend).weight()
     if "per_channel" in str(default_weight.qscheme):
@@ -645,15 +639,15 @@ def test_per_channel_ignores_dynamic_fp16_and_transposed_layers():
     from torch.ao.quantization import float16_dynamic_qconfig
 
     mapping = get_default_qconfig_mapping("x86").set_object_type(nn.Linear, float16_dynamic_qconfig)
-    report = _lint(_seeded(Model), _image(), "QL104", mapping=mapping, include_dynamic=True)
+    report = _lint(seeded(Model)(), _image(), "QL104", mapping=mapping, include_dynamic=True)
     assert report.by_rule("QL104") == []
 
 
 def test_per_channel_on_qat_prepared_model():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        qnnpack = prepare_qat_fx(_seeded(_ConvStack).train(), get_default_qat_qconfig_mapping("qnnpack"), _image())
-        x86 = prepare_qat_fx(_seeded(_ConvStack).train(), get_default_qat_qconfig_mapping("x86"), _image())
+        qnnpack = prepare_qat_fx(seeded(_ConvStack)().train(), get_default_qat_qconfig_mapping("qnnpack"), _image())
+        x86 = prepare_qat_fx(seeded(_ConvStack)().train(), get_default_qat_qconfig_mapping("x86"), _image())
     [finding] = _lint(qnnpack, _image(), "QL104", "qnnpack").by_rule("QL104")
     assert {layer["target"] for layer in finding.data["layers"]} == {"conv1", "conv2", "fc"}
     assert "FakeQuantize" in finding.data["weight_observer"]
@@ -673,7 +667,7 @@ def test_per_channel_in_eager_flow_checks_modules_only():
             y = self.dequant(self.conv(self.quant(x))).mean((2, 3))
             return F.linear(y, self.proj)  # functional: eager mode never quantizes it
 
-    model = _seeded(Eager)
+    model = seeded(Eager)()
     model.qconfig = get_default_qconfig("qnnpack")  # per-tensor weights
     report = _lint(model, _image(), "QL104", "x86")
     assert [f.target for f in report.by_rule("QL104")] == ["conv"]

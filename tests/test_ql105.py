@@ -7,18 +7,6 @@ import operator
 import pytest
 import torch
 import torch.nn as nn
-from qlint.rules._ql105_onset import _functional_until_weighted
-from qlint.rules.ql105_conversion_check import (
-    _ConvFlatten,
-    _ConvView,
-    _Decoder,
-    _global_per_channel_x86,
-    _image,
-    _Mlp,
-    _rows,
-    _seeded,
-    _Upsample,
-)
 from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
@@ -28,6 +16,18 @@ from qlint.core.function_paths import resolve_function
 from qlint.core.sqnr import sqnr_db as output_sqnr
 from qlint.linter.engine import analyse
 from qlint.linter.fixes import KeepFloat, KeepFloatFunction, ViewToReshape
+from qlint.linter.rule import seeded
+from qlint.rules._ql105_onset import _functional_until_weighted
+from qlint.rules.ql105_conversion_check import (
+    _ConvFlatten,
+    _ConvView,
+    _Decoder,
+    _global_per_channel_x86,
+    _image,
+    _Mlp,
+    _rows,
+    _Upsample,
+)
 
 
 def _ql105(model, inputs, backend="x86", mapping=None, options=None):
@@ -46,7 +46,7 @@ def _ql105(model, inputs, backend="x86", mapping=None, options=None):
 @pytest.mark.parametrize("backend", ["x86", "qnnpack"])
 def test_view_on_channels_last_quantized_tensor(backend):
     before = torch.backends.quantized.engine
-    (finding,) = _ql105(_seeded(_ConvView)(), _image(), backend)
+    (finding,) = _ql105(seeded(_ConvView)(), _image(), backend)
     assert torch.backends.quantized.engine == before  # restored
     assert finding.severity.value == "error" and finding.target == "view"
     assert finding.data["kind"] == "view-non-contiguous" and finding.data["stage"] == "quantized run"
@@ -56,7 +56,7 @@ def test_view_on_channels_last_quantized_tensor(backend):
 
 
 def test_op_without_quantized_kernel():
-    (finding,) = _ql105(_seeded(_Upsample)(), _image())
+    (finding,) = _ql105(seeded(_Upsample)(), _image())
     assert finding.target == "interpolate" and finding.data["kind"] == "no-quantized-kernel"
     assert finding.data["target"] == "torch.nn.functional.interpolate"
     assert "QuantizedCPU" in finding.message and "keep it in float" in finding.message
@@ -64,7 +64,7 @@ def test_op_without_quantized_kernel():
 
 
 def test_qconfig_the_module_cannot_take():
-    (finding,) = _ql105(_seeded(_Decoder)(), _image(), mapping=_global_per_channel_x86())
+    (finding,) = _ql105(seeded(_Decoder)(), _image(), mapping=_global_per_channel_x86())
     assert finding.target == "up" and finding.data["stage"] == "prepare_fx"
     assert finding.data["kind"] == "unsupported-qconfig" and finding.data["module_type"] == "ConvTranspose2d"
     assert "per-tensor weights" in finding.message
@@ -72,7 +72,7 @@ def test_qconfig_the_module_cannot_take():
 
 
 @pytest.mark.parametrize(
-    "build,inputs,backend", [(_seeded(_ConvFlatten), _image, "x86"), (_seeded(_Mlp), _rows, "qnnpack")]
+    "build,inputs,backend", [(seeded(_ConvFlatten), _image, "x86"), (seeded(_Mlp), _rows, "qnnpack")]
 )
 def test_success_reports_the_output_sqnr(build, inputs, backend):
     (finding,) = _ql105(build(), inputs(), backend)
@@ -93,7 +93,7 @@ def test_success_reports_the_output_sqnr(build, inputs, backend):
 
 
 def test_thresholds_turn_a_low_sqnr_into_a_warning_or_an_error():
-    model, x = _seeded(_ConvFlatten)(), _image()
+    model, x = seeded(_ConvFlatten)(), _image()
     (ok,) = _ql105(model, x)
     sqnr = ok.data["sqnr_db"]
     (low,) = _ql105(model, x, options={"warn_below_db": sqnr + 1.0})
@@ -150,14 +150,14 @@ def test_a_view_failure_is_measured_with_the_reshape_it_suggests():
     in float), so QL105 gives the SQNR its fix reaches and the other rules still get impacts."""
     generator = torch.Generator().manual_seed(0)
     data = [torch.randn(2, 3, 8, 8, generator=generator) for _ in range(6)]
-    report = qlint.lint(_seeded(_ConvView)(), _image(), calibration=data)
+    report = qlint.lint(seeded(_ConvView)(), _image(), calibration=data)
     assert report.trial is not None and not report.trial.converted
     assert report.trial.failed_stage == "quantized run" and ".reshape at view" in report.trial.workaround
     [finding] = report.by_rule("QL105")
     assert finding.data["kind"] == "view-non-contiguous" and finding.severity.value == "error"
     assert finding.impact is not None and finding.impact.kind == "diagnosis"
     # by hand: torch's pass with the view replaced by reshape, on the trial's own split
-    model = torch.fx.symbolic_trace(_seeded(_ConvView)())
+    model = torch.fx.symbolic_trace(seeded(_ConvView)())
     for node in model.graph.nodes:
         if node.op == "call_method" and node.target == "view":
             node.target = "reshape"
@@ -282,7 +282,7 @@ def test_a_model_left_all_float_reads_exact_not_the_200_db_cap():
     from qlint.core.sqnr import SQNR_CAP_DB
     from qlint.render.text import trial_line
 
-    model = _seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))().eval()
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))().eval()
     generator = torch.Generator().manual_seed(0)
     data = [torch.randn(8, 4, generator=generator) for _ in range(8)]
     report = qlint.lint(model, (data[0],), calibration=data, qconfig_mapping=QConfigMapping())
@@ -311,7 +311,7 @@ def test_the_trial_reports_each_output_tensor_where_the_output_holds_several():
     from qlint.core.sqnr import sqnr_db
     from qlint.render.text import trial_line
 
-    model = _seeded(_TwoOutputs)().eval()
+    model = seeded(_TwoOutputs)().eval()
     generator = torch.Generator().manual_seed(0)
     data = [torch.randn(16, 8, generator=generator) for _ in range(8)]
     report = qlint.lint(model, (data[0],), calibration=data, select=["QL105"])
@@ -335,5 +335,5 @@ def test_the_trial_reports_each_output_tensor_where_the_output_holds_several():
         assert trial.output_tensor_sqnr_db[index] == pytest.approx(by_hand, abs=0.01)
     assert trial.output_sqnr_db == pytest.approx(sqnr_db(expected, got), abs=0.01)
     assert "the powers of 2 output tensors pooled" in (trial_line(report) or "")
-    single = qlint.lint(_seeded(_ConvView)(), _image(), select=["QL105"])
+    single = qlint.lint(seeded(_ConvView)(), _image(), select=["QL105"])
     assert single.trial is not None and single.trial.output_tensor_sqnr_db is None

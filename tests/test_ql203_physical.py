@@ -16,11 +16,11 @@ import math
 
 import torch
 import torch.nn as nn
-from qlint.rules._ql203_measure import clip_value
 from torch.ao.quantization import get_default_qconfig_mapping
 
 import qlint
 from qlint.advice.plan import plan_from_report
+from qlint.rules._ql203_measure import clip_value
 from qlint.stats import summarize_batch
 
 Q = 0.975  # QL203's default reference percentile

@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from qlint.rules.ql204_input_scale_spread import _SpectrumFrontEnd, _waveforms
-from qlint.rules.ql205_leading_token_outlier import _TokenMixer, _tokens
 from torch.ao.quantization import get_default_qconfig_mapping
 
 import qlint
+from qlint.rules.ql204_input_scale_spread import _SpectrumFrontEnd, _waveforms
+from qlint.rules.ql205_leading_token_outlier import _TokenMixer, _tokens
 
 BACKENDS = ("x86", "qnnpack")
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pydantic
 import pytest
 
 from qlint.errors import ConfigError
@@ -40,9 +41,9 @@ def test_select_and_ignore_by_prefix_and_name():
 def test_options_are_frozen_and_forbid_unknown_keys():
     rule = Registry.default(include_plugins=False).get("QL101")
     options = rule.Options()
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         rule.Options(no_such_option=True)
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         options.include_add_relu = False
 
 

@@ -1,5 +1,6 @@
 import re
 
+import pydantic
 import pytest
 import torch
 
@@ -17,11 +18,11 @@ def test_report_json_round_trip():
 
 def test_finding_is_frozen_and_rejects_non_json_data():
     finding = Finding(rule="QL101", name="x", severity="warning", target="t", message="m", data={"a": 1})
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         finding.target = "other"
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         Finding(rule="QL101", name="x", severity="warning", target="t", message="m", data={"bad": torch.zeros(1)})
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         Finding(rule="QL101", name="x", severity="warning", target="t", message="m", data={"nan": float("nan")})
 
 

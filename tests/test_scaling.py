@@ -15,12 +15,12 @@ from pathlib import Path
 from types import CodeType
 
 import pytest
-import qlint.rules
 import torch
 import torch.nn as nn
 from torch.ao.quantization import QConfigMapping, default_qconfig
 
 import qlint
+import qlint.rules
 from qlint.render.json import render_json
 from qlint.render.sarif import render_sarif
 from qlint.render.text import render_text
@@ -176,9 +176,8 @@ def test_ql102_names_at_most_ten_call_sites_in_its_message():
 @pytest.mark.parametrize("blocks", [SMALL, SMALL * GROWTH])
 def test_ql102_used_modules_index_matches_a_full_scan(blocks):
     """The prefix index answers 'is this module used?' exactly as comparing every reference would."""
-    from qlint.rules.ql102_shared_module import _UsedModules
-
     from qlint.linter.engine import analyse
+    from qlint.rules.ql102_shared_module import _UsedModules
 
     model = Stack(blocks).eval()
     graph = analyse(model, (torch.randn(4, 8),), "x86").graph

@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from qlint.rules.ql205_leading_token_outlier import _dynamic, _TokenMixer, _tokens
 
 import qlint
 from qlint.advice.plan import ModuleDecision, Provenance, Rewrite, default_plan, plan_from_report
 from qlint.errors import QlintError
 from qlint.measure.token_split import copy_name, split_leading_token
+from qlint.rules.ql205_leading_token_outlier import _dynamic, _TokenMixer, _tokens
 from tests.models import output_sqnr
 
 USER = [Provenance(source="user", detail="test")]

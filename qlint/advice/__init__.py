@@ -1,1 +1,1 @@
-"""Layer 5, advice: the versioned plan, its exporters, float-preserving rewrites, and verify."""
+"""The advice layer: the versioned plan, its exporters, float-preserving rewrites, and verify."""

@@ -48,6 +48,7 @@ from qlint.advice.verify_session import (
 )
 from qlint.core.backends import backend_info, host_vnni
 from qlint.core.ops import CONV_OR_LINEAR_KINDS, NORM_KINDS, module_kind
+from qlint.core.sqnr import predicted_gain_db
 
 # Op kinds the search may flip. LSTM/GRU also have dynamic kernels, but FX leaves them
 # float under a static mapping, so there is nothing to flip from.
@@ -387,7 +388,7 @@ def float_fallback(
     if best < target_sqnr and candidates and budget > 0 and best > FAILED and session.can_try(end - 1):
         own = session.own_errors(plan, candidates)
         ranked = _affordable(sorted(own, key=lambda f: own[f]), conv_linear, budget)[: max(0, end - session.trials)]
-        predicted = _predicted_gain(best, [own[f] for f in ranked])
+        predicted = predicted_gain_db(best, [own[f] for f in ranked])
         if predicted < MIN_FALLBACK_GAIN_DB:
             ranked = []
             note = (
@@ -442,15 +443,6 @@ def _affordable(ranked: Sequence[str], conv_linear: set[str], budget: int) -> li
         out.append(fqn)
         used += int(costs)
     return out
-
-
-def _predicted_gain(output_db: float, own_db: Sequence[float]) -> float:
-    """Output SQNR gained if the layers with these own SQNRs added no error: each layer's
-    relative noise power is taken to reach the output unchanged (at most 20 dB credited)."""
-    at_output = 10 ** (-output_db / 10)
-    removed = sum(10 ** (-db / 10) for db in own_db)
-    remaining = max(at_output - removed, at_output / 100)
-    return 10 * math.log10(at_output / remaining)
 
 
 __all__ = ["activation_bits_step", "bias_correction_step", "scheme_search", "scheme_candidates", "float_fallback"]

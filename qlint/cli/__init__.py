@@ -1,4 +1,4 @@
-"""Layer 7, cli: every ``qlint`` command."""
+"""The cli layer: every ``qlint`` command."""
 
 from qlint.cli.main import main
 

@@ -110,6 +110,14 @@ def user_output_to_stderr() -> Iterator[None]:
         yield
 
 
+def write_file(path: str, text: str) -> None:
+    """``text`` written to ``path`` (UTF-8); a one-line error when the file cannot be written."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise QlintError(f"cannot write {path}: {error.strerror}") from error
+
+
 def write_stdout(text: str) -> None:
     """Write the report to stdout; a closed or full stdout is a one-line error, not a crash."""
     stream = sys.stdout

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from qlint.cli.common import (
@@ -14,6 +13,7 @@ from qlint.cli.common import (
     check_outputs,
     terminal_width,
     user_output_to_stderr,
+    write_file,
     write_stdout,
 )
 from qlint.cli.options import ModelOptions, check_flags, check_rule_options, resolve_options
@@ -235,10 +235,7 @@ def _emit(report: Report, output_format: str, args: argparse.Namespace) -> None:
     else:
         text = renderer(report)
     if args.output:
-        try:
-            Path(args.output).write_text(text, encoding="utf-8")
-        except OSError as error:
-            raise QlintError(f"cannot write {args.output}: {error.strerror}") from error
+        write_file(args.output, text)
         if output_format == "text" or not args.quiet:
             from qlint.render.text import summary_line
 

@@ -10,30 +10,21 @@ emit_plan_outputs raises QlintError (exit 2) when a file cannot be written.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from qlint.advice.plan import QuantPlan, plan_from_report
-from qlint.cli.common import Parser, check_outputs, write_stdout
-from qlint.errors import QlintError
+from qlint.cli.common import Parser, check_outputs, write_file, write_stdout
 from qlint.linter.findings import Report
 from qlint.render.literal import printable
 from qlint.render.text import counted
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as error:
-        raise QlintError(f"cannot write {path}: {error.strerror}") from error
 
 
 def emit_plan_outputs(report: Report, plan_path: str | None, qconfig_path: str | None) -> QuantPlan:
     """Write ``report.plan()`` as JSON to plan_path and/or its Python mapping to qconfig_path."""
     plan = plan_from_report(report)
     if plan_path:
-        _write(plan_path, plan.model_dump_json(indent=2) + "\n")
+        write_file(plan_path, plan.model_dump_json(indent=2) + "\n")
     if qconfig_path:
-        _write(qconfig_path, plan.to_python())
+        write_file(qconfig_path, plan.to_python())
     return plan
 
 
@@ -61,7 +52,7 @@ def plan_command(argv: list[str]) -> int:
         text = plan.to_python()
         if args.output:
             check_outputs([("--output", args.output)], [args.plan])
-            _write(args.output, text)
+            write_file(args.output, text)
         else:
             write_stdout(text)
     else:

@@ -31,6 +31,7 @@ from qlint.cli.common import (
     non_negative_int,
     terminal_width,
     user_output_to_stderr,
+    write_file,
     write_stdout,
 )
 from qlint.core.backends import BACKENDS
@@ -77,13 +78,6 @@ def _example(args: argparse.Namespace, loaded: Any) -> tuple[Any, ...] | None:
     if args.input_shape:
         return tuple(parse_input_shape(s) for s in args.input_shape)
     return loaded.example_inputs
-
-
-def _write_text(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as error:
-        raise QlintError(f"cannot write {path}: {error.strerror}") from error
 
 
 # ------------------------------------------------------------------------------ verify
@@ -313,9 +307,9 @@ def verify_command(argv: list[str]) -> int:
         else render_verify(report, width=terminal_width(to_stdout=args.output is None))
     )
     if args.emit_plan:
-        _write_text(args.emit_plan, report.verified_plan.model_dump_json(indent=2) + "\n")
+        write_file(args.emit_plan, report.verified_plan.model_dump_json(indent=2) + "\n")
     if args.output:
-        _write_text(args.output, text)
+        write_file(args.output, text)
     else:
         write_stdout(text)
     return 0
@@ -354,7 +348,7 @@ def fix_command(argv: list[str]) -> int:
         _save_fixed(gm, example, out)
     done = [r for r in applied if r.applied]
     if args.emit_qconfig:
-        _write_text(args.emit_qconfig, plan.to_python())
+        write_file(args.emit_qconfig, plan.to_python())
     for r in applied:
         state = "applied" if r.applied else f"refused ({r.reason})"
         print(printable(f"{r.kind} {'+'.join(r.modules)}: {state}"), file=sys.stderr)

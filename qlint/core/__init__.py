@@ -1,4 +1,4 @@
-"""Layer 1, core: load a model, trace it, and hold it as a graph of normalized ops.
+"""The core layer: load a model, trace it, and hold it as a graph of normalized ops.
 
 Also the one runtime every higher layer shares: batches as call arguments, nested
 outputs, state guards, SQNR, backend configurations and op kinds.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from qlint.core.nested import float_tensors
@@ -46,6 +47,21 @@ def sqnr_text(value: float | None, digits: int = 1) -> str:
 def noise_power_ratio(sqnr_db: float) -> float:
     """The inverse of sqnr_db_from_powers: noise power over signal power."""
     return 10.0 ** (-sqnr_db / 10.0)
+
+
+# An error whose removal would leave less than 1 % of the output noise is credited 20 dB at most:
+# past that, the other errors decide and the prediction means nothing.
+MAX_PREDICTED_GAIN_DB = 20.0
+
+
+def predicted_gain_db(output_db: float, removed_db: Sequence[float]) -> float:
+    """Output SQNR gained if the errors of these SQNRs were gone from an output of ``output_db``:
+    each error's relative noise power is taken to reach the output unchanged (at most
+    ``MAX_PREDICTED_GAIN_DB``)."""
+    at_output = noise_power_ratio(output_db)
+    removed = sum(noise_power_ratio(db) for db in removed_db)
+    remaining = max(at_output - removed, at_output * noise_power_ratio(MAX_PREDICTED_GAIN_DB))
+    return 10 * math.log10(at_output / remaining)
 
 
 @dataclasses.dataclass

@@ -167,7 +167,7 @@ def propagate_shapes(traced: Traced, example_inputs: Sequence[Any] | None) -> st
     # and the rules must see them as the user left them.
     with preserved_state(module):
         try:
-            # ShapeProp prints a traceback to stderr before re-raising; the user gets one line.
+            # A failing forward may print to stderr before it raises; the user gets one line.
             with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
                 _ShapeRecorder(module).run(*cloned(tuple(example_inputs)))
         except Exception as error:  # the inputs do not fit the model

@@ -1,4 +1,4 @@
-"""Layer 3, lint: the engine, the rule base and registry, the context, findings, settings and baselines.
+"""The lint layer: the engine, the rule base and registry, the context, findings, settings and baselines.
 
 (Named ``linter`` because ``qlint.lint`` is the public function.)
 """

@@ -41,7 +41,7 @@ import torch.fx as fx
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.batches import as_call
-from qlint.core.sqnr import BatchPowers, noise_power_ratio
+from qlint.core.sqnr import BatchPowers, predicted_gain_db
 from qlint.errors import QlintError, first_line
 from qlint.linter.findings import Finding, Impact, ImpactBasis, Severity
 from qlint.linter.fixes import SetQConfig
@@ -60,10 +60,6 @@ _FAMILY_DETAIL: dict[Family, str] = {
     "rewrite": "the fix's float-preserving rewrite (and its qconfig changes) applied in a trial",
     "keep-float": "the target kept float in a trial (the most a fix of it recovers)",
 }
-
-# A layer whose removal would leave less than 1 % of the output noise is credited 20 dB at most:
-# past that, the other layers' error decides and the estimate means nothing.
-_MAX_ESTIMATE_DB = 20.0
 
 
 def fix_mapping(base: QConfigMapping, findings: Sequence[Finding], backend: str) -> QConfigMapping | None:
@@ -110,10 +106,7 @@ def local_error_estimate(result: TrialResult, target: str, aliases: Sequence[str
     layer_db = layer.shadow_db if own is not None else layer.propagated_db
     if layer_db is None:
         return None
-    at_output = noise_power_ratio(result.output_sqnr_db)
-    layer_noise = noise_power_ratio(layer_db)
-    remaining = max(at_output - layer_noise, at_output * 10 ** (-_MAX_ESTIMATE_DB / 10))
-    db = 10 * math.log10(at_output / remaining)
+    db = predicted_gain_db(result.output_sqnr_db, [layer_db])
     detail = (
         f"the layer's own error is {layer_db:.1f} dB SQNR (shadow)"
         if own is not None

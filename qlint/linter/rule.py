@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from qlint.linter.findings import Finding, Impact, LayerRow, Severity
@@ -83,6 +84,18 @@ class Example:
     calibration: Callable[[], Sequence[Any]] | None = None
     flagged: tuple[str, ...] = ()
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def seeded(model_class: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """An example's ``build``: ``model_class(*args)`` in eval mode, its parameters drawn from seed 0
+    without touching the process's random state."""
+
+    def build() -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return model_class(*args).eval()
+
+    return build
 
 
 class Rule:

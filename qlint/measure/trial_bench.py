@@ -41,9 +41,9 @@ from qlint.measure.trial_errors import activation_sqnr, layer_errors
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    # prepare_fx warns per op, and GraphModule prints generated-code tracebacks to stderr
-    # when a run fails: the trial reports failures itself.
+def quiet_trial() -> Iterator[None]:
+    """No grad, no warnings, no stderr: prepare_fx warns per op, and a failing GraphModule
+    prints its generated code's traceback to stderr; a trial reports failures itself."""
     with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
         yield
@@ -89,14 +89,14 @@ class TrialBench:
     def float_sqnr_of(self, model: nn.Module) -> float | None:
         """SQNR of another float model's outputs against this bench's float model (how much a
         float change changes the outputs; 200 dB when it changes nothing)."""
-        with _quiet():
+        with quiet_trial():
             return self._output_sqnr(self._in_eval(model), self.reference())
 
     def reference(self) -> list[Any]:
         """The float model's outputs on the evaluation batches (computed once)."""
         if self._reference is None:
             model = self._in_eval(self.model_factory())
-            with _quiet():
+            with quiet_trial():
                 self._reference = [call_model(model, batch) for batch in self.evaluation]
         return self._reference
 
@@ -119,7 +119,7 @@ class TrialBench:
 
     def _run(self, mapping: QConfigMapping, measure_layers: bool) -> TrialResult:
         base = TrialResult(self.backend, self.calibrated_on, self.evaluated_on)
-        with quantized_engine(self.backend) as available, _quiet():
+        with quantized_engine(self.backend) as available, quiet_trial():
             if not available:
                 error = RuntimeError(f"this torch build has no {self.backend} quantized engine")
                 return dataclasses.replace(base, failure=TrialFailure(STAGE_PREPARE, error, None))
@@ -192,7 +192,7 @@ class TrialBench:
         """Output SQNR of any model (a changed copy of the converted one) on the evaluation data."""
         began = time.perf_counter()
         try:
-            with quantized_engine(self.backend), _quiet():
+            with quantized_engine(self.backend), quiet_trial():
                 return self._output_sqnr(model, self.reference())
         finally:
             self.seconds += time.perf_counter() - began
