@@ -77,3 +77,33 @@ def test_resolution_matches_prepare_fx(label, mapping):
             assert describe_observer(ours.weight) == describe_observer(expected.weight), (label, node.name)
         compared += 1
     assert compared >= 10
+
+
+def test_fixed_qparams_and_fake_quantize_are_known_by_class_not_by_name():
+    """A FakeQuantize that wraps a fixed-qparams observer is fixed; a user's observer whose name merely
+    contains "FixedQParams" is not (its scale is computed from the data)."""
+    from torch.ao.quantization import FakeQuantize, FixedQParamsObserver, MinMaxObserver
+
+    wrapped = FakeQuantize.with_args(observer=FixedQParamsObserver.with_args(scale=1 / 256, zero_point=0))
+    spec = describe_observer(wrapped)
+    assert spec.observer == "FakeQuantize(FixedQParamsObserver)"
+    assert (spec.fixed_scale, spec.fixed_zero_point) == (1 / 256, 0)  # the observer's, not the placeholder 1.0
+
+    class NotFixedQParamsObserver(MinMaxObserver):
+        pass
+
+    assert not describe_observer(NotFixedQParamsObserver).is_fixed_qparams
+
+
+def test_only_a_relu_fused_into_a_layer_counts_as_one():
+    """LinearLeakyReLU (onednn) ends in a leaky ReLU, whose negatives a comparison must keep."""
+    import torch.ao.nn.intrinsic as nni
+    import torch.ao.nn.intrinsic.quantized as nniq
+    import torch.nn as nn
+
+    from qlint.core.ops import fuses_relu
+
+    assert fuses_relu(nni.LinearReLU(nn.Linear(4, 4), nn.ReLU()))
+    assert fuses_relu(nniq.ConvReLU2d(3, 4, 1))
+    assert not fuses_relu(nniq.LinearLeakyReLU(4, 4, 0.01))
+    assert not fuses_relu(nn.ReLU()) and not fuses_relu(nn.Linear(4, 4))

@@ -21,7 +21,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.ao.quantization import QConfig, QConfigMapping, get_default_qconfig_mapping
+from torch.ao.quantization import (
+    FakeQuantizeBase,
+    FixedQParamsFakeQuantize,
+    FixedQParamsObserver,
+    QConfig,
+    QConfigMapping,
+    get_default_qconfig_mapping,
+)
 
 from qlint.core.backends import BACKENDS
 from qlint.core.torch_warnings import quiet_about_qlints_choices
@@ -86,6 +93,10 @@ class NodeQConfig:
         )
 
 
+# Observers whose scale and zero point are fixed in advance (sigmoid, tanh, softmax outputs).
+_FIXED_QPARAMS = (FixedQParamsObserver, FixedQParamsFakeQuantize)
+
+
 def describe_observer(observer_or_factory: Any) -> ObserverSpec | None:
     """Summarise an observer instance or factory (what QConfig stores) without running it."""
     if observer_or_factory is None:
@@ -99,10 +110,10 @@ def describe_observer(observer_or_factory: Any) -> ObserverSpec | None:
     inner = getattr(observer, "activation_post_process", None)
     reduce_range = bool(getattr(observer, "reduce_range", getattr(inner, "reduce_range", False)))
     name = type(observer).__name__
-    if inner is not None and "FakeQuantize" in name:
+    if inner is not None and isinstance(observer, FakeQuantizeBase):
         name = f"{name}({type(inner).__name__})"
-    scale = getattr(observer, "scale", None)
-    fixed = "FixedQParams" in type(observer).__name__ or "FixedQParams" in name
+    # A FakeQuantize's own scale is a placeholder until calibrated: a fixed one is its observer's.
+    fixed = observer if isinstance(observer, _FIXED_QPARAMS) else inner if isinstance(inner, _FIXED_QPARAMS) else None
     qscheme = getattr(observer, "qscheme", None)
     ch_axis = getattr(observer, "ch_axis", None)
     quant_min = getattr(observer, "quant_min", None)
@@ -117,8 +128,8 @@ def describe_observer(observer_or_factory: Any) -> ObserverSpec | None:
         ch_axis=int(ch_axis)
         if isinstance(ch_axis, int) and qscheme is not None and "per_channel" in str(qscheme)
         else None,
-        fixed_scale=float(scale.flatten()[0]) if fixed and torch.is_tensor(scale) else None,
-        fixed_zero_point=int(observer.zero_point.flatten()[0]) if fixed else None,
+        fixed_scale=float(fixed.scale.flatten()[0]) if fixed is not None else None,
+        fixed_zero_point=int(fixed.zero_point.flatten()[0]) if fixed is not None else None,
     )
 
 

@@ -13,8 +13,42 @@ import operator
 from typing import Any
 
 import torch
+import torch.ao.nn.intrinsic as nni
+import torch.ao.nn.intrinsic.qat as nniqat
+import torch.ao.nn.intrinsic.quantized as nniq
+import torch.ao.nn.intrinsic.quantized.dynamic as nniqd
 import torch.nn as nn
 import torch.nn.functional as F
+
+# Fused modules whose op ends in a ReLU: float, QAT and quantized (LinearLeakyReLU ends in a
+# leaky one, whose output keeps its negatives).
+FUSED_RELU_MODULES: tuple[type, ...] = (
+    nni.ConvReLU1d,
+    nni.ConvReLU2d,
+    nni.ConvReLU3d,
+    nni.ConvBnReLU1d,
+    nni.ConvBnReLU2d,
+    nni.ConvBnReLU3d,
+    nni.ConvAddReLU2d,
+    nni.LinearReLU,
+    nni.BNReLU2d,
+    nni.BNReLU3d,
+    nniqat.ConvReLU1d,
+    nniqat.ConvReLU2d,
+    nniqat.ConvReLU3d,
+    nniqat.ConvBnReLU1d,
+    nniqat.ConvBnReLU2d,
+    nniqat.ConvBnReLU3d,
+    nniqat.LinearReLU,
+    nniq.ConvReLU1d,
+    nniq.ConvReLU2d,
+    nniq.ConvReLU3d,
+    nniq.ConvAddReLU2d,
+    nniq.LinearReLU,
+    nniq.BNReLU2d,
+    nniq.BNReLU3d,
+    nniqd.LinearReLU,
+)
 
 # Quantizable layers whose weight matters; the order of checks below matters only
 # for subclasses (ConvReLU2d is a Conv2d subclass in some torch versions).

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from qlint.core.op_tables import ATEN_KINDS, FUNCTION_KINDS, METHOD_KINDS, MODULE_KINDS
+from qlint.core.op_tables import ATEN_KINDS, FUNCTION_KINDS, FUSED_RELU_MODULES, METHOD_KINDS, MODULE_KINDS
 
 # Kinds whose output is computed from a weight; the layers quantization cares most about.
 WEIGHTED_KINDS = frozenset(
@@ -167,8 +167,7 @@ def layer_kind(module: nn.Module) -> str | None:
 
 def fuses_relu(module: nn.Module) -> bool:
     """True for fused layers that apply a ReLU after their op (ConvReLU2d, LinearReLU, BNReLU2d...)."""
-    kind = layer_kind(module)
-    return kind is not None and kind not in ACTIVATION_KINDS and "ReLU" in type(module).__name__
+    return isinstance(module, FUSED_RELU_MODULES)
 
 
 def quantized_form(module: nn.Module) -> str | None:
