@@ -1,15 +1,14 @@
-"""pt2e export of a plan (runs only where torchao, the extra qlint[pt2e], is installed)."""
+"""pt2e export of a plan (torchao, the extra qlint[pt2e], is in the test extra: these run in CI)."""
 
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
+import torchao.quantization.pt2e.quantize_pt2e as pt2e
 
 from qlint.core.sqnr import SqnrSums
 from qlint.measure.metrics import sqnr_db
-
-pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
 
 
 class Net(nn.Module):
@@ -205,11 +204,12 @@ def test_a_dynamic_decision_beside_static_quantization_is_a_gap_not_a_silent_def
 
 def test_compare_names_a_pt2e_converted_model_as_such():
     """compare's report called a convert_pt2e model 'converted-fx' (it has quantize_per_tensor ops)."""
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as quantizer_module
+
     import qlint
     from qlint.measure.match_result import CounterpartKind
     from qlint.measure.matching import detect_counterpart
 
-    quantizer_module = pytest.importorskip("torchao.quantization.pt2e.quantizer.x86_inductor_quantizer")
     quantizer = quantizer_module.X86InductorQuantizer().set_global(
         quantizer_module.get_default_x86_inductor_quantization_config()
     )

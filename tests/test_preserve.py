@@ -9,6 +9,7 @@ import copy
 import logging
 import random
 
+import numpy  # installed with scipy, in the test extra
 import pytest
 import torch
 import torch.nn as nn
@@ -19,8 +20,6 @@ import qlint
 from qlint.core.preserve import preserved_state
 from qlint.errors import QlintError, StateError
 from tests import stateful_models as sm
-
-numpy = pytest.importorskip("numpy")
 
 
 # --- what "as it was" means ----------------------------------------------------------------

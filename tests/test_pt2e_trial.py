@@ -14,6 +14,11 @@ from torch.ao.quantization import (
     default_weight_observer,
     get_default_qconfig_mapping,
 )
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+    X86InductorQuantizer,
+    get_default_x86_inductor_quantization_config,
+)
 
 import qlint
 from qlint.core.intent import default_mapping
@@ -21,13 +26,6 @@ from qlint.core.sqnr import SqnrSums
 from qlint.linter.fixes import SetActivationObserver
 from qlint.linter.mapping import PercentileObserver
 from qlint.measure.pt2e_trial import Pt2eBench, as_torch_layers, pt2e_blocker, quantizer_for
-
-pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
-from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e  # noqa: E402
-from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (  # noqa: E402
-    X86InductorQuantizer,
-    get_default_x86_inductor_quantization_config,
-)
 
 
 class _ConvNet(nn.Module):

@@ -284,7 +284,6 @@ def test_pt2_verify_runs_the_pt2e_flow_and_measures_what_it_builds(run_cli, cli_
     quantizer (prepare_fx would quantize nothing and report "0/0 int8, 200 dB"): the numbers
     are those of the same flow run by hand, a decision that changes nothing is pruned, and
     the steps pt2e does not run are named."""
-    pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
     import importlib.util
 
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -333,7 +332,6 @@ def test_pt2_verify_runs_the_pt2e_flow_and_measures_what_it_builds(run_cli, cli_
 
 
 def test_pt2e_verify_leaves_out_what_the_pt2e_flow_cannot_apply():
-    pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
     from qlint.advice.plan import BiasCorrection, WeightSpec
     from qlint.advice.verify_pt2e import pt2e_plan
 

@@ -29,23 +29,27 @@ def as_call(
     The copies are the model's own: one that writes its input in place (``x.mul_(2)``,
     ``relu_``) changes neither the caller's data nor what the next forward pass sees.
     ``what`` names the batch in the error, e.g. "calibration batch 3"."""
-    if isinstance(batch, torch.Tensor):
-        args: tuple[Any, ...] = (batch,)
-        kwargs: dict[str, Any] = {}
-    elif isinstance(batch, (tuple, list)):
-        args, kwargs = tuple(batch), {}
-    elif isinstance(batch, Mapping):
-        args, kwargs = (), {str(key): value for key, value in batch.items()}
-    else:
-        raise BatchError(
-            f"{what} is a {type(batch).__name__}; expected a tensor, a tuple of tensors "
-            "(positional inputs) or a dict (keyword inputs)"
-        )
+    args, kwargs = call_parts(batch, what)
 
     def own(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone() if device is None else tensor.to(device, copy=True)
 
     return map_tensors(args, own), map_tensors(kwargs, own)
+
+
+def call_parts(batch: Any, what: str = "a batch") -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """How a batch calls a model, uncopied: a tensor is the one positional input, a tuple or
+    list the positional inputs, a mapping the keyword inputs."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    if isinstance(batch, Mapping):
+        return (), {str(key): value for key, value in batch.items()}
+    raise BatchError(
+        f"{what} is a {type(batch).__name__}; expected a tensor, a tuple of tensors "
+        "(positional inputs) or a dict (keyword inputs)"
+    )
 
 
 def call_model(model: Callable[..., Any], batch: Any) -> Any:

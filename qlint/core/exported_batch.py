@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from qlint.core.batches import BatchError, call_parts
 from qlint.errors import LoadError
 
 
@@ -191,13 +192,13 @@ def _rows_if_rechunked(
 
 
 def _as_tensors(batch: Any, inputs: tuple[ExportedInput, ...]) -> tuple[torch.Tensor, ...] | None:
-    if isinstance(batch, torch.Tensor):
-        tensors: tuple[Any, ...] = (batch,)
-    elif isinstance(batch, (tuple, list)):
-        tensors = tuple(batch)
-    else:
+    """The batch's positional tensors, one per input of the program; None for any other batch
+    (keyword inputs, another count, a non-tensor), which the program's own call then judges."""
+    try:
+        tensors, keywords = call_parts(batch)
+    except BatchError:
         return None
-    if len(tensors) != len(inputs) or not all(isinstance(t, torch.Tensor) for t in tensors):
+    if keywords or len(tensors) != len(inputs) or not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
     return tensors
 
