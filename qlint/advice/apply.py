@@ -66,6 +66,8 @@ class PlanToApply(Protocol):
 
     def to_qconfig_mapping(self) -> QConfigMapping: ...
 
+    def quantizes_input_per_batch(self, fqn: str) -> bool: ...
+
 
 class QuantizeError(QlintError):
     """prepare_fx, calibration or convert_fx failed under a plan."""
@@ -96,7 +98,9 @@ def rewritten(
     gm, applied = apply_requested_rewrites(model, plan, example)
     refuse_unknown_modules(gm, plan)
     if plan.equalization:
-        gm, equalized = apply_equalization(gm, [pair.module for pair in plan.equalization], calibration)
+        modules = [pair.module for pair in plan.equalization]
+        dynamic = [module for module in modules if plan.quantizes_input_per_batch(module)]
+        gm, equalized = apply_equalization(gm, modules, calibration, dynamic=dynamic)
         applied = applied + equalized
     return gm, applied
 

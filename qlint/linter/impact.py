@@ -352,9 +352,9 @@ class ImpactMeter:
                 model, applied = apply_requested_rewrites(model, suggestions, example)
                 applied_any |= any(record.applied for record in applied)
             if suggestions.equalization and isinstance(model, fx.GraphModule):
-                model, applied = apply_equalization(
-                    model, [pair.module for pair in suggestions.equalization], calibration
-                )
+                modules = [pair.module for pair in suggestions.equalization]
+                dynamic = [module for module in modules if suggestions.quantizes_input_per_batch(module)]
+                model, applied = apply_equalization(model, modules, calibration, dynamic=dynamic)
                 applied_any |= any(record.applied for record in applied)
         except QlintError:
             return None

@@ -286,6 +286,12 @@ class Suggestions(_Frozen):
             name = name.rpartition(".")[0]
         return listed[name]
 
+    def quantizes_input_per_batch(self, fqn: str) -> bool:
+        """Whether module ``fqn`` runs dynamic int8: its input quantized on each call's own range
+        rather than on a range fixed by calibration."""
+        decision = self.governing_decision(fqn)
+        return decision is not None and decision.quantize and decision.mode == "dynamic"
+
     def effective_activation(self, fqn: str) -> ActivationSpec:
         d = self.governing_decision(fqn)
         return d.activation if d is not None and d.activation is not None else self.activation
