@@ -55,15 +55,32 @@ def _check_structure(source: str) -> list[str]:
     kinds = [type(node).__name__ for node in tree.body]
     assert set(kinds) <= EXPECTED_TOP_LEVEL, kinds
     assert isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant)  # docstring
-    assert kinds.count("Expr") == 1 and kinds.count("Assign") == 1, kinds
+    assert kinds.count("Expr") == 1 and kinds.count("Assign") == 2, kinds  # qconfig_mapping, backend_config
     imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
     modules = {alias.name for node in imports if isinstance(node, ast.Import) for alias in node.names}
     modules |= {node.module for node in imports if isinstance(node, ast.ImportFrom)}
-    assert modules <= {"torch", "torch.ao.quantization", "torch.ao.quantization.observer", "qlint.advice.export"}
+    configs = {module for module in modules if module.startswith("torch.ao.quantization.backend_config.")}
+    assert len(configs) == 1, modules
+    assert modules - configs <= {
+        "torch",
+        "torch.ao.quantization",
+        "torch.ao.quantization.observer",
+        "torch.ao.quantization.quantize_fx",
+        "qlint.advice.export",
+    }
     functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
-    assert {f.name for f in functions} <= {"build_qconfig_mapping", "build_equalization_mapping"}
+    assert {f.name for f in functions} <= {
+        "build_qconfig_mapping",
+        "build_equalization_mapping",
+        "build_backend_config",
+    }
     configured = []
     for function in functions:
+        if function.name == "build_backend_config":  # one call of torch's getter for the backend
+            (returned,) = [statement for statement in function.body if isinstance(statement, ast.Return)]
+            call = returned.value
+            assert isinstance(call, ast.Call) and not call.args and ast.unparse(call.func).startswith(tuple(configs))
+            continue
         for statement in function.body:
             if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
                 continue  # the function's docstring
@@ -180,3 +197,29 @@ def test_emit_qconfig_with_a_hostile_model_file_name(run_main, tmp_path):
     ran = _run_generated(out, tmp_path)
     assert ran.returncode == 0, ran.stderr
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_the_generated_file_builds_the_backend_config_qlint_measured_with(tmp_path):
+    """prepare_fx without backend_config uses torch's native config, which fuses and quantizes
+    other patterns than the backend's own config that qlint's trials use: the file gives both."""
+    from qlint.advice.plan import default_plan
+
+    for backend in ("x86", "qnnpack"):
+        path = tmp_path / f"{backend}.py"
+        path.write_text(default_plan(backend).to_python(), encoding="utf-8")
+        code = f"import runpy; m = runpy.run_path({str(path)!r}); print(m['backend_config'].name)"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split()[-1] == backend
+
+
+def test_a_report_gives_the_backend_config_its_trials_used():
+    import qlint
+
+    report = qlint.lint(
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU()),
+        (torch.randn(2, 4),),
+        backend="qnnpack",
+        trial_options={"enabled": False},
+    )
+    assert report.backend_config().name == "qnnpack"

@@ -151,6 +151,13 @@ def backend_config(name: str) -> BackendConfig:
     return _GETTERS[name]()
 
 
+def backend_config_source(name: str) -> tuple[str, str]:
+    """The module to import and the call that build :func:`backend_config` (for files qlint writes)."""
+    backend_config(name)  # the name check
+    getter = _GETTERS[name]
+    return getter.__module__, f"{getter.__module__}.{getter.__name__}()"
+
+
 @functools.cache
 def backend_info(name: str) -> BackendInfo:
     config = backend_config(name)
