@@ -250,3 +250,12 @@ def test_a_silent_channel_keeps_scale_one_where_the_next_layer_runs_dynamic():
         return sums.sqnr_db()
 
     assert sqnr(equalized) > sqnr(plain) - 3.0 and sqnr(equalized) > 25.0
+
+    # verify reuses one rescaled graph while the rewrites stay the same: a scheme search that
+    # makes fc2 dynamic must not measure it on the graph rescaled for a static fc2
+    from qlint.advice.verify_session import Session
+
+    session = Session(model, calibration, woken, woken, max_trials=4)
+    static = equalized.model_copy(update={"modules": []})
+    session.measure("static", static)
+    assert session.measure("dynamic", equalized).result.sqnr_db == pytest.approx(sqnr(equalized), abs=0.01)

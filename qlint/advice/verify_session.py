@@ -251,11 +251,13 @@ class Session:
         Each rewrite is checked against the float outputs (a copy and a forward pass per
         candidate), so redoing it for every trial would cost more than the trial's
         calibration on a model with many BN folds. The scheme search and the fallback change
-        only module decisions, so one cached graph serves them all; one is kept at a time.
+        only module decisions, so one cached graph serves them all, except where a decision
+        makes an equalized layer dynamic (its rescale differs); one is kept at a time.
         A plan with neither quantizes the traced model itself (a copy of its modules)."""
         if not plan.rewrites and not plan.equalization:
             return self.traced, []
-        key = plan.model_dump_json(include={"rewrites", "equalization"})
+        dynamic = [pair.module for pair in plan.equalization if plan.quantizes_input_per_batch(pair.module)]
+        key = plan.model_dump_json(include={"rewrites", "equalization"}) + repr(dynamic)
         if self._last_rewritten is None or self._last_rewritten[0] != key:
             self._last_rewritten = (key, *rewritten(self.traced, plan, self.calibration))
         return self._last_rewritten[1], self._last_rewritten[2]
