@@ -9,6 +9,7 @@ import torch
 
 # torch's FX numeric suite is private API: the reference in tests only.
 import torch.ao.ns._numeric_suite_fx as torch_ns
+import torch.nn as nn
 from torch.ao.ns.fx.utils import compute_sqnr
 
 from qlint.linter.findings import Report
@@ -367,3 +368,38 @@ def test_weights_clipped_by_a_narrow_quantizer_range_are_on_the_grid():
     other = weight.clone()
     other[:, :8] *= 2.5  # another float weight: its integers are not these
     assert off_grid_fraction(other, Converted()) > 0.2
+
+
+class _StatefulCell(nn.Module):
+    """x (batch, 8) and a state (layers, batch, 8), silero_vad-style: the state is not batch-first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x, state):
+        out = torch.relu(self.fc(torch.cat([x, state[0]], dim=1)))
+        return out, torch.stack([out, state[1]])
+
+
+def test_badcases_split_a_state_whose_batch_is_not_its_first_dim():
+    """compare --badcases failed on silero_vad ("Input batch size 1 doesn't match hidden0 batch size
+    8"): its state (2, batch, 128) was handed whole to every one-sample batch."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.manual_seed(0)
+    model = _StatefulCell().eval()
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 8, generator=generator), torch.randn(2, 4, 8, generator=generator)) for _ in range(3)]
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), data[0])
+    for batch in data:
+        prepared(*batch)
+    converted = convert_fx(prepared)
+    found = find_badcases(model, converted, data, top=2)
+    assert found.samples_seen == 12
+    case = found.worst("max_abs")[0]
+    x, state = case.sample
+    assert x.shape == (1, 8) and state.shape == (2, 1, 8)
+    batch, row = data[case.index // 4], case.index % 4
+    assert torch.equal(x[0], batch[0][row]) and torch.equal(state[:, 0], batch[1][:, row])

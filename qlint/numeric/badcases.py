@@ -89,10 +89,22 @@ class BadCaseSet:
 
 
 def split_samples(batch: Any, size: int) -> list[Any]:
-    """One batch-of-one per sample; non-batched members (flags, lengths) are shared."""
+    """One batch-of-one per sample. A tensor's batch dim is its first when that has ``size``
+    entries, else its only dim that has (a recurrent state such as ``(layers, batch, hidden)``);
+    members with no such dim (flags, shared tables) are shared by every sample."""
+
+    def batch_dim(tensor: torch.Tensor) -> int | None:
+        dims = [d for d in range(tensor.dim()) if tensor.shape[d] == size]
+        if not dims:
+            return None
+        return 0 if dims[0] == 0 else dims[0] if len(dims) == 1 else None
 
     def take(row: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda t: t[row : row + 1].clone() if t.dim() > 0 and t.shape[0] == size else t
+        def one(tensor: torch.Tensor) -> torch.Tensor:
+            dim = batch_dim(tensor)
+            return tensor if dim is None else tensor.narrow(dim, row, 1).clone()
+
+        return one
 
     return [map_tensors(batch, take(row)) for row in range(size)]
 
