@@ -63,6 +63,8 @@ WRONG_TYPES = [
     ("max-fix-trials = true", "[tool.qlint] max-fix-trials:", "valid integer"),
     ("min-impact-db = inf", "[tool.qlint] min-impact-db:", "finite"),
     ("select = []", "[tool.qlint] select: selects no rule", "leave select out"),
+    # as --no-trial with --fix-trials is
+    ("trial = false\nmax-fix-trials = 3", "[tool.qlint]: max-fix-trials tunes the trial", "trial = false skips"),
     # an unknown key in pydantic's words was "Extra inputs are not permitted"
     ("bogus = 1", "[tool.qlint] bogus:", "unknown option"),
     (
@@ -83,7 +85,12 @@ def test_a_setting_of_the_wrong_type_or_meaning_is_refused_not_coerced(run_main,
 
 
 @pytest.mark.parametrize(
-    "table", ["[tool.qlint]\n", "[tool.qlint]\ntrial = false\nmin-impact-db = 1\nselect = ['QL1']\n"]
+    "table",
+    [
+        "[tool.qlint]\n",
+        "[tool.qlint]\ntrial = false\nselect = ['QL1']\n",
+        "[tool.qlint]\nmin-impact-db = 1\n[tool.qlint.rules.QL104]\nmin_channel_spread = 2\n",
+    ],
 )
 def test_an_empty_table_and_well_typed_settings_are_accepted(run_main, project, table):
     (project / "pyproject.toml").write_text(table)
@@ -136,3 +143,20 @@ def test_verify_and_quantize_refuse_example_inputs_they_would_not_use(run_main, 
     line = _one_line_error(result)
     assert f"unrecognized arguments: {flag[0]}" in line and f"qlint {command} --help" in line, line
     assert not (project / "int8.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "option, problem",
+    [
+        ('report_constant_channels = "off"', "report_constant_channels: Input should be a valid boolean"),
+        ('ratio_threshold = "3.5"', "ratio_threshold: Input should be a valid number"),
+        ("ratio_threshold = true", "ratio_threshold: Input should be a valid number"),
+    ],
+)
+def test_rule_options_are_strict_as_every_setting_and_name_the_pyproject(run_main, project, option, problem):
+    """ "off" read as False and "3.5" as 3.5 in [tool.qlint.rules.X], and true as 1 (then refused as
+    "greater than 1", naming no file)."""
+    pyproject = project / "pyproject.toml"
+    pyproject.write_text(f"[tool.qlint.rules.QL203]\n{option}\n")
+    line = _one_line_error(run_main("m:build", "--input-shape", "1,4", "--no-trial", cwd=project))
+    assert f"{pyproject}: [tool.qlint.rules.QL203]: {problem}" in line, line

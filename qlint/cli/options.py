@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
+
+from pydantic import ValidationError
 
 from qlint.cli.common import split_list
 from qlint.core.load import is_factory_spec
-from qlint.errors import ConfigError
+from qlint.errors import ConfigError, validation_problems
 from qlint.linter.findings import Severity
 from qlint.linter.registry import Registry
 from qlint.linter.settings import Config, FileSettings
@@ -91,12 +94,19 @@ def check_rule_options(config: Config, registry: Registry) -> None:
                 registry.select([selector])
             except ConfigError as error:
                 raise ConfigError(f"{config.source} [tool.qlint] {key}: {error}") from error
-    known = {cls.code for cls in registry.all()} | {cls.name for cls in registry.all()}
-    for key in config.settings.rules:
+    known = {cls.code: cls for cls in registry.all()} | {cls.name: cls for cls in registry.all()}
+    for key, values in config.settings.rules.items():
         if key not in known:
             # The engine looks options up by the exact code or name, so "ql101" would be ignored.
             hint = f"; did you mean {key.upper()}?" if key.upper() in known else "; run 'qlint rules' to list them"
             raise ConfigError(f"{config.source}: [tool.qlint.rules.{key}]: unknown rule {key!r}{hint}")
+        try:
+            # strict, as every other setting: TOML has its own booleans and numbers, so a string
+            # such as "off" is a mistake to name, not a value to coerce. Read as JSON is: a TOML
+            # array is then a valid tuple.
+            known[key].Options.model_validate_json(json.dumps(values, default=str), strict=True)
+        except ValidationError as error:
+            raise ConfigError(f"{config.source}: [tool.qlint.rules.{key}]: {validation_problems(error)}") from error
 
 
 def check_flags(args: argparse.Namespace) -> None:

@@ -106,6 +106,21 @@ class Settings(_Strict):
     rules: dict[str, dict[str, Any]] = Field(default_factory=dict)
     files: list[FileSettings] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _trial_tuned_only_when_run(self) -> Settings:
+        if not self.trial:
+            tuning = [
+                key
+                for key, value in (("min-impact-db", self.min_impact_db), ("max-fix-trials", self.max_fix_trials))
+                if value is not None
+            ]
+            if tuning:
+                raise ValueError(
+                    f"{' and '.join(tuning)} {'tunes' if len(tuning) == 1 else 'tune'} the trial, "
+                    "which trial = false skips: set one"
+                )
+        return self
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -209,7 +224,8 @@ def _where(section: dict[str, Any], loc: tuple[int | str, ...]) -> str:
         which = f"path = {named!r}" if isinstance(named, str) else f"entry {loc[1] + 1}"
         key = ".".join(str(p) for p in loc[2:])
         return f"[[tool.qlint.files]] {which}" + (f": {key}" if key else "")
-    return "[tool.qlint] " + ".".join(str(p) for p in loc)
+    key = ".".join(str(p) for p in loc)
+    return "[tool.qlint]" + (f" {key}" if key else "")
 
 
 class ConfigFinder:
