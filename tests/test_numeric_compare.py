@@ -12,7 +12,7 @@ import torch.ao.ns._numeric_suite_fx as torch_ns
 import torch.nn as nn
 from torch.ao.ns.fx.utils import compute_sqnr
 
-from qlint.linter.findings import Report
+from qlint.linter.findings import CompareRow, Report
 from qlint.measure.matching import match_layers
 from qlint.numeric.badcases import BadCaseSet, compare_badcases, find_badcases, per_sample_scores
 from qlint.numeric.compare import compare
@@ -403,3 +403,27 @@ def test_badcases_split_a_state_whose_batch_is_not_its_first_dim():
     assert x.shape == (1, 8) and state.shape == (2, 1, 8)
     batch, row = data[case.index // 4], case.index % 4
     assert torch.equal(x[0], batch[0][row]) and torch.equal(state[:, 0], batch[1][:, row])
+
+
+def _row(scale: float, float_min: float, float_max: float, quantized: float) -> CompareRow:
+    summary = {
+        "scale": scale,
+        "rmse_over_scale": 0.01,
+        "float_min": float_min,
+        "float_max": float_max,
+        "quantized_min": quantized,
+        "quantized_max": quantized,
+    }
+    return CompareRow(name="mul", kind="mul", sqnr_propagated=0.0, sqnr_shadow=0.0, extra={"shadow": summary})
+
+
+def test_ql301_says_when_the_output_step_is_wider_than_every_value_spread():
+    """MiniLM's attention-mask mul (values 0 and -1e4) got an output scale of 787401: every value
+    became 0, and QL301 blamed "a few large values" and suggested equalization or clamping."""
+    from qlint.numeric.diagnose import low_sqnr_findings
+
+    (finding,) = low_sqnr_findings([_row(787401.6, -1e4, 0.0, 0.0)], sqnr_threshold=20.0, weight_sqnr_threshold=25.0)
+    assert "wider than the whole float range" in finding.message and "a few large values" not in finding.message
+    assert "equalization" not in finding.message
+    (spread,) = low_sqnr_findings([_row(40.0, -1e4, 0.0, -9960.0)], sqnr_threshold=20.0, weight_sqnr_threshold=25.0)
+    assert "a few large values" in spread.message

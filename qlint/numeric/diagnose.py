@@ -135,6 +135,18 @@ def _cause_and_fix(row: CompareRow, weight_low: bool, activation_low: bool) -> t
             "or keep the layer in float",
             "clipping",
         )
+    scale = summary.get("scale")
+    if scale is not None and float_min is not None and float_max is not None and scale > float_max - float_min:
+        # A step wider than every value's spread: no outlier sets it, the output's qparams do not
+        # fit this op (a multiply by a large constant, a fixed-qparams op fed other values).
+        low, high = summary.get("quantized_min"), summary.get("quantized_max")
+        collapsed = f"; the int8 output spans [{low:.3g}, {high:.3g}]" if low is not None and high is not None else ""
+        return (
+            f"its int8 output step ({scale:.3g}) is wider than the whole float range "
+            f"[{float_min:.3g}, {float_max:.3g}]{collapsed}: its output qparams do not fit its values at all",
+            "keep the op in float, or give its output qparams that cover its float range",
+            "range",
+        )
     return (
         "its quantization step is coarse next to typical values: the range is set by a few large values "
         f"(float range [{float_min:.3g}, {float_max:.3g}]) while most values are small"
