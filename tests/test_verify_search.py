@@ -229,15 +229,15 @@ def test_8_bit_activations_are_tried_only_on_a_vnni_cpu(monkeypatch, vnni):
 
 
 def test_the_fallback_predicts_its_gain_from_each_layer_own_error():
-    from qlint.advice.verify_search import _predicted_gain
+    from qlint.core.sqnr import predicted_gain_db
 
     # a layer whose own noise is the output's whole noise: everything is gained (capped at 20 dB)
-    assert _predicted_gain(20.0, [20.0]) == pytest.approx(20.0)
+    assert predicted_gain_db(20.0, [20.0]) == pytest.approx(20.0)
     # half the output's noise power: 3 dB
-    assert _predicted_gain(20.0, [23.0103]) == pytest.approx(3.0103, abs=1e-3)
+    assert predicted_gain_db(20.0, [23.0103]) == pytest.approx(3.0103, abs=1e-3)
     # layers far cleaner than the output: nothing worth a trial
-    assert _predicted_gain(20.0, [45.0, 50.0]) < 0.05
-    assert _predicted_gain(20.0, []) == 0.0
+    assert predicted_gain_db(20.0, [45.0, 50.0]) < 0.05
+    assert predicted_gain_db(20.0, []) == 0.0
 
 
 def test_the_fallback_tries_layers_from_the_worst_own_error_up():
