@@ -20,6 +20,7 @@ from torch.ao.quantization import get_default_qconfig_mapping
 
 import qlint
 from qlint.advice.plan import plan_from_report
+from qlint.linter.findings import Finding, Report
 from qlint.rules._ql203_measure import clip_value
 from qlint.stats import summarize_batch
 
@@ -81,8 +82,8 @@ def _linear() -> nn.Module:
         return nn.Sequential(nn.Linear(8, 4)).eval()
 
 
-def test_ql203_reports_no_clip_value_above_the_observed_maximum():
-    batches = _batches()
+def _outlier_finding(batches: list[torch.Tensor]) -> tuple[Report, Finding]:
+    """QL203 alone on the linear model, calibrated on ``batches`` (no trial), and its one outlier finding."""
     report = qlint.lint(
         _linear(),
         (batches[0],),
@@ -92,6 +93,12 @@ def test_ql203_reports_no_clip_value_above_the_observed_maximum():
         trial_options={"enabled": False},
     )
     (finding,) = [f for f in report.by_rule("QL203") if f.data["kind"] == "outlier"]
+    return report, finding
+
+
+def test_ql203_reports_no_clip_value_above_the_observed_maximum():
+    batches = _batches()
+    _, finding = _outlier_finding(batches)
     assert {0, 1} <= set(finding.data["outlier_channels"])
     clip = finding.data["clip_value"]
     assert isinstance(clip, float) and 0.0 <= clip <= max(finding.data["channel_max"])
@@ -111,15 +118,7 @@ def _mostly_zero_batches(count: int = 6) -> list[torch.Tensor]:
 
 def test_only_mostly_zero_outlier_channels_suggest_no_fix_and_add_nothing_to_the_plan():
     batches = _mostly_zero_batches()
-    report = qlint.lint(
-        _linear(),
-        (batches[0],),
-        calibration=batches,
-        qconfig_mapping=get_default_qconfig_mapping("x86"),
-        select=["QL203"],
-        trial_options={"enabled": False},
-    )
-    (finding,) = [f for f in report.by_rule("QL203") if f.data["kind"] == "outlier"]
+    report, finding = _outlier_finding(batches)
     assert finding.data["mostly_zero_channels"] == finding.data["outlier_channels"] == [0]
     assert finding.severity.value == "info"
     assert finding.suggestion is None and "PercentileObserver" not in finding.message
@@ -154,15 +153,7 @@ def test_a_flipped_ratio_is_not_read_as_the_bulk_fraction_of_a_negative_channel(
     batches = _negative_channel_batches()
     stats = _stats(batches)
     assert 0 < float(stats.average_percentile_ratio()[0]) < 1 / 3.5  # flagged once torch flips it
-    report = qlint.lint(
-        _linear(),
-        (batches[0],),
-        calibration=batches,
-        qconfig_mapping=get_default_qconfig_mapping("x86"),
-        select=["QL203"],
-        trial_options={"enabled": False},
-    )
-    (finding,) = [f for f in report.by_rule("QL203") if f.data["kind"] == "outlier"]
+    _, finding = _outlier_finding(batches)
     assert finding.data["outlier_channels"] == [0]
     # the channel spans a third of the tensor's range: it cannot lose more than log2(3) bits to it
     full = float(stats.channel_max.max() - stats.channel_min.min())
@@ -181,15 +172,7 @@ def test_a_bulk_below_one_int8_step_is_said_to_lose_every_bit():
         x[:, 1] = torch.rand(64, generator=generator) * 1e-3 + 1e-3  # bulk ~1e-3
         x[0, 1] = 100.0  # one spike per batch: max / quantile ~5e4
         batches.append(x)
-    report = qlint.lint(
-        _linear(),
-        (batches[0],),
-        calibration=batches,
-        qconfig_mapping=get_default_qconfig_mapping("x86"),
-        select=["QL203"],
-        trial_options={"enabled": False},
-    )
-    (finding,) = [f for f in report.by_rule("QL203") if f.data["kind"] == "outlier"]
+    _, finding = _outlier_finding(batches)
     assert 1 in finding.data["outlier_channels"]
     bits = finding.data["dtype_bits"]
     assert finding.data["outlier_channel_bits_lost"] == bits

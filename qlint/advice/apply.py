@@ -66,7 +66,7 @@ class PlanToApply(Protocol):
 
     def to_qconfig_mapping(self) -> QConfigMapping: ...
 
-    def quantizes_input_per_batch(self, fqn: str) -> bool: ...
+    def dynamic_equalized_modules(self) -> list[str]: ...
 
 
 class QuantizeError(QlintError):
@@ -99,8 +99,7 @@ def rewritten(
     refuse_unknown_modules(gm, plan)
     if plan.equalization:
         modules = [pair.module for pair in plan.equalization]
-        dynamic = [module for module in modules if plan.quantizes_input_per_batch(module)]
-        gm, equalized = apply_equalization(gm, modules, calibration, dynamic=dynamic)
+        gm, equalized = apply_equalization(gm, modules, calibration, dynamic=plan.dynamic_equalized_modules())
         applied = applied + equalized
     return gm, applied
 

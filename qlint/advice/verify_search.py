@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch.fx as fx
 
@@ -63,9 +64,7 @@ def scheme_candidates(gm: fx.GraphModule, plan: QuantPlan, backend: str, frozen:
     out = []
     for fqn in called:
         decision = plan.governing_decision(fqn)
-        if decision is not None and (decision.fqn in frozen or not decision.quantize):
-            continue
-        if fqn in frozen:
+        if fqn in frozen or (decision is not None and (decision.fqn in frozen or not decision.quantize)):
             continue
         if module_kind(gm.get_submodule(fqn)) in kinds:
             out.append(fqn)
@@ -100,16 +99,12 @@ def _with_mode(plan: QuantPlan, fqn: str, mode: str, provenance: Provenance) -> 
 def _same_effect(decision: ModuleDecision, plan: QuantPlan, fqn: str) -> bool:
     """Whether ``plan`` (without a decision of its own for ``fqn``) treats the layer as ``decision`` does."""
     inherited = plan.governing_decision(fqn)
-    if inherited is None:
-        if plan.float_by_default:
-            return False
-        inherited = ModuleDecision(fqn=fqn, provenance=decision.provenance)
-    return (decision.quantize, decision.mode, decision.activation, decision.weight) == (
-        inherited.quantize,
-        inherited.mode,
-        inherited.activation,
-        inherited.weight,
-    )
+    effect: tuple[Any, ...] | None
+    if inherited is None:  # the globals: quantized static with the global specs, unless float by default
+        effect = None if plan.float_by_default else (True, "static", None, None)
+    else:
+        effect = (inherited.quantize, inherited.mode, inherited.activation, inherited.weight)
+    return (decision.quantize, decision.mode, decision.activation, decision.weight) == effect
 
 
 def _flipped(plan: QuantPlan, fqns: Sequence[str], gain: float) -> QuantPlan:

@@ -256,8 +256,7 @@ class Session:
         A plan with neither quantizes the traced model itself (a copy of its modules)."""
         if not plan.rewrites and not plan.equalization:
             return self.traced, []
-        dynamic = [pair.module for pair in plan.equalization if plan.quantizes_input_per_batch(pair.module)]
-        key = plan.model_dump_json(include={"rewrites", "equalization"}) + repr(dynamic)
+        key = plan.model_dump_json(include={"rewrites", "equalization"}) + repr(plan.dynamic_equalized_modules())
         if self._last_rewritten is None or self._last_rewritten[0] != key:
             self._last_rewritten = (key, *rewritten(self.traced, plan, self.calibration))
         return self._last_rewritten[1], self._last_rewritten[2]

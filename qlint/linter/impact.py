@@ -353,7 +353,7 @@ class ImpactMeter:
                 applied_any |= any(record.applied for record in applied)
             if suggestions.equalization and isinstance(model, fx.GraphModule):
                 modules = [pair.module for pair in suggestions.equalization]
-                dynamic = [module for module in modules if suggestions.quantizes_input_per_batch(module)]
+                dynamic = suggestions.dynamic_equalized_modules()
                 model, applied = apply_equalization(model, modules, calibration, dynamic=dynamic)
                 applied_any |= any(record.applied for record in applied)
         except QlintError:

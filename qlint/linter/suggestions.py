@@ -286,11 +286,12 @@ class Suggestions(_Frozen):
             name = name.rpartition(".")[0]
         return listed[name]
 
-    def quantizes_input_per_batch(self, fqn: str) -> bool:
-        """Whether module ``fqn`` runs dynamic int8: its input quantized on each call's own range
-        rather than on a range fixed by calibration."""
-        decision = self.governing_decision(fqn)
-        return decision is not None and decision.quantize and decision.mode == "dynamic"
+    def dynamic_equalized_modules(self) -> list[str]:
+        """The equalized modules that run dynamic int8 (their own decision or an ancestor's): their
+        input is quantized on each call's own range, not on one fixed by calibration."""
+        modules = [pair.module for pair in self.equalization]
+        decisions = [self.governing_decision(module) for module in modules]
+        return [m for m, d in zip(modules, decisions) if d is not None and d.quantize and d.mode == "dynamic"]
 
     def effective_activation(self, fqn: str) -> ActivationSpec:
         d = self.governing_decision(fqn)
