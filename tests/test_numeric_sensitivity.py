@@ -1,5 +1,6 @@
 """sensitivity(): agreement with the exhaustive one-layer-at-a-time ranking."""
 
+import copy
 import warnings
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 import torch.nn as nn
 from scipy.stats import spearmanr
 
+from qlint.numeric.compare import compare
 from qlint.numeric.examples import SmallConvNet, bad_layer_qconfig_mapping, image_batches, randomize_batch_norm
 from qlint.numeric.sensitivity import (
     exhaustive_sensitivity,
@@ -168,3 +170,33 @@ def test_the_exhaustive_reference_scores_every_output_as_the_estimate_does():
     assert exhaustive["head_b"] > 0 and estimated["head_b"] > 0
     # linear heads and few outputs per sample: the estimate is exact up to rounding
     assert exhaustive == pytest.approx(estimated, rel=0.01)
+
+
+def test_a_layer_convert_keeps_float_adds_no_error_in_a_prepared_counterpart():
+    """A prepared counterpart and its converted model agree on a layer left float: the observer
+    feeding it belongs to its producer (whose output convert_fx quantizes), not to it."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.manual_seed(0)
+    # Layer 2, float, sits between quantized ones: the observer before it is layer 0's
+    # output (via the tanh) and the one after it layer 3's input.
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8), nn.Linear(8, 4)).eval()
+    batches = [torch.randn(4, 16) for _ in range(3)]
+    mapping = get_default_qconfig_mapping("x86").set_module_name("2", None)
+    prepared = prepare_fx(copy.deepcopy(model), mapping, (batches[0],))
+    with torch.no_grad():
+        for batch in batches:
+            prepared(batch)
+    converted = convert_fx(copy.deepcopy(prepared))
+    scores, shadows = {}, {}
+    for counterpart in (prepared, converted):
+        rows = {row.name: row for row in sensitivity_rows(model, batches, quantized_model=counterpart)}
+        scores[counterpart is prepared] = (rows["0"].score, rows["2"].score)
+        table = {row.name: row for row in compare(model, counterpart, batches).layers}
+        shadows[counterpart is prepared] = table["2"].sqnr_shadow
+    assert scores[False][1] == 0.0  # the converted model runs layer 2 in float
+    assert scores[True][1] == 0.0, scores
+    assert scores[True][0] > 0.0 and scores[False][0] > 0.0  # layer 0 is quantized in both
+    # The per-layer table agrees: layer 2's own error is none in both (its output is float).
+    assert shadows[True] == shadows[False], shadows

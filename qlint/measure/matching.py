@@ -278,8 +278,26 @@ def _order_followers(fqn: str, float_order: list[str], float_modules) -> list:
     return [(layer_kind(float_modules[name]), name) for name in float_order[index + 1 : index + 3]]
 
 
+def _prepared_as_float(node: torch.fx.Node, role: str) -> bool:
+    """Whether ``prepare_fx`` planned this node's ``role`` ("input" or "output") activation as
+    float: convert_fx then runs it float (LSTMCell without a static kernel, a layer whose qconfig
+    is None). An observer beside such a node is its neighbour's: the producer's output, or the
+    consumer's input. Graphs that do not record the plan (``target_dtype_info``) count as
+    quantized, as their observers suggest."""
+    plan = node.meta.get("target_dtype_info")
+    if not isinstance(plan, Mapping) or f"{role}_act_obs_or_fq_ctr" not in plan:
+        return False
+    constructor = plan[f"{role}_act_obs_or_fq_ctr"]
+    if constructor is None:
+        return True
+    dtype = getattr(constructor(), "dtype", None)
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
 def _attach_quantizers(quant_graph, layers, quant_modules) -> None:
-    """For prepared graphs: the observer/fake-quant feeding each layer and the one after it."""
+    """For prepared graphs: the observer/fake-quant feeding each layer and the one after it,
+    where the layer's own input and output are quantized (an observer beside a layer convert_fx
+    keeps float belongs to its neighbour)."""
     module_nodes = {node.target: node for node in quant_graph.graph.nodes if node.op == "call_module"}
     named_nodes = {node.name: node for node in quant_graph.graph.nodes}
     for layer in layers.values():
@@ -295,8 +313,11 @@ def _attach_quantizers(quant_graph, layers, quant_modules) -> None:
             and isinstance(node.args[0], torch.fx.Node)
             and node.args[0].op == "call_module"
             and _is_quantizer(quant_modules.get(str(node.args[0].target)))
+            and not _prepared_as_float(node, "input")
         ):
             layer.quant_input_quantizer = str(node.args[0].target)
+        if _prepared_as_float(node, "output"):
+            continue
         for user in node.users:
             if user.op == "call_module" and _is_quantizer(quant_modules.get(str(user.target))):
                 layer.quant_output_quantizer = str(user.target)
