@@ -30,6 +30,11 @@ class EmptyCalibrationError(QlintError):
     """The calibration data held no batch at all."""
 
 
+class DataError(QlintError):
+    """The user's data cannot be measured on (NaN or Inf values, where every SQNR would be
+    measured against them)."""
+
+
 class CalibrationError(QlintError):
     """A calibration batch could not be run through the model."""
 

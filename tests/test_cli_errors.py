@@ -1,5 +1,6 @@
 """Bad input: exit code 2 and one line that names the problem, never a traceback."""
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -332,3 +333,42 @@ def test_example_inputs_that_do_not_fit_a_pt2_are_a_usage_error(run_main, tmp_pa
             _check_one_line_error(result, "the example inputs do not fit the model", needle)
     fits = run_main("m.pt2", "--no-trial", cwd=tmp_path)
     assert fits.returncode == 0, fits.stderr
+
+
+_COMPARE_MODELS = """
+import copy
+import torch
+from torch.ao.quantization import get_default_qconfig_mapping
+from torch.ao.quantization.quantize_fx import prepare_fx
+
+def float_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+
+def quantized_model():
+    prepared = prepare_fx(copy.deepcopy(float_model()), get_default_qconfig_mapping("x86"), (torch.randn(2, 8),))
+    prepared(torch.randn(2, 8))
+    return prepared
+"""
+
+
+@pytest.mark.parametrize(
+    "data, needles",
+    [
+        ("[]", ("no batches", "nothing to compare")),
+        ("[torch.full((2, 8), float('nan'))]", ("batch 0", "NaN or Inf")),
+        ("[torch.randn(2, 8), torch.full((2, 8), float('inf'))]", ("batch 1", "NaN or Inf")),
+    ],
+    ids=["empty", "nan", "inf-in-second-batch"],
+)
+def test_compare_data_with_nothing_to_measure_is_one_error_not_a_clean_report(
+    run_main, tmp_path, request, data, needles
+):
+    """Empty data printed a table of n/a and exited 0 (a CI job with an empty loader passed as
+    clean); an all-NaN batch exited 1 with QL301 findings measured against NaN outputs."""
+    module = f"pair_{request.node.callspec.id.replace('-', '_')}"  # one per case: imports are cached
+    (tmp_path / f"{module}.py").write_text(_COMPARE_MODELS + f"\n\ndef batches():\n    return {data}\n")
+    result = run_main(
+        "compare", f"{module}:float_model", f"{module}:quantized_model", "--calibration", f"{module}:batches"
+    )
+    _check_one_line_error(result, *needles)

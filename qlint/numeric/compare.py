@@ -9,7 +9,7 @@ the metrics in ``extra``) and findings QL301 (low-sqnr-layer) and QL302
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -18,9 +18,10 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from qlint.core.nested import first_float, float_tensors
+from qlint.core.nested import first_float, float_tensors, tensors_in
 from qlint.core.preserve import preserved_state
 from qlint.core.sqnr import SqnrSums
+from qlint.errors import DataError, EmptyCalibrationError
 from qlint.linter.findings import CompareRow, Notice, Report, Severity, Timing
 from qlint.measure.capture import PairedRunner
 from qlint.measure.match_result import MODULE_SITE, LayerMatch, MatchResult
@@ -184,7 +185,7 @@ def _compare(
         for layer in match.layers:
             stats[layer.name].weight = weight_stats(layer, float_model, quantized_model)
             stats[layer.name].weight_off_grid = weight_off_grid(layer, float_model, quantized_model)
-        for _, float_output, quant_output in runner.run(data):
+        for _, float_output, quant_output in runner.run(_finite_batches(data)):
             paired = _fold_outputs(output_sqnr, output_stats, float_output, quant_output)
             if isinstance(paired, str):
                 unpaired_outputs = paired
@@ -243,8 +244,8 @@ def _compare(
                 ),
             )
         )
-    if batches == 0:
-        notices.append(Notice(level=Severity.WARNING, message="the data yielded no batches; nothing was compared"))
+    if batches == 0:  # a report of no numbers would read as clean
+        raise EmptyCalibrationError("the data yielded no batches: there is nothing to compare")
     elsewhere = [f.target for f in findings if f.data.get("kind") in OTHER_MODEL_KINDS]
     if elsewhere:  # said once for the whole report: every layer after the first is affected
         notices.append(
@@ -266,6 +267,15 @@ def _compare(
         timings=[Timing(stage="numeric-compare", seconds=elapsed)],
         layers=rows,
     )
+
+
+def _finite_batches(data: Iterable) -> Iterator[Any]:
+    """The batches of ``data``; one holding NaN or Inf is refused, since every SQNR would be
+    measured against what the models make of it."""
+    for number, batch in enumerate(data):
+        if not all(bool(tensor.isfinite().all()) for tensor in tensors_in(batch) if tensor.is_floating_point()):
+            raise DataError(f"batch {number} of the data holds NaN or Inf values: there is no SQNR to measure on it")
+        yield batch
 
 
 def _fold_outputs(sums: SqnrSums, stats: PairwiseErrorStats, reference: Any, quantized: Any) -> int | str:
