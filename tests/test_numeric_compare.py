@@ -2,6 +2,7 @@
 shadow vs propagated, model immutability, and the bad-case search."""
 
 import copy
+import operator
 import warnings
 
 import pytest
@@ -427,3 +428,50 @@ def test_ql301_says_when_the_output_step_is_wider_than_every_value_spread():
     assert "equalization" not in finding.message
     (spread,) = low_sqnr_findings([_row(40.0, -1e4, 0.0, -9960.0)], sqnr_threshold=20.0, weight_sqnr_threshold=25.0)
     assert "a few large values" in spread.message
+
+
+class _MaskedScores(nn.Module):
+    """MiniLM's attention mask in small: scores plus (1 - mask) * -1e4, a functional mul whose
+    int8 output step is wider than its values' spread."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x, mask):
+        return self.out(torch.softmax(self.query(x) + (1.0 - mask) * -1e4, dim=-1))
+
+
+def test_a_functional_layer_is_kept_float_by_its_function_and_the_plan_applies():
+    """compare's keep-float fix for MiniLM's mask `mul` named a module "mul": the plan made from
+    the report was refused ("names 3 module(s) this model does not have") and its mapping's
+    set_module_name("mul", None) did nothing. A functional row now carries its function."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    from qlint.advice.plan import plan_from_report
+    from qlint.linter.fixes import KeepFloat, KeepFloatFunction
+
+    torch.manual_seed(0)
+    model = _MaskedScores().eval()
+    mask = torch.ones(4, 8)
+    mask[:, 6:] = 0
+    data = [(torch.randn(4, 8), mask) for _ in range(3)]
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), data[0])
+    for batch in data:
+        prepared(*batch)
+    report = compare(model, convert_fx(prepared), data)
+    rows = {row.name: row for row in report.layers}
+    assert rows["mul"].functional and rows["mul"].function == "operator.mul"
+    assert not rows["query"].functional and rows["query"].function is None
+    fixes = [finding.suggestion for finding in report.findings if finding.target == "mul" and finding.suggestion]
+    assert fixes and all(isinstance(fix, KeepFloatFunction) and fix.function == "operator.mul" for fix in fixes)
+    module_fixes = [f.suggestion for f in report.findings if isinstance(f.suggestion, KeepFloat)]
+    assert all(fix.module in dict(model.named_modules()) for fix in module_fixes)
+    plan = plan_from_report(report)
+    assert [entry.function for entry in plan.float_functions] == ["operator.mul"]
+    assert not [entry.fqn for entry in plan.modules if entry.fqn not in dict(model.named_modules())]
+    quantized = plan.quantize(model, data)  # was refused: the plan named modules the model lacks
+    muls = [node for node in quantized.graph.nodes if node.name.startswith("mul")]
+    assert muls and all(node.target is operator.mul for node in muls)  # float: not quantized.mul

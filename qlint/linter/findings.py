@@ -284,6 +284,14 @@ class CompareRow(_Row):
     sqnr_propagated: float | None = None
     sqnr_shadow: float | None = None
     cosine: float | None = None
+    functional: bool = Field(
+        default=False, description="A functional op of the graph (``x * mask``), not a module: no fqn to keep float."
+    )
+    function: str | None = Field(
+        default=None,
+        description="A functional op's function by its public path (operator.mul, torch.matmul), as a plan keeps "
+        "it float; None for a module or a function without one (a tensor method).",
+    )
     table: Literal["compare"] = "compare"
 
 

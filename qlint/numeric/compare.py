@@ -18,13 +18,14 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from qlint.core.function_paths import function_path
 from qlint.core.nested import first_float, float_tensors, tensors_in
 from qlint.core.preserve import preserved_state
 from qlint.core.sqnr import SqnrSums
 from qlint.errors import DataError, EmptyCalibrationError
 from qlint.linter.findings import CompareRow, Notice, Report, Severity, Timing
 from qlint.measure.capture import PairedRunner
-from qlint.measure.match_result import MODULE_SITE, LayerMatch, MatchResult
+from qlint.measure.match_result import MODULE_SITE, NODE_SITE, LayerMatch, MatchResult
 from qlint.measure.matching import match_layers
 from qlint.measure.metrics import PairwiseErrorStats
 from qlint.measure.weights import float_layer_weights, off_grid_fraction, quantized_layer_weights
@@ -334,10 +335,20 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
                 cosine=layer_stats.propagated.cosine()
                 if not layer_stats.propagated.empty
                 else layer_stats.shadow.cosine(),
+                functional=layer.float_entry.kind == NODE_SITE,
+                function=_function_of(layer, match.float_graph),
                 extra=extra,
             )
         )
     return rows
+
+
+def _function_of(layer: LayerMatch, float_graph: torch.fx.GraphModule | None) -> str | None:
+    """The public path of the function a functional layer's float node calls (None for a module)."""
+    if layer.float_entry.kind != NODE_SITE or float_graph is None:
+        return None
+    node = next((node for node in float_graph.graph.nodes if node.name == layer.float_entry.name), None)
+    return function_path(node.target) if node is not None and node.op == "call_function" else None
 
 
 # --- histograms for the HTML report ------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from qlint.core.sqnr import SQNR_CAP_DB, noise_power_ratio, sqnr_db_from_powers
 from qlint.linter.findings import CompareRow, Finding, Severity
-from qlint.linter.fixes import KeepFloat
+from qlint.linter.fixes import KeepFloat, KeepFloatFunction
 from qlint.linter.registry import COMPARE_DIAGNOSTICS
 from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
 from qlint.numeric.display import EXACT, describe_sqnr, sqnr_word
@@ -107,9 +107,16 @@ def local_sqnr(row: CompareRow, inherited: float = SQNR_CAP_DB) -> tuple[float |
     return sqnr_db_from_powers(1.0, max(added, 0.0)), "estimated"
 
 
-def _keep_float_suggestion(name: str, reason: str) -> KeepFloat:
-    """Keep the layer float: mapping.set_module_name(name, None)."""
-    return KeepFloat(module=name, reason=reason)
+def _keep_float_suggestion(row: CompareRow, reason: str) -> KeepFloat | KeepFloatFunction | None:
+    """Keep the layer float: ``mapping.set_module_name(fqn, None)`` for a module, and for a
+    functional op ``set_object_type(function, None)`` (every call of that function: a mapping
+    cannot name one call). None for a functional op with no public function path (a tensor
+    method): the message says what to do, and a plan has no way to."""
+    if not row.functional:
+        return KeepFloat(module=row.name, reason=reason)
+    if row.function is None:
+        return None
+    return KeepFloatFunction(node=row.name, function=row.function)
 
 
 def _cause_and_fix(row: CompareRow, weight_low: bool, activation_low: bool) -> tuple[str, str, str]:
@@ -222,7 +229,7 @@ def low_sqnr_findings(
                     "threshold_db": sqnr_threshold,
                     "weight_threshold_db": weight_sqnr_threshold,
                 },
-                suggestion=_keep_float_suggestion(row.name, cause),
+                suggestion=_keep_float_suggestion(row, cause),
             )
         )
     return findings
@@ -344,7 +351,7 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
                     "local_share": local_share,
                     "upstream": upstream,
                 },
-                suggestion=_keep_float_suggestion(row.name, "error-onset") if kind == "local" else None,
+                suggestion=_keep_float_suggestion(row, "error-onset") if kind == "local" else None,
             )
         )
     return findings
