@@ -30,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
+from torch.utils.flop_counter import FlopCounterMode
 
 from qlint.core.batches import as_call, batch_size, call_model, reiterable
 from qlint.core.nested import first_float, map_tensors, tensors_in
@@ -105,11 +106,29 @@ def _gates(recurrent: nn.Module) -> int:
     return 3 if isinstance(recurrent, (nn.GRU, nn.GRUCell)) else 1
 
 
-def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: Any) -> dict[str, tuple[float, int]]:
-    """Multiply-accumulate count x2 (FLOPs) per sample and parameter count of each layer."""
+class ModelCosts(BaseModel):
+    """Per-sample FLOPs and parameter counts of the ranked layers, and of the whole model."""
+
+    model_config = ConfigDict(frozen=True)
+
+    layers: dict[str, tuple[float, int]]  # name -> (FLOPs per sample, parameters)
+    total_flops: float  # the whole forward pass, per sample
+    total_params: int  # every parameter of the model, shared ones once
+
+
+def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: Any) -> ModelCosts:
+    """Multiply-accumulate count x2 (FLOPs) per sample and parameter count of each module layer,
+    and the totals of the whole model (functional layers, which are not ranked, included).
+
+    The whole forward's total is torch's ``FlopCounterMode`` count (matrix products,
+    convolutions, attention; the per-layer counts of those agree with it) plus the one FLOP
+    per output element counted for the ranked element-wise layers (batch norm, activations),
+    which torch's counter leaves out: so the shares of the ranked layers add up to at most 1.
+    """
     modules = dict(model.named_modules(remove_duplicate=False))
     counts: dict[str, list] = {layer.name: [0.0, 0] for layer in layers if layer.float_entry.kind == MODULE_SITE}
     samples = max(1, batch_size(batch))
+    element_wise = [0.0]  # FLOPs of ranked layers torch's counter does not count
 
     def counter(name):
         def hook(module, args, output):
@@ -133,6 +152,7 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
                 counts[name][0] += flops / samples
             else:
                 counts[name][0] += float(out.numel()) / samples
+                element_wise[0] += float(out.numel()) / samples
 
         return hook
 
@@ -142,8 +162,13 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
             module = modules[name]
             counts[name][1] = sum(parameter.numel() for parameter in module.parameters())
             guard.add_handle(module.register_forward_hook(counter(name)))
-        call_model(model, batch)
-    return {name: (flops, params) for name, (flops, params) in counts.items()}
+        with FlopCounterMode(display=False) as flop_counter:
+            call_model(model, batch)
+    return ModelCosts(
+        layers={name: (flops, params) for name, (flops, params) in counts.items()},
+        total_flops=flop_counter.get_total_flops() / samples + element_wise[0],
+        total_params=sum(parameter.numel() for parameter in model.parameters()),  # shared ones once
+    )
 
 
 def _probe_vectors(
@@ -279,12 +304,14 @@ def _sensitivity_rows(
             runner.float_outputs.clear()
             runner.float_inputs.clear()
         first = _first_batch(data)
+    # Shares are of the whole model, not of the ranked layers: functional layers (F.conv2d
+    # on a parameter, as EfficientNet-Lite's convolutions are) are compared but not ranked.
     costs = model_flops_and_params(model, match.layers, first)
-    total_flops = sum(flops for flops, _ in costs.values()) or 1.0
-    total_params = sum(params for _, params in costs.values()) or 1
+    total_flops = costs.total_flops or 1.0
+    total_params = costs.total_params or 1
     rows = []
     for layer in match.layers:
-        flops, params = costs.get(layer.name, (0.0, 0))
+        flops, params = costs.layers.get(layer.name, (0.0, 0))
         noise = estimated[layer.name]
         rows.append(
             SensitivityRow(
