@@ -1,6 +1,7 @@
 """sensitivity(): agreement with the exhaustive one-layer-at-a-time ranking."""
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -244,3 +245,54 @@ def test_shares_are_of_the_whole_model_functional_layers_included():
     assert fc.params_share == pytest.approx(170 / total_params)
     assert fc.flops_share == pytest.approx(fc.flops / total_flops)
     assert fc.flops_share < 0.01  # the convs do nearly all the work
+
+
+_FUNCTIONAL_CONV_PAIR = """
+import copy
+import json
+import torch
+import torch.nn.functional as F
+from torch.ao.quantization import get_default_qconfig_mapping
+from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 3, 3, 3) * 0.2)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(F.relu(F.conv2d(x, self.w, None, (1, 1), (1, 1), (1, 1), 1)).mean((2, 3)))
+
+
+def batches():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 3, 8, 8, generator=generator) for _ in range(2)]
+
+
+def float_model():
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def quantized_model():
+    prepared = prepare_fx(copy.deepcopy(float_model()), get_default_qconfig_mapping("x86"), (batches()[0],))
+    for batch in batches():
+        prepared(batch)
+    return convert_fx(prepared)
+"""
+
+
+def test_the_sensitivity_section_says_which_compared_layers_it_does_not_rank(run_main, tmp_path):
+    """On EfficientNet-Lite0 (49 F.conv2d) the ranking showed batch norms and the head as the
+    most sensitive layers, and nothing said the convs were left out."""
+    (tmp_path / "funconv_pair.py").write_text(_FUNCTIONAL_CONV_PAIR)
+    spec = ["funconv_pair:float_model", "funconv_pair:quantized_model", "--calibration", "funconv_pair:batches"]
+    ranked = run_main("compare", *spec, "--sensitivity", "--format", "json")
+    assert ranked.returncode in (0, 1), ranked.stderr
+    notices = [notice["message"] for notice in json.loads(ranked.stdout)["notices"]]
+    (unranked,) = [message for message in notices if "not ranked" in message]
+    assert "1 functional layers" in unranked and "conv2d" in unranked
+    plain = run_main("compare", *spec, "--format", "json")  # no ranking, nothing to say
+    assert not [n for n in json.loads(plain.stdout)["notices"] if "not ranked" in n["message"]]

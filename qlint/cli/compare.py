@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,7 +31,7 @@ from qlint.core.backends import BACKENDS
 from qlint.core.batches import batches_of
 from qlint.core.exported import is_exported_module, put_in_eval
 from qlint.errors import ConfigError, QlintError
-from qlint.linter.findings import Notice, Report, Severity
+from qlint.linter.findings import CompareRow, Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
 from qlint.numeric.compare import MODES, CompareReport, activation_histograms, compare, worst_layers
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB, DEFAULT_WEIGHT_SQNR_THRESHOLD_DB
@@ -236,6 +237,22 @@ def _note_layers_without_float(report: Report, spec: str, quantized_model: torch
     return report.model_copy(update={"notices": [*report.notices, notice]})
 
 
+def _note_unranked_functional_layers(report: Report) -> Report:
+    """Say which compared layers the sensitivity ranking leaves out: it ranks module layers
+    only, and a model whose convs are functional (EfficientNet-Lite0's F.conv2d) would
+    otherwise read as if its batch norms were its most sensitive layers."""
+    kinds = Counter(row.kind or "op" for row in report.layers if isinstance(row, CompareRow) and row.functional)
+    if not kinds:
+        return report
+    listed = ", ".join(f"{kind} x{count}" if count > 1 else kind for kind, count in kinds.most_common())
+    notice = Notice(
+        level=Severity.WARNING,
+        message=f"the sensitivity ranking covers module layers only: {sum(kinds.values())} functional layers "
+        f"compared above are not ranked ({listed}); FLOPs and params shares are of the whole model",
+    )
+    return report.model_copy(update={"notices": report.notices + [notice]})
+
+
 def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[CompareReport, Report | None]:
     """(report with the sensitivity ranking when asked for, bad-case report or None); runs the user's models."""
     float_model = load_model_arg(args.float_model, args.trust_pickle)
@@ -266,6 +283,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[CompareR
         ranking = sensitivity_rows(
             float_model, data, args.backend, max_batches=args.max_batches, quantized_model=quantized_model
         )
+        report = _note_unranked_functional_layers(report)
     badcase_report = None
     if args.badcases > 0:
         badcases = find_badcases(float_model, quantized_model, data, top=args.badcases, max_batches=args.max_batches)
