@@ -475,3 +475,72 @@ def test_a_functional_layer_is_kept_float_by_its_function_and_the_plan_applies()
     quantized = plan.quantize(model, data)  # was refused: the plan named modules the model lacks
     muls = [node for node in quantized.graph.nodes if node.name.startswith("mul")]
     assert muls and all(node.target is operator.mul for node in muls)  # float: not quantized.mul
+
+
+class _TwoConvs(nn.Module):
+    def __init__(self, shift: bool = False) -> None:
+        super().__init__()
+        self.shift = shift  # another float model: its inputs are rescaled before the first layer
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        if self.shift:
+            x = x * 0.5 + 0.25
+        return self.conv2(torch.relu(self.conv1(x)))
+
+
+def _x86_quantized(model: nn.Module, data: list) -> tuple[nn.Module, nn.Module]:
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (data[0],))
+    for batch in data:
+        prepared(batch)
+    return prepared, convert_fx(copy.deepcopy(prepared))
+
+
+def test_inputs_beyond_the_calibrated_range_are_the_quantized_models_own_input_quantization():
+    """digit_cnn calibrated by torch's x86 flow, compared on brighter digits (inputs up to 4.8 where
+    the input observer's range ends at 2.82): QL302 said conv_layers.0's inputs were other values 'as
+    one built from another float model would', and the report warned QUANT was not quantized from
+    this float model. The loss was the quantized model's own input quantization (9.2 dB)."""
+    torch.manual_seed(0)
+    model = _TwoConvs().eval()
+    generator = torch.Generator().manual_seed(1)
+    calibration = [torch.rand(4, 3, 8, 8, generator=generator) for _ in range(3)]
+    shifted = [batch * 3.0 for batch in calibration]
+    for quantized in _x86_quantized(model, calibration):
+        report = compare(model, quantized, shifted)
+        (onset,) = [f for f in report.by_rule("QL302") if f.target == "conv1"]
+        assert onset.data["kind"] == "input-quantization", onset.message
+        assert not [n for n in report.notices if "not quantized from this float model" in n.message]
+        assert "another float model" not in onset.message and "compare against the float model" not in onset.message
+        assert "are clipped" in onset.message and "calibrate on data that covers the inputs' range" in onset.message
+        row = {row.name: row for row in report.compare_rows()}["conv1"]
+        measured = row.input_quantization
+        assert measured is not None and measured.sqnr is not None and measured.match_sqnr is not None
+        assert measured.sqnr < 20.0 and measured.match_sqnr > measured.sqnr + 20.0
+        assert measured.low <= 0.0 < measured.high < 3.0 and measured.data_max > 2.9
+        assert 0.2 < measured.clipped < 0.8  # x3 data on a grid that ends near 1 (prepared) or 2 (converted)
+        assert f"{measured.clipped:.1%} of the input values" in onset.message
+        assert {row.name: row for row in report.compare_rows()}["conv2"].input_quantization is None
+
+
+def test_inputs_rescaled_by_another_float_model_are_still_other_inputs():
+    """A quantized model built from a float model that rescales its inputs before the first layer
+    (same weights): its first layer's input is not the float input on its grid, so QL302 keeps
+    naming other inputs and the report says QUANT was not quantized from this float model."""
+    torch.manual_seed(0)
+    model = _TwoConvs().eval()
+    other = copy.deepcopy(model)
+    other.shift = True
+    generator = torch.Generator().manual_seed(1)
+    calibration = [torch.rand(4, 3, 8, 8, generator=generator) for _ in range(3)]
+    for quantized in _x86_quantized(other, calibration):
+        report = compare(model, quantized, calibration)
+        (onset,) = [f for f in report.by_rule("QL302") if f.target == "conv1"]
+        assert onset.data["kind"] == "other-inputs", onset.message
+        assert [n for n in report.notices if "not quantized from this float model" in n.message]
+        measured = {row.name: row for row in report.compare_rows()}["conv1"].input_quantization
+        assert measured is not None and measured.match_sqnr is not None and measured.match_sqnr < 20.0

@@ -272,6 +272,26 @@ class LayerRow(_Row):
     table: Literal["lint"] = "lint"
 
 
+class InputQuantization(_Frozen):
+    """How the quantized model quantizes the input of a layer no other layer feeds (the model's
+    input), measured by putting the float layer's input on that grid."""
+
+    sqnr: float | None = Field(
+        description="SQNR (dB) of the float input after this input quantization: what it alone costs."
+    )
+    match_sqnr: float | None = Field(
+        description="SQNR (dB) of the quantized layer's real input against the float input put on the grid: "
+        "exact (or close) when the two models' inputs differ by this input quantization only; low when the "
+        "quantized model was fed other values (built from another float model, a rewrite before the layer)."
+    )
+    low: float = Field(description="The lowest value of the grid.")
+    high: float = Field(description="The highest value of the grid.")
+    step: float = Field(description="The grid's step (scale).")
+    clipped: float = Field(description="Fraction of the input values more than half a step outside [low, high].")
+    data_min: float = Field(description="The smallest float input value seen.")
+    data_max: float = Field(description="The largest float input value seen.")
+
+
 class CompareRow(_Row):
     """One row of ``qlint compare``: the error one matched layer shows, float vs quantized (dB)."""
 
@@ -291,6 +311,11 @@ class CompareRow(_Row):
         default=None,
         description="A functional op's function by its public path (operator.mul, torch.matmul), as a plan keeps "
         "it float; None for a module or a function without one (a tensor method).",
+    )
+    input_quantization: InputQuantization | None = Field(
+        default=None,
+        description="For a layer fed by the model's inputs, the quantized model's quantization of that input; "
+        "None for other layers, or where the quantized layer's input is not on a per-tensor grid.",
     )
     table: Literal["compare"] = "compare"
 

@@ -14,7 +14,11 @@ and for every batch:
    (*shadow*, torch NS ``add_shadow_loggers``'s definition), handing both
    outputs to ``on_shadow``: the error this layer adds, given the input it
    really gets;
-4. optionally (*isolated*, for sensitivity) feeds each quantized layer the float
+4. for a layer fed by no other layer (its inputs are the model's), hands the
+   float layer's input, the quantized layer's input and the grid the quantized
+   model put that input on to ``on_input_grid``: whether the two models feed the
+   layer different values only because the quantized model quantizes its input;
+5. optionally (*isolated*, for sensitivity) feeds each quantized layer the float
    layer's input, put on the grid its input had in step 2, handing the result to
    ``on_isolated``: the error of quantizing this layer alone.
 
@@ -45,7 +49,14 @@ from qlint.core.preserve import preserved_state
 from qlint.errors import ModelRunError, QlintError
 from qlint.measure.match_result import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
 from qlint.measure.metrics import quantization_scale
-from qlint.measure.quantizers import FrozenQuantizer, apply_input_spec, frozen_quantizer, input_spec
+from qlint.measure.quantizers import (
+    FrozenQuantizer,
+    QuantGrid,
+    apply_input_spec,
+    frozen_quantizer,
+    grid_of,
+    input_spec,
+)
 from qlint.measure.weights import simulated_weight_parameters
 
 
@@ -95,6 +106,8 @@ class _NodeTap(torch.fx.Interpreter):
 FLOAT_RUN, QUANT_RUN = "float", "quantized"
 
 Callback = Callable[[LayerMatch, torch.Tensor, torch.Tensor, float | None], None]
+# (layer, the float layer's input, the quantized layer's input dequantized, the grid it is on)
+InputGridCallback = Callable[[LayerMatch, torch.Tensor, torch.Tensor, QuantGrid], None]
 
 
 @contextlib.contextmanager
@@ -116,6 +129,9 @@ class PairedRunner:
     ``on_propagated``, ``on_shadow`` and ``on_isolated`` receive (layer, float
     reference, quantized value, quantization step or None) as each pair becomes
     available; the tensors are valid only during the call (copy to keep them).
+    ``on_input_grid`` receives, for each module layer no other layer feeds, (layer, the
+    float layer's first input, the quantized layer's first input, the per-tensor grid the
+    quantized model put it on) when the quantized model quantized that input.
     """
 
     def __init__(
@@ -130,6 +146,7 @@ class PairedRunner:
         on_propagated: Callback | None = None,
         on_shadow: Callback | None = None,
         on_isolated: Callback | None = None,
+        on_input_grid: InputGridCallback | None = None,
         float_grad: bool = False,
         capture: bool = True,
     ):
@@ -138,11 +155,14 @@ class PairedRunner:
         self.shadow = shadow and on_shadow is not None
         self.isolated = isolated and on_isolated is not None
         self.on_propagated, self.on_shadow, self.on_isolated = on_propagated, on_shadow, on_isolated
+        self.on_input_grid = on_input_grid
         self.float_grad = float_grad
         self.capture = capture  # False: only run both models (prepared-model simulation still applies)
         self.guard = preserved_state(float_model, quantized_model)
         self.float_inputs: dict[str, list] = defaultdict(list)  # isolated run only
         self.float_outputs: dict[str, list] = defaultdict(list)
+        self.float_model_inputs: dict[str, list[torch.Tensor]] = defaultdict(list)  # on_input_grid only
+        self.grid_calls: dict[str, int] = defaultdict(int)
         self.quant_calls: dict[str, int] = defaultdict(int)
         self.quant_inputs: dict[str, tuple[tuple, dict]] = {}  # shadow run: the current call's input
         self.input_specs: dict[str, Any] = {}
@@ -305,6 +325,41 @@ class PairedRunner:
                     )
 
             self._hook(self.float_modules[layer.float_entry.name], keep_input, pre=True)
+        if self._tracks_input_grid(layer):
+
+            def keep_model_input(module, args, kwargs):
+                if self.capturing(FLOAT_RUN):
+                    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                    if first is not None and first.is_floating_point():
+                        self.float_model_inputs[layer.name].append(_float_copy(first))
+
+            self._hook(self.float_modules[layer.float_entry.name], keep_model_input, pre=True)
+
+    def _tracks_input_grid(self, layer: LayerMatch) -> bool:
+        """Whether ``on_input_grid`` measures this layer: a module layer fed by no other layer."""
+        return self.on_input_grid is not None and layer.is_module and not layer.predecessors
+
+    def _input_grid(self, layer: LayerMatch, value: Any) -> QuantGrid | None:
+        """The grid the quantized model put a layer's input on: the quantized tensor's own
+        (converted models), or the frozen input quantizer's (prepared models)."""
+        grid = grid_of(value)
+        if grid is None and layer.quant_input_quantizer in self.frozen:
+            grid = self.frozen[layer.quant_input_quantizer].grid
+        return grid
+
+    def _compare_input_grid(self, layer: LayerMatch, args: tuple) -> None:
+        index = self.grid_calls[layer.name]
+        self.grid_calls[layer.name] += 1
+        inputs = self.float_model_inputs.get(layer.name, [])
+        value = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if value is None or index >= len(inputs) or self.on_input_grid is None:
+            return
+        grid = self._input_grid(layer, value)
+        if grid is None:
+            return
+        actual = value.dequantize() if value.is_quantized else value.detach()
+        if actual.is_floating_point() and actual.shape == inputs[index].shape:
+            self.on_input_grid(layer, inputs[index], actual, grid)
 
     def _keep_float_output(self, layer: LayerMatch, value: Any) -> Any:
         """Keep the layer's output as produced and hand the model a copy to go on with.
@@ -351,11 +406,14 @@ class PairedRunner:
             self._hook(
                 self.quant_modules[exit_name or layer.quant_site.name], lambda m, a, output: compare_output(output)
             )
-        if layer.quant_site.kind == MODULE_SITE and (self.shadow or self.isolated):
+        tracks_grid = self._tracks_input_grid(layer)
+        if layer.quant_site.kind == MODULE_SITE and (self.shadow or self.isolated or tracks_grid):
 
             def keep_input(module, args, kwargs):
                 if not self.capturing(QUANT_RUN):
                     return
+                if tracks_grid:  # before the layer runs: an in-place layer may change its input
+                    self._compare_input_grid(layer, args)
                 if self.shadow:  # dequantized or copied now: an in-place layer may change its input
                     self.quant_inputs[layer.name] = (map_tensors(args, _float_copy), map_tensors(kwargs, _float_copy))
                 if self.isolated:
@@ -388,6 +446,8 @@ class PairedRunner:
         """Run one batch through both models; returns (float output, quantized output)."""
         self.float_inputs.clear()
         self.float_outputs.clear()
+        self.float_model_inputs.clear()
+        self.grid_calls.clear()
         self.quant_calls.clear()
         self.quant_inputs.clear()
         # Each model gets its own copy of the batch (as_call copies): a float model that writes
@@ -478,6 +538,7 @@ class PairedRunner:
             yield batch, float_output, quant_output
             self.float_inputs.clear()
             self.float_outputs.clear()
+            self.float_model_inputs.clear()
 
 
 def _float_copy(tensor: torch.Tensor) -> torch.Tensor:

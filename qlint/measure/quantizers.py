@@ -19,13 +19,52 @@ from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 
 PER_TENSOR_SCHEMES = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 
+# The integer range of each quantized dtype (what a quantized tensor of it can hold).
+DTYPE_RANGES = {torch.quint8: (0, 255), torch.qint8: (-128, 127), torch.qint32: (-(2**31), 2**31 - 1)}
+
+
+@dataclass(frozen=True)
+class QuantGrid:
+    """A per-tensor quantization grid: ``scale * (q - zero_point)`` for q in [quant_min, quant_max]."""
+
+    scale: float
+    zero_point: int
+    quant_min: int
+    quant_max: int
+
+    @property
+    def low(self) -> float:
+        return (self.quant_min - self.zero_point) * self.scale
+
+    @property
+    def high(self) -> float:
+        return (self.quant_max - self.zero_point) * self.scale
+
+    def fake_quantize(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` put on this grid (rounded, and clipped to its range), as float32."""
+        return torch.fake_quantize_per_tensor_affine(
+            value.detach().float(), self.scale, self.zero_point, self.quant_min, self.quant_max
+        )
+
+
+def grid_of(value: Any) -> QuantGrid | None:
+    """The grid of a per-tensor quantized tensor (its dtype's whole integer range); else None."""
+    if not (isinstance(value, torch.Tensor) and value.is_quantized and value.qscheme() in PER_TENSOR_SCHEMES):
+        return None
+    bounds = DTYPE_RANGES.get(value.dtype)
+    if bounds is None:
+        return None
+    return QuantGrid(float(value.q_scale()), int(value.q_zero_point()), *bounds)
+
 
 @dataclass
 class FrozenQuantizer:
-    """Fake-quantization with fixed qparams; ``scale`` is the per-tensor step (None per channel)."""
+    """Fake-quantization with fixed qparams; ``scale`` is the per-tensor step (None per channel)
+    and ``grid`` the per-tensor grid (None per channel)."""
 
     function: Callable[[torch.Tensor], torch.Tensor]
     scale: float | None
+    grid: QuantGrid | None = None
 
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
         return self.function(value)
@@ -59,6 +98,7 @@ def frozen_quantizer(module: nn.Module) -> FrozenQuantizer | None:
         return FrozenQuantizer(
             lambda x: torch.fake_quantize_per_tensor_affine(x, scale_value, zero_value, quant_min, quant_max),
             scale_value,
+            QuantGrid(scale_value, zero_value, quant_min, quant_max),
         )
     axis = int(cast(int, module.ch_axis))
     return FrozenQuantizer(

@@ -21,13 +21,14 @@ from torch import nn
 from qlint.core.function_paths import function_path
 from qlint.core.nested import first_float, float_tensors, tensors_in
 from qlint.core.preserve import preserved_state
-from qlint.core.sqnr import SqnrSums
+from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
 from qlint.errors import DataError, EmptyCalibrationError
-from qlint.linter.findings import CompareRow, Notice, Report, Severity, Timing
+from qlint.linter.findings import CompareRow, InputQuantization, Notice, Report, Severity, Timing
 from qlint.measure.capture import PairedRunner
 from qlint.measure.match_result import MODULE_SITE, NODE_SITE, LayerMatch, MatchResult
 from qlint.measure.matching import match_layers
 from qlint.measure.metrics import PairwiseErrorStats
+from qlint.measure.quantizers import QuantGrid
 from qlint.measure.weights import float_layer_weights, off_grid_fraction, quantized_layer_weights
 from qlint.numeric.diagnose import (
     DEFAULT_ONSET_JUMP_DB,
@@ -62,6 +63,52 @@ def qlint_version() -> str:
 
 
 @dataclass
+class InputGridStats:
+    """Sums, folded batch by batch, over a model-input layer's float input ``x``, ``x`` put on the
+    quantized model's input grid (``q``) and the quantized layer's real input (``a``)."""
+
+    signal: float = 0.0  # sum x^2
+    quantization_noise: float = 0.0  # sum (x - q)^2
+    grid_signal: float = 0.0  # sum q^2
+    mismatch_noise: float = 0.0  # sum (q - a)^2
+    clipped: int = 0
+    count: int = 0
+    data_min: float = float("inf")
+    data_max: float = float("-inf")
+    grid: QuantGrid | None = None
+
+    def update(self, float_input: torch.Tensor, actual: torch.Tensor, grid: QuantGrid) -> None:
+        x = float_input.detach().double()
+        q = grid.fake_quantize(float_input).double()
+        a = actual.detach().double()
+        self.signal += float((x * x).sum())
+        self.quantization_noise += float(((x - q) ** 2).sum())
+        self.grid_signal += float((q * q).sum())
+        self.mismatch_noise += float(((q - a) ** 2).sum())
+        margin = grid.scale / 2  # within half a step of the range, a value only rounds
+        self.clipped += int(((x < grid.low - margin) | (x > grid.high + margin)).sum())
+        self.count += x.numel()
+        if x.numel():
+            self.data_min = min(self.data_min, float(x.min()))
+            self.data_max = max(self.data_max, float(x.max()))
+        self.grid = grid
+
+    def summary(self) -> InputQuantization | None:
+        if self.grid is None or self.count == 0:
+            return None
+        return InputQuantization(
+            sqnr=sqnr_db_from_powers(self.signal, self.quantization_noise),
+            match_sqnr=sqnr_db_from_powers(self.grid_signal, self.mismatch_noise),
+            low=self.grid.low,
+            high=self.grid.high,
+            step=self.grid.scale,
+            clipped=self.clipped / self.count,
+            data_min=self.data_min,
+            data_max=self.data_max,
+        )
+
+
+@dataclass
 class LayerStats:
     """Everything compare accumulates for one layer; constant size per layer."""
 
@@ -69,6 +116,7 @@ class LayerStats:
     weight_off_grid: float | None = None
     propagated: PairwiseErrorStats = field(default_factory=PairwiseErrorStats)
     shadow: PairwiseErrorStats = field(default_factory=PairwiseErrorStats)
+    input_grid: InputGridStats = field(default_factory=InputGridStats)
 
 
 def _check_modes(modes: Sequence[str]) -> tuple[bool, bool]:
@@ -173,6 +221,9 @@ def _compare(
     def on_shadow(layer, reference, quantized, scale):
         stats[layer.name].shadow.update(reference, quantized, scale)
 
+    def on_input_grid(layer, float_input, actual, grid):
+        stats[layer.name].input_grid.update(float_input, actual, grid)
+
     runner = PairedRunner(
         float_model,
         quantized_model,
@@ -181,6 +232,7 @@ def _compare(
         shadow=shadow,
         on_propagated=on_propagated,
         on_shadow=on_shadow,
+        on_input_grid=on_input_grid,
     )
     with runner:
         for layer in match.layers:
@@ -337,6 +389,7 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
                 else layer_stats.shadow.cosine(),
                 functional=layer.float_entry.kind == NODE_SITE,
                 function=_function_of(layer, match.float_graph),
+                input_quantization=layer_stats.input_grid.summary(),
                 extra=extra,
             )
         )

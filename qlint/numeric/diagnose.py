@@ -10,7 +10,7 @@ whether an error jump is made at a layer or only passed through it.
 from __future__ import annotations
 
 from qlint.core.sqnr import SQNR_CAP_DB, noise_power_ratio, sqnr_db_from_powers
-from qlint.linter.findings import CompareRow, Finding, Severity
+from qlint.linter.findings import CompareRow, Finding, InputQuantization, Severity
 from qlint.linter.fixes import KeepFloat, KeepFloatFunction
 from qlint.linter.registry import COMPARE_DIAGNOSTICS
 from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
@@ -42,6 +42,11 @@ _OFF_GRID_LIMIT = 0.05
 
 # Finding kinds that say the quantized model was made from another float model.
 OTHER_MODEL_KINDS = frozenset({"other-weights", "other-inputs"})
+# A model-input layer's float input, put on the quantized model's input grid, is what the quantized
+# layer gets when the two agree this much better than the input quantization's own SQNR (what is
+# left of the inputs' difference is under 1 % of that quantization's noise power): the quantized
+# model's inputs differ from the float model's by its own input quantization, not by a rewrite.
+_INPUT_GRID_MATCH_MARGIN_DB = 20.0
 
 LOW_SQNR = ("QL301", COMPARE_DIAGNOSTICS["QL301"])
 ERROR_ONSET = ("QL302", COMPARE_DIAGNOSTICS["QL302"])
@@ -307,6 +312,11 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
                 f"or keep it in float; re-run compare to find the next onset"
             )
             kind = "local"
+        elif not upstream and (input_quantization := _input_quantization_explains(row)) is not None:
+            # Its inputs are the model's, and the quantized model feeds it exactly the float
+            # model's inputs put on its own input grid: the loss is that input quantization.
+            why, fix = _input_quantization_text(local_text, local_share, input_quantization)
+            kind = "input-quantization"
         elif not upstream:
             # Exact inputs, little error of its own, and yet its output is far off: the quantized
             # model does not feed it the model's inputs. There is no noise here to amplify.
@@ -355,6 +365,51 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
             )
         )
     return findings
+
+
+def _input_quantization_explains(row: CompareRow) -> InputQuantization | None:
+    """The row's input quantization when it is the whole difference between the inputs the two
+    models feed the layer (see ``_INPUT_GRID_MATCH_MARGIN_DB``); else None."""
+    measured = row.input_quantization
+    if measured is None or measured.sqnr is None or measured.match_sqnr is None:
+        return None
+    if measured.sqnr >= SQNR_CAP_DB:
+        return None  # the input is on the grid already: its quantization costs nothing
+    explains = measured.match_sqnr >= min(SQNR_CAP_DB, measured.sqnr + _INPUT_GRID_MATCH_MARGIN_DB)
+    return measured if explains else None
+
+
+def _input_quantization_text(local_text: str, local_share: float, measured: InputQuantization) -> tuple[str, str]:
+    """(why, fix) of an onset whose inputs lose their precision to the quantized model's own
+    input quantization."""
+    grid = f"[{measured.low:.3g}, {measured.high:.3g}] with step {measured.step:.3g}"
+    data = f"[{measured.data_min:.3g}, {measured.data_max:.3g}]"
+    if measured.clipped > 0:
+        lost = (
+            f"{measured.clipped:.1%} of the input values (range {data}) fall outside it and are clipped, and this "
+            f"input quantization alone costs {describe_sqnr(measured.sqnr or 0.0)} at the input"
+        )
+        fix = (
+            f"calibrate on data that covers the inputs' range ({data}; the calibrated input range is "
+            f"[{measured.low:.3g}, {measured.high:.3g}]), or clamp/normalize the inputs into the calibrated range "
+            "before the model"
+        )
+    else:
+        lost = (
+            f"no input value (range {data}) falls outside it, but the step is coarse for these inputs: this input "
+            f"quantization alone costs {describe_sqnr(measured.sqnr or 0.0)} at the input"
+        )
+        fix = (
+            f"calibrate on data whose range matches the inputs' ({data}), or normalize the inputs so that they "
+            "use the whole input grid"
+        )
+    why = (
+        f"{local_text}, so only about {local_share:.0%} of the error is its own; its inputs are the model's, and "
+        f"the quantized model quantizes the model input to {grid}: {lost}. The float input put on that grid is "
+        f"what the quantized layer gets (agreement {describe_sqnr(measured.match_sqnr or 0.0)}), so the "
+        "quantized model is built from this float model and the loss is its own input quantization"
+    )
+    return why, fix
 
 
 def diagnose(
