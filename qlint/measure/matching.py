@@ -16,6 +16,7 @@ is left is paired in graph order.  The result's records are
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -290,7 +291,9 @@ def _prepared_as_float(node: torch.fx.Node, role: str) -> bool:
     constructor = plan[f"{role}_act_obs_or_fq_ctr"]
     if constructor is None:
         return True
-    dtype = getattr(constructor(), "dtype", None)
+    with warnings.catch_warnings():  # torch's observers warn about their own arguments (reduce_range) when built
+        warnings.simplefilter("ignore")
+        dtype = getattr(constructor(), "dtype", None)
     return isinstance(dtype, torch.dtype) and dtype.is_floating_point
 
 
