@@ -544,3 +544,16 @@ def test_inputs_rescaled_by_another_float_model_are_still_other_inputs():
         assert [n for n in report.notices if "not quantized from this float model" in n.message]
         measured = {row.name: row for row in report.compare_rows()}["conv1"].input_quantization
         assert measured is not None and measured.match_sqnr is not None and measured.match_sqnr < 20.0
+
+
+def test_a_small_share_of_the_error_is_not_written_as_none():
+    """QL302 said "only about 0% of the error is added here" for a share of 0.09 %: read as none."""
+    from qlint.numeric.diagnose import error_onset_findings
+
+    first = CompareRow(name="stem", kind="conv2d", sqnr_propagated=30.0, sqnr_shadow=60.0, extra={"predecessors": []})
+    later = CompareRow(
+        name="head", kind="linear", sqnr_propagated=2.0, sqnr_shadow=50.0, extra={"predecessors": ["stem"]}
+    )
+    (onset,) = error_onset_findings([first, later], 20.0, 6.0)
+    assert 0 < onset.data["local_share"] < 0.01
+    assert "about <1% of the error" in onset.message and "about 0%" not in onset.message

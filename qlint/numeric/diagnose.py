@@ -112,6 +112,15 @@ def local_sqnr(row: CompareRow, inherited: float = SQNR_CAP_DB) -> tuple[float |
     return sqnr_db_from_powers(1.0, max(added, 0.0)), "estimated"
 
 
+def _share_text(share: float) -> str:
+    """A share as a percentage that never rounds a small nonzero share to "0%" (read as none)."""
+    if 0.0 < share < 0.01:
+        return "<1%"
+    if 0.99 < share < 1.0:
+        return ">99%"
+    return f"{share:.0%}"
+
+
 def _keep_float_suggestion(row: CompareRow, reason: str) -> KeepFloat | KeepFloatFunction | None:
     """Keep the layer float: ``mapping.set_module_name(fqn, None)`` for a module, and for a
     functional op ``set_object_type(function, None)`` (every call of that function: a mapping
@@ -304,7 +313,7 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
         )
         if local_share >= 0.5:
             why = (
-                f"{local_text}, so about {local_share:.0%} of the error here is added by this layer itself; "
+                f"{local_text}, so about {_share_text(local_share)} of the error here is added by this layer itself; "
                 f"layers after it mostly inherit it"
             )
             fix = (
@@ -321,7 +330,7 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
             # Exact inputs, little error of its own, and yet its output is far off: the quantized
             # model does not feed it the model's inputs. There is no noise here to amplify.
             why = (
-                f"{local_text}, so only about {local_share:.0%} of the error is its own, and its inputs are the "
+                f"{local_text}, so only about {_share_text(local_share)} of the error is its own, and its inputs are the "
                 "model's: the quantized model feeds it other values than the float model does, as one built "
                 "from another float model would (a rewrite before this layer, such as normalize_input)"
             )
@@ -329,7 +338,7 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
             kind = "other-inputs"
         else:
             why = (
-                f"{local_text}, so only about {local_share:.0%} of the error is added here: the layer "
+                f"{local_text}, so only about {_share_text(local_share)} of the error is added here: the layer "
                 f"amplifies noise it receives"
             )
             fix = (
@@ -404,7 +413,7 @@ def _input_quantization_text(local_text: str, local_share: float, measured: Inpu
             "use the whole input grid"
         )
     why = (
-        f"{local_text}, so only about {local_share:.0%} of the error is its own; its inputs are the model's, and "
+        f"{local_text}, so only about {_share_text(local_share)} of the error is its own; its inputs are the model's, and "
         f"the quantized model quantizes the model input to {grid}: {lost}. The float input put on that grid is "
         f"what the quantized layer gets (agreement {describe_sqnr(measured.match_sqnr or 0.0)}), so the "
         "quantized model is built from this float model and the loss is its own input quantization"
