@@ -31,7 +31,6 @@ even when a batch raises, and each model gets its own copy of every batch.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -46,9 +45,9 @@ from qlint.core.batches import as_call
 from qlint.core.exported import put_in_eval
 from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.core.preserve import preserved_state
-from qlint.errors import ModelRunError, QlintError
 from qlint.measure.match_result import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
 from qlint.measure.metrics import quantization_scale
+from qlint.measure.node_tap import NodeTap, blamed_on
 from qlint.measure.quantizers import (
     FrozenQuantizer,
     QuantGrid,
@@ -59,68 +58,11 @@ from qlint.measure.quantizers import (
 )
 from qlint.measure.weights import simulated_weight_parameters
 
-
-class _NodeTap(torch.fx.Interpreter):
-    """Runs a GraphModule node by node, reporting selected node outputs.
-
-    A callback may return a replacement for the node's value (see
-    ``PairedRunner._keep_float_output``).  ``module_overrides`` replace the call
-    of a submodule (by fqn): used to run prepared models with frozen fake-quant
-    instead of their observers, and PTQ layers with fake-quantized weights,
-    without touching the modules.
-    """
-
-    def __init__(
-        self,
-        graph_module: torch.fx.GraphModule,
-        callbacks: dict[str, Callable[[Any], Any]],
-        module_overrides: dict[str, Callable[..., Any]] | None = None,
-    ):
-        super().__init__(graph_module, garbage_collect_values=True)
-        self.callbacks = callbacks
-        self.module_overrides = module_overrides or {}
-        self.placeholders = [node.target for node in graph_module.graph.nodes if node.op == "placeholder"]
-
-    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        override = self.module_overrides.get(str(target))
-        if override is not None:
-            return override(args, kwargs)
-        return super().call_module(target, args, kwargs)
-
-    def run_node(self, node: torch.fx.Node) -> Any:
-        result = super().run_node(node)
-        callback = self.callbacks.get(node.name)
-        if callback is not None:
-            replacement = callback(result)
-            if replacement is not None:
-                return replacement
-        return result
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            positional = list(args) + [kwargs[name] for name in self.placeholders[len(args) :] if name in kwargs]
-            return self.run(*positional)
-        return self.run(*args)
-
-
 FLOAT_RUN, QUANT_RUN = "float", "quantized"
 
 Callback = Callable[[LayerMatch, torch.Tensor, torch.Tensor, float | None], None]
 # (layer, the float layer's input, the quantized layer's input dequantized, the grid it is on)
 InputGridCallback = Callable[[LayerMatch, torch.Tensor, torch.Tensor, QuantGrid], None]
-
-
-@contextlib.contextmanager
-def _blamed_on(which: str) -> Iterator[None]:
-    """A model that raises on the user's data is the user's problem to see in one line, not
-    an internal error (torch's message usually names the fix, e.g. .view -> .reshape)."""
-    try:
-        yield
-    except QlintError:
-        raise
-    except Exception as error:  # whatever the model's own code raises
-        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-        raise ModelRunError(f"{which} raised {type(error).__name__} on the data: {first}") from error
 
 
 class PairedRunner:
@@ -224,7 +166,7 @@ class PairedRunner:
             return model
         if graph is None:
             raise ValueError("node callbacks and overrides need an FX graph")
-        return _NodeTap(graph, callbacks, overrides)
+        return NodeTap(graph, callbacks, overrides)
 
     def _install_prepared_simulation(self) -> None:
         """Freeze activation quantizers and fake-quantize PTQ weights for the run.
@@ -456,12 +398,12 @@ class PairedRunner:
         context = torch.enable_grad() if self.float_grad else torch.no_grad()
         try:
             self.phase = FLOAT_RUN
-            with context, _blamed_on("the float model"):
+            with context, blamed_on("the float model"):
                 float_output = self.float_runner(*args, **kwargs)
             self.phase = QUANT_RUN
             args, kwargs = as_call(batch)
             with torch.no_grad():
-                with _blamed_on("the quantized model"):
+                with blamed_on("the quantized model"):
                     quant_output = self.quant_runner(*args, **kwargs)
                 if self.isolated:
                     self._run_isolated()
