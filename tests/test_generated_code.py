@@ -81,9 +81,14 @@ def _check_structure(source: str) -> list[str]:
             call = returned.value
             assert isinstance(call, ast.Call) and not call.args and ast.unparse(call.func).startswith(tuple(configs))
             continue
-        for statement in function.body:
+        statements = list(function.body)
+        for statement in statements:
             if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
                 continue  # the function's docstring
+            if isinstance(statement, ast.If):  # the decisions made for the rewritten model, only that
+                assert ast.unparse(statement.test) == "rewritten" and not statement.orelse, ast.dump(statement)
+                statements.extend(statement.body)
+                continue
             assert isinstance(statement, (ast.Assign, ast.Expr, ast.Return, ast.ImportFrom)), ast.dump(statement)
             if isinstance(statement, ast.ImportFrom):
                 assert statement.module == "torch.ao.quantization"
@@ -98,8 +103,12 @@ def _check_structure(source: str) -> list[str]:
 
 
 def _run_generated(path, cwd) -> subprocess.CompletedProcess:
+    # Every decision: a plan whose decisions come from findings that also rewrite sets them
+    # for the rewritten model only (build_qconfig_mapping(rewritten=True)).
     code = (
-        f"import runpy; ns = runpy.run_path({str(path)!r}); print(sorted(ns['qconfig_mapping'].module_name_qconfigs))"
+        f"import inspect, runpy; ns = runpy.run_path({str(path)!r}); build = ns['build_qconfig_mapping']; "
+        "every = build(rewritten=True) if 'rewritten' in inspect.signature(build).parameters else build(); "
+        "print(sorted(every.module_name_qconfigs))"
     )
     return subprocess.run(
         [sys.executable, "-c", code],

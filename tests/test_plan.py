@@ -358,6 +358,32 @@ def test_to_python_exec_builds_an_equivalent_mapping(plan):
         assert repr(decision.fqn) in source
 
 
+def test_decisions_made_for_the_rewritten_model_stay_out_of_the_mapping_for_the_model_as_given():
+    """EfficientNet-Lite0: QL101's fixed [0, 6] range on each functional conv assumes the BN folded
+    into it first. The emitted file and report.qconfig_mapping() set it by module name on the
+    model as given too, where prepare_fx put it on the conv's raw output (before the BN) and on
+    the padded network input: 0.96 dB held-out -> -0.00 dB, each line saying "+9.56 dB"."""
+    fixed = ActivationSpec(observer="fixed", quant_min=0, quant_max=127, scale=6 / 127, zero_point=0)
+    finding = _prov(rule="QL101", target="conv", fingerprint="f1")
+    plan = _rich_plan("x86")
+    rewrite = plan.rewrites[0].model_copy(update={"provenance": finding})
+    both = finding + _prov(rule="QL104", target="fc1", fingerprint="f2")
+    decisions = [
+        ModuleDecision(fqn="conv", activation=fixed, provenance=finding),  # made for the rewritten model
+        ModuleDecision(fqn="fc1", activation=fixed, provenance=both),  # also asked for by a plain finding
+    ]
+    plan = plan.model_copy(update={"rewrites": [rewrite], "modules": decisions})
+    assert plan.needs_rewrites(decisions[0]) and not plan.needs_rewrites(decisions[1])
+    as_given, rewritten = plan.to_qconfig_mapping(), plan.to_qconfig_mapping(rewritten=True)
+    assert "conv" not in as_given.module_name_qconfigs and "fc1" in as_given.module_name_qconfigs
+    assert {"conv", "fc1"} <= set(rewritten.module_name_qconfigs)
+    namespace: dict = {}
+    exec(compile(plan.to_python(), "qconfig.py", "exec"), namespace)
+    assert _same_mapping(namespace["qconfig_mapping"], as_given)
+    assert _same_mapping(namespace["build_qconfig_mapping"](rewritten=True), rewritten)
+    assert not _same_mapping(as_given, rewritten)
+
+
 def test_equalization_mapping_drives_prepare_fx():
     from torch.ao.quantization.fx._equalize import default_equalization_qconfig  # private: reference only
 
@@ -545,3 +571,26 @@ def test_plan_check_counts_every_kind_of_decision(tmp_path, capsys):
     assert plan_command(["check", str(path)]) == 0
     out = capsys.readouterr().out
     assert "backend x86: 1 module decision, 0 equalization pairs, 1 rewrite, 1 float function)" in out
+
+
+def test_plan_qconfig_says_which_decisions_only_the_rewritten_model_gets(run_main, tmp_path):
+    """The emitted file's default mapping leaves QL101's rewrite-bound decisions out: the user is
+    told, or a fix lint measured would silently not be applied."""
+    finding = _prov(rule="QL101", target="conv", fingerprint="f1")
+    plan = _rich_plan("x86")
+    plan = plan.model_copy(
+        update={
+            "rewrites": [plan.rewrites[0].model_copy(update={"provenance": finding})],
+            "modules": [ModuleDecision(fqn="conv", quantize=False, provenance=finding), *plan.modules[:1]],
+        }
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    result = run_main("plan", "qconfig", path, "-o", tmp_path / "q.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "1 decision of the plan (conv) is for the model its rewrites make" in result.stderr
+    assert "build_qconfig_mapping(rewritten=True)" in result.stderr
+    plain = plan.model_copy(update={"rewrites": []})
+    path.write_text(plain.model_dump_json())
+    quiet = run_main("plan", "qconfig", path, "-o", tmp_path / "q2.py", cwd=tmp_path)
+    assert quiet.returncode == 0 and "rewrites make" not in quiet.stderr

@@ -64,7 +64,7 @@ class PlanToApply(Protocol):
     @property
     def bias_correction(self) -> Any: ...
 
-    def to_qconfig_mapping(self) -> QConfigMapping: ...
+    def to_qconfig_mapping(self, *, rewritten: bool = False) -> QConfigMapping: ...
 
     def dynamic_equalized_modules(self) -> list[str]: ...
 
@@ -157,7 +157,7 @@ def quantize_rewritten(
     ``calibrated``: what earlier quantizations of this same float graph calibrated on these
     batches (see :func:`qlint.measure.trial.quantize_fx`)."""
     refuse_unknown_modules(gm, plan)
-    mapping = fanout_follows_original(plan.to_qconfig_mapping(), gm)
+    mapping = fanout_follows_original(plan.to_qconfig_mapping(rewritten=True), gm)
     try:
         converted, prepared = quantize_fx(
             gm,

@@ -56,15 +56,17 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
     """A short Python file defining ``build_qconfig_mapping()``, ``build_backend_config()`` and
     ``qconfig_mapping``, ``backend_config``."""
     recipes: list[tuple[str, QConfigRecipe | None, str]] = []
+    after_rewrites: list[tuple[str, QConfigRecipe | None, str]] = []  # for the rewritten model only
     for decision in plan.modules:
         why = "; ".join(p.describe() for p in decision.provenance)
-        recipes.append((decision.fqn, module_recipe(plan, decision), f"{decision.describe()} ({why})"))
+        entry = (decision.fqn, module_recipe(plan, decision), f"{decision.describe()} ({why})")
+        (after_rewrites if plan.needs_rewrites(decision) else recipes).append(entry)
     for helper in rewrite_float_modules(plan):
         recipes.append((helper, None, "keep float: arithmetic added by the normalize_input rewrite"))
     global_qc = None if plan.float_by_default else global_recipe(plan)
     used = {
         r.cls_name
-        for qc in [global_qc] + [r for _, r, _ in recipes]
+        for qc in [global_qc] + [r for _, r, _ in recipes + after_rewrites]
         if qc is not None
         for r in (qc.activation, qc.weight)
     }
@@ -90,7 +92,18 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
         lines.append(f"from torch.ao.quantization.observer import {', '.join(torch_names)}")
     if PercentileObserver.__name__ in used:
         lines.append(f"from {PercentileObserver.__module__} import PercentileObserver")
-    lines += ["", "", "def build_qconfig_mapping():"]
+    if after_rewrites:
+        lines += [
+            "",
+            "",
+            "def build_qconfig_mapping(rewritten=False):",
+            '    """For the model as given; rewritten=True for the model the plan\'s rewrites made',
+            "    (`qlint fix MODEL --plan PLAN --output FIXED`), which also gets the decisions made for it:",
+            "    on the model as given their module names reach other values (a conv's output before",
+            '    the BN the rewrite folds into it), where they would do harm."""',
+        ]
+    else:
+        lines += ["", "", "def build_qconfig_mapping():"]
     if plan.float_by_default:
         lines += [
             "    # only the modules named below are quantized; everything else stays float",
@@ -100,10 +113,10 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
         lines.append(f"    mapping = get_default_qconfig_mapping({plan.backend!r})")
     if global_qc is not None:
         lines.append(f"    mapping.set_global({global_qc.source()})")
-    for fqn, recipe, comment in recipes:
-        lines.append(f"    # {printable(comment)}")
-        value = "None" if recipe is None else recipe.source()
-        lines.append(f"    mapping.set_module_name({fqn!r}, {value})")
+    lines += _set_module_names(recipes, "    ")
+    if after_rewrites:
+        lines.append("    if rewritten:  # decisions made for the rewritten model")
+        lines += _set_module_names(after_rewrites, "        ")
     for kept in plan.float_functions:
         why = "; ".join(p.describe() for p in kept.provenance)
         lines.append(f"    # keep float wherever it is called ({printable(why)})")
@@ -127,7 +140,11 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
             lines.append(f"    mapping.set_module_name({pair.module!r}, equalization_qconfig)")
         lines += ["    return mapping", ""]
     if plan.rewrites:
-        lines += ["", "# Float-preserving rewrites to apply to the model before prepare_fx:"]
+        lines += [
+            "",
+            "# Float-preserving rewrites to apply to the model before prepare_fx (`qlint fix MODEL --plan PLAN`",
+            "# applies them; `qlint quantize` and QuantPlan.quantize apply them and the whole plan):",
+        ]
         lines += [f"#   {printable(r.kind)}: {printable(', '.join(r.modules))}" for r in plan.rewrites]
     if plan.bias_correction is not None:
         lines += [
@@ -149,6 +166,15 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _set_module_names(recipes: list[tuple[str, QConfigRecipe | None, str]], indent: str) -> list[str]:
+    lines = []
+    for fqn, recipe, comment in recipes:
+        lines.append(f"{indent}# {printable(comment)}")
+        value = "None" if recipe is None else recipe.source()
+        lines.append(f"{indent}mapping.set_module_name({fqn!r}, {value})")
+    return lines
 
 
 __all__ = ["PercentileObserver", "to_equalization_mapping", "to_python"]

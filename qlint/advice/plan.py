@@ -114,8 +114,12 @@ class QuantPlan(Suggestions):
         return cls.from_json(text)
 
     # --- exporting ------------------------------------------------------------------------
-    def to_qconfig_mapping(self) -> QConfigMapping:
-        return qconfig_mapping(self)
+    def to_qconfig_mapping(self, *, rewritten: bool = False) -> QConfigMapping:
+        """The plan's QConfigMapping for the model as given; ``rewritten=True`` for the model
+        its rewrites made (``qlint fix --plan``), which also gets the decisions made for it
+        (QL101's fixed ranges on convs whose BN a rewrite folds in). :meth:`quantize` does
+        both steps."""
+        return qconfig_mapping(self, rewritten=rewritten)
 
     def to_equalization_mapping(self, equalization_qconfig: Any = None) -> QConfigMapping:
         return to_equalization_mapping(self, equalization_qconfig)

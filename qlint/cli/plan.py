@@ -10,6 +10,7 @@ emit_plan_outputs raises QlintError (exit 2) when a file cannot be written.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from qlint.advice.plan import QuantPlan, plan_from_report
 from qlint.cli.common import Parser, check_outputs, write_file, write_stdout
@@ -25,7 +26,24 @@ def emit_plan_outputs(report: Report, plan_path: str | None, qconfig_path: str |
         write_file(plan_path, plan.model_dump_json(indent=2) + "\n")
     if qconfig_path:
         write_file(qconfig_path, plan.to_python())
+        _note_decisions_for_the_rewritten_model(plan, printable(qconfig_path))
     return plan
+
+
+def _note_decisions_for_the_rewritten_model(plan: QuantPlan, where: str) -> None:
+    """Say on stderr that the file's default mapping leaves out the decisions made for the model
+    the plan's rewrites make: otherwise a fix that lint measured is silently not applied."""
+    for_rewritten = [decision.fqn for decision in plan.modules if plan.needs_rewrites(decision)]
+    if not for_rewritten:
+        return
+    listed = printable(for_rewritten[0]) + (", ..." if len(for_rewritten) > 1 else "")
+    verb = "is" if len(for_rewritten) == 1 else "are"
+    print(
+        f"qlint: note: {counted(len(for_rewritten), 'decision')} of the plan ({listed}) {verb} for the model its "
+        f"rewrites make: {where}'s build_qconfig_mapping() is for the model as given and leaves them out; "
+        "build_qconfig_mapping(rewritten=True) has them, for the model `qlint fix MODEL --plan PLAN` writes",
+        file=sys.stderr,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,8 +73,9 @@ def plan_command(argv: list[str]) -> int:
             write_file(args.output, text)
         else:
             write_stdout(text)
+        _note_decisions_for_the_rewritten_model(plan, printable(args.output) if args.output else "the file")
     else:
-        plan.to_qconfig_mapping()  # also checks backend support (e.g. int16)
+        plan.to_qconfig_mapping(rewritten=True)  # also checks backend support (e.g. int16) of every decision
         parts = [
             counted(len(plan.modules), "module decision"),
             counted(len(plan.equalization), "equalization pair"),

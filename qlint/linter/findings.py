@@ -437,15 +437,20 @@ class Report(_Frozen):
             ((f.suggestion, f.provenance()) for f in self.findings if f.suggestion and not f.fix_measured_useless()),
         )
 
-    def qconfig_mapping(self) -> QConfigMapping:
+    def qconfig_mapping(self, *, rewritten: bool = False) -> QConfigMapping:
         """The QConfigMapping the findings call for: their suggestions applied to the mapping the
         model was linted with (``qlint.lint(..., qconfig_mapping=...)``, whose settings the fixes
         were measured on), or to the backend default without one and for a report read back
         from JSON, which cannot hold a mapping. Rewrites and equalization are not expressible in
         a QConfigMapping: ``qlint.advice.plan.plan_from_report(report).quantize(...)`` applies them.
 
+        It is for the model as linted: a fix that needs a rewrite first (QL101's fixed range on
+        a functional conv whose BN it folds in) is left out, since on the model as given its
+        module name reaches other values. ``rewritten=True`` gives the mapping for the model
+        the rewrites made (``qlint fix MODEL --plan PLAN``), those fixes included.
+
         Pass :meth:`backend_config` to prepare_fx with it: the fixes were measured with it."""
-        return qconfig_mapping(self.suggestions(), base=self._linted_mapping)
+        return qconfig_mapping(self.suggestions(), base=self._linted_mapping, rewritten=rewritten)
 
     def backend_config(self) -> BackendConfig:
         """torch's BackendConfig for the report's backend, which the trial and every fix trial

@@ -186,10 +186,17 @@ def module_recipe(suggestions: Suggestions, decision: ModuleDecision) -> QConfig
     return QConfigRecipe(activation_recipe(decision.activation or suggestions.activation, suggestions.backend), weight)
 
 
-def qconfig_mapping(suggestions: Suggestions, base: QConfigMapping | None = None) -> QConfigMapping:
+def qconfig_mapping(
+    suggestions: Suggestions, base: QConfigMapping | None = None, *, rewritten: bool = False
+) -> QConfigMapping:
     """get_default_qconfig_mapping(backend) (or a copy of ``base``, the mapping the user linted
     with) with the global and module-name decisions applied; an empty mapping plus the module
-    decisions when the plan is float by default."""
+    decisions when the plan is float by default.
+
+    ``rewritten``: for the model the suggestions' rewrites made (``qlint fix``,
+    ``QuantPlan.quantize``); without it, for the model as given, decisions made for the
+    rewritten model (:meth:`Suggestions.needs_rewrites`) are left out: there their module
+    names reach other values."""
     if suggestions.float_by_default:
         mapping = QConfigMapping()
     else:
@@ -197,13 +204,17 @@ def qconfig_mapping(suggestions: Suggestions, base: QConfigMapping | None = None
         recipe = global_recipe(suggestions)
         if recipe is not None:
             mapping.set_global(recipe.build())
-    return with_decisions(mapping, suggestions)
+    return with_decisions(mapping, suggestions, rewritten=rewritten)
 
 
-def with_decisions(mapping: QConfigMapping, suggestions: Suggestions) -> QConfigMapping:
+def with_decisions(mapping: QConfigMapping, suggestions: Suggestions, *, rewritten: bool = True) -> QConfigMapping:
     """``mapping`` (changed in place, and returned) with the suggestions' module and function
-    decisions, and the modules their rewrites add kept float as the plan keeps them."""
-    for decision in suggestions.modules:
+    decisions, and the modules their rewrites add kept float as the plan keeps them
+    (``rewritten=False``: for the model as given, see :func:`qconfig_mapping`)."""
+    # Decisions made for the rewritten model go last, as the exported file sets them.
+    for_rewritten = [d for d in suggestions.modules if suggestions.needs_rewrites(d)]
+    for_either = [d for d in suggestions.modules if d not in for_rewritten]
+    for decision in for_either + (for_rewritten if rewritten else []):
         module_qconfig = module_recipe(suggestions, decision)
         mapping.set_module_name(decision.fqn, None if module_qconfig is None else module_qconfig.build())
     for helper in rewrite_float_modules(suggestions):

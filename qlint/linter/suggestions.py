@@ -286,6 +286,15 @@ class Suggestions(_Frozen):
             name = name.rpartition(".")[0]
         return listed[name]
 
+    def needs_rewrites(self, decision: ModuleDecision) -> bool:
+        """Whether ``decision`` was made for the model as the plan's rewrites change it: every
+        finding it comes from also rewrites the model (QL101's fixed range on a conv that its BN
+        is folded into first). On the model as given, the same module name reaches other values
+        (the conv's raw output, before the BN), so a mapping for that model leaves it out."""
+        rewriting = {_finding_key(p) for rewrite in self.rewrites for p in rewrite.provenance if p.source == "finding"}
+        sources = [_finding_key(p) for p in decision.provenance if p.source == "finding"]
+        return bool(sources) and all(key in rewriting for key in sources)
+
     def dynamic_equalized_modules(self) -> list[str]:
         """The equalized modules that run dynamic int8 (their own decision or an ancestor's): their
         input is quantized on each call's own range, not on one fixed by calibration."""
@@ -300,6 +309,11 @@ class Suggestions(_Frozen):
     def effective_weight(self, fqn: str) -> WeightSpec:
         d = self.governing_decision(fqn)
         return d.weight if d is not None and d.weight is not None else self.weight
+
+
+def _finding_key(provenance: Provenance) -> tuple[str | None, str | None, str | None]:
+    """The finding a provenance names: its rule, target and fingerprint."""
+    return provenance.rule, provenance.target, provenance.fingerprint
 
 
 def backend_defaults(backend: str) -> tuple[ActivationSpec, WeightSpec]:
