@@ -372,3 +372,15 @@ def test_compare_data_with_nothing_to_measure_is_one_error_not_a_clean_report(
         "compare", f"{module}:float_model", f"{module}:quantized_model", "--calibration", f"{module}:batches"
     )
     _check_one_line_error(result, *needles)
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [('{"backend": "x86",\n', "not valid JSON"), ('{"type": "qlint.QuantPlan", "backend": "tpu"}', "bad plan at")],
+    ids=["broken-json", "bad-field"],
+)
+def test_a_plan_file_that_does_not_read_is_named(run_main, tmp_path, content, needle):
+    """`qlint plan check broken.json` said "plan is not valid JSON: ..." naming no file (a missing
+    file was named); with several plans in a script the user could not tell which."""
+    (tmp_path / "broken.json").write_text(content)
+    _check_one_line_error(run_main("plan", "check", "broken.json", cwd=tmp_path), "broken.json", needle)

@@ -111,7 +111,10 @@ class QuantPlan(Suggestions):
             raise PlanFormatError(f"cannot read plan {path}: {error.strerror}") from error
         except UnicodeDecodeError as error:
             raise PlanFormatError(f"{path} is not a qlint plan: not UTF-8 text (a plan is JSON)") from error
-        return cls.from_json(text)
+        try:
+            return cls.from_json(text)
+        except PlanFormatError as error:  # the same problem, said of the file the user named
+            raise PlanFormatError(f"{printable(str(path))}: {error}") from error
 
     # --- exporting ------------------------------------------------------------------------
     def to_qconfig_mapping(self, *, rewritten: bool = False) -> QConfigMapping:
