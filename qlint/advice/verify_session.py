@@ -37,7 +37,7 @@ from qlint.advice.layer_outputs import compare_layer_outputs
 from qlint.advice.plan import QuantPlan
 from qlint.advice.verify_report import RunResult
 from qlint.core.batches import as_call, batches_of, call_model
-from qlint.core.nested import float_tensors, tensors_in
+from qlint.core.nested import float_tensors, floats_are_finite
 from qlint.core.ops import (
     CONV_OR_LINEAR_KINDS,
     TRANSPOSED_CONV_KINDS,
@@ -179,7 +179,7 @@ class Session:
         (every SQNR would be measured against it), is the user's to fix: one line naming it."""
         outputs = []
         for number, batch in enumerate(batches):
-            if not all(bool(t.isfinite().all()) for t in tensors_in(batch) if t.is_floating_point()):
+            if not floats_are_finite(batch):
                 raise VerifyError(f"{what} batch {number} holds NaN or Inf values")
             try:
                 outputs.append(float_tensors(self.run(self.model, batch)))

@@ -35,6 +35,12 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return leaves_of_type(value, torch.Tensor)
 
 
+def floats_are_finite(value: Any) -> bool:
+    """Whether every floating-point tensor in a nested value holds only finite numbers (data
+    with NaN or Inf has no SQNR to measure on: verify and compare refuse it)."""
+    return all(bool(tensor.isfinite().all()) for tensor in tensors_in(value) if tensor.is_floating_point())
+
+
 def first_tensor(value: Any) -> torch.Tensor | None:
     """The first tensor in ``value``: an LSTM's ``(output, (h, c))`` gives ``output``."""
     stack = [value]

@@ -19,9 +19,9 @@ from pydantic import Field
 from torch import nn
 
 from qlint.core.function_paths import function_path
-from qlint.core.nested import first_float, float_tensors, tensors_in
+from qlint.core.nested import first_float, float_tensors, floats_are_finite
 from qlint.core.preserve import preserved_state
-from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
+from qlint.core.sqnr import SqnrSums
 from qlint.errors import DataError, EmptyCalibrationError
 from qlint.linter.findings import CompareRow, InputQuantization, Notice, Report, Severity, Timing
 from qlint.measure.capture import PairedRunner
@@ -64,13 +64,13 @@ def qlint_version() -> str:
 
 @dataclass
 class InputGridStats:
-    """Sums, folded batch by batch, over a model-input layer's float input ``x``, ``x`` put on the
-    quantized model's input grid (``q``) and the quantized layer's real input (``a``)."""
+    """Folded batch by batch, for a model-input layer: its float input ``x`` against ``x`` put on
+    the quantized model's input grid (``q``: what that quantization costs), ``q`` against the
+    quantized layer's real input (whether that quantization is the whole difference), and how
+    much of ``x`` lies off the grid's range."""
 
-    signal: float = 0.0  # sum x^2
-    quantization_noise: float = 0.0  # sum (x - q)^2
-    grid_signal: float = 0.0  # sum q^2
-    mismatch_noise: float = 0.0  # sum (q - a)^2
+    quantization: SqnrSums = field(default_factory=SqnrSums)
+    match: SqnrSums = field(default_factory=SqnrSums)
     clipped: int = 0
     count: int = 0
     data_min: float = float("inf")
@@ -78,27 +78,24 @@ class InputGridStats:
     grid: QuantGrid | None = None
 
     def update(self, float_input: torch.Tensor, actual: torch.Tensor, grid: QuantGrid) -> None:
-        x = float_input.detach().double()
-        q = grid.fake_quantize(float_input).double()
-        a = actual.detach().double()
-        self.signal += float((x * x).sum())
-        self.quantization_noise += float(((x - q) ** 2).sum())
-        self.grid_signal += float((q * q).sum())
-        self.mismatch_noise += float(((q - a) ** 2).sum())
+        x = float_input.detach()
+        on_grid = grid.fake_quantize(x)
+        self.quantization.add(x, on_grid)
+        self.match.add(on_grid, actual.detach())
         margin = grid.scale / 2  # within half a step of the range, a value only rounds
         self.clipped += int(((x < grid.low - margin) | (x > grid.high + margin)).sum())
         self.count += x.numel()
         if x.numel():
-            self.data_min = min(self.data_min, float(x.min()))
-            self.data_max = max(self.data_max, float(x.max()))
+            low, high = torch.aminmax(x)
+            self.data_min, self.data_max = min(self.data_min, float(low)), max(self.data_max, float(high))
         self.grid = grid
 
     def summary(self) -> InputQuantization | None:
         if self.grid is None or self.count == 0:
             return None
         return InputQuantization(
-            sqnr=sqnr_db_from_powers(self.signal, self.quantization_noise),
-            match_sqnr=sqnr_db_from_powers(self.grid_signal, self.mismatch_noise),
+            sqnr=self.quantization.sqnr_db(),
+            match_sqnr=self.match.sqnr_db(),
             low=self.grid.low,
             high=self.grid.high,
             step=self.grid.scale,
@@ -326,7 +323,7 @@ def _finite_batches(data: Iterable) -> Iterator[Any]:
     """The batches of ``data``; one holding NaN or Inf is refused, since every SQNR would be
     measured against what the models make of it."""
     for number, batch in enumerate(data):
-        if not all(bool(tensor.isfinite().all()) for tensor in tensors_in(batch) if tensor.is_floating_point()):
+        if not floats_are_finite(batch):
             raise DataError(f"batch {number} of the data holds NaN or Inf values: there is no SQNR to measure on it")
         yield batch
 
@@ -358,6 +355,7 @@ def _format_float(value: float | None) -> str:
 
 def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[CompareRow]:
     rows = []
+    float_nodes = {node.name: node for node in match.float_graph.graph.nodes} if match.float_graph else {}
     for layer in match.layers:
         layer_stats = stats[layer.name]
         if layer_stats.propagated.empty and layer_stats.shadow.empty and layer_stats.weight.empty:
@@ -388,7 +386,7 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
                 if not layer_stats.propagated.empty
                 else layer_stats.shadow.cosine(),
                 functional=layer.float_entry.kind == NODE_SITE,
-                function=_function_of(layer, match.float_graph),
+                function=_function_of(layer, float_nodes),
                 input_quantization=layer_stats.input_grid.summary(),
                 extra=extra,
             )
@@ -396,11 +394,9 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
     return rows
 
 
-def _function_of(layer: LayerMatch, float_graph: torch.fx.GraphModule | None) -> str | None:
+def _function_of(layer: LayerMatch, float_nodes: dict[str, torch.fx.Node]) -> str | None:
     """The public path of the function a functional layer's float node calls (None for a module)."""
-    if layer.float_entry.kind != NODE_SITE or float_graph is None:
-        return None
-    node = next((node for node in float_graph.graph.nodes if node.name == layer.float_entry.name), None)
+    node = float_nodes.get(layer.float_entry.name) if layer.float_entry.kind == NODE_SITE else None
     return function_path(node.target) if node is not None and node.op == "call_function" else None
 
 
