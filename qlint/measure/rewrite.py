@@ -3,7 +3,7 @@
 This module applies the wanted rewrites to a traced copy and keeps those that leave the
 float outputs unchanged; :mod:`qlint.measure.rewrite_candidates` finds where each applies
 and :mod:`qlint.measure.rewrite_edits` makes the edits (input-weight equalization, which
-needs calibration data: :mod:`qlint.measure.equalization`). Four rewrites, and two more,
+needs calibration data: :mod:`qlint.measure.equalization`). The rewrites below, and two more
 only where a plan asks for them: ``normalize_input`` (per-sample input normalization,
 :mod:`qlint.measure.normalize`) and ``split_leading_token`` (a Linear's first token on a
 copy, :mod:`qlint.measure.token_split`):
@@ -37,6 +37,12 @@ copy, :mod:`qlint.measure.token_split`):
     the conv receives an int8 input quantized over the input's own range. Exact in float.
     Applied after the folds, so it finds a folded functional conv by its module name.
 
+``split_module`` (only where a plan asks for it: QL102's fix)
+    Every call of a shared module after the first gets a copy of the module, registered
+    beside it as ``<name>_qlint_call2``, ... and given the original's module-name qconfig.
+    FX observes each call on its own anyway; the copies give each call its own quantized
+    module, and so its own output qparams, in the converted model. Exact in float.
+
 Rewrites are kept only when the float outputs on the example inputs stay within
 ``max_relative_error`` (default 1e-5, relative L2 error). All the wanted rewrites are
 applied together and checked once; only when that check fails is each applied to its own
@@ -64,6 +70,7 @@ from qlint.measure.rewrite_candidates import (
     find_rewrites,
     normalize_input_candidates,
     observe_input_candidates,
+    split_module_candidates,
     split_token_candidates,
 )
 from qlint.measure.rewrite_edits import APPLY
@@ -203,7 +210,12 @@ def _rewrite(
     current = _traced_copy(graph_module)
     # observe_input last: it names a conv module that a fold may create first, and its added
     # op would end the input's scaling front end that normalize_input follows
-    planned = [*normalize_input_candidates(plan), *observe_input_candidates(plan), *split_token_candidates(plan)]
+    planned = [
+        *normalize_input_candidates(plan),
+        *observe_input_candidates(plan),
+        *split_token_candidates(plan),
+        *split_module_candidates(plan),
+    ]
     candidates = [c for c in [*find_rewrites(current), *planned] if wanted(c)]
     if candidates:
         reference = float_outputs(current, example_inputs)

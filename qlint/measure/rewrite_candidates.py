@@ -1,6 +1,7 @@
 """Where a float-preserving rewrite applies: the candidates found in a traced graph
 (functional conv → BN folds, fan-out producers, ``.view`` on an op output) and the ones a
-plan asks for by name (``observe_input``, ``normalize_input``, ``split_leading_token``)."""
+plan asks for by name (``observe_input``, ``normalize_input``, ``split_leading_token``,
+``split_module``)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,18 @@ def split_token_candidates(plan: Any) -> list[Candidate]:
         Candidate(SPLIT_KIND, [fqn], [fqn])
         for rewrite in plan.rewrites
         if rewrite.kind == SPLIT_KIND
+        for fqn in rewrite.modules
+    ]
+
+
+def split_module_candidates(plan: Any) -> list[Candidate]:
+    """The ``split_module`` rewrites ``plan`` asks for (QL102's fix), one per shared module."""
+    if plan is None:
+        return []
+    return [
+        Candidate("split_module", [fqn], [fqn])
+        for rewrite in plan.rewrites
+        if rewrite.kind == "split_module"
         for fqn in rewrite.modules
     ]
 

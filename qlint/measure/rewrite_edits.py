@@ -1,6 +1,7 @@
 """How each float-preserving rewrite edits an fx graph in place: the BN fold (and the folded
 functional conv made a module call), the fan-out copy, view → reshape, an op of its own for a
-conv's input, and the plan-only normalize_input and split_leading_token."""
+conv's input, a copy of a shared module per call site, and the plan-only normalize_input and
+split_leading_token."""
 
 from __future__ import annotations
 
@@ -187,6 +188,30 @@ def _duplicate_fanout(gm: fx.GraphModule, candidate: Candidate) -> None:
     node.replace_all_uses_with(copy_node, delete_user_cb=lambda user: user is not bn_node and user is not copy_node)
 
 
+def _split_module(gm: fx.GraphModule, candidate: Candidate) -> None:
+    """Every call of a shared module after the first gets a copy of its own, registered beside
+    it (``<name>_qlint_call2``, ...) so that qconfigs set on a parent still reach it. In FX
+    each call is observed on its own anyway; what the copies change is the converted model,
+    where one quantized module would serve every call with one set of output qparams."""
+    fqn = candidate.modules[0]
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == fqn]
+    if len(calls) < 2:
+        raise QlintError(f"split_module: {fqn} is called {len(calls)} time(s) in the graph, not shared")
+    parent_name, _, name = fqn.rpartition(".")
+    parent = gm.get_submodule(parent_name)
+    original = gm.get_submodule(fqn)
+    for index, node in enumerate(calls[1:], start=2):
+        copy_name, suffix = f"{name}_qlint_call{index}", index
+        while hasattr(parent, copy_name):  # a name the model already uses
+            suffix += len(calls)
+            copy_name = f"{name}_qlint_call{suffix}"
+        duplicate = copy.deepcopy(original)
+        # the copy follows the original's module-name qconfig (fanout_follows_original reads this)
+        duplicate.qlint_fanout_of = fqn  # type: ignore[assignment]
+        parent.add_module(copy_name, duplicate)
+        node.target = f"{parent_name}.{copy_name}" if parent_name else copy_name
+
+
 def _view_to_reshape(gm: fx.GraphModule, candidate: Candidate) -> None:
     node = next(n for n in gm.graph.nodes if n.name == candidate.nodes[0])
     node.target = "reshape"
@@ -197,6 +222,7 @@ APPLY = {
     "view_to_reshape": _view_to_reshape,
     "fuse": _duplicate_fanout,
     "observe_input": _observe_input,
+    "split_module": _split_module,
     NORMALIZE_KIND: _normalize_input,
     SPLIT_KIND: _split_token,
 }
