@@ -11,7 +11,14 @@ from pydantic import Field
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 
 from qlint.core.graph import OpNode
-from qlint.linter.activation import activation_bits, measured_input, observer_owner, physical_bits
+from qlint.linter.activation import (
+    activation_bits,
+    computes_its_module,
+    functional_ops_of_scopes,
+    measured_input,
+    observer_owner,
+    physical_bits,
+)
 from qlint.linter.calibration import FEATURES
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Finding, LayerRow, Severity
@@ -52,7 +59,10 @@ class ActivationOutlier(Rule):
     ReLU, pooling and reshapes), else the first op on the way that torch quantizes (a ReLU
     after a float LSTMCell or GELU), else the layer itself (an input from a `sqrt`, which
     stays float); when that op is a functional one with no qconfig of its own, keeping the
-    layer float. In an exported graph (`.pt2`, quantized with pt2e) every input edge has its own
+    layer float. A functional op computing its own module's output (`F.conv2d` on `self.weight`
+    in a same-padding `Conv2d` subclass, as in EfficientNet) gets that module's qconfig by name,
+    so the fix goes on that module, and the message names the other ops of its forward that the
+    qconfig reaches too. In an exported graph (`.pt2`, quantized with pt2e) every input edge has its own
     observer, so the clipping observer goes on the layer's input; qlint's pt2e quantizer
     (`QuantPlan.to_pt2e_quantizer()`) applies it. The trial measures the fix; where it does
     not gain the impact threshold the finding is info. The bits lost are counted in the
@@ -305,7 +315,11 @@ def _fix(ctx: LintContext, nodes: list[OpNode], clip_text: str) -> tuple[str, Fi
         subject = f"{_joined_names(targets)}'s input tensor (shared by every op reading it)"
     else:
         owners = [observer_owner(ctx, node) for node in nodes]
-        functional = [owner for owner, node in zip(owners, nodes) if owner is not node and owner.op != "module"]
+        functional = [
+            owner
+            for owner, node in zip(owners, nodes)
+            if owner is not node and owner.op != "module" and not computes_its_module(owner)
+        ]
         if functional:
             return (
                 head.display,
@@ -315,6 +329,7 @@ def _fix(ctx: LintContext, nodes: list[OpNode], clip_text: str) -> tuple[str, Fi
                 f"{_joined_names([node.display for node in nodes])}, or keep {'it' if len(nodes) == 1 else 'them'} float.",
             )
         targets = list(dict.fromkeys(owner.module or owner.display for owner in owners))
+        subject = _with_scope_note(ctx, targets, owners)
     return (
         targets[0],
         SetActivationObserver(targets=targets, percentile=CLIP_PERCENTILE),
@@ -322,6 +337,18 @@ def _fix(ctx: LintContext, nodes: list[OpNode], clip_text: str) -> tuple[str, Fi
         f"PercentileObserver(percentile={CLIP_PERCENTILE:g}) instead of the default histogram search, so "
         "the rare spikes saturate and the bulk keeps its resolution; or clip/normalise these channels "
         "upstream, or keep the layer float.",
+    )
+
+
+def _with_scope_note(ctx: LintContext, targets: list[str], owners: list[OpNode]) -> str | None:
+    """The targets, naming the other ops of their forward that their qconfig reaches too where
+    a functional op inside them makes the observer; None when there are none."""
+    others = functional_ops_of_scopes(ctx, {o.scope for o in owners if computes_its_module(o)}, owners)
+    if not others:
+        return None
+    return (
+        f"{_joined_names(targets)} (its functional {owners[0].kind} gets its qconfig by name, and so "
+        f"do the other ops of its forward: {_joined_names(others)})"
     )
 
 

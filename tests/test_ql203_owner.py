@@ -26,6 +26,14 @@ import qlint
 MARK = 77  # a quant_max no default observer has
 
 
+class _SamePadConv1d(nn.Conv1d):
+    """A conv subclass whose forward pads and calls F.conv1d on its own weight (as EfficientNet's
+    Conv2dStaticSamePadding): FX traces through it to a functional conv inside the module."""
+
+    def forward(self, x):
+        return F.conv1d(F.pad(x, (1, 1)), self.weight, self.bias, self.stride, (0,), self.dilation, self.groups)
+
+
 class _Chain(nn.Module):
     """x -> (producer) -> (ops between) -> conv; channel 3 of conv's input has rare spikes."""
 
@@ -33,6 +41,7 @@ class _Chain(nn.Module):
         super().__init__()
         self.producer, self.between = producer, between
         self.first = nn.Conv1d(8, 8, 1)
+        self.padded = _SamePadConv1d(8, 8, 3)
         self.gelu = nn.GELU()  # no static int8 kernel in x86's backend config: stays float
         self.relu = nn.ReLU()
         self.conv = nn.Conv1d(8, 4, 1)
@@ -44,6 +53,8 @@ class _Chain(nn.Module):
             y = self.first(x)
         elif self.producer == "gelu":
             y = self.gelu(x)
+        elif self.producer == "samepad":
+            y = self.padded(x)
         else:
             y = x
         if self.between == "module_relu":
@@ -88,6 +99,10 @@ def _spiky_model_finding(producer: str, between: str):
         with torch.no_grad():
             model.first.weight.zero_()
             model.first.weight[:, :, 0] = torch.eye(8)
+    if producer == "samepad":
+        with torch.no_grad():
+            model.padded.weight.zero_()
+            model.padded.weight[:, :, 1] = torch.eye(8)
     batches = _batches(producer)
     for batch in batches:
         batch[0, 3, 0] = 400.0
@@ -105,6 +120,7 @@ def _spiky_model_finding(producer: str, between: str):
         ("gelu", "none", "conv"),
         ("conv", "module_relu", "first"),  # a quantized producer's output observer, shared by the ReLU
         ("input", "none", "conv"),  # a graph input: the layer's own
+        ("samepad", "none", "padded"),  # a functional conv on its module's weight: that module's by name
     ],
 )
 def test_clipping_observer_goes_where_prepare_fx_makes_the_input_observer(producer, between, owner):
@@ -115,6 +131,17 @@ def test_clipping_observer_goes_where_prepare_fx_makes_the_input_observer(produc
     assert suggestion.targets == [owner]
     assert outliers[0].data["fix_target"] == owner
     assert _input_observer_is_marked(model, (batches[0],), owner)
+
+
+def test_a_functional_conv_inside_its_module_gets_the_fix_and_the_ops_sharing_the_qconfig_are_named():
+    """EfficientNet's same-padding convs: QL203 said 'a functional op with no qconfig of its own'
+    and suggested keeping the layer float, though the conv module's qconfig reaches it by name."""
+    model, batches, outliers = _spiky_model_finding("samepad", "none")
+    [finding] = outliers
+    assert "no qconfig of its own" not in finding.message
+    assert "padded (its functional conv1d gets its qconfig by name, and so do the other ops of its forward: pad)" in (
+        finding.message
+    )
 
 
 def test_an_observer_made_by_a_functional_op_is_named_and_the_layer_is_kept_float():

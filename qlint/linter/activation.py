@@ -66,6 +66,23 @@ def observer_owner(ctx: LintContext, node: OpNode) -> OpNode:
     return node
 
 
+def computes_its_module(op: OpNode) -> bool:
+    """A functional op computing its own module's output (``F.conv2d`` on ``self.weight`` in a
+    Conv2d subclass's forward, as EfficientNet's same-padding convs): prepare_fx gives it that
+    module's qconfig by name, as it gives every op of that module's forward."""
+    return op.op == "function" and op.module is not None and op.module == op.scope
+
+
+def functional_ops_of_scopes(ctx: LintContext, scopes: set[str], leaving_out: list[OpNode]) -> list[str]:
+    """The functional ops traced in the forward of modules ``scopes`` (a qconfig set on such a
+    module by name reaches them too), but those in ``leaving_out``."""
+    return [
+        op.display
+        for op in ctx.graph.ops()
+        if op.scope in scopes and op.op != "module" and op.module is None and op not in leaving_out
+    ]
+
+
 def measured_input(ctx: LintContext, node: OpNode) -> ActivationError | None:
     """The trial's measurement of the tensor quantized as ``node``'s input: the nearest one up
     the qparam-sharing ops (prepare_fx observes the producer's output, pt2e the input edge)."""
