@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from qlint.linter.context import LintContext
@@ -13,6 +14,7 @@ CAUSE_NO_KERNEL = "no-quantized-kernel"
 CAUSE_QCONFIG = "unsupported-qconfig"
 CAUSE_CONTROL_FLOW = "control-flow"
 CAUSE_DTYPE = "dtype-mismatch"
+CAUSE_FUNCTIONAL_CONV_ARGUMENTS = "functional-conv-arguments"
 CAUSE_FLOAT = "fails-in-float"
 CAUSE_REPEATED_CALL = "module-called-twice"
 CAUSE_UNKNOWN = "unknown"
@@ -106,6 +108,9 @@ def diagnose(
             "helper with torch.fx.wrap.",
             None,
         )
+    prepacked = re.search(r"quantized::(conv[123]d)_prepack\(\)", text)
+    if prepacked and ("missing value for argument" in lowered or "list[int]" in lowered):
+        return _functional_conv_arguments(ctx, prepacked.group(1), node)
     if "dtype" in lowered or "quint8" in lowered or "qint8" in lowered or "expected" in lowered:
         return (
             CAUSE_DTYPE,
@@ -119,6 +124,24 @@ def diagnose(
         "not one of the known conversion failures; see the error text.",
         f"keep {module or node or 'the failing op'} in float to confirm it is the culprit.",
         {"action": "keep_float", "module": module} if module else None,
+    )
+
+
+def _functional_conv_arguments(
+    ctx: LintContext, op: str, node: str | None
+) -> tuple[str, str, str, dict[str, Any] | None]:
+    """A functional conv whose stride, padding or dilation is an int or left out: the quantized
+    conv's prepack op takes them only as lists, and convert_fx passes the call's as written."""
+    first = next((n.name for n in ctx.graph.ops() if n.op == "function" and n.kind == op), None)
+    return (
+        CAUSE_FUNCTIONAL_CONV_ARGUMENTS,
+        f"a functional {op} (F.{op} in a forward) is called with its stride, padding or dilation as an "
+        f"int or left at its default: convert_fx passes the call's arguments to quantized::{op}_prepack as "
+        "written, and that op takes each of them only as a list.",
+        f"pass them as tuples (F.{op}(x, weight, bias, stride=(1, 1), padding=(0, 0), dilation=(1, 1), "
+        f"groups=1): the same float result), or keep functional {op}s float: "
+        f"mapping.set_object_type(torch.{op}, None).",
+        {"action": "keep_float_function", "node": first or node, "function": f"torch.{op}"} if first or node else None,
     )
 
 

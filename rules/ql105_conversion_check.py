@@ -44,8 +44,9 @@ class ConversionCheck(Rule):
     `fx.Interpreter`) and classifies the cause: `.view` on a non-contiguous quantized
     tensor, an op with no quantized kernel for this backend, a qconfig the op's quantized
     module cannot take (e.g. per-channel weights on ConvTranspose), data- or
-    shape-dependent Python control flow, a dtype mismatch, or (pt2e) a module called more
-    than once.
+    shape-dependent Python control flow, a functional conv whose stride, padding or dilation is
+    an int (the quantized conv's prepack op takes only lists), a dtype mismatch, or (pt2e) a
+    module called more than once.
 
     For an exported (aten) graph, such as a `.pt2` holds, the trial is the pt2e flow
     instead: `prepare_pt2e` with torchao's X86InductorQuantizer (x86 backends, the
