@@ -35,7 +35,7 @@ from qlint.linter.findings import CompareRow, Notice, Report, Severity
 from qlint.numeric.badcases import compare_badcases, find_badcases
 from qlint.numeric.compare import MODES, CompareReport, activation_histograms, compare, worst_layers
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB, DEFAULT_WEIGHT_SQNR_THRESHOLD_DB
-from qlint.numeric.display import format_sqnr, sqnr_notes
+from qlint.numeric.display import format_sqnr, layer_label, ranked_label, sqnr_notes
 from qlint.numeric.html import write_html
 from qlint.numeric.sensitivity import sensitivity_rows
 from qlint.render.literal import printable
@@ -114,7 +114,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         help="rank QUANT's layers by how much of the error each adds reaches the model output (QUANT as given: "
         'nothing is re-quantized); text: the top 10 on one line, JSON: the "sensitivity" list (one entry per '
         "layer, most sensitive first: name, kind, score, estimated_output_sqnr_db, local_sqnr_db, flops, "
-        "flops_share, params, params_share), HTML: the ranking table",
+        "flops_share, params, params_share, calls: a module the model calls several times is ranked once, every "
+        "call together), HTML: the ranking table",
     )
     parser.add_argument(
         "--backend",
@@ -144,7 +145,7 @@ def layer_table(report: Report) -> Table:
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
         sqnr_values += [row.weight_sqnr, row.sqnr_propagated, row.sqnr_shadow]
         table.add_row(
-            literal(row.name),
+            literal(layer_label(row)),
             literal(row.kind or ""),
             format_sqnr(row.weight_sqnr),
             format_sqnr(row.sqnr_propagated),
@@ -205,7 +206,9 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
             console.print(
                 literal(
                     "sensitivity (most sensitive first): "
-                    + ", ".join(f"{row.name} {row.score:.2e}" for row in report.sensitivity[:10])
+                    + ", ".join(
+                        f"{ranked_label(row.name, row.calls)} {row.score:.2e}" for row in report.sensitivity[:10]
+                    )
                 )
             )
         if badcase_report is not None:

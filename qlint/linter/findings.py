@@ -317,6 +317,21 @@ class CompareRow(_Row):
         description="For a layer fed by the model's inputs, the quantized model's quantization of that input; "
         "None for other layers, or where the quantized layer's input is not on a per-tensor grid.",
     )
+    module: str | None = Field(
+        default=None,
+        description="The float module this row measures (its fqn; one call of it when ``call`` is set), which a "
+        "keep-float or qconfig fix names: such a fix changes every call of the module. None for a functional op.",
+    )
+    call: int | None = Field(
+        default=None,
+        description="For a module the model calls ``calls`` times, which call this row measures (0: the first); "
+        "the row is then named by that call's FX node (act, act_1). None: the row covers every call.",
+    )
+    calls: int = Field(
+        default=1,
+        description="How many times the float model calls the module; above 1 with ``call`` None, the row pools "
+        "every call (a model compare could not follow call by call).",
+    )
     table: Literal["compare"] = "compare"
 
 

@@ -31,6 +31,7 @@ even when a batch raises, and each model gets its own copy of every batch.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -45,7 +46,8 @@ from qlint.core.batches import as_call
 from qlint.core.exported import put_in_eval
 from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.core.preserve import preserved_state
-from qlint.measure.match_result import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult
+from qlint.measure.call_sites import CallCounter, watched_calls
+from qlint.measure.match_result import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult, Site
 from qlint.measure.metrics import quantization_scale
 from qlint.measure.node_tap import NodeTap, blamed_on
 from qlint.measure.quantizers import (
@@ -107,7 +109,8 @@ class PairedRunner:
         self.grid_calls: dict[str, int] = defaultdict(int)
         self.quant_calls: dict[str, int] = defaultdict(int)
         self.quant_inputs: dict[str, tuple[tuple, dict]] = {}  # shadow run: the current call's input
-        self.input_specs: dict[str, Any] = {}
+        self.input_specs: dict[str, list[Any]] = defaultdict(list)  # isolated run: each call's input grid
+        self.module_calls = CallCounter()  # a layer read at one call of a shared module acts in that call
         # The runner's own calls (shadow and isolated runs; weight simulation re-entering a
         # module): the capture hooks ignore them.
         self.replaying = False
@@ -140,9 +143,9 @@ class PairedRunner:
     def __exit__(self, *exc_info) -> None:
         self.guard.__exit__(*exc_info)
 
-    def _hook(self, module: nn.Module, hook: Callable, pre: bool = False) -> None:
+    def _hook(self, module: nn.Module, hook: Callable, pre: bool = False, first: bool = False) -> None:
         if pre:
-            self.guard.add_handle(module.register_forward_pre_hook(hook, with_kwargs=True))
+            self.guard.add_handle(module.register_forward_pre_hook(hook, with_kwargs=True, prepend=first))
         else:
             self.guard.add_handle(module.register_forward_hook(hook))
 
@@ -151,6 +154,11 @@ class PairedRunner:
             self._install_prepared_simulation()
         float_node_callbacks: dict[str, Callable] = {}
         quant_node_callbacks: dict[str, Callable] = {}
+        for run, name in watched_calls(self.match.layers if self.capture else [], FLOAT_RUN, QUANT_RUN):
+            module = (self.float_modules if run == FLOAT_RUN else self.quant_modules)[name]
+            # first: the capture pre-hooks on the module ask which call is running
+            hook = self.module_calls.counting_hook(run, name, functools.partial(self.capturing, run))
+            self._hook(module, hook, pre=True, first=True)
         for layer in self.match.layers if self.capture else []:
             self._install_float(layer, float_node_callbacks)
             self._install_quant(layer, quant_node_callbacks)
@@ -252,7 +260,7 @@ class PairedRunner:
 
     def _install_float(self, layer: LayerMatch, node_callbacks: dict) -> None:
         def keep_output(value):
-            return self._keep_float_output(layer, value) if self.capturing(FLOAT_RUN) else None
+            return self._keep_float_output(layer, value) if self.capturing(FLOAT_RUN, layer.float_exit) else None
 
         if layer.float_exit.kind == NODE_SITE:
             node_callbacks[layer.float_exit.name] = keep_output
@@ -261,7 +269,7 @@ class PairedRunner:
         if self.isolated and layer.is_module:
 
             def keep_input(module, args, kwargs):
-                if self.capturing(FLOAT_RUN):
+                if self.capturing(FLOAT_RUN, layer.float_entry):
                     self.float_inputs[layer.name].append(
                         (map_tensors(args, _float_copy), map_tensors(kwargs, _float_copy))
                     )
@@ -270,7 +278,7 @@ class PairedRunner:
         if self._tracks_input_grid(layer):
 
             def keep_model_input(module, args, kwargs):
-                if self.capturing(FLOAT_RUN):
+                if self.capturing(FLOAT_RUN, layer.float_entry):
                     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
                     if first is not None and first.is_floating_point():
                         self.float_model_inputs[layer.name].append(_float_copy(first))
@@ -316,7 +324,7 @@ class PairedRunner:
 
     def _install_quant(self, layer: LayerMatch, node_callbacks: dict) -> None:
         def compare_output(value):
-            if not self.capturing(QUANT_RUN):
+            if not self.capturing(QUANT_RUN, layer.quant_site):
                 return
             index = self.quant_calls[layer.name]
             self.quant_calls[layer.name] += 1
@@ -352,14 +360,14 @@ class PairedRunner:
         if layer.quant_site.kind == MODULE_SITE and (self.shadow or self.isolated or tracks_grid):
 
             def keep_input(module, args, kwargs):
-                if not self.capturing(QUANT_RUN):
+                if not self.capturing(QUANT_RUN, layer.quant_site):
                     return
                 if tracks_grid:  # before the layer runs: an in-place layer may change its input
                     self._compare_input_grid(layer, args)
                 if self.shadow:  # dequantized or copied now: an in-place layer may change its input
                     self.quant_inputs[layer.name] = (map_tensors(args, _float_copy), map_tensors(kwargs, _float_copy))
                 if self.isolated:
-                    self.input_specs[layer.name] = input_spec(args)
+                    self.input_specs[layer.name].append(input_spec(args))
 
             self._hook(self.quant_modules[layer.quant_site.name], keep_input, pre=True)
 
@@ -367,9 +375,9 @@ class PairedRunner:
     def in_own_call(self) -> bool:
         return self.replaying or self.simulating
 
-    def capturing(self, phase: str) -> bool:
-        """Whether a capture hook of ``phase``'s model should act on the call now running."""
-        return self.phase == phase and not self.in_own_call
+    def capturing(self, phase: str, site: Site | None = None) -> bool:
+        """Whether a capture hook of ``phase``'s model acts on the call now running (of ``site``)."""
+        return self.phase == phase and not self.in_own_call and (site is None or self.module_calls.at(phase, site))
 
     @staticmethod
     def float_value(layer: LayerMatch, raw: Any) -> torch.Tensor | None:
@@ -392,6 +400,8 @@ class PairedRunner:
         self.grid_calls.clear()
         self.quant_calls.clear()
         self.quant_inputs.clear()
+        self.input_specs.clear()
+        self.module_calls.clear()
         # Each model gets its own copy of the batch (as_call copies): a float model that writes
         # its input in place must not change what the quantized model sees, nor the caller's data.
         args, kwargs = as_call(batch)
@@ -444,11 +454,13 @@ class PairedRunner:
         for layer in self.match.layers:
             if not layer.is_module or layer.name not in self.float_inputs:
                 continue
-            spec = self.input_specs.get(layer.name)
+            specs = self.input_specs.get(layer.name, [])
             for call_index, (args, kwargs) in enumerate(self.float_inputs[layer.name]):
                 outputs = self.float_outputs.get(layer.name, [])
                 if call_index >= len(outputs):
                     break
+                # each call on its own input's grid (a shared ReLU6 gets other grids after each conv)
+                spec = specs[call_index] if call_index < len(specs) else None
                 isolated_args = self._isolated_inputs(layer, args, spec)
                 self.replaying = True
                 try:

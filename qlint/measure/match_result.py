@@ -5,6 +5,11 @@ counterpart (:class:`CounterpartKind`), one :class:`LayerMatch` per paired layer
 :class:`Site` its value is read at on each side (a module's call or an FX node) and what
 the quantized side fused in, and what stayed unpaired. The paired runs (capture), the
 numeric suite and the weight measurements read these records without matching anything.
+
+A module the model calls more than once (one ``nn.ReLU6`` after every conv) is one layer per
+call when matched ``per_call``: each call's :class:`Site` says which call it is, and the layer
+is named by the float FX node of that call (``act``, ``act_1``), with the module still its
+``float_entry``.
 """
 
 from __future__ import annotations
@@ -30,10 +35,14 @@ class CounterpartKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Site:
-    """Where a value is read: a module's call (hooks) or an FX node (interpreter)."""
+    """Where a value is read: a module's call (hooks) or an FX node (interpreter).
+
+    ``call``: for a module the model calls several times, which of its calls in one forward
+    pass (0 for the first, in the order they run); None reads every call."""
 
     kind: str
     name: str
+    call: int | None = None
 
 
 @dataclass
@@ -53,10 +62,19 @@ class LayerMatch:
     quant_input_quantizer: str | None = None  # observer/fake-quant fqn feeding the layer
     quant_output_quantizer: str | None = None  # observer/fake-quant fqn after the layer
     predecessors: list[str] = field(default_factory=list)
+    # How many times the float model calls the module (its FX call sites; 1 when not traced).
+    # More than 1 with float_entry.call None: this layer pools every call.
+    calls: int = 1
 
     @property
     def is_module(self) -> bool:
         return self.float_entry.kind == MODULE_SITE and self.quant_site.kind == MODULE_SITE
+
+    @property
+    def module(self) -> str | None:
+        """The float module this layer measures (a call of it, for a shared module); None for a
+        functional op. A qconfig or keep-float fix names this, and applies to every call."""
+        return self.float_entry.name if self.float_entry.kind == MODULE_SITE else None
 
 
 @dataclass

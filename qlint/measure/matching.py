@@ -10,7 +10,8 @@ the float side's comparison point moves to the end of that chain ("absorbed"
 ops).  Functional ops of an FX graph (``x + y`` becoming ``quantized.add``) have
 no fqn; they are paired by op kind, by the nearest module layers that feed them
 and by their occurrence order (:mod:`qlint.measure.functional_matching`).  Whatever
-is left is paired in graph order.  The result's records are
+is left is paired in graph order.  A module called several times is one layer per call
+when matched ``per_call`` (:mod:`qlint.measure.call_sites`).  The result's records are
 :mod:`qlint.measure.match_result`'s.
 """
 
@@ -27,6 +28,7 @@ from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 from qlint.core.ops import fuses_relu, is_aten_graph, layer_kind, quantized_form
 from qlint.core.trace import symbolic_graph
 from qlint.errors import TraceError
+from qlint.measure.call_sites import chain_nodes, module_calls, split_calls
 from qlint.measure.functional_matching import is_relu_node, match_functional, nearest_layer_ancestors
 from qlint.measure.match_result import MODULE_SITE, CounterpartKind, LayerMatch, MatchResult, Site
 
@@ -112,11 +114,14 @@ def _missing_or_identity(model_modules: dict[str, nn.Module], fqn: str) -> bool:
     return module is None or isinstance(module, nn.Identity)
 
 
-def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchResult:
+def match_layers(float_model: nn.Module, quantized_model: nn.Module, *, per_call: bool = False) -> MatchResult:
     """Pair the float model's layers with the quantized counterpart's (see the module docstring).
 
     Nothing is run; the float model is FX-traced when possible (tracing shares
-    its submodules, it does not copy or change them).
+    its submodules, it does not copy or change them).  ``per_call``: a module the float
+    graph calls several times is one layer per call, named by the call's FX node (what
+    compare shows); otherwise one layer, named by its fqn, pools its calls (what lint's
+    trial reports, by the module a fix names).
     """
     notes: list[str] = []
     counterpart = detect_counterpart(quantized_model)
@@ -198,6 +203,10 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module) -> MatchRes
     if float_graph is not None and quant_graph is not None:
         absorbed_by_functional = match_functional(float_graph, quant_graph, layers, float_modules, quant_modules)
         unmatched_float = [fqn for fqn in unmatched_float if fqn not in absorbed_by_functional]
+    if float_graph is not None:
+        taken = set(float_modules) | set(layers)
+        split = split_calls(layers.values(), float_graph, quant_graph, taken, notes, per_call=per_call)
+        layers = {layer.name: layer for layer in split}
     if quant_graph is not None:
         _attach_quantizers(quant_graph, layers, quant_modules)
 
@@ -301,11 +310,14 @@ def _attach_quantizers(quant_graph, layers, quant_modules) -> None:
     """For prepared graphs: the observer/fake-quant feeding each layer and the one after it,
     where the layer's own input and output are quantized (an observer beside a layer convert_fx
     keeps float belongs to its neighbour)."""
-    module_nodes = {node.target: node for node in quant_graph.graph.nodes if node.op == "call_module"}
+    module_nodes = module_calls(quant_graph)
     named_nodes = {node.name: node for node in quant_graph.graph.nodes}
     for layer in layers.values():
         if layer.quant_site.kind == MODULE_SITE:
-            node = module_nodes.get(layer.quant_site.name)
+            # A layer pooling a module's calls takes the last call's quantizers.
+            calls = module_nodes.get(layer.quant_site.name, [])
+            call = layer.quant_site.call
+            node = (calls[call] if call is not None else calls[-1]) if calls else None
         else:
             node = named_nodes.get(layer.quant_site.name)
         if node is None:
@@ -346,14 +358,20 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
             layer.predecessors = [previous.name]
         return
     owner_of_name: dict[str, str] = {}
+    owner_of_node: dict[torch.fx.Node, str] = {}  # layers read at one call of their modules
+    calls = module_calls(float_graph)
     for layer in ordered:
+        nodes = chain_nodes(layer, calls)
+        if nodes:
+            owner_of_node.update((node, layer.name) for node in nodes)
+            continue
         for name in (layer.float_entry.name, layer.float_exit.name, *layer.absorbed):
             owner_of_name.setdefault(name, layer.name)
     layer_of: dict[torch.fx.Node, str] = {}
     entry_nodes: dict[str, torch.fx.Node] = {}
     for node in float_graph.graph.nodes:
         key = str(node.target) if node.op == "call_module" else node.name
-        owner = owner_of_name.get(key)
+        owner = owner_of_node.get(node) or owner_of_name.get(key)
         if owner is not None:
             layer_of[node] = owner
             entry_nodes.setdefault(owner, node)

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qlint.linter.findings import CompareRow
-from qlint.numeric.display import EXACT, describe_sqnr, sqnr_word
+from qlint.numeric.display import EXACT, describe_sqnr, layer_label, sqnr_word
 
 PROPAGATED_COLOR = "#1f77b4"
 SHADOW_COLOR = "#ff7f0e"
@@ -80,7 +80,7 @@ def has_exact_values(rows: Sequence[CompareRow]) -> bool:
 
 
 def _tooltip(row: CompareRow) -> str:
-    parts = [f"{row.name} ({row.kind})" if row.kind else row.name]
+    parts = [f"{layer_label(row)} ({row.kind})" if row.kind else layer_label(row)]
     for label, _, values in _series([row]):
         if values[0] is not None:
             parts.append(f"{label} {describe_sqnr(values[0])}")

@@ -3,7 +3,9 @@
 The result is a ``qlint.linter.findings.Report``: one ``CompareRow`` per matched layer
 (weight SQNR, propagated and shadow activation SQNR, cosine, and the rest of
 the metrics in ``extra``) and findings QL301 (low-sqnr-layer) and QL302
-(error-onset), built in ``qlint.numeric.diagnose``.
+(error-onset), built in ``qlint.numeric.diagnose``.  A module the model calls several
+times has a row per call, named by the call's FX node (``act``, ``act_1``): its calls see
+other inputs and other errors, and each is another layer's predecessor.
 """
 
 from __future__ import annotations
@@ -205,7 +207,7 @@ def _compare(
     match: MatchResult | None,
 ) -> Report:
     started = time.perf_counter()
-    match = match or match_layers(float_model, quantized_model)
+    match = match or match_layers(float_model, quantized_model, per_call=True)
     stats = {layer.name: LayerStats() for layer in match.layers}
     output_sqnr, output_stats = SqnrSums(), PairwiseErrorStats()
     unpaired_outputs: str | None = None
@@ -388,6 +390,9 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
                 functional=layer.float_entry.kind == NODE_SITE,
                 function=_function_of(layer, float_nodes),
                 input_quantization=layer_stats.input_grid.summary(),
+                module=layer.module,
+                call=layer.float_entry.call,
+                calls=layer.calls,
                 extra=extra,
             )
         )
@@ -452,7 +457,7 @@ def _activation_histograms(
 ) -> dict[str, LayerHistogram]:
     names = list(layers) if layers is not None else worst_layers(report, 4)
     rows = {row.name: row for row in report.compare_rows()}
-    match = match_layers(float_model, quantized_model)
+    match = match_layers(float_model, quantized_model, per_call=True)  # the rows' layers
     match.layers = [layer for layer in match.layers if layer.name in names and layer.name in rows]
     histograms: dict[str, LayerHistogram] = {}
     for layer in match.layers:

@@ -14,7 +14,7 @@ from qlint.linter.findings import CompareRow, Finding, InputQuantization, Severi
 from qlint.linter.fixes import KeepFloat, KeepFloatFunction
 from qlint.linter.registry import COMPARE_DIAGNOSTICS
 from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
-from qlint.numeric.display import EXACT, describe_sqnr, sqnr_word
+from qlint.numeric.display import EXACT, call_of, describe_sqnr, sqnr_word
 
 # Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
 # the signal's amplitude, which is where accuracy losses usually become visible.
@@ -127,10 +127,32 @@ def _keep_float_suggestion(row: CompareRow, reason: str) -> KeepFloat | KeepFloa
     cannot name one call). None for a functional op with no public function path (a tensor
     method): the message says what to do, and a plan has no way to."""
     if not row.functional:
-        return KeepFloat(module=row.name, reason=reason)
+        return KeepFloat(module=row.module or row.name, reason=reason)
     if row.function is None:
         return None
     return KeepFloatFunction(node=row.name, function=row.function)
+
+
+def _described(row: CompareRow) -> str:
+    """The row's name and kind, and which call of its module it measures (a shared module)."""
+    calls = call_of(row)
+    return f"{row.name} ({row.kind}{'; ' + calls if calls else ''})"
+
+
+def _float_target(row: CompareRow) -> str:
+    """What a fix keeps float: the module of a row measuring one call of it, else the row."""
+    return row.module if row.module is not None and row.calls > 1 else row.name
+
+
+def _shared_note(row: CompareRow) -> str:
+    """For a module the model calls several times: a fix for it changes every call, not only
+    the one this row measures."""
+    if row.module is None or row.calls <= 1:
+        return ""
+    return (
+        f" {row.module} is one module the model calls {row.calls} times: keeping it float or changing its qconfig "
+        "changes every call (compare the rows of its other calls)."
+    )
 
 
 def _cause_and_fix(row: CompareRow, weight_low: bool, activation_low: bool) -> tuple[str, str, str]:
@@ -223,9 +245,9 @@ def low_sqnr_findings(
         )
         severity = Severity.ERROR if worst < _ERROR_SQNR_DB else Severity.WARNING
         message = (
-            f"{row.name} ({row.kind}) quantizes poorly: {', '.join(measured)}; "
+            f"{_described(row)} quantizes poorly: {', '.join(measured)}; "
             f"thresholds are {sqnr_threshold:.0f} dB (activations) and {weight_sqnr_threshold:.0f} dB (weights). "
-            f"Why: {why}. Fix: {fix}."
+            f"Why: {why}. Fix: {fix}.{_shared_note(row)}"
         )
         findings.append(
             Finding(
@@ -267,7 +289,7 @@ def _other_weights_finding(row: CompareRow) -> Finding:
             "rounded on the layer's own scales, where quantizing moves none by more than one"
         )
     message = (
-        f"{row.name} ({row.kind}): its quantized weights are not a quantization of this float model's "
+        f"{_described(row)}: its quantized weights are not a quantization of this float model's "
         f"weights ({'; and '.join(evidence)}). The quantized model "
         "was built from another float model, such as one a rewrite changed (cross-layer equalization, "
         "normalize_input, BN folding): compare it against that model. Here the numbers of this layer "
@@ -318,7 +340,8 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
             )
             fix = (
                 f"fix {row.name} first (see QL301 for the cause: weights, clipping or range), "
-                f"or keep it in float; re-run compare to find the next onset"
+                f"or keep {'it' if _float_target(row) == row.name else _float_target(row)} in float; re-run compare "
+                "to find the next onset"
             )
             kind = "local"
         elif not upstream and (input_quantization := _input_quantization_explains(row)) is not None:
@@ -343,15 +366,15 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
             )
             fix = (
                 f"improve the precision of its inputs ({', '.join(upstream)}) or keep "
-                f"{row.name} in float; quantizing it alone is not the problem"
+                f"{_float_target(row)} in float; quantizing it alone is not the problem"
             )
             kind = "amplified"
         message = (
-            f"Error starts at {row.name} ({row.kind}): propagated SQNR falls from {inherited_text} to "
+            f"Error starts at {_described(row)}: propagated SQNR falls from {inherited_text} to "
             f"{row.sqnr_propagated:.1f} dB here, below the {sqnr_threshold:.0f} dB threshold"
             + ("" if sqnr_word(inherited) == EXACT else f" (a {jump:.1f} dB drop)")
             + ". "
-            f"Why: {why}. Fix: {fix}."
+            f"Why: {why}. Fix: {fix}.{_shared_note(row)}"
         )
         findings.append(
             Finding(

@@ -9,6 +9,7 @@ tables print it as a word, and the SQNR chart leaves it off its dB scale.
 from __future__ import annotations
 
 from qlint.core.sqnr import SQNR_CAP_DB
+from qlint.linter.findings import CompareRow
 
 EXACT = "exact"
 NO_SIGNAL = "no signal"
@@ -49,7 +50,31 @@ def sqnr_notes(values: list[float | None]) -> list[str]:
     return [note for word, note in ((EXACT, EXACT_NOTE), (NO_SIGNAL, NO_SIGNAL_NOTE)) if word in words]
 
 
+def call_of(row: CompareRow) -> str | None:
+    """Which calls of a module a row measures, when the model calls it more than once: "call 2/3
+    of act" for one call, "3 calls pooled" for a row covering them all; None otherwise."""
+    if row.module is None or row.calls <= 1:
+        return None
+    if row.call is None:
+        return f"{row.calls} calls pooled"
+    return f"call {row.call + 1}/{row.calls} of {row.module}"
+
+
+def ranked_label(name: str, calls: int) -> str:
+    """A sensitivity ranking's layer: a module called several times is ranked once, all calls."""
+    return name if calls <= 1 else f"{name} ({calls} calls)"
+
+
+def layer_label(row: CompareRow) -> str:
+    """A row's name as a table or chart shows it: with the call of its module it measures."""
+    calls = call_of(row)
+    return row.name if calls is None else f"{row.name} ({calls})"
+
+
 __all__ = [
+    "call_of",
+    "layer_label",
+    "ranked_label",
     "EXACT",
     "EXACT_NOTE",
     "NO_SIGNAL",

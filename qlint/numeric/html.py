@@ -30,7 +30,7 @@ from qlint.numeric.charts import (
     sqnr_chart_svg,
 )
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB
-from qlint.numeric.display import EXACT, format_sqnr, sqnr_notes
+from qlint.numeric.display import EXACT, format_sqnr, layer_label, ranked_label, sqnr_notes
 from qlint.render.text import counted
 
 _STYLE = """
@@ -58,7 +58,7 @@ def _sensitivity_items(sensitivity: Sequence[Any]) -> list[dict[str, Any]]:
         else:
             items.append(
                 {
-                    "name": entry.name,
+                    "name": ranked_label(entry.name, entry.calls),
                     "score": entry.score,
                     "flops_share": entry.flops_share,
                     "params_share": entry.params_share,
@@ -88,7 +88,7 @@ def _layer_table(report: Report) -> str:
     for index, row in enumerate(report.compare_rows()):
         summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
         body.append(
-            f"<tr><td class=num>{index}</td><td>{escape(row.name)}</td><td>{escape(row.kind or '')}</td>"
+            f"<tr><td class=num>{index}</td><td>{escape(layer_label(row))}</td><td>{escape(row.kind or '')}</td>"
             f"<td>{escape(row.extra.get('quantized_class', ''))}</td><td class=num>{format_sqnr(row.weight_sqnr)}</td>"
             f"<td class=num>{format_sqnr(row.sqnr_propagated)}</td><td class=num>{format_sqnr(row.sqnr_shadow)}</td>"
             f"<td class=num>{_number(row.cosine, 5)}</td><td class=num>{_number(summary.get('max_abs_error'), 4)}</td>"

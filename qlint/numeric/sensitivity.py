@@ -17,6 +17,10 @@ close ranking from one calibrated quantization and one pass over the data:
 The score is that estimated output noise power over the output signal power
 (the noise-to-signal ratio if only this layer were quantized); the exhaustive
 method measures the same ratio directly, which is what it is validated against.
+
+A module the model calls several times is ranked once, every call's error together (each
+call on its own input grid): what keeping that module float, or changing its qconfig, would
+remove. compare's table has a row per call; a ranked row says how many calls it covers.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 from torch.utils.flop_counter import FlopCounterMode
@@ -55,6 +59,11 @@ class SensitivityRow(BaseModel):
     flops_share: float
     params: int
     params_share: float
+    calls: int = Field(
+        default=1,
+        description="How many calls of the module the score covers: a module the model calls several times is "
+        "ranked once, as a keep-float or qconfig fix for it changes every call.",
+    )
 
 
 def _first_batch(data: Iterable) -> Any:
@@ -324,6 +333,7 @@ def _sensitivity_rows(
                 flops_share=flops / total_flops,
                 params=params,
                 params_share=params / total_params,
+                calls=layer.calls,
             )
         )
     rows.sort(key=lambda row: row.score, reverse=True)
