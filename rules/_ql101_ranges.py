@@ -18,7 +18,7 @@ from qlint.core.graph import OpNode
 from qlint.core.sqnr import BatchPowers
 from qlint.linter.context import LintContext
 from qlint.linter.findings import Impact
-from qlint.linter.suggestions import Provenance, Rewrite, Suggestions
+from qlint.linter.suggestions import Provenance, Rewrite, Suggestions, backend_defaults
 from qlint.measure.rewrite import apply_rewrites
 from qlint.measure.trial import ActivationError
 
@@ -95,10 +95,13 @@ class _Fixed:
 
 
 def fixed_activation(ctx: LintContext, clip: tuple[float, float]) -> _Fixed:
-    """quint8 qparams for ``clip``, in the backend's activation range (7 bits where it reduces)."""
-    quant_max = 127 if ctx.backend.wants_reduce_range else 255
-    scale = (clip[1] - clip[0]) / quant_max
-    return _Fixed(scale=scale, zero_point=round(-clip[0] / scale), quant_min=0, quant_max=quant_max)
+    """quint8 qparams for ``clip`` at the levels of the plan's activations on this backend (7
+    bits where x86 reduces them): a fixed range feeds the next conv like any activation, so it
+    has no more levels than they have (``Suggestions.with_fixed_ranges_at_activation_bits``
+    moves it with them when verify gives them 8)."""
+    quant_min, quant_max = backend_defaults(ctx.backend.name)[0].quant_range()
+    scale = (clip[1] - clip[0]) / (quant_max - quant_min)
+    return _Fixed(scale=scale, zero_point=quant_min + round(-clip[0] / scale), quant_min=quant_min, quant_max=quant_max)
 
 
 class RangeMeter:

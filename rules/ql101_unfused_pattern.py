@@ -50,9 +50,11 @@ class UnfusedPattern(Rule):
 
     It also finds conv(-bn) → ReLU6/Hardtanh(0, c) chains that the backend fuses only without
     the clip (x86 fuses ReLU, not ReLU6). Where the calibration data reaches the clip, it
-    suggests a fixed output range [0, c] for the conv (int8 saturation then clips exactly),
-    and an op of its own to quantize the conv's input when nothing quantized produces it (a
-    model input, a pad), measured in one trial with every other range group applied.
+    suggests a fixed output range [0, c] for the conv (int8 saturation then clips exactly) with
+    the levels of the plan's activations (128 on x86; when `qlint verify` gives them 8 bits,
+    the range gets 256 levels with them), and an op of its own to quantize the conv's input
+    when nothing quantized produces it (a model input, a pad), measured in one trial with
+    every other range group applied.
 
     ## Why is this bad?
     An unfused pattern quantizes every intermediate tensor to int8 and back: the conv

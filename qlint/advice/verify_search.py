@@ -173,7 +173,8 @@ def activation_bits_step(
     pairs of u8*s8 products in 16 bits, which 8-bit activations can saturate. With VNNI the
     products accumulate in 32 bits, and torch's own onednn default is 8-bit. Tried only on a
     host that has VNNI (the kernels measured are the ones that run here), and the kept
-    decision says which CPUs it needs. Fixed-qparams activations keep their range."""
+    decision says which CPUs it needs. The fixed ranges QL101 chose at 7 bits move to 8 with
+    the rest, over the same real range (their levels follow the plan's activation bits)."""
     vnni = host_vnni()
     if vnni is None or not backend_info(plan.backend).wants_reduce_range or not session.can_try(until):
         return plan, best, []
@@ -192,9 +193,10 @@ def activation_bits_step(
         other_before = session.fitted_trial("7-bit activations (folds swapped)", plan, swapped=True)
         keep = other > other_before + SQNR_TOLERANCE_DB
         detail += f" (folds swapped: {other:.2f} vs {other_before:.2f} dB)"
+    fixed = _moved_fixed_ranges(plan, trial)
     outcome = DecisionOutcome(
         kind="activation_bits",
-        target="every 7-bit activation observer",
+        target="every 7-bit activation" + (f" (observers and {fixed} fixed range(s))" if fixed else " observer"),
         kept=keep,
         sqnr_with_db=round(value, 4),
         sqnr_without_db=round(before, 4),
@@ -202,8 +204,9 @@ def activation_bits_step(
     )
     if not keep:
         return plan, best, [outcome]
+    also = f", and {fixed} fixed range(s) at 256 levels instead of 128" if fixed else ""
     note = (
-        f"8-bit activations (reduce_range=False), measured +{value - before:.2f} dB on a CPU with {vnni}: "
+        f"8-bit activations (reduce_range=False{also}), measured +{value - before:.2f} dB on a CPU with {vnni}: "
         "deploy on CPUs with VNNI (AVX512-VNNI, AVX-VNNI or AMX); without it fbgemm's 16-bit sums can saturate"
     )
     chosen = trial.model_copy(update={"notes": [*trial.notes, note]})
@@ -212,7 +215,7 @@ def activation_bits_step(
 
 
 def _full_range(plan: QuantPlan) -> QuantPlan:
-    """``plan`` with every observed (not fixed-qparams) 7-bit activation spec made 8-bit."""
+    """``plan`` with every observed 7-bit activation spec made 8-bit, and its fixed ranges with them."""
 
     def widened(spec: ActivationSpec) -> ActivationSpec:
         return spec.changed(reduce_range=False) if spec.reduce_range and spec.observer != "fixed" else spec
@@ -221,7 +224,18 @@ def _full_range(plan: QuantPlan) -> QuantPlan:
         d.model_copy(update={"activation": widened(d.activation)}) if d.activation is not None else d
         for d in plan.modules
     ]
-    return plan.model_copy(update={"activation": widened(plan.activation), "modules": modules})
+    widest = plan.model_copy(update={"activation": widened(plan.activation), "modules": modules})
+    return widest.with_fixed_ranges_at_activation_bits()
+
+
+def _moved_fixed_ranges(before: QuantPlan, after: QuantPlan) -> int:
+    """How many of ``before``'s fixed ranges ``after`` gives other levels."""
+    levels = {d.fqn: d.activation.levels() for d in before.modules if d.activation and d.activation.observer == "fixed"}
+    return sum(
+        1
+        for d in after.modules
+        if d.activation is not None and d.fqn in levels and d.activation.levels() != levels[d.fqn]
+    )
 
 
 def scheme_search(

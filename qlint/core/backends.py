@@ -57,6 +57,9 @@ class BackendInfo:
     # fbgemm/x86 kernels can overflow 16-bit intermediate sums on CPUs without VNNI,
     # which torch avoids with 7-bit activations (reduce_range=True).
     wants_reduce_range: bool
+    # (scale, zero_point) of the fixed-qparams ops' outputs (sigmoid: 1/256, 0): prepare_fx
+    # ignores a qconfig that gives those ops other qparams, so their levels are not a choice.
+    fixed_qparams: frozenset[tuple[float, int]] = frozenset()
 
     def can_fuse(self, kinds: tuple[str, ...]) -> bool:
         return kinds in self.fusable
@@ -163,7 +166,13 @@ def backend_info(name: str) -> BackendInfo:
     config = backend_config(name)
     fusable: set[tuple[str, ...]] = set(_LOWERING_FUSIONS)
     dtypes: dict[str, list[DTypeSupport]] = {}
+    fixed: set[tuple[float, int]] = set()
     for pattern_config in config.configs:
+        for dtype_config in pattern_config.dtype_configs:
+            output = getattr(dtype_config, "output_dtype_with_constraints", None)
+            scale = getattr(output, "scale_exact_match", None)
+            if scale is not None:
+                fixed.add((float(scale), int(getattr(output, "zero_point_exact_match", 0) or 0)))
         kinds = _pattern_kinds(pattern_config.pattern)
         if kinds is None:
             continue
@@ -186,4 +195,5 @@ def backend_info(name: str) -> BackendInfo:
         dtypes={k: tuple(v) for k, v in dtypes.items()},
         per_channel_kinds=weighted_static,
         wants_reduce_range=name in ("x86", "fbgemm"),
+        fixed_qparams=frozenset(fixed),
     )

@@ -12,11 +12,12 @@ rewrites), each recording its :class:`Provenance`: the models of this module.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from fractions import Fraction
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from qlint.core.backends import BACKENDS
+from qlint.core.backends import BACKENDS, backend_info
 from qlint.core.function_paths import resolve_function
 from qlint.errors import ConfigError
 from qlint.linter.json_values import check_json_able
@@ -27,6 +28,13 @@ WeightDType = Literal["qint8", "int16"]
 # The integers each dtype holds: a quant range outside them is no range torch can store (an
 # activation spec with quant_max 1000 over quint8 calibrated without a word and cost 26 dB).
 _DTYPE_RANGE = {"quint8": (0, 255), "qint8": (-128, 127), "int16": (-32768, 32767)}
+
+
+def _range_of_levels(dtype: str, levels: int) -> tuple[int, int]:
+    """The integers of ``levels`` levels in ``dtype`` as torch's observers place them: from 0
+    for an unsigned dtype, centred on 0 for a signed one (reduce_range's 0..127 and -64..63)."""
+    low, _ = _DTYPE_RANGE[dtype]
+    return (0, levels - 1) if low == 0 else (-(levels // 2), levels // 2 - 1)
 
 
 def _check_quant_range(quant_min: int | None, quant_max: int | None, dtype: str) -> None:
@@ -124,6 +132,37 @@ class ActivationSpec(_Frozen):
                 data[name] = None
         data.update(changes)
         return ActivationSpec(**data)
+
+    def quant_range(self) -> tuple[int, int]:
+        """The integers the observer built from this spec quantizes to: its own range, else a
+        FixedQParamsObserver's default (0..255) or its dtype's; reduce_range halves an observed
+        one as torch's observers do (a FixedQParamsObserver has no reduce_range)."""
+        if self.quant_min is not None and self.quant_max is not None:
+            low, high = self.quant_min, self.quant_max
+        elif self.observer == "fixed":
+            return 0, 255
+        else:
+            low, high = _DTYPE_RANGE[self.dtype]
+        if self.reduce_range and self.observer != "fixed":
+            return low // 2, high // 2
+        return low, high
+
+    def levels(self) -> int:
+        low, high = self.quant_range()
+        return high - low + 1
+
+    def with_levels(self, levels: int) -> ActivationSpec:
+        """This fixed range with ``levels`` integer levels over the same real interval: it still
+        saturates where it did (QL101's clip), only its step changes."""
+        if self.observer != "fixed" or self.scale is None or self.zero_point is None:
+            raise ValueError("only a fixed range has levels to change: an observer's come from calibration")
+        low, high = self.quant_range()
+        new_low, new_high = _range_of_levels(self.dtype, levels)
+        ratio = Fraction(new_high - new_low, high - low)
+        # the real interval's lower edge, (low - zero_point) * scale, in the new step; exact
+        zero_point = new_low - round((low - self.zero_point) * ratio)
+        scale = self.scale * (high - low) / (new_high - new_low)
+        return self.changed(quant_min=new_low, quant_max=new_high, scale=scale, zero_point=zero_point)
 
     def describe(self) -> str:
         parts: list[str] = [self.observer, self.dtype]
@@ -302,6 +341,33 @@ class Suggestions(_Frozen):
         decisions = [self.governing_decision(module) for module in modules]
         return [m for m, d in zip(modules, decisions) if d is not None and d.quantize and d.mode == "dynamic"]
 
+    def with_fixed_ranges_at_activation_bits(self: _Plan) -> _Plan:
+        """This plan with each fixed range whose levels are a choice (QL101's saturating [0, 6])
+        at the bits of the plan's activations: narrowed where it has more levels than they have,
+        and widened from 7 bits (half its dtype's levels: reduce_range's width, which QL101 took
+        on x86) to 8 where they have 8. Fixed qparams that the backend demands of an op
+        (sigmoid's 1/256) stay as they are: prepare_fx would ignore other ones.
+
+        The levels decide the same thing for both: x86 reduces activations to 7 bits so that
+        fbgemm's 16-bit pair sums cannot saturate on CPUs without VNNI, and a fixed range
+        feeds the next conv like any activation; with 8-bit activations it has no reason to keep
+        half its levels (EfficientNet-Lite0's 33 ReLU6 ranges: 16.6 -> 21.4 dB held-out)."""
+        allowed = self.activation.levels()
+        demanded = backend_info(self.backend).fixed_qparams
+
+        def following(spec: ActivationSpec | None) -> ActivationSpec | None:
+            if spec is None or spec.observer != "fixed" or (spec.scale, spec.zero_point) in demanded:
+                return spec
+            low, high = _DTYPE_RANGE[spec.dtype]
+            full = high - low + 1
+            target, have = min(allowed, full), spec.levels()
+            if have > target or (have == full // 2 and target == full):
+                return spec.with_levels(target)
+            return spec
+
+        modules = [d.model_copy(update={"activation": following(d.activation)}) for d in self.modules]
+        return self if modules == self.modules else self.model_copy(update={"modules": modules})
+
     def effective_activation(self, fqn: str) -> ActivationSpec:
         d = self.governing_decision(fqn)
         return d.activation if d is not None and d.activation is not None else self.activation
@@ -309,6 +375,9 @@ class Suggestions(_Frozen):
     def effective_weight(self, fqn: str) -> WeightSpec:
         d = self.governing_decision(fqn)
         return d.weight if d is not None and d.weight is not None else self.weight
+
+
+_Plan = TypeVar("_Plan", bound=Suggestions)
 
 
 def _finding_key(provenance: Provenance) -> tuple[str | None, str | None, str | None]:
