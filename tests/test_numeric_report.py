@@ -152,7 +152,7 @@ def test_command_json_html_and_badcases(tmp_path):
     assert [finding.target for finding in report.by_rule("QL301")] == [BAD_LAYER]
     assert html_path.read_text().startswith("<!DOCTYPE html>")
     saved = torch.load(badcases_path, weights_only=True)
-    assert set(saved["cases"]) == {"cosine", "l1", "max_abs"} and len(saved["cases"]["l1"]) == 2
+    assert set(saved["cases"]) == {"sqnr", "cosine", "l1", "max_abs"} and len(saved["cases"]["l1"]) == 2
     badcase_report = json.loads(badcases_path.with_suffix(".report.json").read_text())
     assert badcase_report["model"] == "badcases" and badcase_report["layers"]
 

@@ -32,10 +32,26 @@ from qlint.core.batches import batches_of
 from qlint.core.exported import is_exported_module, put_in_eval
 from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import CompareRow, Notice, Report, Severity
+from qlint.numeric.badcase_summary import BadCaseSummary
 from qlint.numeric.badcases import compare_badcases, find_badcases
 from qlint.numeric.compare import MODES, CompareReport, activation_histograms, compare, worst_layers
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB, DEFAULT_WEIGHT_SQNR_THRESHOLD_DB
-from qlint.numeric.display import format_sqnr, layer_label, ranked_label, sqnr_notes
+from qlint.numeric.display import (
+    badcase_cells,
+    badcase_column,
+    badcase_title,
+    describe_sqnr,
+    error_cell,
+    error_heading,
+    error_notes,
+    error_summary,
+    format_sqnr,
+    layer_label,
+    ranked_label,
+    sqnr_columns,
+    sqnr_notes,
+    worst_inputs_heading,
+)
 from qlint.numeric.html import write_html
 from qlint.numeric.sensitivity import sensitivity_rows
 from qlint.render.literal import printable
@@ -92,7 +108,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         metavar="N",
         type=non_negative_int,
         default=0,
-        help="find the N worst inputs per metric, save them and compare on them alone",
+        help="find the N worst inputs per metric (output SQNR, cosine, mean and max absolute error; each taken on "
+        "every floating-point output, a sample scored by its worst output), save them and compare on them alone; "
+        'text: a table and that comparison, JSON: "badcases", HTML: the "Worst inputs" section',
     )
     parser.add_argument("--badcases-path", metavar="PATH", default="badcases.pt", help="where --badcases saves")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: propagated,shadow")
@@ -112,7 +130,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         "--sensitivity",
         action="store_true",
         help="rank QUANT's layers by how much of the error each adds reaches the model output (QUANT as given: "
-        'nothing is re-quantized); text: the top 10 on one line, JSON: the "sensitivity" list (one entry per '
+        "nothing is re-quantized); text: the top 10 on one line with the estimated output SQNR if only that layer "
+        'were quantized, JSON: the "sensitivity" list (one entry per '
         "layer, most sensitive first: name, kind, score, estimated_output_sqnr_db, local_sqnr_db, flops, "
         "flops_share, params, params_share, calls: a module the model calls several times is ranked once, every "
         "call together), HTML: the ranking table",
@@ -134,28 +153,40 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def layer_table(report: Report) -> Table:
     table = Table(title=literal(f"{report.model}: {report.frontend} vs float"))
-    for column in ("layer", "kind", "weight dB", "propagated dB", "shadow dB", "cosine", "RMSE/scale"):
+    rows = report.compare_rows()
+    sqnr = sqnr_columns(rows)
+    headings = ["layer", "kind", *(f"{mode} dB" for mode, _ in sqnr)]
+    headings += [error_heading(metric, rows, separator="\n") for metric in ("cosine", "RMSE/scale")]
+    for column in headings:
         table.add_column(column, justify="left" if column in ("layer", "kind") else "right")
 
     def number(value: float | None, digits: int = 1) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
     sqnr_values: list[float | None] = []
-    for row in report.compare_rows():
-        summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
-        sqnr_values += [row.weight_sqnr, row.sqnr_propagated, row.sqnr_shadow]
+    for row in rows:
+        sqnr_values += [value(row) for _, value in sqnr]
         table.add_row(
             literal(layer_label(row)),
             literal(row.kind or ""),
-            format_sqnr(row.weight_sqnr),
-            format_sqnr(row.sqnr_propagated),
-            format_sqnr(row.sqnr_shadow),
-            number(row.cosine, 5),
-            number(summary.get("rmse_over_scale"), 2),
+            *(format_sqnr(value(row)) for _, value in sqnr),
+            error_cell(number(row.cosine, 5), row, rows),
+            error_cell(number(error_summary(row).get("rmse_over_scale"), 2), row, rows),
         )
-    notes = sqnr_notes(sqnr_values)
+    notes = sqnr_notes(sqnr_values) + error_notes(rows)
     if notes:
         table.caption, table.caption_justify = Text("\n".join(notes), style="dim"), "left"
+    return table
+
+
+def badcase_table(summary: BadCaseSummary) -> Table:
+    """Per metric, the worst samples and their values (and the output that scored worst, for a
+    model with several outputs)."""
+    table = Table(title=literal(badcase_title(summary)))
+    table.add_column("metric")
+    table.add_column(badcase_column(summary))
+    for metric in summary.worst:
+        table.add_row(literal(metric.description), literal(badcase_cells(metric, summary)))
     return table
 
 
@@ -188,14 +219,14 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     try:
         _check_outputs(args)
         with user_output_to_stderr():
-            result = _compare(args, modes)
+            report = _compare(args, modes)
     except QlintError as error:
         return _usage_error(error)
-    report, badcase_report = result
     if args.format == "json":
-        # without a ranking the document is a plain Report, which Report readers take as it is
-        absent = {"sensitivity"} if report.sensitivity is None else None
-        text = report.model_dump_json(indent=2, exclude=absent) + "\n"
+        # without a ranking or bad cases the document is a plain Report, which Report readers take as it is
+        absent = {"sensitivity"} if report.sensitivity is None else set()
+        absent |= {"badcases"} if report.badcases is None else set()
+        text = report.model_dump_json(indent=2, exclude=absent or None) + "\n"
     else:
         buffer = io.StringIO()
         width = terminal_width(to_stdout=stdout is None)
@@ -205,15 +236,17 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         if report.sensitivity:
             console.print(
                 literal(
-                    "sensitivity (most sensitive first): "
+                    "sensitivity (most sensitive first; the estimated output SQNR if only that layer were quantized): "
                     + ", ".join(
-                        f"{ranked_label(row.name, row.calls)} {row.score:.2e}" for row in report.sensitivity[:10]
+                        f"{ranked_label(row.name, row.calls)} {describe_sqnr(row.estimated_output_sqnr_db)}"
+                        for row in report.sensitivity[:10]
                     )
                 )
             )
-        if badcase_report is not None:
-            console.print(literal("On the worst inputs only:", "bold"))
-            print_text(badcase_report, console)
+        if report.badcases is not None:
+            console.print(badcase_table(report.badcases))
+            console.print(literal(worst_inputs_heading(report.badcases), "bold"))
+            print_text(report.badcases.report, console)
         text = buffer.getvalue()
     if stdout is not None:
         stdout.write(text)
@@ -256,8 +289,8 @@ def _note_unranked_functional_layers(report: Report) -> Report:
     return report.model_copy(update={"notices": report.notices + [notice]})
 
 
-def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[CompareReport, Report | None]:
-    """(report with the sensitivity ranking when asked for, bad-case report or None); runs the user's models."""
+def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> CompareReport:
+    """The report, with the sensitivity ranking and the worst inputs when asked for; runs the user's models."""
     float_model = load_model_arg(args.float_model, args.trust_pickle)
     quantized_model = load_model_arg(args.quantized_model, args.trust_pickle)
     data = load_data_arg(args.calibration)
@@ -287,7 +320,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[CompareR
             float_model, data, args.backend, max_batches=args.max_batches, quantized_model=quantized_model
         )
         report = _note_unranked_functional_layers(report)
-    badcase_report = None
+    summary = None
     if args.badcases > 0:
         badcases = find_badcases(float_model, quantized_model, data, top=args.badcases, max_batches=args.max_batches)
         badcase_report = compare_badcases(
@@ -296,27 +329,17 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[CompareR
         try:  # the folder is created, as for --html
             Path(args.badcases_path).parent.mkdir(parents=True, exist_ok=True)
             saved = badcases.save(args.badcases_path)
-            # JSON stdout carries one Report; the bad-case comparison goes next to the samples.
+            # the bad-case comparison also goes next to the samples, a Report of its own
             saved.with_suffix(".report.json").write_text(badcase_report.model_dump_json(indent=2))
         except (OSError, RuntimeError) as error:  # torch.save raises RuntimeError for a bad path
             raise QlintError(f"cannot write --badcases-path {args.badcases_path}: {error}") from error
-        worst = badcases.worst("cosine")
-        report = report.model_copy(
-            update={
-                "notices": report.notices
-                + [
-                    Notice(
-                        message=(
-                            f"saved the {args.badcases} worst inputs per metric of {badcases.samples_seen} to {saved}; "
-                            f"lowest output cosine {worst[0].value:.5f} (sample {worst[0].index})"
-                            if worst
-                            else f"saved bad cases to {saved}"
-                        )
-                    )
-                ]
-            }
+        summary = badcases.summary(badcase_report, saved)
+        notice = Notice(
+            message=f"saved the {args.badcases} worst inputs per metric of {badcases.samples_seen} samples to {saved} "
+            f"and the comparison on them to {saved.with_suffix('.report.json')}"
         )
-    report = CompareReport(**dict(report), sensitivity=ranking)
+        report = report.model_copy(update={"notices": report.notices + [notice]})
+    report = CompareReport(**dict(report), sensitivity=ranking, badcases=summary)
     if args.html:
         histograms = activation_histograms(
             float_model, quantized_model, data, report, worst_layers(report, 4), max_batches=args.max_batches
@@ -324,7 +347,14 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[CompareR
         html = Path(args.html)
         try:
             html.parent.mkdir(parents=True, exist_ok=True)
-            write_html(report, html, sensitivity=ranking, histograms=histograms, sqnr_threshold=args.sqnr_threshold)
+            write_html(
+                report,
+                html,
+                sensitivity=ranking,
+                histograms=histograms,
+                sqnr_threshold=args.sqnr_threshold,
+                badcases=summary,
+            )
         except OSError as error:
             raise QlintError(f"cannot write --html {args.html}: {error.strerror or error}") from error
-    return report, badcase_report
+    return report

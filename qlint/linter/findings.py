@@ -303,7 +303,14 @@ class CompareRow(_Row):
     )
     sqnr_propagated: float | None = None
     sqnr_shadow: float | None = None
-    cosine: float | None = None
+    cosine: float | None = Field(
+        default=None, description="Cosine similarity of the comparison ``error_mode`` names (the stream as one vector)."
+    )
+    error_mode: Literal["propagated", "shadow"] | None = Field(
+        default=None,
+        description="Which comparison ``cosine`` and the error columns of the tables (max |err|, RMSE/scale: "
+        "``extra[error_mode]``) measure: propagated when it was run, else shadow; None when neither has values.",
+    )
     functional: bool = Field(
         default=False, description="A functional op of the graph (``x * mask``), not a module: no fqn to keep float."
     )

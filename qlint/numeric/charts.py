@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from qlint.linter.findings import CompareRow
@@ -229,28 +230,47 @@ def histogram_svg(
     return "".join(parts)
 
 
-def sensitivity_svg(items: Sequence[Mapping[str, Any]], bar_area: int = 400, bar_height: int = 18) -> str:
-    """Horizontal bars of output noise (dB relative to the output signal), most sensitive on top.
+@dataclass(frozen=True)
+class SensitivityBar:
+    """One layer of the sensitivity chart and table: its label, its score (output noise power over
+    output signal power with only this layer quantized) and the output SQNR that score means."""
+
+    label: str
+    score: float
+    output_sqnr_db: float | None
+    local_sqnr_db: float | None = None
+    flops_share: float | None = None
+    params_share: float | None = None
+
+
+def sensitivity_svg(bars: Sequence[SensitivityBar], bar_area: int = 400, bar_height: int = 18) -> str:
+    """Horizontal bars, most sensitive on top, each labelled with the estimated output SQNR if only
+    that layer were quantized (the text's and the JSON's number, positive dB). A bar grows with the
+    output noise that layer causes, so the longest bar has the lowest SQNR.
 
     The label column is as wide as the longest name shown (names past 64 characters are cut in
     the middle; hovering a bar shows the full name)."""
-    right = 70
-    shown = [item for item in items if item["score"] > 0][:20]
-    labels = [shorten(item["name"], MAX_SENSITIVITY_LABEL_CHARS) for item in shown]
+    right = 110  # room for the value after the longest bar
+    shown = [bar for bar in bars if bar.score > 0][:20]
+    labels = [shorten(bar.label, MAX_SENSITIVITY_LABEL_CHARS) for bar in shown]
     label_width = math.ceil(12 + max((text_width(label, SENSITIVITY_FONT) for label in labels), default=0.0))
     width = label_width + bar_area + right
     height = 16 + bar_height * max(1, len(shown))
-    decibels = [10.0 * math.log10(item["score"]) for item in shown]
-    floor = min(decibels, default=-60.0) - 5.0
-    span = max(1e-9, max(decibels, default=0.0) - floor)
+    noise_db = [10.0 * math.log10(bar.score) for bar in shown]
+    floor = min(noise_db, default=-60.0) - 5.0
+    span = max(1e-9, max(noise_db, default=0.0) - floor)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
         f'aria-label="sensitivity ranking">'
     ]
-    for index, (item, label, value) in enumerate(zip(shown, labels, decibels)):
+    for index, (bar, label, noise) in enumerate(zip(shown, labels, noise_db)):
         y = 8 + index * bar_height
-        length = bar_area * (value - floor) / span
-        parts.append(f"<g><title>{escape(item['name'])}: {value:.1f} dB</title>")
+        length = bar_area * (noise - floor) / span
+        value = "n/a" if bar.output_sqnr_db is None else describe_sqnr(bar.output_sqnr_db)
+        parts.append(
+            f"<g><title>{escape(bar.label)}: estimated output SQNR {escape(value)} if only this layer were "
+            f"quantized (output noise/signal {bar.score:.3e})</title>"
+        )
         parts.append(
             f'<text x="{label_width - 6}" y="{y + bar_height * 0.7:.1f}" font-size="{SENSITIVITY_FONT}" '
             f'text-anchor="end">{escape(label)}</text>'
@@ -261,7 +281,7 @@ def sensitivity_svg(items: Sequence[Mapping[str, Any]], bar_area: int = 400, bar
         )
         parts.append(
             f'<text x="{label_width + length + 4:.1f}" y="{y + bar_height * 0.7:.1f}" '
-            f'font-size="10">{value:.1f} dB</text></g>'
+            f'font-size="10">SQNR {escape(value)}</text></g>'
         )
     parts.append("</svg>")
     return "".join(parts)

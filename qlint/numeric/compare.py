@@ -32,6 +32,7 @@ from qlint.measure.matching import match_layers
 from qlint.measure.metrics import PairwiseErrorStats
 from qlint.measure.quantizers import QuantGrid
 from qlint.measure.weights import float_layer_weights, off_grid_fraction, quantized_layer_weights
+from qlint.numeric.badcase_summary import BadCaseSummary
 from qlint.numeric.diagnose import (
     DEFAULT_ONSET_JUMP_DB,
     DEFAULT_SQNR_THRESHOLD_DB,
@@ -48,13 +49,14 @@ MODES = ("propagated", "shadow")
 
 
 class CompareReport(Report):
-    """What ``qlint compare --format json`` writes: the comparison's ``Report`` and the
-    sensitivity ranking of the quantized model's layers, when one was asked for."""
+    """What ``qlint compare --format json`` writes: the comparison's ``Report``, the sensitivity
+    ranking of the quantized model's layers and the worst inputs, when they were asked for."""
 
     sensitivity: list[SensitivityRow] | None = Field(
         default=None,
         description="The layers of the quantized model, most sensitive first (--sensitivity); null when not ranked.",
     )
+    badcases: BadCaseSummary | None = Field(default=None, description="The worst inputs (--badcases); null without.")
 
 
 def qlint_version() -> str:
@@ -376,6 +378,9 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
         ):
             if not accumulated.empty:
                 extra[label] = accumulated.summary()
+        # the row's cosine and error columns come from one comparison, which the row names
+        error_stats = layer_stats.propagated if not layer_stats.propagated.empty else layer_stats.shadow
+        error_mode = None if error_stats.empty else "propagated" if error_stats is layer_stats.propagated else "shadow"
         rows.append(
             CompareRow(
                 name=layer.name,
@@ -384,9 +389,8 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
                 weight_off_grid=layer_stats.weight_off_grid,
                 sqnr_propagated=layer_stats.propagated.sqnr_db(),
                 sqnr_shadow=layer_stats.shadow.sqnr_db(),
-                cosine=layer_stats.propagated.cosine()
-                if not layer_stats.propagated.empty
-                else layer_stats.shadow.cosine(),
+                cosine=error_stats.cosine(),
+                error_mode=error_mode,
                 functional=layer.float_entry.kind == NODE_SITE,
                 function=_function_of(layer, float_nodes),
                 input_quantization=layer_stats.input_grid.summary(),

@@ -8,8 +8,12 @@ tables print it as a word, and the SQNR chart leaves it off its dB scale.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 from qlint.core.sqnr import SQNR_CAP_DB
 from qlint.linter.findings import CompareRow
+from qlint.numeric.badcase_summary import BadCaseMetric, BadCaseSummary, WorstInputsOfMetric
 
 EXACT = "exact"
 NO_SIGNAL = "no signal"
@@ -71,7 +75,110 @@ def layer_label(row: CompareRow) -> str:
     return row.name if calls is None else f"{row.name} ({calls})"
 
 
+# The SQNR columns of a layer table, as (what it measures, the row's value); a table shows those
+# some row has a value in.
+SqnrColumn = tuple[str, Callable[[CompareRow], float | None]]
+SQNR_COLUMNS: tuple[SqnrColumn, ...] = (
+    ("weight", lambda row: row.weight_sqnr),
+    ("propagated", lambda row: row.sqnr_propagated),
+    ("shadow", lambda row: row.sqnr_shadow),
+)
+# Marks a cell measured by shadow in a table whose other error cells are propagated.
+SHADOW_MARK = "*"
+
+
+def sqnr_columns(rows: Sequence[CompareRow]) -> list[SqnrColumn]:
+    """The SQNR columns some row has a value in: a mode compare did not run (``--modes shadow``)
+    gets no column rather than an empty one."""
+    return [(heading, value) for heading, value in SQNR_COLUMNS if any(value(row) is not None for row in rows)]
+
+
+def error_summary(row: CompareRow) -> dict[str, Any]:
+    """The metric summary behind a row's cosine and error columns: the one of ``row.error_mode``."""
+    summary = row.extra.get(row.error_mode) if row.error_mode else None
+    return summary if isinstance(summary, dict) else {}
+
+
+def _one_error_mode(rows: Sequence[CompareRow]) -> str | None:
+    modes = {row.error_mode for row in rows if row.error_mode}
+    return modes.pop() if len(modes) == 1 else None
+
+
+def error_heading(metric: str, rows: Sequence[CompareRow], separator: str = " ") -> str:
+    """A cosine or error column's heading, naming the comparison its cells measure: propagated by
+    default, shadow under ``--modes shadow`` (the same words would otherwise mean other numbers).
+    ``separator`` goes between the metric and the comparison (a newline keeps a column narrow)."""
+    mode = _one_error_mode(rows)
+    if mode is not None or not any(row.error_mode for row in rows):
+        return f"{metric}{separator}({mode})" if mode else metric
+    return f"{metric}{separator}(propagated; {SHADOW_MARK} shadow)"
+
+
+def error_notes(rows: Sequence[CompareRow]) -> list[str]:
+    """The note explaining ``SHADOW_MARK``, for a table whose error cells measure both comparisons."""
+    if _one_error_mode(rows) is not None or not any(row.error_mode for row in rows):
+        return []
+    return [f"{SHADOW_MARK}: measured by shadow (the float layer run on the quantized model's input)"]
+
+
+def error_cell(text: str, row: CompareRow, rows: Sequence[CompareRow]) -> str:
+    """A cosine or error cell: marked when its row measures shadow in a table of both comparisons."""
+    if not text or row.error_mode != "shadow" or _one_error_mode(rows) is not None:
+        return text
+    return text + SHADOW_MARK
+
+
+def badcase_value(metric: BadCaseMetric, value: float) -> str:
+    """A worst input's value: dB for SQNR, five decimals for a cosine, three digits for an error."""
+    if metric == "sqnr":
+        return describe_sqnr(value)
+    return f"{value:.5f}" if metric == "cosine" else f"{value:.3g}"
+
+
+def badcase_column(summary: BadCaseSummary) -> str:
+    """The heading of the worst samples' column."""
+    return "worst samples (#sample: value" + (", output that scored it)" if summary.several_outputs else ")")
+
+
+def badcase_cells(metric: WorstInputsOfMetric, summary: BadCaseSummary) -> str:
+    """One metric's worst samples, "#12: 3.1 dB", with the output that scored worst
+    ("#12: 3.1 dB, output[0]") when the model has several."""
+    return "; ".join(
+        f"#{case.sample}: {badcase_value(metric.metric, case.value)}"
+        + (f", {case.output}" if summary.several_outputs and case.output else "")
+        for case in metric.cases
+    )
+
+
+def badcase_title(summary: BadCaseSummary) -> str:
+    """What the worst-inputs table holds and how a sample with several outputs was scored."""
+    title = f"worst inputs of {summary.samples_seen} samples"
+    if summary.several_outputs:
+        title += f" (every output scored: {', '.join(summary.outputs)}; a sample scores its worst output's value)"
+    return title
+
+
+def worst_inputs_heading(summary: BadCaseSummary) -> str:
+    """The heading of the comparison rerun on the worst inputs."""
+    return (
+        f"On the worst inputs only: the {summary.distinct_samples} distinct samples above, each compared as a "
+        "batch of one"
+    )
+
+
 __all__ = [
+    "badcase_cells",
+    "badcase_column",
+    "badcase_title",
+    "badcase_value",
+    "worst_inputs_heading",
+    "SHADOW_MARK",
+    "SQNR_COLUMNS",
+    "error_cell",
+    "error_heading",
+    "error_notes",
+    "error_summary",
+    "sqnr_columns",
     "call_of",
     "layer_label",
     "ranked_label",

@@ -4,7 +4,8 @@ One file, no scripts and no network: styles are inline and every chart is an
 inline SVG (``qlint.numeric.charts``).  Sections: summary, per-layer SQNR in
 forward order (propagated and shadow on one chart, threshold line),
 float-vs-quantized histograms of the worst layers, the sensitivity ranking, the
-findings and the full layer table.  SQNR values at the cap (no error) are
+findings, the full layer table and the worst inputs (``--badcases``) with the
+comparison on them.  SQNR values at the cap (no error) are
 written as words, not as the cap's number (``qlint.numeric.display``).
 """
 
@@ -14,7 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from qlint.core.sqnr import sqnr_db_from_powers
 from qlint.linter.findings import Report
+from qlint.numeric.badcase_summary import BadCaseSummary
 from qlint.numeric.charts import (
     FLOAT_HISTOGRAM_COLOR,
     PROPAGATED_COLOR,
@@ -23,6 +26,7 @@ from qlint.numeric.charts import (
     SHADOW_COLOR,
     THRESHOLD_COLOR,
     WEIGHT_COLOR,
+    SensitivityBar,
     escape,
     has_exact_values,
     histogram_svg,
@@ -30,12 +34,28 @@ from qlint.numeric.charts import (
     sqnr_chart_svg,
 )
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB
-from qlint.numeric.display import EXACT, format_sqnr, layer_label, ranked_label, sqnr_notes
+from qlint.numeric.display import (
+    EXACT,
+    badcase_cells,
+    badcase_column,
+    badcase_title,
+    error_cell,
+    error_heading,
+    error_notes,
+    error_summary,
+    format_sqnr,
+    layer_label,
+    ranked_label,
+    sqnr_columns,
+    sqnr_notes,
+    worst_inputs_heading,
+)
 from qlint.render.text import counted
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;background:#fff}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
+h3{font-size:14px;margin:18px 0 6px}
 .meta{color:#666;font-size:13px} table{border-collapse:collapse;font-size:12px;margin-top:6px}
 th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top} th{background:#f4f4f4}
 td.num{text-align:right;font-variant-numeric:tabular-nums} .error{color:#b00020;font-weight:600}
@@ -46,26 +66,39 @@ border:2px solid #555;border-radius:50%} svg{background:#fff}
 """
 
 
+# The SQNR chart's series, as its legend names them.
+_SERIES = (
+    ("propagated", "propagated", PROPAGATED_COLOR),
+    ("shadow", "shadow (the layer's own error)", SHADOW_COLOR),
+    ("weight", "weight", WEIGHT_COLOR),
+)
+# The layer table's heading of each SQNR column (``display.SQNR_COLUMNS``).
+_SQNR_HEADINGS = {"weight": "weight SQNR", "propagated": "propagated", "shadow": "shadow"}
+
+
 def _number(value: float | None, digits: int = 1) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
-def _sensitivity_items(sensitivity: Sequence[Any]) -> list[dict[str, Any]]:
-    items = []
+def _sensitivity_bars(sensitivity: Sequence[Any]) -> list[SensitivityBar]:
+    """``sensitivity()`` tuples or ``sensitivity_rows()`` rows as the chart and table show them."""
+    bars = []
     for entry in sensitivity:
         if isinstance(entry, tuple):
-            items.append({"name": entry[0], "score": float(entry[1])})
+            # the score is output noise over output signal: the SQNR it means, as the rows hold it
+            bars.append(SensitivityBar(entry[0], float(entry[1]), sqnr_db_from_powers(1.0, float(entry[1]))))
         else:
-            items.append(
-                {
-                    "name": ranked_label(entry.name, entry.calls),
-                    "score": entry.score,
-                    "flops_share": entry.flops_share,
-                    "params_share": entry.params_share,
-                    "local": entry.local_sqnr_db,
-                }
+            bars.append(
+                SensitivityBar(
+                    ranked_label(entry.name, entry.calls),
+                    entry.score,
+                    entry.estimated_output_sqnr_db,
+                    entry.local_sqnr_db,
+                    entry.flops_share,
+                    entry.params_share,
+                )
             )
-    return items
+    return bars
 
 
 def _findings_table(report: Report) -> str:
@@ -80,40 +113,67 @@ def _findings_table(report: Report) -> str:
 
 
 def _layer_table(report: Report) -> str:
-    header = (
-        "<tr><th>#</th><th>layer</th><th>kind</th><th>quantized</th><th>weight SQNR</th><th>propagated</th>"
-        "<th>shadow</th><th>cosine</th><th>max |err|</th><th>RMSE/scale</th></tr>"
-    )
+    rows = report.compare_rows()
+    sqnr = sqnr_columns(rows)
+    headings = ["#", "layer", "kind", "quantized", *(_SQNR_HEADINGS[mode] for mode, _ in sqnr)]
+    headings += [error_heading(metric, rows) for metric in ("cosine", "max |err|", "RMSE/scale")]
+    header = "<tr>" + "".join(f"<th>{escape(heading)}</th>" for heading in headings) + "</tr>"
     body = []
-    for index, row in enumerate(report.compare_rows()):
-        summary = row.extra.get("propagated") or row.extra.get("shadow") or {}
+    for index, row in enumerate(rows):
+        summary = error_summary(row)
+        errors = (
+            _number(row.cosine, 5),
+            _number(summary.get("max_abs_error"), 4),
+            _number(summary.get("rmse_over_scale"), 3),
+        )
         body.append(
             f"<tr><td class=num>{index}</td><td>{escape(layer_label(row))}</td><td>{escape(row.kind or '')}</td>"
-            f"<td>{escape(row.extra.get('quantized_class', ''))}</td><td class=num>{format_sqnr(row.weight_sqnr)}</td>"
-            f"<td class=num>{format_sqnr(row.sqnr_propagated)}</td><td class=num>{format_sqnr(row.sqnr_shadow)}</td>"
-            f"<td class=num>{_number(row.cosine, 5)}</td><td class=num>{_number(summary.get('max_abs_error'), 4)}</td>"
-            f"<td class=num>{_number(summary.get('rmse_over_scale'), 3)}</td></tr>"
+            f"<td>{escape(row.extra.get('quantized_class', ''))}</td>"
+            + "".join(f"<td class=num>{format_sqnr(value(row))}</td>" for _, value in sqnr)
+            + "".join(f"<td class=num>{escape(error_cell(text, row, rows))}</td>" for text in errors)
+            + "</tr>"
         )
-    values = [
-        value for row in report.compare_rows() for value in (row.weight_sqnr, row.sqnr_propagated, row.sqnr_shadow)
-    ]
-    return f"<table>{header}{''.join(body)}</table>{_notes(values)}"
+    values = [value(row) for row in rows for _, value in sqnr]
+    notes = "".join(f'<p class="meta">{escape(note)}</p>' for note in error_notes(rows))
+    return f"<table>{header}{''.join(body)}</table>{_notes(values)}{notes}"
 
 
-def _sensitivity_table(items: Sequence[Mapping[str, Any]]) -> str:
-    if not items or "flops_share" not in items[0]:
+def _sensitivity_table(bars: Sequence[SensitivityBar]) -> str:
+    if not bars or bars[0].flops_share is None:
         return ""
     rows = "".join(
-        f"<tr><td class=num>{rank + 1}</td><td>{escape(item['name'])}</td><td class=num>{item['score']:.3e}</td>"
-        f"<td class=num>{format_sqnr(item.get('local'))}</td><td class=num>{100 * item['flops_share']:.1f}%</td>"
-        f"<td class=num>{100 * item['params_share']:.1f}%</td></tr>"
-        for rank, item in enumerate(items)
+        f"<tr><td class=num>{rank + 1}</td><td>{escape(bar.label)}</td>"
+        f"<td class=num>{format_sqnr(bar.output_sqnr_db)}</td><td class=num>{bar.score:.3e}</td>"
+        f"<td class=num>{format_sqnr(bar.local_sqnr_db)}</td><td class=num>{100 * (bar.flops_share or 0.0):.1f}%</td>"
+        f"<td class=num>{100 * (bar.params_share or 0.0):.1f}%</td></tr>"
+        for rank, bar in enumerate(bars)
     )
     return (
-        "<table><tr><th>rank</th><th>layer</th><th>score (noise/signal)</th>"
+        "<table><tr><th>rank</th><th>layer</th>"
+        '<th title="the model output\'s SQNR if only this layer were quantized">est. output SQNR</th>'
+        "<th>score (output noise/signal)</th>"
         '<th title="the layer quantized alone, everything else float">isolated SQNR</th>'
-        f"<th>FLOPs</th><th>params</th></tr>{rows}</table>{_notes([item.get('local') for item in items])}"
+        "<th>FLOPs</th><th>params</th></tr>"
+        f"{rows}</table>{_notes([bar.output_sqnr_db for bar in bars] + [bar.local_sqnr_db for bar in bars])}"
     )
+
+
+def _badcase_section(summary: BadCaseSummary) -> list[str]:
+    """The worst inputs (per metric, as the text prints them) and the comparison on them alone."""
+    column = badcase_column(summary)
+    rows = "".join(
+        f"<tr><td>{escape(metric.description)}</td><td>{escape(badcase_cells(metric, summary))}</td></tr>"
+        for metric in summary.worst
+    )
+    saved = f" Saved to {escape(summary.saved_to)}." if summary.saved_to else ""
+    sections = [
+        '<h2 id="badcases">Worst inputs</h2>',
+        f'<p class="meta">{escape(badcase_title(summary))}.{saved}</p>',
+        f'<table id="badcase-table"><tr><th>metric</th><th>{escape(column)}</th></tr>{rows}</table>',
+        f"<h3>{escape(worst_inputs_heading(summary))}</h3>",
+    ]
+    sections += [f'<p class="meta">{escape(notice.message)}</p>' for notice in summary.report.notices]
+    return [*sections, _layer_table(summary.report), _findings_table(summary.report)]
 
 
 def _notes(values: Sequence[float | None]) -> str:
@@ -136,6 +196,7 @@ def render_html(
     histograms: Mapping[str, Any] | None = None,
     title: str | None = None,
     sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
+    badcases: BadCaseSummary | None = None,
 ) -> str:
     title = title or f"qlint numeric report: {report.model}"
     counts = {
@@ -151,14 +212,12 @@ def render_html(
     ]
     sections += [f'<p class="meta">{escape(notice.message)}</p>' for notice in report.notices]
     sections.append("<h2>Per-layer SQNR (forward order)</h2>")
+    # the legend names the series the chart draws: no "propagated" entry under --modes shadow
+    drawn = {mode for mode, _ in sqnr_columns(report.compare_rows())}
+    series = [(label, color) for mode, label, color in _SERIES if mode in drawn]
     sections.append(
         _legend(
-            [
-                ("propagated", PROPAGATED_COLOR),
-                ("shadow (the layer's own error)", SHADOW_COLOR),
-                ("weight", WEIGHT_COLOR),
-                (f"threshold {sqnr_threshold:g} dB", THRESHOLD_COLOR),
-            ],
+            [*series, (f"threshold {sqnr_threshold:g} dB", THRESHOLD_COLOR)],
             hollow=f"{EXACT} (no error, off the dB scale)" if has_exact_values(report.compare_rows()) else None,
         )
     )
@@ -171,18 +230,21 @@ def render_html(
         )
         sections.append(f'<div id="histograms" class="grid">{charts}</div>')
     if sensitivity:
-        items = _sensitivity_items(sensitivity)
+        bars = _sensitivity_bars(sensitivity)
         sections.append("<h2>Sensitivity ranking</h2>")
         sections.append(
-            '<p class="meta">Estimated output noise, relative to the output signal, if only this '
-            "layer were quantized (higher bars hurt more).</p>"
+            '<p class="meta">Each bar is labelled with the estimated SQNR of the model output if only this layer '
+            "were quantized, everything else float (dB, as in the text and the JSON). The bar's length is the output "
+            "noise that layer causes: longer bars, lower SQNR, more harm.</p>"
         )
-        sections.append(f'<div id="sensitivity">{sensitivity_svg(items)}</div>')
-        sections.append(_sensitivity_table(items))
+        sections.append(f'<div id="sensitivity">{sensitivity_svg(bars)}</div>')
+        sections.append(_sensitivity_table(bars))
     sections.append("<h2>Findings</h2>")
     sections.append(_findings_table(report))
     sections.append("<h2>Layers</h2>")
     sections.append(_layer_table(report))
+    if badcases is not None:
+        sections += _badcase_section(badcases)
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
         f"<style>{_STYLE}</style></head><body>{''.join(sections)}</body></html>"
@@ -197,17 +259,24 @@ def write_html(
     histograms: Mapping[str, Any] | None = None,
     title: str | None = None,
     sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
+    badcases: BadCaseSummary | None = None,
 ) -> Path:
     """Write the report as one self-contained HTML file and return its path.
 
     ``sensitivity``: ``sensitivity()`` tuples or ``sensitivity_rows()`` rows.
     ``histograms``: ``compare.activation_histograms()`` output.
+    ``badcases``: ``BadCaseSet.summary()``, the worst inputs and the comparison on them.
     """
     path = Path(path)
-    path.write_text(
-        render_html(report, sensitivity=sensitivity, histograms=histograms, title=title, sqnr_threshold=sqnr_threshold),
-        encoding="utf-8",
+    page = render_html(
+        report,
+        sensitivity=sensitivity,
+        histograms=histograms,
+        title=title,
+        sqnr_threshold=sqnr_threshold,
+        badcases=badcases,
     )
+    path.write_text(page, encoding="utf-8")
     return path
 
 
