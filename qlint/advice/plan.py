@@ -170,7 +170,8 @@ class QuantPlan(Suggestions):
             lines.append("  rewrites (float-preserving, apply before quantizing):")
             for r in self.rewrites:
                 why = "; ".join(p.describe() for p in r.provenance)
-                lines.append(f"    {r.kind}: {', '.join(r.modules)}  [{why}]")
+                only = " (where the plan runs them dynamic)" if r.only_dynamic() else ""
+                lines.append(f"    {r.kind}{only}: {', '.join(r.modules)}  [{why}]")
         if self.float_functions:
             lines.append("  functions kept float (everywhere the model calls them):")
             for kept in self.float_functions:

@@ -233,7 +233,7 @@ class Session:
         batches = self.calibration if calibration is None else calibration
         calibrated = None
         if not kwargs:  # torch's equalization scales activations while it calibrates: nothing to reuse
-            graph_key = plan.model_dump_json(include={"rewrites", "equalization"})
+            graph_key = plan.model_dump_json(include={"rewrites", "equalization"}) + repr(plan.token_split_linears())
             calibrated = self._calibrated.setdefault((graph_key, tuple(map(id, batches))), CalibratedQParams())
         return quantize_rewritten(
             copy_sharing_parameters(gm),
@@ -252,11 +252,13 @@ class Session:
         candidate), so redoing it for every trial would cost more than the trial's
         calibration on a model with many BN folds. The scheme search and the fallback change
         only module decisions, so one cached graph serves them all, except where a decision
-        makes an equalized layer dynamic (its rescale differs); one is kept at a time.
+        makes an equalized layer dynamic (its rescale differs) or a Linear whose split waits
+        for it dynamic (the split then applies); one is kept at a time.
         A plan with neither quantizes the traced model itself (a copy of its modules)."""
         if not plan.rewrites and not plan.equalization:
             return self.traced, []
-        key = plan.model_dump_json(include={"rewrites", "equalization"}) + repr(plan.dynamic_equalized_modules())
+        key = plan.model_dump_json(include={"rewrites", "equalization"})
+        key += repr((plan.dynamic_equalized_modules(), plan.token_split_linears()))
         if self._last_rewritten is None or self._last_rewritten[0] != key:
             self._last_rewritten = (key, *rewritten(self.traced, plan, self.calibration))
         return self._last_rewritten[1], self._last_rewritten[2]

@@ -16,6 +16,12 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter
 class _Fix(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
+    def applies_only_when_dynamic(self) -> bool:
+        """Whether the fix changes a Linear only where the plan runs it dynamic: under the
+        mapping its finding was linted with it may change nothing, and still be the plan's to
+        carry for when a Linear becomes dynamic (verify's scheme search)."""
+        return False
+
     def target_modules(self, default: str) -> list[str]:
         """The modules (fqns) the fix is for; ``default`` (the finding's target) when it names none."""
         names = list(getattr(self, "targets", None) or getattr(self, "modules", None) or [])
@@ -156,10 +162,16 @@ class NormalizeInput(_Fix):
 
 
 class SplitLeadingToken(_Fix):
-    """Run each Linear's first token on a weight-sharing copy (:mod:`qlint.measure.token_split`)."""
+    """Run each Linear's first token on a weight-sharing copy (:mod:`qlint.measure.token_split`);
+    with ``only_dynamic``, only where the plan runs the Linear dynamic: a static Linear's two
+    parts read one observer, so there the split gains nothing."""
 
     action: Literal["split_leading_token"] = "split_leading_token"
     modules: list[str] = Field(min_length=1)
+    only_dynamic: bool = False
+
+    def applies_only_when_dynamic(self) -> bool:
+        return self.only_dynamic
 
 
 class Equalize(_Fix):

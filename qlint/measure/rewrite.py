@@ -74,6 +74,7 @@ from qlint.measure.rewrite_candidates import (
     split_token_candidates,
 )
 from qlint.measure.rewrite_edits import APPLY
+from qlint.measure.token_split import split_ops_follow_linear
 
 DEFAULT_MAX_RELATIVE_ERROR = 1e-5
 
@@ -297,12 +298,15 @@ def _one_by_one(
 
 def fanout_follows_original(mapping: QConfigMapping, model: nn.Module) -> QConfigMapping:
     """A copy of ``mapping`` in which each fan-out copy (``<fqn>_qlint_fanout``) gets the qconfig
-    its original has by name, so the rewrite changes no quantization decision."""
+    its original has by name, and the ops a token split adds get its Linear's, so the rewrite
+    changes no quantization decision."""
     result = copy.deepcopy(mapping)
     for name, module in model.named_modules():
         origin = getattr(module, "qlint_fanout_of", None)
         if isinstance(origin, str) and origin in result.module_name_qconfigs:
             result.set_module_name(name, result.module_name_qconfigs[origin])
+    if isinstance(model, fx.GraphModule):
+        split_ops_follow_linear(result, model)
     return result
 
 

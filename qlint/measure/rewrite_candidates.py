@@ -102,15 +102,11 @@ def normalize_input_candidates(plan: Any) -> list[Candidate]:
 
 
 def split_token_candidates(plan: Any) -> list[Candidate]:
-    """The ``split_leading_token`` rewrites ``plan`` asks for, one per Linear."""
+    """The ``split_leading_token`` rewrites ``plan`` asks for, one per Linear; a split for dynamic
+    Linears only leaves out each Linear the plan runs otherwise (``plan.token_split_linears()``)."""
     if plan is None:
         return []
-    return [
-        Candidate(SPLIT_KIND, [fqn], [fqn])
-        for rewrite in plan.rewrites
-        if rewrite.kind == SPLIT_KIND
-        for fqn in rewrite.modules
-    ]
+    return [Candidate(SPLIT_KIND, [fqn], [fqn]) for fqn in plan.token_split_linears()]
 
 
 def split_module_candidates(plan: Any) -> list[Candidate]:
