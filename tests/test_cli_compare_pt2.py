@@ -79,3 +79,25 @@ def test_a_pt2_exported_in_training_mode_is_refused_in_one_line(run_main, tmp_pa
     assert len(lines) == 1, result.stderr
     assert "train.pt2 was exported in training mode" in lines[0] and "model.eval()" in lines[0], lines[0]
     assert "aten.batch_norm" in lines[0] and "aten.dropout" in lines[0], lines[0]
+
+
+def test_sensitivity_of_a_pt2_float_model_runs(run_main, tmp_path):
+    """--sensitivity counts FLOPs on the float model after putting it in eval mode, which an
+    exported module refuses: it was an internal error where the comparison alone ran."""
+    _project(tmp_path)
+    result = run_main(
+        "compare",
+        "float.pt2",
+        "cmp_models:quantized",
+        "--calibration",
+        "cmp_models:batches",
+        "--sensitivity",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "internal error" not in result.stderr
+    assert _output_sqnr(result.stdout) == _output_sqnr(
+        run_main(
+            "compare", "float.pt2", "cmp_models:quantized", "--calibration", "cmp_models:batches", cwd=tmp_path
+        ).stdout
+    )

@@ -37,6 +37,7 @@ from torch.ao.quantization import QConfigMapping, get_default_qconfig_mapping
 from torch.utils.flop_counter import FlopCounterMode
 
 from qlint.core.batches import as_call, batch_size, call_model, reiterable
+from qlint.core.exported import put_in_eval
 from qlint.core.nested import first_float, map_tensors, tensors_in
 from qlint.core.preserve import made_in_inference_mode, preserved_state
 from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
@@ -166,7 +167,7 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
         return hook
 
     with preserved_state(model) as guard, torch.no_grad():
-        model.eval()
+        put_in_eval(model)
         for name in counts:
             module = modules[name]
             counts[name][1] = sum(parameter.numel() for parameter in module.parameters())
