@@ -129,6 +129,7 @@ def test_a_shared_module_has_a_row_per_call_measured_at_that_call():
     # A fix for one call names the module, and says that it changes every call.
     (act_1,) = [f for f in report.findings if f.target == "act_1"]
     assert act_1.suggestion is not None and act_1.suggestion.module == "act"
+    assert act_1.data["module"] == "act"  # what a tool reading the JSON keeps float: act_1 is a call, not a module
     assert "calls 2 times" in act_1.message
 
 

@@ -258,6 +258,7 @@ def low_sqnr_findings(
                 message=message,
                 data={
                     "kind": cause,
+                    "module": row.module,  # the fqn a fix names: a call row (act_1) is no module
                     "local_sqnr_db": local,
                     "local_source": source,
                     "sqnr_propagated_db": row.sqnr_propagated,
@@ -385,6 +386,7 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
                 message=message,
                 data={
                     "kind": kind,
+                    "module": row.module,
                     "forward_index": position,
                     "inherited_sqnr_db": inherited,
                     "sqnr_propagated_db": row.sqnr_propagated,
