@@ -57,6 +57,23 @@ class SharedFusedRelu(nn.Module):
         return self.relu(self.conv2(self.relu(self.conv1(x)) * 4.0))
 
 
+class SharedReluLastCallFused(nn.Module):
+    """One ReLU called three times: after two pools (quantized ReLU calls) and after fc, where
+    prepare_fx fuses it (LinearReLU): the quantized model calls it twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        x = self.act(nn.functional.max_pool2d(self.conv1(x), 2))
+        x = self.act(nn.functional.max_pool2d(self.conv2(x), 2))
+        return self.act(self.fc(x.mean((2, 3))))
+
+
 def _batches():
     generator = torch.Generator().manual_seed(1)
     return [torch.randn(4, 3, 8, 8, generator=generator) for _ in range(3)]
@@ -143,6 +160,25 @@ def test_a_relu_fused_into_two_convs_is_read_after_each():
     assert rows["conv1"].sqnr_propagated == pytest.approx(truth["relu"], abs=0.01)
     assert rows["conv2"].sqnr_propagated == pytest.approx(truth["relu_1"], abs=0.01)
     assert rows["conv2"].extra["predecessors"] == ["mul"]
+
+
+def test_a_call_fused_into_another_layer_leaves_a_row_per_other_call():
+    """QA (digit_cnn with one shared ReLU, its last call fused into fc0): the quantized model
+    calls the module fewer times, so its calls were pooled into one row at the first call's
+    place, labelled with every call though the fused one is read as the Linear's output."""
+    model, converted, batches = _float_and_converted(SharedReluLastCallFused)
+    calls = [node.name for node in converted.graph.nodes if node.op == "call_module" and node.target == "act"]
+    assert calls == ["act", "act_1"] and type(converted.fc).__name__ == "LinearReLU"
+    truth = _node_sqnr(model, converted, batches, [("act", "act"), ("act_1", "act_1"), ("act_2", "fc")])
+    report = compare(model, converted, batches)
+    rows = {row.name: row for row in report.compare_rows()}
+    assert [row.name for row in report.compare_rows()] == ["conv1", "act", "conv2", "act_1", "fc"]
+    assert rows["act"].sqnr_propagated == pytest.approx(truth["act"], abs=0.01)
+    assert rows["act_1"].sqnr_propagated == pytest.approx(truth["act_1"], abs=0.01)
+    assert rows["fc"].sqnr_propagated == pytest.approx(truth["act_2"], abs=0.01)  # the fused call
+    assert (rows["act_1"].module, rows["act_1"].call) == ("act", 1)
+    assert rows["fc"].extra["predecessors"] == ["act_1"]
+    assert not [notice for notice in report.notices if "pools every call" in notice.message]
 
 
 def test_sensitivity_ranks_a_shared_module_once_each_call_on_its_own_input_grid():

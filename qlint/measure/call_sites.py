@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch.fx
 
+from qlint.core.ops import layer_kind
 from qlint.measure.match_result import MODULE_SITE, LayerMatch, Site
 
 
@@ -46,35 +47,64 @@ def split_calls(
     calls cannot be told apart keeps one layer for every call, and a note says why."""
     float_calls = module_calls(float_graph)
     quant_calls = module_calls(quant_graph) if quant_graph is not None else None
+    all_layers = list(layers)
+    fused = _calls_fused_into_other_layers(all_layers, float_graph, float_calls)
     result: list[LayerMatch] = []
-    for layer in layers:
-        nodes = float_calls.get(layer.float_entry.name, []) if layer.module is not None else []
-        layer.calls = max(1, len(nodes))
-        if len(nodes) == 1:
-            layer.float_exit = _call_exit(layer, nodes[0], float_calls) or layer.float_exit
-        if len(nodes) <= 1 or not per_call:
+    for layer in all_layers:
+        every_call = float_calls.get(layer.float_entry.name, []) if layer.module is not None else []
+        layer.calls = max(1, len(every_call))
+        if len(every_call) == 1:
+            layer.float_exit = _call_exit(layer, every_call[0], float_calls) or layer.float_exit
+        if len(every_call) <= 1 or not per_call:
             result.append(layer)
             continue
+        # A call fused into another layer (a ReLU after a Linear: LinearReLU) is read as that
+        # layer's output, and the quantized model no longer calls the module there.
+        own = [(index, node) for index, node in enumerate(every_call) if node not in fused]
+        nodes = [node for _, node in own]
         exits = [_call_exit(layer, node, float_calls) for node in nodes]
         reason = _pooled_because(layer, nodes, exits, quant_calls, taken)
         if reason is not None:
-            notes.append(f"{layer.name} is called {len(nodes)} times; its row pools every call ({reason})")
+            notes.append(f"{layer.name} is called {len(every_call)} times; its row pools every call ({reason})")
             result.append(layer)
             continue
-        for index, (node, exit_site) in enumerate(zip(nodes, exits)):
+        for quant_call, ((index, node), exit_site) in enumerate(zip(own, exits)):
             result.append(
                 dataclasses.replace(
                     layer,
                     name=node.name,
                     float_entry=Site(MODULE_SITE, layer.float_entry.name, index),
                     float_exit=exit_site or layer.float_exit,
-                    quant_site=Site(MODULE_SITE, layer.quant_site.name, index),
+                    quant_site=Site(MODULE_SITE, layer.quant_site.name, quant_call),
                     absorbed=list(layer.absorbed),
                     float_chain=list(layer.float_chain),
                     predecessors=[],
                 )
             )
     return result
+
+
+def _calls_fused_into_other_layers(
+    layers: list[LayerMatch], float_graph: torch.fx.GraphModule, float_calls: dict[str, list[torch.fx.Node]]
+) -> set[torch.fx.Node]:
+    """The float call nodes that some layer reads as the end of its fused chain (the ReLU call
+    after a Linear that the quantized model runs as one LinearReLU)."""
+    fused: set[torch.fx.Node] = set()
+    for layer in layers:
+        if layer.module is None:
+            continue
+        for node in float_calls.get(layer.float_entry.name, []):
+            chain = _chain(layer, node)
+            if chain is None:
+                continue
+            fused.update(chain[1:])
+            # A fused ReLU whose module the quantized model still calls elsewhere is applied to
+            # the layer's output (float_exit_relu) rather than hooked: that call is fused all the same.
+            follower = next(iter(chain[-1].users)) if len(chain[-1].users) == 1 else None
+            if layer.float_exit_relu and follower is not None and follower.op == "call_module":
+                if layer_kind(float_graph.get_submodule(str(follower.target))) == "relu":
+                    fused.add(follower)
+    return fused
 
 
 def _pooled_because(
