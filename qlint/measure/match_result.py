@@ -62,6 +62,9 @@ class LayerMatch:
     quant_input_quantizer: str | None = None  # observer/fake-quant fqn feeding the layer
     quant_output_quantizer: str | None = None  # observer/fake-quant fqn after the layer
     predecessors: list[str] = field(default_factory=list)
+    # Float ops between the predecessors and this layer that no layer measures (a sqrt that the
+    # quantized model runs in float): a drop measured here may be made there.
+    between: list[str] = field(default_factory=list)
     # How many times the float model calls the module (its FX call sites; 1 when not traced).
     # More than 1 with float_entry.call None: this layer pools every call.
     calls: int = 1

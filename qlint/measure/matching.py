@@ -25,7 +25,15 @@ import torch.fx
 from torch import nn
 from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 
-from qlint.core.ops import fuses_relu, is_aten_graph, layer_kind, quantized_form
+from qlint.core.ops import (
+    SHAPE_KINDS,
+    function_kind,
+    fuses_relu,
+    is_aten_graph,
+    layer_kind,
+    method_kind,
+    quantized_form,
+)
 from qlint.core.trace import symbolic_graph
 from qlint.errors import TraceError
 from qlint.measure.call_sites import chain_nodes, module_calls, split_calls
@@ -382,6 +390,41 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
             continue
         ancestors = nearest_layer_ancestors(node, layer_of, through=layer.name)
         layer.predecessors = sorted(ancestors, key=lambda name: order.get(name, 0))
+        layer.between = _unmeasured_ops_before(node, layer_of, layer.name, dict(float_graph.named_modules()))
+
+
+def _unmeasured_ops_before(
+    node: torch.fx.Node, layer_of: dict[torch.fx.Node, str], name: str, modules: dict[str, nn.Module]
+) -> list[str]:
+    """The float ops that compute values between ``node``'s nearest layers and it, and belong to
+    no layer (shape ops and the layer's own nodes left out), in graph order."""
+    found: list[torch.fx.Node] = []
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        owner = layer_of.get(current)
+        if owner is not None and owner != name:
+            continue
+        stack.extend(current.all_input_nodes)
+        if owner is None and _computes_values(current, modules):
+            found.append(current)
+    position = {n: index for index, n in enumerate(node.graph.nodes)}
+    return [n.name for n in sorted(found, key=position.__getitem__)]
+
+
+def _computes_values(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_function" and callable(node.target):
+        kind = function_kind(node.target)
+    elif node.op == "call_method":
+        kind = method_kind(str(node.target))
+    elif node.op == "call_module":
+        kind = layer_kind(modules[str(node.target)]) or "module"
+    else:
+        return False
+    return kind not in SHAPE_KINDS
 
 
 __all__ = [

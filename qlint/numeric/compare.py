@@ -369,6 +369,7 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
             "quantized_class": layer.quant_class,
             "matched_by": layer.matched_by,
             "predecessors": list(layer.predecessors),
+            "between": list(layer.between),
             "absorbed": list(layer.absorbed),
         }
         for label, accumulated in (

@@ -360,6 +360,20 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
             )
             fix = "compare against the float model the quantized model was built from"
             kind = "other-inputs"
+        elif between := row.extra.get("between"):
+            # Ops no row measures run between its inputs' layers and it (silero's sqrt, which the
+            # quantized model runs in float): the drop may be theirs, and keeping this layer
+            # float does not remove an error it receives.
+            why = (
+                f"{local_text}, so only about {_share_text(local_share)} of the error is added by the layer itself; "
+                f"the rest is made or amplified on the way from {', '.join(upstream)}: by {', '.join(between)} "
+                f"(no row measures {'it' if len(between) == 1 else 'them'}) or by this layer"
+            )
+            fix = (
+                f"improve the precision of its inputs ({', '.join(upstream)}); quantizing {row.name} alone is not "
+                "the problem"
+            )
+            kind = "amplified"
         else:
             why = (
                 f"{local_text}, so only about {_share_text(local_share)} of the error is added here: the layer "
