@@ -244,6 +244,21 @@ def test_load_calibration_forms(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(loaded, images))  # sorted by name
 
 
+def test_a_tuple_of_tensors_in_a_calibration_file_is_one_batch_of_several_inputs(tmp_path):
+    """QA (silero_vad, forward(x, state)): a folder of torch.save((x, state), f) files was read
+    as two batches per file, x then state, and lint failed with 'got 1 input'."""
+    images = _images(3)
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    for i, x in enumerate(images):
+        torch.save((x, x * 2), folder / f"{i:02d}.pt")
+    loaded = load_calibration(folder)
+    assert len(loaded) == 3 and all(isinstance(batch, tuple) and len(batch) == 2 for batch in loaded)
+    assert torch.equal(loaded[1][1], images[1] * 2)
+    torch.save(tuple([(x, x) for x in images]), tmp_path / "tuple_of_batches.pt")  # batches, as a list
+    assert len(load_calibration(tmp_path / "tuple_of_batches.pt")) == 3
+
+
 def test_load_calibration_errors(tmp_path):
     with pytest.raises(LoadError, match="not found"):
         load_calibration(tmp_path / "missing.pt")

@@ -86,7 +86,14 @@ def build_lint_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", "-o", metavar="FILE", help="write the report to FILE")
     parser.add_argument("--fail-on", choices=("error", "warning", "info"))
     parser.add_argument("--show-qconfig", action="store_true", help="print the resolved qconfig per node")
-    parser.add_argument("--calibration", metavar="FILE_OR_DIR", help="calibration batches (weights_only)")
+    parser.add_argument(
+        "--calibration",
+        metavar="FILE_OR_DIR",
+        help=(
+            "calibration batches: a .pt file or a folder of .pt files (read weights_only); in a file a tensor, a "
+            "tuple of tensors (the inputs of one call) or a dict is one batch, a list holds batches"
+        ),
+    )
     parser.add_argument("--num-batches", type=positive_int, metavar="N", help="use at most N calibration batches")
     parser.add_argument(
         "--percentile-every",

@@ -109,6 +109,10 @@ def _load_batch_file(file: Path) -> list[Any]:
         return [data]
     if isinstance(data, Mapping):
         return [dict(data)]
+    if isinstance(data, tuple) and _is_batch(data):
+        # torch.save((x, state), f): one batch of several inputs, as --example-inputs reads a
+        # tuple; a list (or a tuple of batches) holds batches
+        return [data]
     if isinstance(data, (list, tuple)):
         batches = list(data)
         for number, batch in enumerate(batches):
