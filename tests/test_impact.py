@@ -124,6 +124,25 @@ def test_trial_and_fix_impact_match_torch_by_hand():
     )
 
 
+def test_the_trial_reads_no_more_batches_than_num_batches():
+    """QA: with --num-batches 1, 2 or 8 the trial always calibrated on 4 batches and evaluated
+    on 4 more, while the statistics read N: one report on two sets of data."""
+    model, data = _model(), _batches(8)
+    report = qlint.lint(
+        model,
+        (data[0],),
+        calibration=data,
+        qconfig_mapping=_per_tensor(),
+        select=["QL104"],
+        calibration_options={"num_batches": 3},
+        trial_options={"batches": 4, "min_impact_db": 0.0},
+    )
+    trial = report.trial
+    assert trial is not None and trial.calibrated_on == "2 batches of the calibration data"
+    assert trial.evaluated_on.startswith("1 later calibration batch ")
+    assert trial.output_sqnr_db == pytest.approx(_by_hand(model, _per_tensor(), data[:2], data[2:3]), abs=0.01)
+
+
 def test_threshold_turns_a_small_impact_into_info_and_says_so():
     model, data = _model(), _batches()
     strict = _lint_ql104(model, data, {"batches": 4, "min_impact_db": 1000.0})

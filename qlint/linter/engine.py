@@ -266,6 +266,15 @@ def _nodes_of_modules(graph: ModelGraph) -> dict[str, list[str]]:
     return nodes
 
 
+def _num_batches(calibration_options: Any) -> int | None:
+    """``--num-batches``: the trial reads no more calibration batches than the statistics."""
+    if calibration_options is None:
+        return None
+    from qlint.linter.calibration.collect import CalibrationOptions
+
+    return CalibrationOptions.of(calibration_options).num_batches
+
+
 def _copier(graph_module: fx.GraphModule):
     import copy
 
@@ -426,7 +435,7 @@ def _lint(
     blocker = trial_blocker(analysis, example, trial_options, backend)
     if blocker is None and analysis.qconfig_mapping is not None and example is not None:
         stage = time.perf_counter()
-        bench = trial_bench(analysis, example, calibration, backend, trial_options)
+        bench = trial_bench(analysis, example, calibration, backend, trial_options, _num_batches(calibration_options))
         trial = bench.run(analysis.qconfig_mapping)
         timings.append(Timing(stage="trial", seconds=time.perf_counter() - stage))
         if trial.evidence_note is not None:

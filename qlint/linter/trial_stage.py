@@ -87,19 +87,34 @@ def _calibration_batches(calibration: Any, count: int) -> list[Any] | None:
     return list(itertools.islice(batches_of(calibration, "calibration data"), count)) or None
 
 
+def _counted_batches(count: int, kind: str = "") -> str:
+    """``4 batches``, ``1 later calibration batch``."""
+    return f"{count} {kind + ' ' if kind else ''}{'batch' if count == 1 else 'batches'}"
+
+
 def trial_bench(
-    analysis: Any, example: Sequence[Any], calibration: Any, backend: str, options: TrialOptions
+    analysis: Any,
+    example: Sequence[Any],
+    calibration: Any,
+    backend: str,
+    options: TrialOptions,
+    num_batches: int | None = None,
 ) -> TrialBench:
     """Calibrate on calibration batches and evaluate on later ones it did not calibrate on;
-    with a single batch, or none, say that calibration and evaluation share data."""
+    with a single batch, or none, say that calibration and evaluation share data.
+    ``num_batches``: the most calibration batches to read (``--num-batches``), as the
+    statistics read them."""
     graph_module = analysis.traced.graph_module
     held_out = max(1, options.batches // 4)
-    batches = _calibration_batches(calibration, options.batches + held_out) or []
+    wanted = options.batches + held_out
+    batches = _calibration_batches(calibration, wanted if num_batches is None else min(wanted, num_batches)) or []
     if len(batches) >= 2:
         evaluation_count = min(held_out, len(batches) // 2)
         calibration_batches, evaluation = batches[:-evaluation_count], batches[-evaluation_count:]
-        calibrated_on = f"{len(calibration_batches)} batches of the calibration data"
-        evaluated_on = f"{len(evaluation)} later calibration batches (held out from the trial's calibration)"
+        calibrated_on = f"{_counted_batches(len(calibration_batches))} of the calibration data"
+        evaluated_on = (
+            f"{_counted_batches(len(evaluation), 'later calibration')} (held out from the trial's calibration)"
+        )
     elif batches:
         calibration_batches = evaluation = batches
         calibrated_on = "the one calibration batch"
