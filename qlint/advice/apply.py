@@ -97,11 +97,20 @@ def rewritten(
     example = as_call(calibration[0], what="calibration batch 0")[0]
     gm, applied = apply_requested_rewrites(model, plan, example)
     refuse_unknown_modules(gm, plan)
-    if plan.equalization:
-        modules = [pair.module for pair in plan.equalization]
-        gm, equalized = apply_equalization(gm, modules, calibration, dynamic=plan.dynamic_equalized_modules())
-        applied = applied + equalized
-    return gm, applied
+    gm, equalized = equalized_by_plan(gm, plan, calibration)
+    return gm, applied + equalized
+
+
+def equalized_by_plan(
+    gm: fx.GraphModule, plan: PlanToApply, calibration: Sequence[Any]
+) -> tuple[fx.GraphModule, list[AppliedRewrite]]:
+    """``gm`` with the plan's equalization pairs realized as the float-preserving rescale, its
+    ranges read from ``calibration``: the one place :func:`rewritten` (so QuantPlan.quantize and
+    verify) and :func:`fixed_model` (``qlint fix --calibration``) do it, so they agree."""
+    if not plan.equalization:
+        return gm, []
+    modules = [pair.module for pair in plan.equalization]
+    return apply_equalization(gm, modules, calibration, dynamic=plan.dynamic_equalized_modules())
 
 
 def refuse_unknown_modules(gm: fx.GraphModule, plan: PlanToApply) -> None:
@@ -175,11 +184,16 @@ def quantize_rewritten(
 
 
 def fixed_model(
-    model: nn.Module, plan: PlanToApply | None, example_inputs: Sequence[Any]
+    model: nn.Module,
+    plan: PlanToApply | None,
+    example_inputs: Sequence[Any],
+    calibration: Sequence[Any] = (),
 ) -> tuple[fx.GraphModule, list[AppliedRewrite], bool]:
     """The float model ``qlint fix`` saves: a traced copy with the plan's rewrites (every rewrite
-    the graph allows when there is no plan), then each conv/linear → BatchNorm pair folded, as
-    prepare_fx would fuse it. Returns (model, rewrites tried, whether BatchNorms were folded).
+    the graph allows when there is no plan), with ``calibration`` batches the plan's equalization
+    rescale (as :func:`rewritten` applies it; without them none: its scales come from the data),
+    then each conv/linear → BatchNorm pair folded, as prepare_fx would fuse it. Returns (model,
+    rewrites and equalizations tried, whether BatchNorms were folded).
 
     Folding makes the rewrites real in the file: a fan-out copy exists so that its original
     feeds only the BN, and after the fold that original *is* the folded conv. The fold is kept
@@ -188,6 +202,10 @@ def fixed_model(
         gm, applied = apply_rewrites(model, None, example_inputs)
     else:
         gm, applied = apply_requested_rewrites(model, plan, example_inputs)
+        if calibration:
+            refuse_unknown_modules(gm, plan)  # a pair naming no module would silently equalize nothing
+            gm, equalized = equalized_by_plan(gm, plan, calibration)
+            applied = applied + equalized
     reference = float_outputs(gm, example_inputs)
     folded = fuse_conv_bn(copy.deepcopy(gm).eval())
     if (
@@ -204,6 +222,7 @@ __all__ = [
     "PlanToApply",
     "QuantizeError",
     "Quantized",
+    "equalized_by_plan",
     "fixed_model",
     "quantize_rewritten",
     "quantize_with_plan",

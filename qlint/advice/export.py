@@ -2,17 +2,20 @@
 
 The Python text uses the same :class:`~qlint.linter.mapping.ObserverRecipe` objects as
 ``QuantPlan.to_qconfig_mapping()`` (:mod:`qlint.linter.mapping`), so the file builds
-exactly the mapping qlint verifies.
+exactly the mapping qlint verifies. The plan's equalization is not in it: it is qlint's
+rescale of the float model (:mod:`qlint.measure.equalization`), which ``qlint fix
+--calibration`` applies; the file's docstring says so.
 
-Only public torch names are used. torch 2.13 exposes no public input-weight
-equalization qconfig (it lives in a private module), so
-``to_equalization_mapping`` takes the equalization qconfig object from the caller
-(e.g. ``default_equalization_qconfig`` from torch's equalization module) and only
-decides *which modules* get it.
+``to_equalization_mapping`` is a different equalization, torch's own (prepare_fx's
+``_equalization_config``), for ``verify(equalization_qconfig=...)``; qlint's findings and
+verified numbers do not measure it. torch 2.13 exposes no public equalization qconfig (it
+lives in a private module), so it takes the qconfig object from the caller and only decides
+*which modules* get it.
 """
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 from torch.ao.quantization import QConfigMapping
@@ -79,7 +82,7 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
     config_module, config_call = backend_config_source(plan.backend)
     imports = ["import operator"] if any(k.function.startswith("operator.") for k in plan.float_functions) else []
     lines = [
-        repr(title),
+        *_docstring(plan, title, rewritten_mapping=bool(after_rewrites)),
         "",
         *imports,
         "import torch",
@@ -123,22 +126,6 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
         # the path was checked against operator / torch / torch.nn.functional when the plan loaded
         lines.append(f"    mapping.set_object_type({kept.function}, None)")
     lines += ["    return mapping", ""]
-    if plan.equalization:
-        lines += [
-            "",
-            "def build_equalization_mapping(equalization_qconfig):",
-            '    """Pass as prepare_fx(..., _equalization_config=build_equalization_mapping(qconfig)).',
-            "",
-            "    torch has no public equalization qconfig: its default_equalization_qconfig lives in",
-            "    the private module torch.ao.quantization.fx._equalize, so the caller chooses it.",
-            '    """',
-            "    from torch.ao.quantization import QConfigMapping",
-            "",
-            "    mapping = QConfigMapping()",
-        ]
-        for pair in plan.equalization:
-            lines.append(f"    mapping.set_module_name({pair.module!r}, equalization_qconfig)")
-        lines += ["    return mapping", ""]
     if plan.rewrites:
         lines += [
             "",
@@ -166,6 +153,47 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _docstring(plan: Suggestions, title: str, *, rewritten_mapping: bool) -> list[str]:
+    """The file's docstring: what it is for, and the decisions the mapping cannot carry, each with
+    the command that applies it. Written as adjacent repr() literals, one per line, which Python
+    joins into one string: module names reach it only as literals, so none can become code."""
+    text = [title]
+    steps = []
+    if plan.rewrites:
+        steps.append(
+            "- the float-preserving rewrites listed at the end: `qlint fix MODEL --plan PLAN --output FIXED.pt` "
+            "applies them."
+        )
+    if plan.equalization:
+        pairs = ", ".join(
+            pair.module + (f" (after {pair.previous})" if pair.previous else "") for pair in plan.equalization
+        )
+        steps.append(
+            f"- input-weight equalization of {pairs}: qlint's rescale, measured by lint and verify, "
+            "multiplies each output channel of the previous layer by a factor and divides the next "
+            "layer's weights by it (through ReLUs), with factors read from calibration ranges. "
+            "`qlint fix MODEL --plan PLAN --calibration DATA --output FIXED.pt` writes the model with it "
+            "applied; calibrate that model on the same DATA."
+        )
+    if plan.bias_correction is not None:
+        steps.append("- bias correction after calibration: only `qlint quantize` and QuantPlan.quantize apply it.")
+    if steps:
+        call = "build_qconfig_mapping(rewritten=True)" if rewritten_mapping else "build_qconfig_mapping()"
+        text += [
+            "",
+            "The plan also changes the model itself, which a QConfigMapping cannot express:",
+            *steps,
+            f"Use {call} on the model `qlint fix` wrote; `qlint quantize MODEL --plan PLAN --calibration "
+            "DATA` builds the whole int8 model the plan measured.",
+        ]
+    if len(text) == 1:
+        return [repr(title)]
+    wrapped = [title]  # as it is: the model's name in it is the user's text
+    for line in text[1:]:  # the bullets' continuation lines indented under their text
+        wrapped += textwrap.wrap(line, 92, subsequent_indent="  " if line.startswith("- ") else "") or [""]
+    return ["(", *(f"    {line + chr(10)!r}" for line in wrapped), ")"]
 
 
 def _set_module_names(recipes: list[tuple[str, QConfigRecipe | None, str]], indent: str) -> list[str]:

@@ -4,7 +4,7 @@
                  [--target-sqnr DB] [--backend B] [--format text|json] [-o FILE]
                  [--no-prune] [--no-scheme-search] [--max-scheme-trials N]
     qlint fix MODEL [--plan plan.json] --output out.pt2|out.pt [--emit-qconfig q.py]
-              [--input-shape SHAPE | --example-inputs FILE]
+              [--input-shape SHAPE | --example-inputs FILE] [--calibration DATA]
     qlint quantize MODEL [--plan plan.json] --calibration DATA --output int8.pt [--eval-data DATA]
 
 MODEL is anything qlint.core.load.load_model reads (module:factory [--weights], .pt2,
@@ -317,9 +317,19 @@ def verify_command(argv: list[str]) -> int:
 
 # --------------------------------------------------------------------------------- fix
 def _fix_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="qlint fix", description="Apply a plan's float-preserving rewrites and save the model.")
+    parser = Parser(
+        prog="qlint fix",
+        description="Apply a plan's float-preserving rewrites (and, with --calibration, its equalization) "
+        "and save the model.",
+    )
     _model_arguments(parser)
     _example_arguments(parser)
+    parser.add_argument(
+        "--calibration",
+        metavar="DATA",
+        help="FILE_OR_DIR of saved batches, or module:function returning them: the batches the plan's "
+        "equalization rescale reads its ranges from (calibrate the fixed model on the same ones)",
+    )
     parser.add_argument("--output", "-o", required=True, metavar="OUT.pt2|OUT.pt")
     parser.add_argument("--emit-qconfig", metavar="FILE.py", help="write the Python file building the mapping")
     return parser
@@ -334,17 +344,22 @@ def fix_command(argv: list[str]) -> int:
         raise ConfigError(f"--output must end in .pt2 (torch.export) or .pt (GraphModule state), got {out.name}")
     check_outputs(
         [("--output", args.output), ("--emit-qconfig", args.emit_qconfig)],
-        [args.model, args.weights, args.plan, args.example_inputs],
+        [args.model, args.weights, args.plan, args.example_inputs, args.calibration],
     )
     if args.input_shape and args.example_inputs:
         raise ConfigError("--input-shape and --example-inputs both give the example inputs: pass one")
+    from qlint.advice.verify_session import batch_list
+    from qlint.core.load import load_batches
+
     with user_output_to_stderr():
         loaded, plan = _load(args)
         example = _example(args, loaded)
         if not example:
             raise ConfigError("qlint fix needs example inputs: pass --input-shape or --example-inputs")
-        # with --plan, exactly the plan's rewrites (what QuantPlan.quantize applies); else all the graph allows
-        gm, applied, folded = fixed_model(loaded.module, plan if args.plan else None, example)
+        calibration = batch_list(load_batches(args.calibration), "calibration") if args.calibration else []
+        # with --plan, exactly the plan's rewrites (what QuantPlan.quantize applies), and its equalization
+        # when there are batches to read the ranges from; else every rewrite the graph allows
+        gm, applied, folded = fixed_model(loaded.module, plan if args.plan else None, example, calibration)
         _save_fixed(gm, example, out)
     done = [r for r in applied if r.applied]
     if args.emit_qconfig:
@@ -352,6 +367,17 @@ def fix_command(argv: list[str]) -> int:
     for r in applied:
         state = "applied" if r.applied else f"refused ({r.reason})"
         print(printable(f"{r.kind} {'+'.join(r.modules)}: {state}"), file=sys.stderr)
+    if plan.equalization and not calibration:
+        # the rescale's per-channel scales come from calibration ranges: without data the saved model
+        # lacks it, and quantizing it with the plan's mapping misses the gain lint and verify measured
+        print(
+            printable(
+                f"note: the plan's equalization ({', '.join(pair.module for pair in plan.equalization)}) was not "
+                "applied: its rescale reads per-channel ranges from calibration data; pass --calibration DATA "
+                "(the batches you will calibrate on), or build the int8 model with qlint quantize"
+            ),
+            file=sys.stderr,
+        )
     if plan.bias_correction is not None:
         print(
             "note: the plan's bias correction happens after calibration, so neither the saved model nor "
