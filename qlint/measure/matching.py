@@ -384,17 +384,23 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
             layer_of[node] = owner
             entry_nodes.setdefault(owner, node)
     order = {other.name: index for index, other in enumerate(ordered)}
+    modules = dict(float_graph.named_modules())
+    position = {node: index for index, node in enumerate(float_graph.graph.nodes)}
     for layer in ordered:
         node = entry_nodes.get(layer.name)
         if node is None:
             continue
         ancestors = nearest_layer_ancestors(node, layer_of, through=layer.name)
         layer.predecessors = sorted(ancestors, key=lambda name: order.get(name, 0))
-        layer.between = _unmeasured_ops_before(node, layer_of, layer.name, dict(float_graph.named_modules()))
+        layer.between = _unmeasured_ops_before(node, layer_of, layer.name, modules, position)
 
 
 def _unmeasured_ops_before(
-    node: torch.fx.Node, layer_of: dict[torch.fx.Node, str], name: str, modules: dict[str, nn.Module]
+    node: torch.fx.Node,
+    layer_of: dict[torch.fx.Node, str],
+    name: str,
+    modules: dict[str, nn.Module],
+    position: dict[torch.fx.Node, int],
 ) -> list[str]:
     """The float ops that compute values between ``node``'s nearest layers and it, and belong to
     no layer (shape ops and the layer's own nodes left out), in graph order."""
@@ -411,7 +417,6 @@ def _unmeasured_ops_before(
         stack.extend(current.all_input_nodes)
         if owner is None and _computes_values(current, modules):
             found.append(current)
-    position = {n: index for index, n in enumerate(node.graph.nodes)}
     return [n.name for n in sorted(found, key=position.__getitem__)]
 
 
