@@ -207,7 +207,9 @@ def fixed_model(
             gm, equalized = equalized_by_plan(gm, plan, calibration)
             applied = applied + equalized
     reference = float_outputs(gm, example_inputs)
-    folded = fuse_conv_bn(copy.deepcopy(gm).eval())
+    # no_trace: a re-trace would inline the modules rewrites add (qlint_normalize_x), which the
+    # emitted mapping names to keep float
+    folded = fuse_conv_bn(copy.deepcopy(gm).eval(), inplace=True, no_trace=True)
     if (
         not isinstance(folded, fx.GraphModule)
         or relative_error(reference, float_outputs(folded, example_inputs)) > DEFAULT_MAX_RELATIVE_ERROR
