@@ -66,7 +66,16 @@ def nearest_layer_ancestors(
     node: torch.fx.Node, layer_of: dict[torch.fx.Node, str], through: str | None = None
 ) -> frozenset[str]:
     """The layers nearest upstream of ``node``; the nodes of layer ``through`` are walked past."""
+    return upstream_of(node, layer_of, through)[0]
+
+
+def upstream_of(
+    node: torch.fx.Node, layer_of: dict[torch.fx.Node, str], through: str | None = None
+) -> tuple[frozenset[str], list[torch.fx.Node]]:
+    """The layers nearest upstream of ``node``, and the nodes of no layer walked past to reach
+    them (the nodes of layer ``through`` are walked past and not listed)."""
     found: set[str] = set()
+    passed: list[torch.fx.Node] = []
     stack, seen = list(node.all_input_nodes), set()
     while stack:
         current = stack.pop()
@@ -76,9 +85,11 @@ def nearest_layer_ancestors(
         owner = layer_of.get(current)
         if owner is not None and owner != through:
             found.add(owner)
-        else:
-            stack.extend(current.all_input_nodes)
-    return frozenset(found)
+            continue
+        stack.extend(current.all_input_nodes)
+        if owner is None:
+            passed.append(current)
+    return frozenset(found), passed
 
 
 def match_functional(float_graph, quant_graph, layers, float_modules, quant_modules) -> set[str]:

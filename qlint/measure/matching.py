@@ -37,7 +37,7 @@ from qlint.core.ops import (
 from qlint.core.trace import symbolic_graph
 from qlint.errors import TraceError
 from qlint.measure.call_sites import chain_nodes, module_calls, split_calls
-from qlint.measure.functional_matching import is_relu_node, match_functional, nearest_layer_ancestors
+from qlint.measure.functional_matching import is_relu_node, match_functional, upstream_of
 from qlint.measure.match_result import MODULE_SITE, CounterpartKind, LayerMatch, MatchResult, Site
 
 # --- what counts as a layer ---------------------------------------------------
@@ -390,34 +390,11 @@ def _attach_predecessors(ordered: list[LayerMatch], float_graph) -> None:
         node = entry_nodes.get(layer.name)
         if node is None:
             continue
-        ancestors = nearest_layer_ancestors(node, layer_of, through=layer.name)
+        ancestors, passed = upstream_of(node, layer_of, through=layer.name)
         layer.predecessors = sorted(ancestors, key=lambda name: order.get(name, 0))
-        layer.between = _unmeasured_ops_before(node, layer_of, layer.name, modules, position)
-
-
-def _unmeasured_ops_before(
-    node: torch.fx.Node,
-    layer_of: dict[torch.fx.Node, str],
-    name: str,
-    modules: dict[str, nn.Module],
-    position: dict[torch.fx.Node, int],
-) -> list[str]:
-    """The float ops that compute values between ``node``'s nearest layers and it, and belong to
-    no layer (shape ops and the layer's own nodes left out), in graph order."""
-    found: list[torch.fx.Node] = []
-    stack, seen = list(node.all_input_nodes), set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        owner = layer_of.get(current)
-        if owner is not None and owner != name:
-            continue
-        stack.extend(current.all_input_nodes)
-        if owner is None and _computes_values(current, modules):
-            found.append(current)
-    return [n.name for n in sorted(found, key=position.__getitem__)]
+        # the value-computing ops of no layer on the way (shape ops left out), in graph order
+        between = [other for other in passed if _computes_values(other, modules)]
+        layer.between = [other.name for other in sorted(between, key=position.__getitem__)]
 
 
 def _computes_values(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
