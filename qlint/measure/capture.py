@@ -351,7 +351,7 @@ class PairedRunner:
 
             self.quant_overrides[exit_name] = quantize_and_compare
         elif layer.quant_site.kind == NODE_SITE and exit_name is None:
-            node_callbacks[layer.quant_site.name] = compare_output
+            node_callbacks[layer.quant_exit or layer.quant_site.name] = compare_output
         else:
             self._hook(
                 self.quant_modules[exit_name or layer.quant_site.name], lambda m, a, output: compare_output(output)
@@ -388,8 +388,10 @@ class PairedRunner:
         return tensor
 
     def _frozen_scale(self, layer: LayerMatch) -> float | None:
+        """The step of the layer's output grid where its value is not a quantized tensor: a
+        prepared model's frozen output quantizer, a pt2e op's output quantize/dequantize pair."""
         frozen = self.frozen.get(layer.quant_output_quantizer or "")
-        return frozen.scale if frozen is not None else None
+        return frozen.scale if frozen is not None else layer.quant_output_scale
 
     # -- running --------------------------------------------------------
     def run_batch(self, batch: Any) -> tuple[Any, Any]:

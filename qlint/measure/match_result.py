@@ -61,6 +61,10 @@ class LayerMatch:
     folded_batch_norm: str | None = None  # float BN fqn folded into the quantized weight
     quant_input_quantizer: str | None = None  # observer/fake-quant fqn feeding the layer
     quant_output_quantizer: str | None = None  # observer/fake-quant fqn after the layer
+    # pt2e: the dequantize node of the layer's output quantize/dequantize pair; the quantized value
+    # is read there (what the int8 model passes on), with the pair's step (qlint.measure.pt2e_outputs)
+    quant_exit: str | None = None
+    quant_output_scale: float | None = None
     predecessors: list[str] = field(default_factory=list)
     # Float ops between the predecessors and this layer that no layer measures (a sqrt that the
     # quantized model runs in float): a drop measured here may be made there.

@@ -10,9 +10,10 @@ the float side's comparison point moves to the end of that chain ("absorbed"
 ops).  Functional ops of an FX graph (``x + y`` becoming ``quantized.add``) have
 no fqn; they are paired by op kind, by the nearest module layers that feed them
 and by their occurrence order (:mod:`qlint.measure.functional_matching`).  Whatever
-is left is paired in graph order.  A module called several times is one layer per call
-when matched ``per_call`` (:mod:`qlint.measure.call_sites`).  The result's records are
-:mod:`qlint.measure.match_result`'s.
+is left is paired in graph order.  A pt2e-converted graph's ops are read after their own
+output quantize/dequantize pair (:mod:`qlint.measure.pt2e_outputs`).  A module called several
+times is one layer per call when matched ``per_call`` (:mod:`qlint.measure.call_sites`).  The
+result's records are :mod:`qlint.measure.match_result`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from qlint.core.trace import symbolic_graph
 from qlint.errors import TraceError
 from qlint.measure.call_sites import chain_nodes, module_calls, split_calls
 from qlint.measure.functional_matching import is_relu_node, match_functional, upstream_of
-from qlint.measure.match_result import MODULE_SITE, CounterpartKind, LayerMatch, MatchResult, Site
+from qlint.measure.match_result import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult, Site
+from qlint.measure.pt2e_outputs import quantized_outputs
 
 # --- what counts as a layer ---------------------------------------------------
 
@@ -217,6 +219,8 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module, *, per_call
         layers = {layer.name: layer for layer in split}
     if quant_graph is not None:
         _attach_quantizers(quant_graph, layers, quant_modules)
+    if quant_graph is not None and counterpart is CounterpartKind.CONVERTED_PT2E:
+        _attach_pt2e_outputs(quant_graph, layers)
 
     ordered = _forward_order(layers, float_graph, float_order)
     _attach_predecessors(ordered, float_graph)
@@ -345,6 +349,16 @@ def _attach_quantizers(quant_graph, layers, quant_modules) -> None:
             if user.op == "call_module" and _is_quantizer(quant_modules.get(str(user.target))):
                 layer.quant_output_quantizer = str(user.target)
                 break
+
+
+def _attach_pt2e_outputs(quant_graph, layers) -> None:
+    """pt2e: read each op's quantized value after its own output quantize/dequantize pair, the
+    value the int8 model passes on (an FX-converted layer is read at its quantized output)."""
+    outputs = quantized_outputs(quant_graph)
+    for layer in layers.values():
+        output = outputs.get(layer.quant_site.name) if layer.quant_site.kind == NODE_SITE else None
+        if output is not None:
+            layer.quant_exit, layer.quant_output_scale = output.node, output.scale
 
 
 def _forward_order(layers, float_graph, float_order) -> list[LayerMatch]:

@@ -44,6 +44,7 @@ from qlint.numeric.diagnose import (
 )
 from qlint.numeric.display import describe_sqnr
 from qlint.numeric.sensitivity import SensitivityRow
+from qlint.numeric.unfused_norm import unfused_norms
 
 MODES = ("propagated", "shadow")
 
@@ -256,6 +257,7 @@ def _compare(
         sqnr_threshold=sqnr_threshold,
         weight_sqnr_threshold=weight_sqnr_threshold,
         onset_jump_db=onset_jump_db,
+        unfused_norms=unfused_norms(match.float_graph),
     )
     notices = [Notice(message=note) for note in match.notes]
     notices.append(
@@ -372,6 +374,8 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
             "between": list(layer.between),
             "absorbed": list(layer.absorbed),
         }
+        if layer.quant_exit is not None:  # pt2e: the dequantize of the op's output pair, where it is read
+            extra["quantized_exit"] = layer.quant_exit
         for label, accumulated in (
             ("propagated", layer_stats.propagated),
             ("shadow", layer_stats.shadow),
