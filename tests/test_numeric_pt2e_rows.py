@@ -130,3 +130,28 @@ def test_pt2e_and_fx_rows_of_one_network_agree():
         pt2e_rows["relu"].sqnr_propagated,
         fx_rows["conv"].sqnr_propagated,
     )
+
+
+def test_an_output_with_several_pairs_is_read_after_the_first_in_graph_order():
+    """The documented rule: the first dequantize in graph order whose quantize reads the output;
+    a raw consumer beside a pair does not make the op read raw; an op with no pair is left out."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    relu = graph.call_function(torch.ops.aten.relu.default, (x,))
+    q, dq = (
+        torch.ops.quantized_decomposed.quantize_per_tensor.default,
+        torch.ops.quantized_decomposed.dequantize_per_tensor.default,
+    )
+    pairs = []
+    for scale in (0.5, 0.25):  # two consumers that asked for their own grids
+        quantized = graph.call_function(q, (relu, scale, 0, 0, 255, torch.uint8))
+        pairs.append(graph.call_function(dq, (quantized, scale, 0, 0, 255, torch.uint8)))
+    raw_consumer = graph.call_function(torch.ops.aten.neg.default, (relu,))
+    graph.output((pairs[0], pairs[1], raw_consumer))
+    found = quantized_outputs(torch.fx.GraphModule(nn.Module(), graph))
+
+    assert found[relu.name].node == pairs[0].name and found[relu.name].scale == 0.5
+    assert set(found) == {relu.name}
+    x_value = torch.linspace(-2.0, 2.0, 9)
+    # what the row then reads: the first pair's value
+    assert torch.equal(torch.fx.GraphModule(nn.Module(), graph)(x_value)[0], torch.round(x_value.relu() / 0.5) * 0.5)
