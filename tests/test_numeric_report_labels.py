@@ -133,7 +133,7 @@ def test_sensitivity_bars_are_labelled_with_the_estimated_output_sqnr(models, tm
         "--sensitivity",
     )
     line = " ".join(text[text.index("sensitivity (most sensitive first") :].split())
-    assert "estimated output SQNR" in line
+    assert "output SQNR measured with only that layer quantized" in line
     for row in ranking[:3]:
         assert f"{row.name} {describe_sqnr(row.estimated_output_sqnr_db)}" in line
 

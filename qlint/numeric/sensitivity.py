@@ -1,24 +1,13 @@
 """Per-layer quantization sensitivity: which layers hurt the model output most.
 
-The exhaustive method quantizes one layer at a time and runs the whole model
-for each (N calibrations and N x data forward passes).  ``sensitivity`` gets a
-close ranking from one calibrated quantization and one pass over the data:
+A layer's score is the model output's noise-to-signal power ratio with only that layer
+quantized as the quantized model quantizes it (its input's grid, int8 weights and output grid),
+every other layer float: measured by ``qlint.numeric.only_layer``, one float pass per layer, on
+one quantized model (the one given, or one ``prepare_fx``/``convert_fx`` run).
+``exhaustive_sensitivity`` instead quantizes one layer at a time with ``prepare_fx`` (a
+calibration per layer, and each layer gets grids of its own).
 
-* the *isolated* run gives, for every layer L, the error vector ``e_L`` it adds
-  if it alone is quantized (float input, quantized on L's input grid ->
-  quantized layer -> minus float output);
-* how much of ``e_L`` reaches the model output is ``||J_L e_L||^2``, with
-  ``J_L`` the Jacobian of the float output with respect to L's output.  For a
-  random sign vector ``v`` at the output, ``E[(v . J_L e_L)^2] = ||J_L e_L||^2``
-  and ``v . J_L e_L = (J_L^T v) . e_L``; one backward pass gives ``J_L^T v``
-  for all layers at once, so a few probes per batch estimate every layer's
-  output error together (Hutchinson's trick).
-
-The score is that estimated output noise power over the output signal power
-(the noise-to-signal ratio if only this layer were quantized); the exhaustive
-method measures the same ratio directly, which is what it is validated against.
-
-A module the model calls several times is ranked once, every call's error together (each
+A module the model calls several times is ranked once, every call quantized together (each
 call on its own input grid): what keeping that module float, or changing its qconfig, would
 remove. compare's table has a row per call; a ranked row says how many calls it covers.
 """
@@ -38,14 +27,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from qlint.core.batches import as_call, batch_size, call_model, reiterable
 from qlint.core.exported import put_in_eval
-from qlint.core.nested import first_float, map_tensors, tensors_in
-from qlint.core.preserve import made_in_inference_mode, preserved_state
+from qlint.core.nested import first_float
+from qlint.core.preserve import preserved_state
 from qlint.core.sqnr import SqnrSums, sqnr_db_from_powers
-from qlint.errors import QlintError
-from qlint.measure.capture import PairedRunner
 from qlint.measure.match_result import MODULE_SITE, LayerMatch
 from qlint.measure.matching import match_layers
 from qlint.measure.trial import convert_model, prepare_model
+from qlint.numeric.only_layer import only_layer_errors
 
 
 class SensitivityRow(BaseModel):
@@ -53,8 +41,8 @@ class SensitivityRow(BaseModel):
 
     name: str
     kind: str
-    score: float  # estimated output noise power / output signal power with only this layer quantized
-    estimated_output_sqnr_db: float
+    score: float  # output noise power / output signal power with only this layer quantized, measured
+    estimated_output_sqnr_db: float  # the same as an SQNR; measured since the linearised estimate was dropped
     local_sqnr_db: float | None
     flops: float
     flops_share: float
@@ -96,17 +84,6 @@ def quantize_with_fx(
                 break
             call_model(prepared, batch)
     return convert_model(prepared)
-
-
-def _output_tensors(output: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of an output, as produced (gradients still reach them)."""
-    return [tensor for tensor in tensors_in(output) if tensor.is_floating_point()]
-
-
-def _requires_grad_inputs(batch: Any) -> Any:
-    """Float inputs that require grad, so the output has a graph even with frozen parameters
-    (copies: a batch made under inference_mode cannot require grad itself)."""
-    return map_tensors(batch, lambda t: t.detach().clone().requires_grad_(True) if t.is_floating_point() else t)
 
 
 def _gates(recurrent: nn.Module) -> int:
@@ -181,28 +158,6 @@ def model_flops_and_params(model: nn.Module, layers: list[LayerMatch], batch: An
     )
 
 
-def _probe_vectors(
-    outputs: list[torch.Tensor], samples: int, probes: int, exact_limit: int, generator: torch.Generator
-):
-    """(grad_outputs, weight) pairs whose weighted squared projections sum to ||J e||^2.
-
-    When each sample's output has at most ``exact_limit`` elements (a classifier
-    head), one-hot directions give the exact value; otherwise random signs give
-    an unbiased estimate (Hutchinson).  One-hot directions need per-sample outputs.
-    """
-    per_sample_size = sum(tensor[0].numel() for tensor in outputs) if samples else 0
-    if samples and per_sample_size <= exact_limit:
-        for tensor_index, tensor in enumerate(outputs):
-            for element in range(tensor[0].numel()):
-                vectors = [torch.zeros_like(other) for other in outputs]
-                vectors[tensor_index].reshape(samples, -1)[:, element] = 1.0
-                yield vectors, 1.0
-        return
-    for _ in range(probes):
-        signs = [torch.randint(0, 2, tensor.shape, generator=generator).to(tensor.dtype) * 2 - 1 for tensor in outputs]
-        yield signs, 1.0 / probes
-
-
 def sensitivity_rows(
     model: nn.Module,
     data: Iterable,
@@ -210,26 +165,15 @@ def sensitivity_rows(
     qconfig_mapping: QConfigMapping | None = None,
     *,
     quantized_model: nn.Module | None = None,
-    probes: int = 8,
-    exact_limit: int = 32,
     max_batches: int | None = None,
-    seed: int = 0,
 ) -> list[SensitivityRow]:
     """Sensitivity of each quantized module layer, most sensitive first, with FLOPs/params shares."""
     data = reiterable(data, "sensitivity")
-    inference = next((name for name, t in model.state_dict().items() if made_in_inference_mode(t)), None)
-    if inference is not None:
-        raise QlintError(
-            f"sensitivity needs gradients through the model, but its {inference} is an inference "
-            "tensor (made under torch.inference_mode); build or load the model outside inference_mode"
-        )
     models = (model,) if quantized_model is None else (model, quantized_model)
     # Each step that runs the user's model opens a watching guard of its own (the paired
     # runner, the FLOP count); this one gives back RNG, logging and everything else.
     with preserved_state(*models, watch_parameters=False):
-        return _sensitivity_rows(
-            model, data, backend, qconfig_mapping, quantized_model, probes, exact_limit, max_batches, seed
-        )
+        return _sensitivity_rows(model, data, backend, qconfig_mapping, quantized_model, max_batches)
 
 
 def _sensitivity_rows(
@@ -238,82 +182,15 @@ def _sensitivity_rows(
     backend: str,
     qconfig_mapping: QConfigMapping | None,
     quantized_model: nn.Module | None,
-    probes: int,
-    exact_limit: int,
     max_batches: int | None,
-    seed: int,
 ) -> list[SensitivityRow]:
     if quantized_model is None:
         quantized_model = quantize_with_fx(model, data, backend, qconfig_mapping, max_batches)
     match = match_layers(model, quantized_model)
     match.layers = [layer for layer in match.layers if layer.is_module]
-    estimated = {layer.name: 0.0 for layer in match.layers}
-    local = {layer.name: SqnrSums() for layer in match.layers}
-    output_power = 0.0
-    errors: dict[str, list[torch.Tensor]] = {}
-    generator = torch.Generator().manual_seed(seed)
-
-    def on_isolated(layer, reference, quantized, scale):
-        error = quantized - reference
-        errors.setdefault(layer.name, []).append(error)
-        local[layer.name].add(reference, quantized)
-
-    runner = PairedRunner(
-        model,
-        quantized_model,
-        match,
-        propagated=False,
-        shadow=False,
-        isolated=True,
-        on_isolated=on_isolated,
-        float_grad=True,
-    )
-    with runner:
-        for index, batch in enumerate(data):
-            if max_batches is not None and index >= max_batches:
-                break
-            errors.clear()
-            float_output, _ = runner.run_batch(_requires_grad_inputs(batch))
-            outputs = [tensor for tensor in _output_tensors(float_output) if tensor.grad_fn is not None]
-            output_power += sum(
-                float(tensor.detach().double().pow(2).sum()) for tensor in _output_tensors(float_output)
-            )
-            targets = [
-                (name, raw)
-                for name, calls in runner.float_outputs.items()
-                if name in errors
-                for raw in calls[: len(errors[name])]
-                if isinstance(raw, torch.Tensor) and raw.requires_grad
-            ]
-            if not outputs or not targets:
-                continue
-            samples = batch_size(batch)
-            per_sample = all(tensor.dim() > 0 and tensor.shape[0] == samples for tensor in outputs) and all(
-                raw.dim() > 0 and raw.shape[0] == samples for _, raw in targets
-            )
-            probe_list = list(_probe_vectors(outputs, samples if per_sample else 0, probes, exact_limit, generator))
-            for probe_index, (vectors, weight) in enumerate(probe_list):
-                gradients = torch.autograd.grad(
-                    outputs,
-                    [raw for _, raw in targets],
-                    grad_outputs=vectors,
-                    retain_graph=probe_index < len(probe_list) - 1,
-                    allow_unused=True,
-                )
-                call_index: dict[str, int] = {}
-                for (name, _), gradient in zip(targets, gradients):
-                    position = call_index.get(name, 0)
-                    call_index[name] = position + 1
-                    error = errors[name][position]
-                    if gradient is None or gradient.shape != error.shape:
-                        continue
-                    product = gradient.detach().double() * error.double()
-                    # Per-sample projections: cross-sample terms have zero mean but add variance.
-                    projections = product.reshape(samples, -1).sum(1) if per_sample else product.sum().reshape(1)
-                    estimated[name] += weight * float(projections.pow(2).sum())
-            runner.float_outputs.clear()
-            runner.float_inputs.clear()
-        first = _first_batch(data)
+    measured = only_layer_errors(model, quantized_model, match, data, max_batches)
+    output_power = measured.output_signal_power
+    first = _first_batch(data)
     # Shares are of the whole model, not of the ranked layers: functional layers (F.conv2d
     # on a parameter, as EfficientNet-Lite's convolutions are) are compared but not ranked.
     costs = model_flops_and_params(model, match.layers, first)
@@ -322,14 +199,14 @@ def _sensitivity_rows(
     rows = []
     for layer in match.layers:
         flops, params = costs.layers.get(layer.name, (0.0, 0))
-        noise = estimated[layer.name]
+        noise = measured.output_noise_power[layer.name]
         rows.append(
             SensitivityRow(
                 name=layer.name,
                 kind=layer.kind,
                 score=noise / output_power if output_power > 0 else 0.0,
                 estimated_output_sqnr_db=sqnr_db_from_powers(output_power, noise),
-                local_sqnr_db=local[layer.name].sqnr_db(),
+                local_sqnr_db=measured.isolated[layer.name].sqnr_db() if layer.name in measured.isolated else None,
                 flops=flops,
                 flops_share=flops / total_flops,
                 params=params,
