@@ -65,6 +65,7 @@ from qlint.advice.plan import (
     Rewrite,
     default_plan,
 )
+from qlint.advice.verify_provenance import KeptFlip, reconciled
 from qlint.advice.verify_prune import Decision, prune_decisions, rounded
 from qlint.advice.verify_pt2e import verify_pt2e
 from qlint.advice.verify_report import SQNR_TOLERANCE_DB, DecisionOutcome, LayerComparison, RunResult, VerifyReport
@@ -108,12 +109,23 @@ def _retry_dropped(
     trial = plan
     for decision in back:
         trial = decision.added_to(trial)
+    what = [d.target for d in back] + (["bias correction"] if bias_rejected else [])
     if bias_rejected:
         tried = Provenance(source="measurement", detail="qlint verify: retried after the scheme search")
         trial = trial.model_copy(update={"bias_correction": BiasCorrection(provenance=[tried])})
     value = session.trial(f"{len(back)} dropped decision(s) again", trial).selection_sqnr
     keep = value > best + SQNR_TOLERANCE_DB
-    what = [d.target for d in back] + (["bias correction"] if bias_rejected else [])
+    if keep and bias_rejected:  # its credit: the gain of this trial, which added it with the others
+        others = f" with {len(what) - 1} other dropped decision(s)" if len(what) > 1 else ""
+        gain = round(value - best, 4)
+        measured = tried.model_copy(
+            update={
+                "metric": f"output SQNR gain (dB) when added back after the scheme search{others}",
+                "value": gain,
+                "gain_db": None if others else gain,
+            }
+        )
+        trial = trial.model_copy(update={"bias_correction": BiasCorrection(provenance=[measured])})
     outcome = DecisionOutcome(
         kind="group",
         target=f"{len(what)} decision(s) dropped before the scheme search",
@@ -323,6 +335,7 @@ def _verify(
     outcomes: list[DecisionOutcome] = []
     until = session.share(max_prune_trials)
     dropped: list[Decision] = []
+    flips: list[KeptFlip] = []
     if bias_correction and (prune or current.bias_correction is None):
         current, best, outcomes = bias_correction_step(session, current, best, until)
     bias_rejected = bias_correction and prune and current.bias_correction is None and bool(outcomes)
@@ -335,7 +348,7 @@ def _verify(
     if search_schemes:
         until = session.share(max_scheme_trials)
         frozen = [] if prune else [d.fqn for d in plan.modules]  # --no-prune: plan decisions stay as given
-        searched, after, tried = scheme_search(
+        searched, after, tried, flips = scheme_search(
             session, current, best, max_trials=max_scheme_trials, frozen=frozen, until=until
         )
         outcomes += tried
@@ -358,7 +371,8 @@ def _verify(
         outcomes += tried
         notes += [note] if note else []
 
-    # 4. measure the verified plan on the eval batches and report
+    # 4. credits that describe the plan as it now is, then measure it on the eval batches and report
+    current = reconciled(given_plan, current, flips)
     verified = session.measure("verified plan", current, layers=fqns)
     if target_sqnr is not None:
         target_met = verified.result.sqnr_db is not None and verified.result.sqnr_db >= target_sqnr

@@ -40,6 +40,7 @@ from typing import Any
 import torch.fx as fx
 
 from qlint.advice.plan import ActivationSpec, BiasCorrection, ModuleDecision, Provenance, QuantPlan
+from qlint.advice.verify_provenance import KeptFlip, Mode, flip_credit
 from qlint.advice.verify_report import SQNR_TOLERANCE_DB, DecisionOutcome
 from qlint.advice.verify_session import (
     FAILED,
@@ -71,12 +72,12 @@ def scheme_candidates(gm: fx.GraphModule, plan: QuantPlan, backend: str, frozen:
     return out
 
 
-def _mode(plan: QuantPlan, fqn: str) -> str:
+def _mode(plan: QuantPlan, fqn: str) -> Mode:
     decision = plan.governing_decision(fqn)
     return decision.mode if decision is not None else "static"
 
 
-def _with_mode(plan: QuantPlan, fqn: str, mode: str, provenance: Provenance) -> QuantPlan:
+def _with_mode(plan: QuantPlan, fqn: str, mode: Mode, provenance: Provenance) -> QuantPlan:
     """``plan`` with ``fqn`` run ``mode``; an existing decision keeps its weight spec and its history,
     a new one takes the specs of the ancestor's decision that covered the layer until now.
 
@@ -110,16 +111,8 @@ def _same_effect(decision: ModuleDecision, plan: QuantPlan, fqn: str) -> bool:
 def _flipped(plan: QuantPlan, fqns: Sequence[str], gain: float) -> QuantPlan:
     """``plan`` with each of ``fqns`` switched static <-> dynamic, the measured gain as provenance."""
     for fqn in fqns:
-        mode = "static" if _mode(plan, fqn) == "dynamic" else "dynamic"
-        what = mode if len(fqns) == 1 else f"{mode} together with {len(fqns) - 1} other Linear(s)"
-        provenance = Provenance(
-            source="measurement",
-            metric=f"output SQNR gain (dB) when {what}",
-            value=round(gain, 4),
-            gain_db=round(gain, 4),
-            detail="qlint verify scheme search",
-        )
-        plan = _with_mode(plan, fqn, mode, provenance)
+        mode: Mode = "static" if _mode(plan, fqn) == "dynamic" else "dynamic"
+        plan = _with_mode(plan, fqn, mode, flip_credit(mode, len(fqns), gain))
     return plan
 
 
@@ -246,8 +239,9 @@ def scheme_search(
     max_trials: int,
     frozen: Sequence[str] = (),
     until: int | None = None,
-) -> tuple[QuantPlan, float, list[DecisionOutcome]]:
-    """Static <-> dynamic flips of Linear layers; returns (plan, its SQNR, one outcome per trial).
+) -> tuple[QuantPlan, float, list[DecisionOutcome], list[KeptFlip]]:
+    """Static <-> dynamic flips of Linear layers; returns (plan, its SQNR, one outcome per trial,
+    the flips kept in order, which :func:`qlint.advice.verify_provenance.reconciled` reads).
 
     A flip is kept when it raises output SQNR by more than ``SQNR_TOLERANCE_DB`` *and* does
     not lower the number of int8 conv+linear ops: a dynamic layer's output is float, and
@@ -277,9 +271,10 @@ def scheme_search(
     every = scheme_candidates(session.traced, plan, plan.backend, frozen)
     end = session.share(max_trials) if until is None else min(until, session.share(max_trials))
     if not every or not session.can_try(end):
-        return plan, best, []
+        return plan, best, [], []
     int8 = session.measure("current plan", plan, evaluate=False).result.int8_layers
     outcomes: list[DecisionOutcome] = []
+    flips: list[KeptFlip] = []
 
     def attempt(fqns: list[str], note: str, float_rest: bool = False) -> bool:
         nonlocal plan, best, int8
@@ -287,7 +282,7 @@ def scheme_search(
         trial = _flipped(plan, fqns, 0.0)
         if float_rest:
             trial = trial.model_copy(update={"float_by_default": True})
-        after = "static" if before == "dynamic" else "dynamic"
+        after: Mode = "static" if before == "dynamic" else "dynamic"
         measured = session.trial(f"{', '.join(fqns)} {before} -> {after}", trial)
         value, trial_int8 = measured.selection_sqnr, measured.result.int8_layers
         keep = value > best + SQNR_TOLERANCE_DB and trial_int8 >= int8
@@ -305,6 +300,7 @@ def scheme_search(
             )
         )
         if keep:
+            flips.append(KeptFlip(tuple(fqns), after, sqnr_before=best, sqnr_after=value))
             plan, best, int8 = _flipped(plan, fqns, value - best), value, trial_int8
             if float_rest:
                 plan = plan.model_copy(update={"float_by_default": True})
@@ -336,7 +332,7 @@ def scheme_search(
         if not retry:
             break
         pending = retry
-    return plan, best, outcomes
+    return plan, best, outcomes, flips
 
 
 # ------------------------------------------------------------------- target-SQNR fallback
