@@ -9,12 +9,15 @@ whether an error jump is made at a layer or only passed through it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from qlint.core.sqnr import SQNR_CAP_DB, noise_power_ratio, sqnr_db_from_powers
 from qlint.linter.findings import CompareRow, Finding, InputQuantization, Severity
-from qlint.linter.fixes import KeepFloat, KeepFloatFunction
+from qlint.linter.fixes import Fuse, KeepFloat, KeepFloatFunction
 from qlint.linter.registry import COMPARE_DIAGNOSTICS
 from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
 from qlint.numeric.display import EXACT, call_of, describe_sqnr, sqnr_word
+from qlint.numeric.unfused_norm import UnfusedNorm, unfused_norm_text
 
 # Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
 # the signal's amplitude, which is where accuracy losses usually become visible.
@@ -76,9 +79,12 @@ At 20 dB the error has 10% of the signal's amplitude, where accuracy losses usua
 A `qlint compare` diagnostic (not a lint rule: it needs the float model and its quantized version).
 
 ## What it does
-Names the layer where the error starts: the first layer whose propagated SQNR drops by more
-than 6 dB from its input while its own shadow SQNR shows the error is made there, not passed
-through. Noise powers add: `1/SQNR_out = g/SQNR_in + 1/SQNR_local`.
+Names the layer where the error starts: a layer whose propagated SQNR drops by more than 6 dB
+from its input to below `--sqnr-threshold`; where the SQNR crosses the threshold in smaller
+steps, the layer with the largest such drop on the way down from threshold + 6 dB. Its own
+shadow SQNR tells whether the error is made there or passed through and amplified. Noise powers
+add: `1/SQNR_out = g/SQNR_in + 1/SQNR_local`. A BatchNorm that amplifies the int8 output of an
+unfused conv before it gets the fold of the BN into that conv as its fix, not keep-float.
 
 ## Why is this bad?
 Fixing the layer where the error starts recovers the layers after it too.
@@ -306,23 +312,66 @@ def _other_weights_finding(row: CompareRow) -> Finding:
     )
 
 
-def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_jump_db: float) -> list[Finding]:
-    """Layers, in forward order, where propagated SQNR falls below threshold by a jump.
+def _onset_rows(rows: list[CompareRow], sqnr_threshold: float, onset_jump_db: float) -> dict[str, str | None]:
+    """The onset rows by name, each with the row where the SQNR goes below the threshold when
+    that is a later row (None: at the onset itself).
 
-    The inherited SQNR of a layer is the worst propagated SQNR among the layers
-    feeding it (model inputs are exact).  A layer is an onset when its own
-    propagated SQNR is below the threshold and at least ``onset_jump_db`` below
-    what it inherited; the shadow SQNR then tells made-here from amplified-here.
-    """
+    A row is an onset when its propagated SQNR is below the threshold and at least
+    ``onset_jump_db`` below what it inherited. The SQNR can also cross the threshold in a small
+    step right after a large drop that stopped just above it (efficientnet_lite0: ``_bn0`` 29.1
+    -> 20.2 dB, then ``_swish`` 17.1): from such a crossing the worst-input chain is followed
+    back while it stays under threshold + ``onset_jump_db``, and the row with the largest drop
+    on it is the onset, when that drop is at least ``onset_jump_db``."""
     propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
-    findings = []
-    for position, row in enumerate(rows):
+    by_name = {row.name: row for row in rows}
+    onsets: dict[str, str | None] = {}
+    for row in rows:
         if row.sqnr_propagated is None or row.sqnr_propagated >= sqnr_threshold or _other_weights(row):
             continue  # a layer with other weights is QL301's other-weights finding
         inherited, upstream = inherited_sqnr(row, propagated)
-        jump = inherited - row.sqnr_propagated
-        if jump < onset_jump_db:
+        if inherited - row.sqnr_propagated >= onset_jump_db:
+            onsets[row.name] = None
+        elif inherited >= sqnr_threshold and upstream:
+            drops: list[tuple[float, str]] = []
+            current: CompareRow | None = row
+            while current is not None and current.sqnr_propagated is not None and current.name not in onsets:
+                if current is not row and current.sqnr_propagated >= sqnr_threshold + onset_jump_db:
+                    break
+                before, feeding = inherited_sqnr(current, propagated)
+                drops.append((before - current.sqnr_propagated, current.name))
+                worst = min(feeding, key=lambda name: propagated[name], default=None)
+                current = by_name.get(worst) if worst is not None else None
+            jump, name = max(drops)
+            if jump >= onset_jump_db and not _other_weights(by_name[name]):
+                onsets.setdefault(name, row.name)
+    return onsets
+
+
+def error_onset_findings(
+    rows: list[CompareRow],
+    sqnr_threshold: float,
+    onset_jump_db: float,
+    unfused_norms: Sequence[UnfusedNorm] = (),
+) -> list[Finding]:
+    """Layers, in forward order, where propagated SQNR falls below threshold by a jump
+    (:func:`_onset_rows`).
+
+    The inherited SQNR of a layer is the worst propagated SQNR among the layers
+    feeding it (model inputs are exact); the shadow SQNR tells made-here from
+    amplified-here. ``unfused_norms``: the BNs that read an unfused conv's int8 output
+    (:mod:`qlint.numeric.unfused_norm`), whose fix is the fold.
+    """
+    propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
+    by_name = {row.name: row for row in rows}
+    onsets = _onset_rows(rows, sqnr_threshold, onset_jump_db)
+    findings = []
+    for position, row in enumerate(rows):
+        if row.name not in onsets or row.sqnr_propagated is None:
             continue
+        crossing = onsets[row.name]
+        inherited, upstream = inherited_sqnr(row, propagated)
+        jump = inherited - row.sqnr_propagated
+        pair = _unfused_norm_of(row, upstream, unfused_norms)
         noise_out = noise_power_ratio(row.sqnr_propagated)
         noise_in = noise_power_ratio(inherited)
         if row.sqnr_shadow is not None:
@@ -334,7 +383,12 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
         inherited_text = (
             f"{describe_sqnr(inherited)} at its inputs ({', '.join(upstream)})" if upstream else "exact model inputs"
         )
-        if local_share >= 0.5:
+        if pair is not None:  # before "local": keeping a BN that reads int8 float keeps both roundings
+            producer = next(name for name in upstream if pair.reads([name]))
+            producer_inputs = list(by_name[producer].extra.get("predecessors", [])) if producer in by_name else []
+            why, fix = unfused_norm_text(pair, local_text, _share_text(local_share), producer, producer_inputs)
+            kind = "unfused-norm"
+        elif local_share >= 0.5:
             why = (
                 f"{local_text}, so about {_share_text(local_share)} of the error here is added by this layer itself; "
                 f"layers after it mostly inherit it"
@@ -384,9 +438,15 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
                 f"{_float_target(row)} in float; quantizing it alone is not the problem"
             )
             kind = "amplified"
+        below = (
+            f"below the {sqnr_threshold:.0f} dB threshold"
+            if crossing is None
+            else f"the largest drop on the way below the {sqnr_threshold:.0f} dB threshold, which it crosses at "
+            f"{crossing} ({describe_sqnr(propagated[crossing])})"
+        )
         message = (
             f"Error starts at {_described(row)}: propagated SQNR falls from {inherited_text} to "
-            f"{row.sqnr_propagated:.1f} dB here, below the {sqnr_threshold:.0f} dB threshold"
+            f"{row.sqnr_propagated:.1f} dB here, {below}"
             + ("" if sqnr_word(inherited) == EXACT else f" (a {jump:.1f} dB drop)")
             + ". "
             f"Why: {why}. Fix: {fix}.{_shared_note(row)}"
@@ -408,11 +468,31 @@ def error_onset_findings(rows: list[CompareRow], sqnr_threshold: float, onset_ju
                     "jump_db": jump,
                     "local_share": local_share,
                     "upstream": upstream,
+                    "crosses_threshold_at": crossing,
                 },
-                suggestion=_keep_float_suggestion(row, "error-onset") if kind == "local" else None,
+                suggestion=_onset_suggestion(row, kind, pair, by_name),
             )
         )
     return findings
+
+
+def _unfused_norm_of(row: CompareRow, upstream: list[str], pairs: Sequence[UnfusedNorm]) -> UnfusedNorm | None:
+    """The unfused conv -> BN pair whose BN ``row`` measures, reading its producer's row."""
+    if row.kind != "batch_norm" or row.module is None:
+        return None
+    return next((pair for pair in pairs if pair.norm == row.module and pair.reads(upstream)), None)
+
+
+def _onset_suggestion(
+    row: CompareRow, kind: str, pair: UnfusedNorm | None, by_name: dict[str, CompareRow]
+) -> KeepFloat | KeepFloatFunction | Fuse | None:
+    """Keep float for an error made here; the fold for a BN amplifying its unfused conv."""
+    if kind == "local":
+        return _keep_float_suggestion(row, "error-onset")
+    if kind == "unfused-norm" and pair is not None:
+        producer = by_name.get(pair.producer_node) or by_name.get(pair.producer)
+        return pair.suggestion(producer.kind if producer is not None and producer.kind else "conv")
+    return None
 
 
 def _input_quantization_explains(row: CompareRow) -> InputQuantization | None:
@@ -466,7 +546,8 @@ def diagnose(
     sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
     weight_sqnr_threshold: float = DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
     onset_jump_db: float = DEFAULT_ONSET_JUMP_DB,
+    unfused_norms: Sequence[UnfusedNorm] = (),
 ) -> list[Finding]:
     return low_sqnr_findings(rows, sqnr_threshold, weight_sqnr_threshold, onset_jump_db) + error_onset_findings(
-        rows, sqnr_threshold, onset_jump_db
+        rows, sqnr_threshold, onset_jump_db, unfused_norms
     )
