@@ -40,6 +40,7 @@ from qlint.measure.rewrite import (
     fanout_follows_original,
     float_outputs,
     relative_error,
+    unmatched_plan_rewrites,
 )
 from qlint.measure.trial import TrialStepError, quantize_fx
 
@@ -193,7 +194,8 @@ def fixed_model(
     the graph allows when there is no plan), with ``calibration`` batches the plan's equalization
     rescale (as :func:`rewritten` applies it; without them none: its scales come from the data),
     then each conv/linear → BatchNorm pair folded, as prepare_fx would fuse it. Returns (model,
-    rewrites and equalizations tried, whether BatchNorms were folded).
+    rewrites and equalizations tried, a plan rewrite the graph has no place for among them as
+    refused, whether BatchNorms were folded).
 
     Folding makes the rewrites real in the file: a fan-out copy exists so that its original
     feeds only the BN, and after the fold that original *is* the folded conv. The fold is kept
@@ -202,6 +204,8 @@ def fixed_model(
         gm, applied = apply_rewrites(model, None, example_inputs)
     else:
         gm, applied = apply_requested_rewrites(model, plan, example_inputs)
+        where = "this exported (aten) graph" if is_aten_graph(model) else "this model's graph"
+        applied = applied + unmatched_plan_rewrites(plan, applied, f"{where} has no place it applies to")
         if calibration:
             refuse_unknown_modules(gm, plan)  # a pair naming no module would silently equalize nothing
             gm, equalized = equalized_by_plan(gm, plan, calibration)

@@ -42,7 +42,8 @@ COMMAND_SUMMARIES = {
     "compare": "qlint compare FLOAT QUANT --calibration DATA: per-layer float vs quantized comparison",
     "verify": "qlint verify MODEL --plan PLAN --calibration DATA --eval-data DATA: default vs plan, in dB",
     "fix": "qlint fix MODEL --plan PLAN --output OUT.pt2: apply the plan's float-preserving rewrites",
-    "quantize": "qlint quantize MODEL --plan PLAN --calibration DATA --output OUT.pt: the int8 model verify measured",
+    "quantize": "qlint quantize MODEL --plan PLAN --calibration DATA --output OUT.pt|OUT.pt2: the int8 model verify "
+    "measured",
     "plan": "qlint plan show|qconfig|check PLAN.json: inspect and export a plan",
 }
 
@@ -191,7 +192,8 @@ def _fail(message: str, debug: bool) -> int:
 
 def _commands() -> dict[str, Callable[[list[str]], int]]:
     from qlint.cli.plan import plan_command
-    from qlint.cli.verify import fix_command, quantize_command, verify_command
+    from qlint.cli.quantize import quantize_command
+    from qlint.cli.verify import fix_command, verify_command
 
     return {
         "rule": _cmd_rule,

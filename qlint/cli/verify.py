@@ -1,11 +1,10 @@
-"""``qlint verify`` and ``qlint fix``.
+"""``qlint verify`` and ``qlint fix`` (``qlint quantize``: :mod:`qlint.cli.quantize`).
 
     qlint verify MODEL --plan plan.json --calibration DATA --eval-data DATA
                  [--target-sqnr DB] [--backend B] [--format text|json] [-o FILE]
                  [--no-prune] [--no-scheme-search] [--max-scheme-trials N]
     qlint fix MODEL [--plan plan.json] --output out.pt2|out.pt [--emit-qconfig q.py]
               [--input-shape SHAPE | --example-inputs FILE] [--calibration DATA]
-    qlint quantize MODEL [--plan plan.json] --calibration DATA --output int8.pt [--eval-data DATA]
 
 MODEL is anything qlint.core.load.load_model reads (module:factory [--weights], .pt2,
 .pt with --trust-pickle). Data files are loaded with weights_only=True. Every user error
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qlint.cli.common import (
+    EXIT_FINDINGS,
     Parser,
     check_outputs,
     finite_float,
@@ -39,7 +39,7 @@ from qlint.errors import ConfigError, QlintError, first_line
 from qlint.render.literal import printable
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a .pt2 / .pt file, or package.module:factory")
     parser.add_argument("--weights", metavar="FILE", help="state_dict for a module:factory model")
     parser.add_argument(
@@ -58,7 +58,7 @@ def _example_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--example-inputs", metavar="FILE")
 
 
-def _load(args: argparse.Namespace):
+def load_model_and_plan(args: argparse.Namespace):
     from qlint.advice.plan import QuantPlan, default_plan
     from qlint.core.load import load_model
 
@@ -127,7 +127,7 @@ def _verify_parser() -> argparse.ArgumentParser:
         description="Quantize with the backend default and with a plan; "
         "compare SQNR, int8 coverage and size side by side.",
     )
-    _model_arguments(parser)
+    model_arguments(parser)
     parser.add_argument(
         "--calibration",
         required=True,
@@ -280,7 +280,7 @@ def verify_command(argv: list[str]) -> int:
     from qlint.core.load import load_batches
 
     with user_output_to_stderr():
-        loaded, plan = _load(args)
+        loaded, plan = load_model_and_plan(args)
         calibration = load_batches(args.calibration)
         eval_data = load_batches(args.eval_data)
         selection = load_batches(args.selection_data) if args.selection_data else None
@@ -322,7 +322,7 @@ def _fix_parser() -> argparse.ArgumentParser:
         description="Apply a plan's float-preserving rewrites (and, with --calibration, its equalization) "
         "and save the model.",
     )
-    _model_arguments(parser)
+    model_arguments(parser)
     _example_arguments(parser)
     parser.add_argument(
         "--calibration",
@@ -350,9 +350,10 @@ def fix_command(argv: list[str]) -> int:
         raise ConfigError("--input-shape and --example-inputs both give the example inputs: pass one")
     from qlint.advice.verify_session import batch_list
     from qlint.core.load import load_batches
+    from qlint.core.ops import is_aten_graph
 
     with user_output_to_stderr():
-        loaded, plan = _load(args)
+        loaded, plan = load_model_and_plan(args)
         example = _example(args, loaded)
         if not example:
             raise ConfigError("qlint fix needs example inputs: pass --input-shape or --example-inputs")
@@ -384,9 +385,19 @@ def fix_command(argv: list[str]) -> int:
             "its mapping has it: qlint quantize builds the int8 model with it",
             file=sys.stderr,
         )
+    # with a plan, a rewrite it asks for that was not applied means the saved model is not the plan's:
+    # exit 1, as lint exits 1 on findings (the file is written; each one is named above)
+    missed = [r for r in applied if not r.applied] if args.plan else []
+    if missed and is_aten_graph(loaded.module):
+        print(
+            "note: this model is an exported (aten) graph: qlint's rewrites and equalization change an "
+            "nn.Module's graph; run qlint fix on the nn.Module (module:factory) before torch.export",
+            file=sys.stderr,
+        )
     folds = ", BatchNorms folded into their conv/linear" if folded else ""
-    write_stdout(f"wrote {printable(out)} ({len(done)} rewrite(s) applied{folds})\n")
-    return 0
+    lacking = f"; {len(missed)} of the plan's NOT applied, named on stderr" if missed else ""
+    write_stdout(f"wrote {printable(out)} ({len(done)} rewrite(s) applied{folds}{lacking})\n")
+    return EXIT_FINDINGS if missed else 0
 
 
 def _save_fixed(gm: Any, example: Any, out: Path) -> None:
@@ -407,100 +418,4 @@ def _save_fixed(gm: Any, example: Any, out: Path) -> None:
         raise QlintError(f"cannot write {out}: {error.strerror}") from error
 
 
-# ----------------------------------------------------------------------------- quantize
-def _quantize_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="qlint quantize",
-        description="Build the int8 model a plan gives (what qlint verify measured) and save it.",
-    )
-    _model_arguments(parser)
-    parser.add_argument("--calibration", required=True, metavar="DATA", help="the batches to calibrate on")
-    parser.add_argument(
-        "--output",
-        "-o",
-        required=True,
-        metavar="OUT.pt",
-        help="the int8 model as TorchScript (torch.jit.load reads it)",
-    )
-    parser.add_argument(
-        "--eval-data", metavar="DATA", help="batches to report the output SQNR against the float model on"
-    )
-    return parser
-
-
-def _output_sqnr(model: Any, converted: Any, eval_data: Any) -> float | None:
-    """Output SQNR of ``converted`` against (an eval-mode copy of) the float ``model``."""
-    import copy
-
-    import torch
-
-    from qlint.core.batches import call_model
-    from qlint.core.sqnr import SqnrSums
-
-    reference, sums = copy.deepcopy(model).eval(), SqnrSums()
-    with torch.no_grad():
-        for batch in eval_data:
-            sums.add(call_model(reference, batch), call_model(converted, batch))
-    return sums.sqnr_db()
-
-
-def _save_int8(converted: Any, example: Any, out: Path) -> str:
-    """TorchScript: a pickled converted GraphModule does not load back (torch rebuilds the graph
-    before its quantized modules have their state), a scripted one does, with torch.jit.load.
-    Where scripting fails (annotations TorchScript cannot read), the model is traced on
-    ``example`` instead. Returns how it was saved."""
-    import torch
-
-    from qlint.core.batches import as_call
-
-    how = "scripted"
-    try:
-        scripted = torch.jit.script(converted)
-    except Exception as script_error:  # TorchScript rejects some Python constructs, in many exception types
-        args, kwargs = as_call(example, what="calibration batch 0")
-        try:
-            with torch.no_grad():
-                scripted = torch.jit.trace(converted, args or None, example_kwarg_inputs=kwargs or None)
-        except Exception as error:  # tracing fails in as many ways
-            raise QlintError(
-                f"cannot save the int8 model as TorchScript: {first_line(script_error)}; tracing: {first_line(error)}"
-            ) from error
-        how = "traced on calibration batch 0, so its control flow is that batch's"
-    try:
-        torch.jit.save(scripted, str(out))
-    except (OSError, RuntimeError) as error:
-        raise QlintError(f"cannot write {out}: {first_line(error)}") from error
-    return how
-
-
-def quantize_command(argv: list[str]) -> int:
-    """``QuantPlan.quantize`` from the command line: rewrites, equalization, mapping, calibration,
-    convert and bias correction, exactly as verify applies them; the result saved as TorchScript."""
-    args = _quantize_parser().parse_args(argv)
-    out = Path(args.output)
-    if out.suffix != ".pt":
-        raise ConfigError(f"--output must end in .pt (the int8 model as TorchScript), got {out.name}")
-    check_outputs(
-        [("--output", args.output)],
-        [args.model, args.weights, args.plan, args.calibration, args.eval_data],
-    )
-    from qlint.advice.verify_session import batch_list
-    from qlint.core.load import load_batches
-    from qlint.measure.fallback import weighted_coverage
-
-    with user_output_to_stderr():
-        loaded, plan = _load(args)
-        calibration = batch_list(load_batches(args.calibration), "calibration")
-        eval_data = batch_list(load_batches(args.eval_data), "eval") if args.eval_data else []
-        converted = plan.quantize(loaded.module, calibration)
-        sqnr = _output_sqnr(loaded.module, converted, eval_data) if eval_data else None
-        how = _save_int8(converted, calibration[0], out)
-    int8, total, _ = weighted_coverage(converted)
-    measured = "" if sqnr is None else f"; output SQNR {sqnr:.2f} dB on {len(eval_data)} eval batches"
-    write_stdout(
-        f"wrote {printable(out)} (TorchScript, {how}; int8 {int8}/{total} conv/linear/recurrent/attention ops{measured})\n"
-    )
-    return 0
-
-
-__all__ = ["verify_command", "fix_command", "quantize_command", "render_verify"]
+__all__ = ["verify_command", "fix_command", "render_verify"]

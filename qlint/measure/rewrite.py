@@ -137,18 +137,36 @@ def relative_error(reference: Sequence[torch.Tensor], other: Sequence[torch.Tens
 def _requested(plan: Any, candidate: Candidate) -> bool:
     if plan is None:
         return False
-    for rewrite in plan.rewrites:
-        if rewrite.kind != candidate.kind:
-            continue
-        nodes = rewrite.params.get("nodes")
-        if isinstance(nodes, list):  # a rewrite verify recorded names its graph nodes exactly
-            if [str(n) for n in nodes] == list(candidate.nodes):
-                return True
-            continue
-        names = set(rewrite.modules) | {str(rewrite.params.get("node", ""))}
-        if names & (set(candidate.modules) | set(candidate.nodes)):
-            return True
-    return False
+    return any(_asks_for(rewrite, candidate.kind, candidate.modules, candidate.nodes) for rewrite in plan.rewrites)
+
+
+def _asks_for(rewrite: Any, kind: str, modules: Sequence[str], nodes: Sequence[str]) -> bool:
+    """Whether the plan's ``rewrite`` names the rewrite of ``kind`` at ``modules`` / ``nodes``."""
+    if rewrite.kind != kind:
+        return False
+    recorded = rewrite.params.get("nodes")
+    if isinstance(recorded, list):  # a rewrite verify recorded names its graph nodes exactly
+        return [str(n) for n in recorded] == list(nodes)
+    names = set(rewrite.modules) | {str(rewrite.params.get("node", ""))}
+    return bool(names & (set(modules) | set(nodes)))
+
+
+def unmatched_plan_rewrites(plan: Any, tried: Sequence[AppliedRewrite], why: str) -> list[AppliedRewrite]:
+    """A refused record, with ``why``, for each rewrite ``plan`` asks for that no rewrite in
+    ``tried`` matches: the graph has no place it applies to, so it was never tried, and a report
+    of ``tried`` alone would not name it."""
+    return [
+        AppliedRewrite(
+            kind=rewrite.kind,
+            modules=list(rewrite.modules),
+            nodes=[],
+            applied=False,
+            requested_by_plan=True,
+            reason=why,
+        )
+        for rewrite in plan.rewrites
+        if not any(_asks_for(rewrite, done.kind, done.modules, done.nodes) for done in tried)
+    ]
 
 
 def apply_rewrites(
@@ -317,5 +335,6 @@ __all__ = [
     "apply_rewrites",
     "rewrite_key",
     "relative_error",
+    "unmatched_plan_rewrites",
     "DEFAULT_MAX_RELATIVE_ERROR",
 ]
