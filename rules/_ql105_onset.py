@@ -144,7 +144,7 @@ def best_keep_float(
         impact = Impact.measured(
             trial.output_sqnr_db, fixed, "rule-trial", f"{describe(candidate)} kept float in a trial", kind="diagnosis"
         )
-        if best[1] is None or impact.db > best[1].db:
+        if best[1] is None or impact.ranked_db() > best[1].ranked_db():
             best = (candidate, impact)
     return best
 

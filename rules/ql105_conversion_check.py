@@ -57,7 +57,12 @@ class ConversionCheck(Rule):
     against the float model: info when it is at least `warn_below_db` (20 dB), a warning
     below that and an error below `error_below_db` (10 dB). When fewer than half of the
     conv/linear/recurrent/attention ops run in int8 the message says so: a high SQNR then
-    only says the model stayed float (QL106 names each op left float). A low SQNR names the layer
+    only says the model stayed float (QL106 names each op left float). When none of them
+    does (a `.pt2` of conv1d and LSTMCell layers, which X86InductorQuantizer does not
+    annotate) it is a warning whatever the SQNR: the quantized model is the float model.
+    When the trial fails but its workaround (`.view` as `.reshape`) runs, the impact is
+    "fails → X dB": `db` is null (there is no SQNR to gain from) and `fixed_sqnr_db` is X.
+    A low SQNR names the layer
     where the error starts: the first layer, in forward order, whose output SQNR
     (propagated) is below `warn_below_db`, or, when the error builds up gradually, the
     layer adding the most error itself (lowest shadow SQNR). Its fix keeps float the one
@@ -141,14 +146,15 @@ class ConversionCheck(Rule):
         if trial.failure is not None:
             finding = self._located_failure(ctx, trial.failure)
             if trial.workaround is not None and trial.output_sqnr_db is not None:
-                # the fix was applied in the trial itself: the int8 model runs, at this SQNR
+                # the fix was applied in the trial itself: the int8 model runs, at this SQNR. That is
+                # no gain (the intended model has no SQNR): db stays None, the SQNR is fixed_sqnr_db
                 measured = round(trial.output_sqnr_db, 3)
                 finding = finding.model_copy(
                     update={
-                        "message": f"{finding.message} Measured: {trial.workaround}, the int8 model runs at "
-                        f"{sqnr_text(measured)} output SQNR.",
+                        "message": f"{finding.message} {trial.workaround[:1].upper()}{trial.workaround[1:]}, "
+                        f"the int8 model runs at {sqnr_text(measured)} output SQNR.",
                         "impact": Impact(
-                            db=measured,
+                            db=None,
                             basis="rule-trial",
                             kind="diagnosis",
                             fixed_sqnr_db=measured,
@@ -178,8 +184,14 @@ class ConversionCheck(Rule):
             severity = Severity.ERROR
         elif sqnr is not None and sqnr < self.options.warn_below_db:
             severity = Severity.WARNING
+        low = severity is not Severity.INFO
         # a high SQNR that only says the model stayed float: QL106 warns where a fix exists
         mostly_float = 2 * trial.int8_ops < trial.weighted_ops
+        # nothing quantized (silero_vad as a .pt2: X86InductorQuantizer annotates neither its conv1d
+        # nor its LSTMCell): the "int8 model" is the float model, which is worth a warning
+        all_float = trial.weighted_ops > 0 and trial.int8_ops == 0
+        if all_float and not low:
+            severity = Severity.WARNING
         if severity is Severity.INFO and not self.options.report_success_sqnr:
             return
         steps = (
@@ -187,18 +199,26 @@ class ConversionCheck(Rule):
             if trial.converter == "convert_pt2e"
             else ("prepare_fx, calibration, convert_fx")
         )
-        message = (
-            f"{steps} and a quantized forward pass all succeed "
-            f"({where}); output SQNR of the converted model vs float: {text}."
-        )
-        if mostly_float:
+        message = f"{steps} and a quantized forward pass all succeed ({where})"
+        if all_float:
             message += (
-                f" But only {trial.int8_ops} of the model's {trial.weighted_ops} conv/linear/recurrent/attention "
-                f"ops run in int8 after {trial.converter}: most of the quantized model is the float model. "
-                "No single fix applies: QL106 lists each op left float, why, and its fix where one exists."
+                f", but none of the model's {trial.weighted_ops} conv/linear/recurrent/attention ops runs in "
+                f"int8 after {trial.converter}: the quantized model computes them in float, so its output SQNR "
+                f"vs float ({text}) says nothing about int8."
             )
+        else:
+            message += f"; output SQNR of the converted model vs float: {text}."
+        if mostly_float:
+            if not all_float:
+                message += (
+                    f" But only {trial.int8_ops} of the model's {trial.weighted_ops} conv/linear/recurrent/attention "
+                    f"ops run in int8 after {trial.converter}: most of the quantized model is the float model."
+                )
+            message += " No single fix applies: QL106 lists each op left float, why, and its fix where one exists."
         data: dict[str, Any] = {
-            "kind": "mostly-float"
+            "kind": "all-float"
+            if all_float
+            else "mostly-float"
             if mostly_float
             else ("conversion-ok" if severity is Severity.INFO else "low-output-sqnr"),
             "backend": ctx.backend.name,
@@ -207,7 +227,7 @@ class ConversionCheck(Rule):
         suggestion = None
         impact = None
         target = ctx.model_name
-        if severity is not Severity.INFO:
+        if low:
             limit = self.options.error_below_db if severity is Severity.ERROR else self.options.warn_below_db
             onset = error_onset(trial, self.options.warn_below_db)
             message += f" That is below {limit:g} dB."

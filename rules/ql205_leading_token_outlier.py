@@ -198,7 +198,7 @@ def _measure_split(ctx: LintContext, targets: Sequence[str]) -> _SplitMeasured:
             " The intended mapping runs these Linears static, where both parts would read one observer: "
             "the split gains nothing there, so a plan applies it only where it runs them dynamic"
         )
-    gains = impact is not None and impact.db > 0
+    gains = impact is not None and impact.ranked_db() > 0
     if not ctx.backend.has_dynamic_int8("linear") or len(dynamic) == len(targets):
         return _SplitMeasured(impact, said + ".", offer=gains or impact is None)
     linears = [str(n.target) for n in model.graph.nodes if n.op == "call_module" and _is_linear(model, n)]
@@ -217,7 +217,7 @@ def _measure_split(ctx: LintContext, targets: Sequence[str]) -> _SplitMeasured:
         "the rest float (torch's quantize_dynamic recipe, which qlint verify's scheme search tries)."
     )
     # gained on every leave-one-out set of evaluation batches, not on one batch's luck
-    steady = recipe_gain.db if recipe_gain.steady_db is None else min(recipe_gain.db, recipe_gain.steady_db)
+    steady = min(recipe_gain.ranked_db(), math.inf if recipe_gain.steady_db is None else recipe_gain.steady_db)
     recipe_numbers = {"base_sqnr_db": recipe_gain.base_sqnr_db, "split_sqnr_db": recipe_gain.fixed_sqnr_db}
     if not (gains or steady > 0):
         said += " The split gains in neither, so no fix is suggested."

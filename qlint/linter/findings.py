@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 import hashlib
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
@@ -85,9 +86,16 @@ class Impact(_Frozen):
     impact threshold does not apply; ``int8_ops_gained`` says what it buys. ``diagnosis``
     is a finding about the model as a whole (QL105's low output SQNR): ``db`` is what the
     best single fix tried recovers, and the finding stands whatever it is.
+
+    ``db`` is always a gain, never an absolute SQNR: for a fix that makes a model that fails as
+    intended run (QL105's workaround) there is no SQNR to gain from, so ``db`` and
+    ``base_sqnr_db`` are None and ``fixed_sqnr_db`` is the SQNR it runs at ("fails → X dB").
     """
 
-    db: float = Field(description="Output SQNR recovered by the fix (dB); negative when the fix hurts.")
+    db: float | None = Field(
+        description="Output SQNR recovered by the fix (dB); negative when the fix hurts; null when the model "
+        "fails as intended and the fix makes it run (no SQNR to gain from: fixed_sqnr_db is what it runs at)."
+    )
     basis: ImpactBasis
     kind: Literal["sqnr-gain", "coverage", "diagnosis"] = "sqnr-gain"
     int8_ops_gained: int = 0
@@ -99,6 +107,11 @@ class Impact(_Frozen):
         "below the threshold, the gain rests on one batch and the finding is info. None with one batch.",
     )
     detail: str = ""
+
+    def ranked_db(self) -> float:
+        """``db`` to rank and compare by: a fix that makes a failing model run (``db`` None) ranks
+        above any gain, as a plan's provenance credits it (``Provenance.credited_db``)."""
+        return math.inf if self.db is None else self.db
 
     @classmethod
     def measured(
@@ -147,7 +160,7 @@ class Impact(_Frozen):
     def rests_on_one_batch(self, threshold: float) -> bool:
         """The gain reaches ``threshold`` over all evaluation batches, but not without the one
         that gains most: noise of that batch, which held-out data does not repeat."""
-        return self.db >= threshold and self.steady_db is not None and self.steady_db < threshold
+        return self.ranked_db() >= threshold and self.steady_db is not None and self.steady_db < threshold
 
 
 class Finding(_Frozen):
@@ -213,7 +226,7 @@ class Finding(_Frozen):
             self.severity is not Severity.INFO
             and self.impact is not None
             and self.impact.kind in ("sqnr-gain", "diagnosis")
-            and self.impact.db > 0
+            and self.impact.ranked_db() > 0
         )
 
     def fix_measured_useless(self) -> bool:

@@ -325,7 +325,7 @@ class ImpactMeter:
         if len(members) == 1:
             return {members[0][0]: self._single_impact(fixed, family, findings[0].target)}
         group = self._group_impact(fixed, len(members), family)
-        if group.db < self.options.min_impact_db or self._groups_exhausted():
+        if group.ranked_db() < self.options.min_impact_db or self._groups_exhausted():
             return {index: group for index, _ in members}
         half = len(members) // 2
         settled = self._bisect(members[:half], families)
@@ -393,7 +393,7 @@ def _fix_key(finding: Finding) -> str:
 
 def _order_key(meter: ImpactMeter, finding: Finding) -> tuple[int, float]:
     estimate = meter.estimate(finding.target)
-    return (-finding.severity.rank, -(estimate.db if estimate else 0.0))
+    return (-finding.severity.rank, -(estimate.ranked_db() if estimate else 0.0))
 
 
 def demotion_note(impact: Impact, threshold: float) -> str | None:
@@ -404,11 +404,11 @@ def demotion_note(impact: Impact, threshold: float) -> str | None:
             f" Measured ({impact.basis}): the fix leaves the int8 model's output exactly as it was, "
             "so it does not apply here; this is info."
         )
-    if impact.db < 0:
+    if impact.ranked_db() < 0:
         return (
             f" Measured impact {impact.db:+.2f} dB ({impact.basis}): the fix makes the output worse, so this is info."
         )
-    if impact.db < threshold:
+    if impact.ranked_db() < threshold:
         return f" Measured impact {impact.db:+.2f} dB ({impact.basis}) is below the {threshold:g} dB threshold, so this is info."
     if impact.rests_on_one_batch(threshold):
         return (
@@ -457,7 +457,9 @@ def with_impacts(findings: Sequence[Finding], meter: ImpactMeter) -> tuple[list[
             note = demotion_note(impact, threshold)
             if note is not None:
                 finding = finding.model_copy(update={"severity": Severity.INFO, "message": finding.message + note})
-        elif impact is not None and impact.kind == "diagnosis" and impact.db < threshold and finding.suggestion:
+        elif (
+            impact is not None and impact.kind == "diagnosis" and impact.ranked_db() < threshold and finding.suggestion
+        ):
             # the best single fix the diagnosis measured does not recover the output (its message
             # says so): a plan entry that changes nothing worth having
             finding = finding.model_copy(update={"suggestion": None})
@@ -474,4 +476,4 @@ def _impact_rank(finding: Finding) -> float:
         return math.inf
     if finding.impact.kind != "sqnr-gain":
         return -math.inf
-    return -finding.impact.db
+    return -finding.impact.ranked_db()

@@ -202,7 +202,10 @@ def trial_line(report: Report) -> str | None:
     if not trial.converted and trial.workaround is None:
         return f"trial quantization ({trial.backend}): failed at {trial.failed_stage}; see QL105."
     sqnr = "n/a" if trial.output_sqnr_db is None else sqnr_text(trial.output_sqnr_db)
-    if trial.output_tensor_sqnr_db and trial.output_sqnr_db is not None:
+    if trial.weighted_ops and not trial.int8_ops and trial.output_sqnr_db is not None:
+        # "exact" claims nothing about int8 when nothing runs in int8 (QL105 warns)
+        sqnr = f"{sqnr}, as nothing runs in int8 (QL105)"
+    elif trial.output_tensor_sqnr_db and trial.output_sqnr_db is not None:
         each = ", ".join("n/a" if value is None else sqnr_text(value) for value in trial.output_tensor_sqnr_db)
         sqnr += f" (the powers of {len(trial.output_tensor_sqnr_db)} output tensors pooled; each: {each})"
     return (
@@ -286,7 +289,7 @@ def _impact_summary(report: Report) -> str:
     gains = [f for f in report.findings if f.recovers_output_sqnr()]
     if not gains:
         return ""
-    top = sorted(gains, key=lambda f: -f.impact.db if f.impact else 0.0)[:3]
+    top = sorted(gains, key=lambda f: -f.impact.ranked_db() if f.impact else 0.0)[:3]
     text = " Top by impact: " + ", ".join(f"{f.rule} {printable(f.target)} {impact_text(f)[0]}" for f in top) + "."
     trial = report.trial
     if trial is not None and trial.workaround is not None and trial.fixed_sqnr_db is not None:
