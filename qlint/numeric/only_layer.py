@@ -1,9 +1,9 @@
 """The model's output error with one layer quantized: measured, one float pass per layer.
 
-For every matched module layer L, :class:`OnlyLayerRunner` runs the float model with L's output
-replaced by what the quantized model's L gives on L's float input put on the grid that input has in
-the quantized model (``PairedRunner``'s isolated run: L's input rounding, its int8 weights and its
-output rounding, with the quantized model's own qparams), every other layer float. The error at
+For every matched module layer L, :class:`OnlyLayerRunner` runs the float model with every call of
+L replaced by the quantized model's L on the input that call gets, put on the grid that input has in
+the quantized model (L's input rounding, its int8 weights and its output rounding, with the
+quantized model's own qparams), every other layer float. The error at
 the model's output is then measured, not propagated through a linearisation: a sqrt, a sigmoid or
 an LSTM after L bends it (silero_vad's ``stft_conv``: 11.1 dB estimated, 7.1 dB measured).
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from qlint.core.batches import as_call
-from qlint.core.nested import first_tensor, map_tensors
+from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.core.sqnr import SqnrSums
 from qlint.measure.capture import FLOAT_RUN, PairedRunner
 from qlint.measure.match_result import LayerMatch, MatchResult
@@ -67,7 +67,6 @@ class OnlyLayerRunner(PairedRunner):
             on_shadow=self._keep_shadow,
             on_isolated=self._keep_isolated,
         )
-        self.isolated_outputs: dict[str, list[torch.Tensor]] = defaultdict(list)  # this batch, per call
         self.isolated_changed: set[str] = set()  # this batch: layers whose isolated run changed the output
         self.isolated_sums: dict[str, SqnrSums] = defaultdict(SqnrSums)
         self.shadow_sums: dict[str, SqnrSums] = defaultdict(SqnrSums)
@@ -79,7 +78,6 @@ class OnlyLayerRunner(PairedRunner):
 
     def _keep_isolated(self, layer: LayerMatch, reference: torch.Tensor, quantized: torch.Tensor, _scale) -> None:
         self.isolated_sums[layer.name].add(reference, quantized)
-        self.isolated_outputs[layer.name].append(quantized.detach().clone())
         if not torch.equal(reference, quantized):
             self.isolated_changed.add(layer.name)
 
@@ -93,24 +91,42 @@ class OnlyLayerRunner(PairedRunner):
             return super()._keep_float_output(layer, value)
         if layer.name != self.substituted.name:
             return None  # every other layer runs float
-        calls = self.isolated_outputs.get(layer.name, [])
+        # The quantized layer on the input this call gets now: a later call of a shared module
+        # gets the error its earlier calls made (EfficientNet-Lite0's _swish after the stem and
+        # after the head), which a value kept from the float run would erase.
         index = self.substituted_calls
         self.substituted_calls += 1
+        inputs, specs = self.float_inputs.get(layer.name, []), self.input_specs.get(layer.name, [])
         raw = first_tensor(value)
-        if index >= len(calls) or raw is None:
+        if index >= len(inputs) or raw is None:
             return None
-        quantized = calls[index].to(raw.dtype)
-        if quantized.shape != raw.shape:
+        args, kwargs = inputs[index]
+        self.replaying = True
+        try:
+            quantized_value = self._call_quant_module(
+                layer.quant_site.name,
+                self._isolated_inputs(layer, args, specs[index] if index < len(specs) else None),
+                kwargs,
+            )
+            output = first_float(quantized_value)
+            if layer.quant_output_quantizer in self.frozen and output is not None:
+                output = self.frozen[layer.quant_output_quantizer](output)
+        finally:
+            self.replaying = False
+        if output is None or output.shape != raw.shape:
             return None
+        quantized = output.to(raw.dtype)
         if layer.float_exit_relu:
             # the float ReLU runs after this value; keep it where the quantized output is 0
             quantized = torch.where(quantized > 0, quantized, torch.clamp(raw, max=0.0))
         return _replace_first(value, quantized)
 
     def run_with_only(self, layer: LayerMatch, batch: Any) -> Any:
-        """The float model's output on ``batch`` with only ``layer`` quantized (after ``run_batch``
-        on the same batch, which made its quantized outputs)."""
+        """The float model's output on ``batch`` with only ``layer`` quantized: each call of it runs
+        the quantized layer on the input it gets, on the grid that call's input had in the quantized
+        run of ``run_batch`` on the same batch."""
         self.module_calls.clear()
+        self.float_inputs.clear()  # the isolated run's; this pass keeps each call's input again
         self.substituted, self.substituted_calls = layer, 0
         args, kwargs = as_call(batch)
         self.phase = FLOAT_RUN
@@ -119,7 +135,7 @@ class OnlyLayerRunner(PairedRunner):
                 return self.float_runner(*args, **kwargs)
         finally:
             self.phase, self.substituted = None, None
-            self.float_inputs.clear()  # the isolated run's input copies, kept again by this pass
+            self.float_inputs.clear()
             self.float_model_inputs.clear()
 
 
@@ -139,7 +155,6 @@ def only_layer_errors(
         for index, batch in enumerate(data):
             if max_batches is not None and index >= max_batches:
                 break
-            runner.isolated_outputs.clear()
             runner.isolated_changed.clear()
             float_output, _ = runner.run_batch(batch)
             reference = map_tensors(float_output, torch.Tensor.detach)
