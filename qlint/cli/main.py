@@ -240,7 +240,7 @@ def _cmd_rule(argv: list[str]) -> int:
     parser.add_argument("code", help="rule code or name, such as QL101 or unfused-pattern")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
-    from qlint.numeric.diagnose import DIAGNOSTIC_DOCS
+    from qlint.numeric.diagnostic_docs import DIAGNOSTIC_DOCS
 
     diagnostic = DIAGNOSTIC_DOCS.get(args.code.strip().upper())
     if diagnostic is not None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from qlint.core.sqnr import SQNR_CAP_DB, noise_power_ratio, sqnr_db_from_powers
-from qlint.linter.findings import CompareRow, Finding, InputQuantization, Severity
+from qlint.linter.findings import CompareRow, Finding, Severity
 from qlint.linter.fixes import Fuse, KeepFloat, KeepFloatFunction
 from qlint.linter.registry import COMPARE_DIAGNOSTICS
 from qlint.measure.metrics import UNIFORM_ROUNDING_RMSE_OVER_SCALE
 from qlint.numeric.display import EXACT, call_of, describe_sqnr, sqnr_word
+from qlint.numeric.input_quantization import input_quantization_explains, input_quantization_text
 from qlint.numeric.unfused_norm import UnfusedNorm, unfused_norm_text
 
 # Healthy int8 layers measure 30-45 dB locally; 20 dB means the error has 10% of
@@ -45,54 +46,9 @@ _OFF_GRID_LIMIT = 0.05
 
 # Finding kinds that say the quantized model was made from another float model.
 OTHER_MODEL_KINDS = frozenset({"other-weights", "other-inputs"})
-# A model-input layer's float input, put on the quantized model's input grid, is what the quantized
-# layer gets when the two agree this much better than the input quantization's own SQNR (what is
-# left of the inputs' difference is under 1 % of that quantization's noise power): the quantized
-# model's inputs differ from the float model's by its own input quantization, not by a rewrite.
-_INPUT_GRID_MATCH_MARGIN_DB = 20.0
 
 LOW_SQNR = ("QL301", COMPARE_DIAGNOSTICS["QL301"])
 ERROR_ONSET = ("QL302", COMPARE_DIAGNOSTICS["QL302"])
-
-# `qlint rule QL301` / `QL302`: these are `qlint compare` diagnostics, not lint rules (they need
-# a quantized model to compare with), so they are documented here rather than in the registry.
-DIAGNOSTIC_DOCS = {
-    "QL301": """# QL301 low-sqnr-layer
-
-A `qlint compare` diagnostic (not a lint rule: it needs the float model and its quantized version).
-
-## What it does
-Flags a layer whose measured SQNR, float vs quantized, is below `--sqnr-threshold`
-(default 20 dB; an error under 10 dB). It names the cause it measured: the weights
-(weight SQNR under 25 dB), clipping (an RMSE over several times the rounding baseline)
-or the activation range. A layer whose own (shadow) error is a small share of the error at
-its output only passes on inherited error and is not blamed.
-
-## Why is this bad?
-At 20 dB the error has 10% of the signal's amplitude, where accuracy losses usually show.
-
-## References
-- docs/numeric-suite.md
-""",
-    "QL302": """# QL302 error-onset
-
-A `qlint compare` diagnostic (not a lint rule: it needs the float model and its quantized version).
-
-## What it does
-Names the layer where the error starts: a layer whose propagated SQNR drops by more than 6 dB
-from its input to below `--sqnr-threshold`; where the SQNR crosses the threshold in smaller
-steps, the layer with the largest such drop on the way down from threshold + 6 dB. Its own
-shadow SQNR tells whether the error is made there or passed through and amplified. Noise powers
-add: `1/SQNR_out = g/SQNR_in + 1/SQNR_local`. A BatchNorm that amplifies the int8 output of an
-unfused conv before it gets the fold of the BN into that conv as its fix, not keep-float.
-
-## Why is this bad?
-Fixing the layer where the error starts recovers the layers after it too.
-
-## References
-- docs/numeric-suite.md
-""",
-}
 
 
 def inherited_sqnr(row: CompareRow, propagated: dict[str, float]) -> tuple[float, list[str]]:
@@ -399,10 +355,10 @@ def error_onset_findings(
                 "to find the next onset"
             )
             kind = "local"
-        elif not upstream and (input_quantization := _input_quantization_explains(row)) is not None:
+        elif not upstream and (input_quantization := input_quantization_explains(row)) is not None:
             # Its inputs are the model's, and the quantized model feeds it exactly the float
             # model's inputs put on its own input grid: the loss is that input quantization.
-            why, fix = _input_quantization_text(local_text, local_share, input_quantization)
+            why, fix = input_quantization_text(local_text, _share_text(local_share), input_quantization)
             kind = "input-quantization"
         elif not upstream:
             # Exact inputs, little error of its own, and yet its output is far off: the quantized
@@ -493,51 +449,6 @@ def _onset_suggestion(
         producer = by_name.get(pair.producer_node) or by_name.get(pair.producer)
         return pair.suggestion(producer.kind if producer is not None and producer.kind else "conv")
     return None
-
-
-def _input_quantization_explains(row: CompareRow) -> InputQuantization | None:
-    """The row's input quantization when it is the whole difference between the inputs the two
-    models feed the layer (see ``_INPUT_GRID_MATCH_MARGIN_DB``); else None."""
-    measured = row.input_quantization
-    if measured is None or measured.sqnr is None or measured.match_sqnr is None:
-        return None
-    if measured.sqnr >= SQNR_CAP_DB:
-        return None  # the input is on the grid already: its quantization costs nothing
-    explains = measured.match_sqnr >= min(SQNR_CAP_DB, measured.sqnr + _INPUT_GRID_MATCH_MARGIN_DB)
-    return measured if explains else None
-
-
-def _input_quantization_text(local_text: str, local_share: float, measured: InputQuantization) -> tuple[str, str]:
-    """(why, fix) of an onset whose inputs lose their precision to the quantized model's own
-    input quantization."""
-    grid = f"[{measured.low:.3g}, {measured.high:.3g}] with step {measured.step:.3g}"
-    data = f"[{measured.data_min:.3g}, {measured.data_max:.3g}]"
-    if measured.clipped > 0:
-        lost = (
-            f"{measured.clipped:.1%} of the input values (range {data}) fall outside it and are clipped, and this "
-            f"input quantization alone costs {describe_sqnr(measured.sqnr or 0.0)} at the input"
-        )
-        fix = (
-            f"calibrate on data that covers the inputs' range ({data}; the calibrated input range is "
-            f"[{measured.low:.3g}, {measured.high:.3g}]), or clamp/normalize the inputs into the calibrated range "
-            "before the model"
-        )
-    else:
-        lost = (
-            f"no input value (range {data}) falls outside it, but the step is coarse for these inputs: this input "
-            f"quantization alone costs {describe_sqnr(measured.sqnr or 0.0)} at the input"
-        )
-        fix = (
-            f"calibrate on data whose range matches the inputs' ({data}), or normalize the inputs so that they "
-            "use the whole input grid"
-        )
-    why = (
-        f"{local_text}, so only about {_share_text(local_share)} of the error is its own; its inputs are the model's, and "
-        f"the quantized model quantizes the model input to {grid}: {lost}. The float input put on that grid is "
-        f"what the quantized layer gets (agreement {describe_sqnr(measured.match_sqnr or 0.0)}), so the "
-        "quantized model is built from this float model and the loss is its own input quantization"
-    )
-    return why, fix
 
 
 def diagnose(
