@@ -3,7 +3,7 @@
 * the cosine and error columns name the comparison they come from (propagated, or shadow under
   ``--modes shadow``), in the text table, the JSON and the HTML; a mode that was not run gets no
   column and no legend entry;
-* the sensitivity bars are labelled with the estimated output SQNR the text and JSON give, not a
+* the sensitivity bars are labelled with the measured output SQNR the text and JSON give, not a
   negative noise level;
 * ``--badcases`` is in the HTML too, from the summary the text prints and the JSON holds;
 * bad cases are scored on every floating-point output, and a case names the output that scored it.
@@ -110,7 +110,7 @@ def test_cosine_and_error_columns_name_the_comparison_they_measure(models, modes
 
 def test_sensitivity_bars_are_labelled_with_the_estimated_output_sqnr(models, tmp_path):
     """The bars read "-36.7 dB" (noise over signal) beside a positive "isolated SQNR" column,
-    while the JSON said estimated_output_sqnr_db 36.7 and the text printed the raw ratio."""
+    while the JSON said output_sqnr_db 36.7 and the text printed the raw ratio."""
     model, data, quantized = models
     ranking = sensitivity_rows(model, data, quantized_model=quantized)
     report = compare(model, quantized, data)
@@ -119,11 +119,11 @@ def test_sensitivity_bars_are_labelled_with_the_estimated_output_sqnr(models, tm
     chart = chart[: chart.index("</svg>")]
     labels = re.findall(r'font-size="10">([^<]+)</text>', chart)
     shown = [row for row in ranking if row.score > 0][:20]
-    assert labels == [f"SQNR {describe_sqnr(row.estimated_output_sqnr_db)}" for row in shown]
-    assert all(row.estimated_output_sqnr_db > 0 for row in shown) and not re.search(r">-[\d.]+ dB<", chart)
+    assert labels == [f"SQNR {describe_sqnr(row.output_sqnr_db)}" for row in shown]
+    assert all(row.output_sqnr_db > 0 for row in shown) and not re.search(r">-[\d.]+ dB<", chart)
     # the table has the same number, named
     headers = _html_headers(page, page.index("Sensitivity ranking"))
-    assert "est. output SQNR" in headers
+    assert "output SQNR, only it int8" in headers
     # the text line gives each layer the same value
     code, text = _run(
         f"{__name__}:float_factory",
@@ -135,7 +135,7 @@ def test_sensitivity_bars_are_labelled_with_the_estimated_output_sqnr(models, tm
     line = " ".join(text[text.index("sensitivity (most sensitive first") :].split())
     assert "output SQNR measured with only that layer quantized" in line
     for row in ranking[:3]:
-        assert f"{row.name} {describe_sqnr(row.estimated_output_sqnr_db)}" in line
+        assert f"{row.name} {describe_sqnr(row.output_sqnr_db)}" in line
 
 
 def test_badcases_are_in_the_html_from_the_summary_the_text_and_json_show(tmp_path):

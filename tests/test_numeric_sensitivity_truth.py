@@ -67,7 +67,7 @@ def test_score_is_the_output_sqnr_with_only_that_layer_quantized():
         with torch.no_grad():
             for batch in held_out:
                 truth.add(model(batch), only(batch))
-        assert rows[name].estimated_output_sqnr_db == pytest.approx(truth.sqnr_db(), abs=0.05), name
+        assert rows[name].output_sqnr_db == pytest.approx(truth.sqnr_db(), abs=0.05), name
         assert rows[name].score == pytest.approx(truth.noise_power / truth.signal_power, rel=0.01), name
 
 
@@ -102,7 +102,7 @@ def test_each_call_of_a_shared_layer_runs_on_the_error_earlier_calls_made():
         for batch in held_out:
             truth.add(model(batch), only(batch))
     assert rows["fc"].calls == 2
-    assert rows["fc"].estimated_output_sqnr_db == pytest.approx(truth.sqnr_db(), abs=0.05)
+    assert rows["fc"].output_sqnr_db == pytest.approx(truth.sqnr_db(), abs=0.05)
 
 
 class _SharedReLU(nn.Module):

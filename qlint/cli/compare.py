@@ -132,7 +132,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         help="rank QUANT's layers by how much of the error each adds reaches the model output (QUANT as given: "
         "nothing is re-quantized); text: the top 10 on one line with the output SQNR measured with only that layer "
         'quantized, JSON: the "sensitivity" list (one entry per '
-        "layer, most sensitive first: name, kind, score, estimated_output_sqnr_db, local_sqnr_db, flops, "
+        "layer, most sensitive first: name, kind, score, output_sqnr_db, local_sqnr_db, flops, "
         "flops_share, params, params_share, calls: a module the model calls several times is ranked once, every "
         "call together), HTML: the ranking table",
     )
@@ -238,7 +238,7 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
                 literal(
                     "sensitivity (most sensitive first; the output SQNR measured with only that layer quantized): "
                     + ", ".join(
-                        f"{ranked_label(row.name, row.calls)} {describe_sqnr(row.estimated_output_sqnr_db)}"
+                        f"{ranked_label(row.name, row.calls)} {describe_sqnr(row.output_sqnr_db)}"
                         for row in report.sensitivity[:10]
                     )
                 )

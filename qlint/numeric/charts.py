@@ -244,8 +244,8 @@ class SensitivityBar:
 
 
 def sensitivity_svg(bars: Sequence[SensitivityBar], bar_area: int = 400, bar_height: int = 18) -> str:
-    """Horizontal bars, most sensitive on top, each labelled with the estimated output SQNR if only
-    that layer were quantized (the text's and the JSON's number, positive dB). A bar grows with the
+    """Horizontal bars, most sensitive on top, each labelled with the output SQNR measured with only
+    that layer quantized (the text's and the JSON's number, positive dB). A bar grows with the
     output noise that layer causes, so the longest bar has the lowest SQNR.
 
     The label column is as wide as the longest name shown (names past 64 characters are cut in
@@ -268,7 +268,7 @@ def sensitivity_svg(bars: Sequence[SensitivityBar], bar_area: int = 400, bar_hei
         length = bar_area * (noise - floor) / span
         value = "n/a" if bar.output_sqnr_db is None else describe_sqnr(bar.output_sqnr_db)
         parts.append(
-            f"<g><title>{escape(bar.label)}: estimated output SQNR {escape(value)} if only this layer were "
+            f"<g><title>{escape(bar.label)}: output SQNR {escape(value)} measured with only this layer "
             f"quantized (output noise/signal {bar.score:.3e})</title>"
         )
         parts.append(

@@ -92,7 +92,7 @@ def _sensitivity_bars(sensitivity: Sequence[Any]) -> list[SensitivityBar]:
                 SensitivityBar(
                     ranked_label(entry.name, entry.calls),
                     entry.score,
-                    entry.estimated_output_sqnr_db,
+                    entry.output_sqnr_db,
                     entry.local_sqnr_db,
                     entry.flops_share,
                     entry.params_share,
@@ -150,9 +150,9 @@ def _sensitivity_table(bars: Sequence[SensitivityBar]) -> str:
     )
     return (
         "<table><tr><th>rank</th><th>layer</th>"
-        '<th title="the model output\'s SQNR if only this layer were quantized">est. output SQNR</th>'
+        '<th title="the model output\'s SQNR measured with only this layer quantized">output SQNR, only it int8</th>'
         "<th>score (output noise/signal)</th>"
-        '<th title="the layer quantized alone, everything else float">isolated SQNR</th>'
+        '<th title="the SQNR of the layer\'s own output, the layer quantized alone, everything else float">isolated SQNR</th>'
         "<th>FLOPs</th><th>params</th></tr>"
         f"{rows}</table>{_notes([bar.output_sqnr_db for bar in bars] + [bar.local_sqnr_db for bar in bars])}"
     )
@@ -233,8 +233,8 @@ def render_html(
         bars = _sensitivity_bars(sensitivity)
         sections.append("<h2>Sensitivity ranking</h2>")
         sections.append(
-            '<p class="meta">Each bar is labelled with the estimated SQNR of the model output if only this layer '
-            "were quantized, everything else float (dB, as in the text and the JSON). The bar's length is the output "
+            '<p class="meta">Each bar is labelled with the SQNR of the model output measured with only this '
+            "layer quantized, everything else float (dB, as in the text and the JSON). The bar's length is the output "
             "noise that layer causes: longer bars, lower SQNR, more harm.</p>"
         )
         sections.append(f'<div id="sensitivity">{sensitivity_svg(bars)}</div>')

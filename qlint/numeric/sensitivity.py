@@ -42,7 +42,7 @@ class SensitivityRow(BaseModel):
     name: str
     kind: str
     score: float  # output noise power / output signal power with only this layer quantized, measured
-    estimated_output_sqnr_db: float  # the same as an SQNR; measured since the linearised estimate was dropped
+    output_sqnr_db: float  # the model output's SQNR, measured with only this layer quantized
     local_sqnr_db: float | None
     flops: float
     flops_share: float
@@ -205,7 +205,7 @@ def _sensitivity_rows(
                 name=layer.name,
                 kind=layer.kind,
                 score=noise / output_power if output_power > 0 else 0.0,
-                estimated_output_sqnr_db=sqnr_db_from_powers(output_power, noise),
+                output_sqnr_db=sqnr_db_from_powers(output_power, noise),
                 local_sqnr_db=measured.isolated[layer.name].sqnr_db() if layer.name in measured.isolated else None,
                 flops=flops,
                 flops_share=flops / total_flops,
