@@ -100,7 +100,7 @@ def acceptance_offence(finding: Finding, threshold: float) -> str:
         return ""
     if impact.basis not in APPLIED_BASES:
         return f"impact basis {impact.basis}: the fix itself was not applied in a trial"
-    if impact.db < threshold:
+    if impact.ranked_db() < threshold:  # db is None where the fix makes a failing model run: it passes
         return f"fix gains {impact.db:+.2f} dB < {threshold:g} dB"
     return ""
 
