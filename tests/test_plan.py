@@ -199,7 +199,8 @@ def test_json_round_trip_hand_built_and_from_report():
     assert from_report.modules, "QL104 findings should become module decisions"
     assert QuantPlan.model_validate_json(from_report.model_dump_json()) == from_report
     raw = json.loads(from_report.model_dump_json())
-    assert raw["type"] == "qlint.QuantPlan" and raw["schema_version"] == 1
+    assert raw["type"] == "qlint.QuantPlan" and raw["schema_version"] == 2
+    assert raw["flow"] == "fx"  # an nn.Module traced with torch.fx: the findings were measured with prepare_fx
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,16 @@ It is a frozen pydantic v2 model that survives a JSON round trip unchanged::
     int8_model = plan.quantize(model, calibration)   # what qlint verify measured, in one step
     source = plan.to_python()                  # a readable .py file that builds it
 
+A plan says which flow it is for (``flow``): ``"fx"`` (prepare_fx with its QConfigMapping) or
+``"pt2e"`` (an exported program, such as a ``.pt2``, quantized with prepare_pt2e and
+:meth:`QuantPlan.to_pt2e_quantizer`). A pt2e plan's number format is the pt2e quantizer's own,
+not the plan's global specs, and it has no QConfigMapping: ``to_qconfig_mapping`` and
+``to_python`` refuse it in one line.
+
 Deserialising refuses an unknown ``type`` or a newer ``schema_version`` with a
-:class:`PlanFormatError` (a ConfigError: one line, CLI exit 2).
+:class:`PlanFormatError` (a ConfigError: one line, CLI exit 2). Schema 2 added ``flow``: a
+schema-1 file reads as an fx plan of schema 2 (a qlint that reads only schema 1 refuses the
+new files with "upgrade qlint" instead of misreading a pt2e plan as an fx one).
 """
 
 from __future__ import annotations
@@ -28,13 +36,14 @@ from typing import Any, Final, Literal
 
 import torch.fx as fx
 import torch.nn as nn
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from torch.ao.quantization import QConfigMapping
 
 from qlint.advice.apply import quantize_with_plan
 from qlint.advice.export import to_equalization_mapping, to_python
-from qlint.advice.pt2e import to_pt2e_quantizer
+from qlint.advice.pt2e import pt2e_global_specs, to_pt2e_quantizer
 from qlint.core.batches import batches_of
+from qlint.core.graph import exported_frontend
 from qlint.core.preserve import preserved_state
 from qlint.errors import ConfigError, validation_problem
 from qlint.linter.findings import Report
@@ -54,7 +63,8 @@ from qlint.linter.suggestions import (
 from qlint.render.literal import printable
 
 PLAN_TYPE: Final = "qlint.QuantPlan"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the flow field; a schema-1 plan is an fx plan
+Flow = Literal["fx", "pt2e"]
 
 
 class PlanFormatError(ConfigError):
@@ -66,6 +76,11 @@ class QuantPlan(Suggestions):
 
     type: Literal["qlint.QuantPlan"] = PLAN_TYPE
     schema_version: int = SCHEMA_VERSION
+    flow: Flow = Field(
+        default="fx",
+        description="The flow the plan is for: fx (prepare_fx with to_qconfig_mapping) or pt2e (an exported "
+        "program, prepare_pt2e with to_pt2e_quantizer, in the quantizer's own number format).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -81,6 +96,8 @@ class QuantPlan(Suggestions):
                 raise PlanFormatError(
                     f"plan schema_version {version} is newer than this qlint reads ({SCHEMA_VERSION}); upgrade qlint"
                 )
+            if version < SCHEMA_VERSION:  # schema 1 had no flow: every such plan was for prepare_fx
+                data = {**data, "schema_version": SCHEMA_VERSION, "flow": data.get("flow", "fx")}
         return data
 
     # --- reading ------------------------------------------------------------------------
@@ -121,13 +138,23 @@ class QuantPlan(Suggestions):
         """The plan's QConfigMapping for the model as given; ``rewritten=True`` for the model
         its rewrites made (``qlint fix --plan``), which also gets the decisions made for it
         (QL101's fixed ranges on convs whose BN a rewrite folds in). :meth:`quantize` does
-        both steps."""
+        both steps. A pt2e plan has none: ConfigError."""
+        self._refuse_pt2e("QConfigMapping")
         return qconfig_mapping(self, rewritten=rewritten)
+
+    def _refuse_pt2e(self, what: str) -> None:
+        if self.flow == "pt2e":
+            raise ConfigError(
+                f"this plan is for the pt2e flow (made for an exported program): it has no {what} for prepare_fx; "
+                "its quantizer is QuantPlan.to_pt2e_quantizer() (qlint quantize and qlint verify of the .pt2 use it)"
+            )
 
     def to_equalization_mapping(self, equalization_qconfig: Any = None) -> QConfigMapping:
         return to_equalization_mapping(self, equalization_qconfig)
 
     def to_python(self) -> str:
+        """The Python file building :meth:`to_qconfig_mapping` (``qlint plan qconfig``)."""
+        self._refuse_pt2e("QConfigMapping file")
         return to_python(self, self.schema_version)
 
     def quantize(self, model: nn.Module, calibration: Any) -> fx.GraphModule:
@@ -148,18 +175,23 @@ class QuantPlan(Suggestions):
 
     def pretty(self) -> str:
         """A human-readable summary (``qlint plan show``)."""
-        lines = [
-            f"QuantPlan (schema {self.schema_version}) for {self.model or 'model'} on {self.backend}",
-            f"  global activation: {self.activation.describe()}",
-            f"  global weight:     {self.weight.describe()}",
-        ]
+        lines = [f"QuantPlan (schema {self.schema_version}) for {self.model or 'model'} on {self.backend}"]
+        if self.flow == "pt2e":
+            lines[0] += ", for the pt2e flow (prepare_pt2e with QuantPlan.to_pt2e_quantizer())"
         if self.float_by_default:
-            lines[1:3] = ["  everything without a module decision stays float (only the modules below are quantized)"]
+            lines.append("  everything without a module decision stays float (only the modules below are quantized)")
+        else:
+            lines += self._global_lines()
         if self.modules:
             lines.append("  modules:")
             for d in self.modules:
                 why = "; ".join(p.describe() for p in d.provenance)
-                lines.append(f"    {d.fqn}: {d.describe()}  [{why}]")
+                # pt2e keeps its quantizer's number format and takes a decision's observer only
+                # (a decision in another format is left out, so it is shown in full)
+                observer_only = self.flow == "pt2e" and (
+                    d.activation is None or d.activation.same_number_format(self.activation)
+                )
+                lines.append(f"    {d.fqn}: {d.describe(observer_only=observer_only)}  [{why}]")
         if self.equalization:
             lines.append("  equalization:")
             for pair in self.equalization:
@@ -185,6 +217,18 @@ class QuantPlan(Suggestions):
             lines += [f"    {n}" for n in self.notes]
         return "\n".join(printable(line) for line in lines) + "\n"  # names from the file, shown literally
 
+    def _global_lines(self) -> list[str]:
+        """The global activation and weight specs the plan's flow quantizes with: a pt2e plan's are
+        its quantizer's (torchao's X86InductorQuantizer), not the plan's prepare_fx ones."""
+        if self.flow == "fx":
+            activation, weight = self.activation.describe(), self.weight.describe()
+        else:
+            try:
+                activation, weight = pt2e_global_specs(self)
+            except ConfigError as error:
+                return [f"  global: the pt2e quantizer's own number format (not shown: {error})"]
+        return [f"  global activation: {activation}", f"  global weight:     {weight}"]
+
 
 # --- building plans ----------------------------------------------------------------------
 
@@ -195,8 +239,10 @@ def default_plan(backend: str = "x86", model: str | None = None) -> QuantPlan:
 
 
 def plan_from_report(report: Report) -> QuantPlan:
-    """The plan that the report's findings call for: backend defaults plus each suggestion."""
-    return QuantPlan(**dict(report.suggestions()))
+    """The plan that the report's findings call for: backend defaults plus each suggestion, for the
+    pt2e flow when the model was an exported program (its findings were measured with it)."""
+    flow: Flow = "pt2e" if exported_frontend(report.frontend) else "fx"
+    return QuantPlan(**dict(report.suggestions()), flow=flow)
 
 
 __all__ = [

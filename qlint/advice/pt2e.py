@@ -39,6 +39,24 @@ def _config(quantizer_module: Any, dynamic: bool = False) -> Any:
     return quantizer_module.get_default_x86_inductor_quantization_config(is_dynamic=dynamic)
 
 
+def _describe_spec(spec: Any) -> str:
+    """A torchao QuantizationSpec in words: its observer class (built as prepare_pt2e builds it),
+    dtype, integer range and scheme."""
+    observer = type(spec.observer_or_fake_quant_ctr()).__name__
+    scheme = str(spec.qscheme).removeprefix("torch.")
+    scheme = scheme.replace("per_tensor_", "per-tensor ").replace("per_channel_", "per-channel ")
+    text = f"{observer} {str(spec.dtype).removeprefix('torch.')} {spec.quant_min}..{spec.quant_max} {scheme}"
+    return text + (f" ch_axis={spec.ch_axis}" if spec.ch_axis not in (None, 0) else "")
+
+
+def pt2e_global_specs(plan: Suggestions) -> tuple[str, str]:
+    """(activation, weight): the number format :func:`to_pt2e_quantizer` quantizes to, read from
+    torchao's default X86InductorQuantizer config. The plan's global specs do not apply there:
+    they are prepare_fx's. Raises ConfigError when torchao or the backend cannot give them."""
+    config = _config(_quantizer_module(plan))
+    return _describe_spec(config.input_activation), _describe_spec(config.weight)
+
+
 def _activation_choices(plan: Suggestions, quantizer_module: Any) -> dict[str, Any | None]:
     """Per static module decision with an activation of its own: its ObserverChoice, or None
     where pt2e cannot express it (another number format or observer kind)."""

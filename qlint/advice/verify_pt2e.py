@@ -104,7 +104,7 @@ def drop_unread_state(converted: fx.GraphModule) -> fx.GraphModule:
 
 
 def pt2e_plan(plan: QuantPlan) -> tuple[QuantPlan, list[str]]:
-    """``plan`` without what the pt2e flow cannot apply, and a note for each part taken out."""
+    """``plan`` without what the pt2e flow cannot apply, as a pt2e plan, and a note for each part taken out."""
     notes = []
     if plan.rewrites or plan.equalization:
         notes.append(
@@ -118,7 +118,10 @@ def pt2e_plan(plan: QuantPlan) -> tuple[QuantPlan, list[str]]:
     notes += [f"{fqn}: {why}; left out" for fqn, why in gaps]
     left_out = {fqn for fqn, _ in gaps}
     kept = [decision for decision in plan.modules if decision.fqn not in left_out]
-    changed = plan.model_copy(update={"rewrites": [], "equalization": [], "bias_correction": None, "modules": kept})
+    # the plan it leaves is one for the pt2e flow (verify's verified plan says so, whatever it was given)
+    changed = plan.model_copy(
+        update={"rewrites": [], "equalization": [], "bias_correction": None, "modules": kept, "flow": "pt2e"}
+    )
     return changed, notes
 
 

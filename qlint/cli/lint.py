@@ -117,6 +117,12 @@ def _lint_one(args: argparse.Namespace, options: ModelOptions, document: list[Re
         registry = Registry.default()
         check_rule_options(options.config, registry)
         loaded = load_model(options.spec, weights=options.weights, trust_pickle=args.trust_pickle)
+        if args.emit_qconfig and loaded.exported_program is not None:  # refused before linting, not after
+            raise ConfigError(
+                f"--emit-qconfig: {printable(options.spec)} is an exported program, whose plan is for the pt2e flow "
+                "and has no QConfigMapping for prepare_fx; write the plan with --emit-plan (its quantizer is "
+                "QuantPlan.to_pt2e_quantizer())"
+            )
         example = _example_inputs(options, loaded.example_inputs)
         mapping = resolve_object(options.qconfig_mapping) if options.qconfig_mapping else None
         calibration, calibration_notices = _calibration(args, options, example)

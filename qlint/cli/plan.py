@@ -1,7 +1,7 @@
 """``qlint plan ...`` commands and the hook behind ``qlint MODEL --emit-plan/--emit-qconfig``.
 
     qlint plan show PLAN.json [--format text|json]   pretty-print (or re-emit canonical JSON)
-    qlint plan qconfig PLAN.json [-o FILE.py]        write the Python file that builds the mapping
+    qlint plan qconfig PLAN.json [-o FILE.py]        write the Python file that builds the mapping (fx plans)
     qlint plan check PLAN.json                       validate; exit 0 when the plan is readable
 
 emit_plan_outputs raises QlintError (exit 2) when a file cannot be written.
@@ -75,7 +75,8 @@ def plan_command(argv: list[str]) -> int:
             write_stdout(text)
         _note_decisions_for_the_rewritten_model(plan, printable(args.output) if args.output else "the file")
     else:
-        plan.to_qconfig_mapping(rewritten=True)  # also checks backend support (e.g. int16) of every decision
+        if plan.flow == "fx":  # a pt2e plan has no mapping; its quantizer leaves out what it cannot express
+            plan.to_qconfig_mapping(rewritten=True)  # also checks backend support (e.g. int16) of every decision
         parts = [
             counted(len(plan.modules), "module decision"),
             counted(len(plan.equalization), "equalization pair"),
@@ -85,7 +86,8 @@ def plan_command(argv: list[str]) -> int:
         if plan.bias_correction is not None:
             parts.append("bias correction")
         write_stdout(
-            f"{printable(args.plan)}: valid qlint plan (schema {plan.schema_version}, backend {plan.backend}: "
+            f"{printable(args.plan)}: valid qlint plan (schema {plan.schema_version}, {plan.flow} flow, "
+            f"backend {plan.backend}: "
             f"{', '.join(parts)})\n"
         )
     return 0

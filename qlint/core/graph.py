@@ -79,6 +79,12 @@ class OpNode:
         return self.qconfig is not None and self.qconfig.quantized
 
 
+def exported_frontend(frontend: str) -> bool:
+    """Whether a graph of this front end (a report's ``frontend``) is an aten graph from
+    torch.export, a .pt2's or the fallback's: the pt2e flow quantizes it, not prepare_fx."""
+    return frontend.startswith("torch.export")
+
+
 class ModelGraph:
     """A read-only networkx DAG of :class:`OpNode` plus the model's module inventory."""
 
@@ -117,7 +123,7 @@ class ModelGraph:
     def exported(self) -> bool:
         """An aten graph from torch.export (every such front end's name starts so): its users
         quantize it with the pt2e flow, not prepare_fx."""
-        return self.frontend.startswith("torch.export")
+        return exported_frontend(self.frontend)
 
     @property
     def dag(self) -> nx.DiGraph:

@@ -58,6 +58,10 @@ _KIND_PARAMS = {
 }
 
 
+# The fields of an activation spec that set the integers it quantizes to, not how it observes.
+_NUMBER_FORMAT = ("dtype", "symmetric", "reduce_range", "quant_min", "quant_max")
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -164,13 +168,22 @@ class ActivationSpec(_Frozen):
         scale = self.scale * (high - low) / (new_high - new_low)
         return self.changed(quant_min=new_low, quant_max=new_high, scale=scale, zero_point=zero_point)
 
-    def describe(self) -> str:
-        parts: list[str] = [self.observer, self.dtype]
-        if self.symmetric:
+    def same_number_format(self, other: ActivationSpec) -> bool:
+        """Whether both quantize to the same integers (dtype, scheme and range): they differ at most
+        in how they observe."""
+        return all(getattr(self, name) == getattr(other, name) for name in _NUMBER_FORMAT)
+
+    def describe(self, *, observer_only: bool = False) -> str:
+        """``observer_only``: the observer and its parameters, without the number format (the pt2e
+        flow observes with them and quantizes to its quantizer's own format)."""
+        parts: list[str] = [self.observer] if observer_only else [self.observer, self.dtype]
+        if self.symmetric and not observer_only:
             parts.append("symmetric")
-        if self.reduce_range:
+        if self.reduce_range and not observer_only:
             parts.append("reduce_range")
         for name in ("quant_min", "quant_max", "averaging_constant", "bins", "percentile", "scale", "zero_point"):
+            if observer_only and name in _NUMBER_FORMAT:
+                continue
             value = getattr(self, name)
             if value is not None:
                 parts.append(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}")
@@ -214,12 +227,14 @@ class ModuleDecision(_Frozen):
     weight: WeightSpec | None = None
     provenance: list[Provenance] = Field(min_length=1)
 
-    def describe(self) -> str:
+    def describe(self, *, observer_only: bool = False) -> str:
+        """``observer_only``: its activation's observer without the number format (see
+        :meth:`ActivationSpec.describe`)."""
         if not self.quantize:
             return "keep float"
         parts: list[str] = [self.mode]
         if self.activation is not None and self.mode == "static":
-            parts.append(f"activation {self.activation.describe()}")
+            parts.append(f"activation {self.activation.describe(observer_only=observer_only)}")
         if self.weight is not None:
             parts.append(f"weight {self.weight.describe()}")
         return ", ".join(parts)
