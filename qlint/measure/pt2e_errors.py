@@ -30,6 +30,7 @@ from qlint.core.nested import first_float
 from qlint.core.ops import CONV_OR_LINEAR_KINDS, TRANSPOSED_CONV_KINDS, function_op, kind_of_type_name
 from qlint.core.sqnr import SqnrSums
 from qlint.measure.fallback import RECURRENT_KINDS
+from qlint.measure.pt2e_outputs import dequantized, quantizes_per_tensor
 from qlint.measure.trial import ActivationError
 
 # aten recurrent ops and the layer kind each computes
@@ -43,9 +44,6 @@ _RECURRENT_OPS = {
     "rnn_tanh_cell": "rnn_cell",
     "rnn_relu_cell": "rnn_cell",
 }
-# the q/dq ops of convert_pt2e's reference representation, by their registered names
-_DEQUANTIZE_PREFIX = "quantized_decomposed.dequantize_per_"
-_QUANTIZE_PER_TENSOR = "quantized_decomposed.quantize_per_tensor"
 _OBSERVER_PREFIX = "activation_post_process_"  # prepare_pt2e's name for the observers it inserts
 
 
@@ -114,13 +112,6 @@ def weighted_ops(graph_module: fx.GraphModule) -> list[WeightedOp]:
     return [op if targets.count(op.target) == 1 else dataclasses.replace(op, target=op.node) for op in found]
 
 
-def dequantized(value: Any) -> bool:
-    """The value comes through a dequantize op (the int8 side of a q/dq pair)."""
-    return (
-        isinstance(value, fx.Node) and value.op == "call_function" and str(value.target).startswith(_DEQUANTIZE_PREFIX)
-    )
-
-
 def runs_int8(node: fx.Node) -> bool:
     """A weighted op of a converted graph whose input and weight both come through a dequantize."""
     return len(node.args) >= 2 and dequantized(node.args[0]) and dequantized(node.args[1])
@@ -134,9 +125,7 @@ def _requantizer(dequantize: fx.Node) -> Callable[[torch.Tensor], torch.Tensor] 
     """The quantize → dequantize pair that produced ``dequantize``'s input, as a function of a
     float tensor; None unless its qparams are literal numbers (per-tensor activations)."""
     quantize = dequantize.args[0]
-    if not (isinstance(quantize, fx.Node) and quantize.op == "call_function"):
-        return None
-    if not str(quantize.target).startswith(_QUANTIZE_PER_TENSOR):
+    if not quantizes_per_tensor(quantize):
         return None
     q_rest, dq_rest = quantize.args[1:], dequantize.args[1:]
     if quantize.kwargs or dequantize.kwargs or not all(_literal(arg) for arg in (*q_rest, *dq_rest)):
@@ -150,12 +139,12 @@ def activation_qparams(converted: fx.GraphModule) -> dict[str, tuple[float, int,
     quantizes per tensor with literal qparams, keyed by the node producing the float value."""
     found: dict[str, tuple[float, int, int, int]] = {}
     for node in converted.graph.nodes:
-        if node.op != "call_function" or not str(node.target).startswith(_QUANTIZE_PER_TENSOR) or len(node.args) < 5:
+        if not quantizes_per_tensor(node) or len(node.args) < 5:
             continue
         source, scale, zero_point, low, high = node.args[:5]
         if not isinstance(source, fx.Node) or source.op == "get_attr":  # a weight quantized at run time
             continue
-        if isinstance(scale, float) and all(isinstance(v, int) for v in (zero_point, low, high)):
+        if isinstance(scale, float) and isinstance(zero_point, int) and isinstance(low, int) and isinstance(high, int):
             found.setdefault(source.name, (scale, zero_point, low, high))
     return found
 

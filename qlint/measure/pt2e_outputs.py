@@ -27,9 +27,9 @@ from typing import TypeGuard
 import torch.fx as fx
 
 # convert_pt2e's q/dq ops, by their registered names (quantized_decomposed.quantize_per_tensor.default,
-# .tensor, .tensor2 all count)
+# .tensor, .tensor2 all count; a dequantize per tensor or per channel)
 _QUANTIZE_PER_TENSOR = "quantized_decomposed.quantize_per_tensor"
-_DEQUANTIZE_PER_TENSOR = "quantized_decomposed.dequantize_per_tensor"
+_DEQUANTIZE = "quantized_decomposed.dequantize_per_"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +44,25 @@ def _calls(node: object, prefix: str) -> TypeGuard[fx.Node]:
     return isinstance(node, fx.Node) and node.op == "call_function" and str(node.target).startswith(prefix)
 
 
+def dequantized(value: object) -> TypeGuard[fx.Node]:
+    """The value comes through a dequantize op (the int8 side of a q/dq pair)."""
+    return _calls(value, _DEQUANTIZE)
+
+
+def quantizes_per_tensor(value: object) -> TypeGuard[fx.Node]:
+    """A per-tensor quantize op of convert_pt2e's graph."""
+    return _calls(value, _QUANTIZE_PER_TENSOR)
+
+
 def quantized_outputs(graph_module: fx.GraphModule) -> dict[str, QuantizedOutput]:
     """Per node name, the dequantize that hands the node's output on (the rule in the module
     docstring); nodes no quantize/dequantize pair reads are left out. One pass over the graph."""
     found: dict[str, QuantizedOutput] = {}
     for node in graph_module.graph.nodes:  # graph order: the first pair of a node wins
-        if not _calls(node, _DEQUANTIZE_PER_TENSOR) or not node.args:
+        if not dequantized(node) or not node.args:
             continue
         quantize = node.args[0]
-        if not _calls(quantize, _QUANTIZE_PER_TENSOR) or not quantize.args:
+        if not quantizes_per_tensor(quantize) or not quantize.args:
             continue
         source = quantize.args[0]
         if not isinstance(source, fx.Node) or source.name in found:
@@ -62,4 +72,4 @@ def quantized_outputs(graph_module: fx.GraphModule) -> dict[str, QuantizedOutput
     return found
 
 
-__all__ = ["QuantizedOutput", "quantized_outputs"]
+__all__ = ["QuantizedOutput", "dequantized", "quantized_outputs", "quantizes_per_tensor"]
