@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from qlint.core.graph import OpNode
+from qlint.linter.fixes import BLOCKED_BY_FANOUT, BLOCKED_BY_FUNCTIONAL_OP
 
 REASON_EAGER = "eager-no-fuse"
-REASON_FANOUT = "fan-out"
+REASON_FANOUT = BLOCKED_BY_FANOUT
 REASON_QCONFIG = "qconfig-mismatch"
 REASON_TRAINING = "bn-training"
-REASON_FUNCTIONAL = "functional-op"
+REASON_FUNCTIONAL = BLOCKED_BY_FUNCTIONAL_OP
 REASON_CLAMP = "unfusable-activation"
 
 WHY = {

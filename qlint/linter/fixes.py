@@ -129,6 +129,13 @@ class KeepFloatFunction(_Fix):
     with_functions: list[str] = Field(default_factory=list)
 
 
+# Why a fusable chain stays unfused, as Fuse.blockers names it (QL101 has more reasons): a plan
+# folds a BN blocked by a functional conv with the fold_bn_into_functional_conv rewrite, any
+# other Fuse with fuse.
+BLOCKED_BY_FANOUT = "fan-out"
+BLOCKED_BY_FUNCTIONAL_OP = "functional-op"
+
+
 class Fuse(_Fix):
     action: Literal["fuse"] = "fuse"
     modules: list[str] = Field(min_length=1)

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from qlint.core.function_paths import resolve_function
 from qlint.linter.fixes import (
+    BLOCKED_BY_FUNCTIONAL_OP,
     Equalize,
     Fix,
     Fuse,
@@ -248,7 +249,7 @@ def _apply(b: _Builder, fix: Fix, source: Provenance) -> None:
     target = str(source.target)
     match fix:
         case Fuse():
-            functional = "functional-op" in fix.blockers and "batch_norm" in fix.pattern
+            functional = BLOCKED_BY_FUNCTIONAL_OP in fix.blockers and "batch_norm" in fix.pattern
             _rewrite(
                 b,
                 source,

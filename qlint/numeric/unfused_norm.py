@@ -17,13 +17,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from qlint.linter.fixes import Fuse
+from qlint.linter.fixes import BLOCKED_BY_FANOUT, BLOCKED_BY_FUNCTIONAL_OP, Fuse
 from qlint.measure.rewrite_candidates import find_rewrites
-
-# The QL101 blockers that make a plan ask for each rewrite (suggestions_from_fixes maps a Fuse
-# with "functional-op" and a batch_norm in its pattern to the fold, any other Fuse to "fuse").
-_FUNCTIONAL_BLOCKER = "functional-op"
-_FANOUT_BLOCKER = "fan-out"
 
 
 @dataclass(frozen=True)
@@ -53,7 +48,7 @@ class UnfusedNorm:
         return Fuse(
             modules=[self.producer, self.norm],
             pattern=[producer_kind, "batch_norm"],
-            blockers=[_FUNCTIONAL_BLOCKER if self.functional else _FANOUT_BLOCKER],
+            blockers=[BLOCKED_BY_FUNCTIONAL_OP if self.functional else BLOCKED_BY_FANOUT],
         )
 
 
