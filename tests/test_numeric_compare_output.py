@@ -117,10 +117,11 @@ def test_json_carries_the_sensitivity_ranking():
     assert report.sensitivity[0].name == "second"
     assert [row.score for row in report.sensitivity] == pytest.approx([row.score for row in expected], rel=1e-9)
 
-    _, plain = _run(*specs, "--format", "json")
+    # a threshold under the output's SQNR: no next step either (that key is CompareReport's too)
+    _, plain = _run(*specs, "--format", "json", "--sqnr-threshold", "5")
     assert CompareReport.model_validate_json(plain).sensitivity is None
     # without a ranking it is a plain Report, as before CompareReport (Report refuses unknown keys)
-    assert "sensitivity" not in json.loads(plain)
+    assert "sensitivity" not in json.loads(plain) and "next_step" not in json.loads(plain)
     assert Report.model_validate_json(plain).model == CompareReport.model_validate_json(plain).model
 
 

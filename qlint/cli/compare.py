@@ -34,7 +34,7 @@ from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import CompareRow, Notice, Report, Severity
 from qlint.numeric.badcase_summary import BadCaseSummary
 from qlint.numeric.badcases import compare_badcases, find_badcases
-from qlint.numeric.compare import MODES, CompareReport, activation_histograms, compare, worst_layers
+from qlint.numeric.compare import MODES, CompareReport, activation_histograms, compare_report, worst_layers
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB, DEFAULT_WEIGHT_SQNR_THRESHOLD_DB
 from qlint.numeric.display import (
     badcase_cells,
@@ -53,6 +53,7 @@ from qlint.numeric.display import (
     worst_inputs_heading,
 )
 from qlint.numeric.html import write_html
+from qlint.numeric.next_step import NextStep
 from qlint.numeric.sensitivity import sensitivity_rows
 from qlint.render.literal import printable
 from qlint.render.text import literal, make_console
@@ -201,6 +202,14 @@ def print_text(report: Report, console: Console) -> None:
         console.print(line)
 
 
+def print_next_step(step: NextStep, console: Console) -> None:
+    """The next step's reason, then each command on a line of its own (unwrapped: copied as is)."""
+    console.print(literal("next step: ", "bold") + literal(f"{step.reason}. Run:"))
+    for command in step.commands:
+        console.print(literal(f"  {command}"), soft_wrap=True)
+    console.print(literal(step.explanation))
+
+
 def _usage_error(message: object) -> int:
     print(f"qlint compare: {printable(str(message).strip()) or 'error'}", file=sys.stderr)
     return EXIT_USAGE
@@ -223,9 +232,10 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     except QlintError as error:
         return _usage_error(error)
     if args.format == "json":
-        # without a ranking or bad cases the document is a plain Report, which Report readers take as it is
+        # without a ranking, bad cases or a next step the document is a plain Report, which Report readers take
         absent = {"sensitivity"} if report.sensitivity is None else set()
         absent |= {"badcases"} if report.badcases is None else set()
+        absent |= {"next_step"} if report.next_step is None else set()
         text = report.model_dump_json(indent=2, exclude=absent or None) + "\n"
     else:
         buffer = io.StringIO()
@@ -247,6 +257,8 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
             console.print(badcase_table(report.badcases))
             console.print(literal(worst_inputs_heading(report.badcases), "bold"))
             print_text(report.badcases.report, console)
+        if report.next_step is not None:  # last: what to do once the report is read
+            print_next_step(report.next_step, console)
         text = buffer.getvalue()
     if stdout is not None:
         stdout.write(text)
@@ -298,7 +310,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> CompareReport:
         raise ConfigError("FLOAT and QUANT must produce torch.nn.Module objects")
     data = list(batches_of(data, "calibration data"))  # several passes follow (compare, histograms, badcases)
     try:
-        report = compare(
+        report: Report = compare_report(
             float_model,
             quantized_model,
             data,
@@ -308,6 +320,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> CompareReport:
             max_batches=args.max_batches,
             model_name=args.float_model,
             backend=args.backend,
+            data_name=args.calibration,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from error
@@ -339,7 +352,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> CompareReport:
             f"and the comparison on them to {saved.with_suffix('.report.json')}"
         )
         report = report.model_copy(update={"notices": report.notices + [notice]})
-    report = CompareReport(**dict(report), sensitivity=ranking, badcases=summary)
+    report = CompareReport(**(dict(report) | {"sensitivity": ranking, "badcases": summary}))
     if args.html:
         histograms = activation_histograms(
             float_model, quantized_model, data, report, worst_layers(report, 4), max_batches=args.max_batches
@@ -354,6 +367,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> CompareReport:
                 histograms=histograms,
                 sqnr_threshold=args.sqnr_threshold,
                 badcases=summary,
+                next_step=report.next_step,
             )
         except OSError as error:
             raise QlintError(f"cannot write --html {args.html}: {error.strerror or error}") from error

@@ -43,6 +43,7 @@ from qlint.numeric.diagnose import (
     local_sqnr,
 )
 from qlint.numeric.display import describe_sqnr
+from qlint.numeric.next_step import NextStep, next_step
 from qlint.numeric.sensitivity import SensitivityRow
 from qlint.numeric.unfused_norm import unfused_norms
 
@@ -51,13 +52,18 @@ MODES = ("propagated", "shadow")
 
 class CompareReport(Report):
     """What ``qlint compare --format json`` writes: the comparison's ``Report``, the sensitivity
-    ranking of the quantized model's layers and the worst inputs, when they were asked for."""
+    ranking of the quantized model's layers and the worst inputs, when they were asked for, and
+    the next step when the model output stays below the threshold (:mod:`qlint.numeric.next_step`)."""
 
     sensitivity: list[SensitivityRow] | None = Field(
         default=None,
         description="The layers of the quantized model, most sensitive first (--sensitivity); null when not ranked.",
     )
     badcases: BadCaseSummary | None = Field(default=None, description="The worst inputs (--badcases); null without.")
+    next_step: NextStep | None = Field(
+        default=None,
+        description="The commands that measure fixes, when the model output is below the threshold; null otherwise.",
+    )
 
 
 def qlint_version() -> str:
@@ -175,11 +181,45 @@ def compare(
     ``sqnr_threshold`` (dB) applies to each layer's local activation SQNR
     (shadow when run, else propagated), ``weight_sqnr_threshold`` to weight SQNR.
     """
+    report = compare_report(
+        float_model,
+        quantized_model,
+        data,
+        modes=modes,
+        sqnr_threshold=sqnr_threshold,
+        weight_sqnr_threshold=weight_sqnr_threshold,
+        onset_jump_db=onset_jump_db,
+        max_batches=max_batches,
+        model_name=model_name,
+        backend=backend,
+        match=match,
+    )
+    return Report(**{name: value for name, value in report if name in Report.model_fields})
+
+
+def compare_report(
+    float_model: nn.Module,
+    quantized_model: nn.Module,
+    data: Iterable,
+    *,
+    modes: Sequence[str] = MODES,
+    sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
+    weight_sqnr_threshold: float = DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
+    onset_jump_db: float = DEFAULT_ONSET_JUMP_DB,
+    max_batches: int | None = None,
+    model_name: str = "model",
+    backend: str = "x86",
+    match: MatchResult | None = None,
+    data_name: str | None = None,
+) -> CompareReport:
+    """:func:`compare`, with the next step decided from the model output's SQNR
+    (:func:`qlint.numeric.next_step.next_step`; ``data_name``: the DATA its commands name).
+    What ``qlint compare`` reports."""
     propagated, shadow = _check_modes(modes)
     # The paired runner watches parameters while the models run; this guard covers the rest
     # of the call (layer matching traces the models) and the process state.
     with preserved_state(float_model, quantized_model, watch_parameters=False):
-        return _compare(
+        report, output_sqnr_db = _compare(
             float_model,
             quantized_model,
             data,
@@ -193,6 +233,8 @@ def compare(
             backend,
             match,
         )
+    step = next_step(output_sqnr_db, sqnr_threshold, report.findings, model_name, data_name)
+    return CompareReport(**dict(report), next_step=step)
 
 
 def _compare(
@@ -208,7 +250,8 @@ def _compare(
     model_name: str,
     backend: str,
     match: MatchResult | None,
-) -> Report:
+) -> tuple[Report, float | None]:
+    """The report and the model output's SQNR (None when the outputs never paired up)."""
     started = time.perf_counter()
     match = match or match_layers(float_model, quantized_model, per_call=True)
     stats = {layer.name: LayerStats() for layer in match.layers}
@@ -312,7 +355,7 @@ def _compare(
                 "quantization; compare QUANT against the float model it was quantized from",
             )
         )
-    return Report(
+    report = Report(
         qlint_version=qlint_version(),
         torch_version=torch.__version__,
         model=model_name,
@@ -323,6 +366,7 @@ def _compare(
         timings=[Timing(stage="numeric-compare", seconds=elapsed)],
         layers=rows,
     )
+    return report, output_sqnr.sqnr_db()
 
 
 def _finite_batches(data: Iterable) -> Iterator[Any]:

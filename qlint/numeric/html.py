@@ -1,7 +1,8 @@
 """A self-contained HTML report of a numeric comparison.
 
 One file, no scripts and no network: styles are inline and every chart is an
-inline SVG (``qlint.numeric.charts``).  Sections: summary, per-layer SQNR in
+inline SVG (``qlint.numeric.charts``).  Sections: summary, the next step (when the model
+output is below the threshold: ``qlint.numeric.next_step``), per-layer SQNR in
 forward order (propagated and shadow on one chart, threshold line),
 float-vs-quantized histograms of the worst layers, the sensitivity ranking, the
 findings, the full layer table and the worst inputs (``--badcases``) with the
@@ -50,6 +51,7 @@ from qlint.numeric.display import (
     sqnr_notes,
     worst_inputs_heading,
 )
+from qlint.numeric.next_step import NextStep
 from qlint.render.text import counted
 
 _STYLE = """
@@ -63,6 +65,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums} .error{color:#b00020;
 .legend span{display:inline-block;margin-right:14px;font-size:12px} .swatch{display:inline-block;width:12px;
 height:12px;margin-right:4px;vertical-align:-2px;opacity:.75} .swatch.hollow{box-sizing:border-box;
 border:2px solid #555;border-radius:50%} svg{background:#fff}
+pre{background:#f4f4f4;padding:8px;font-size:12px;white-space:pre-wrap}
 """
 
 
@@ -176,6 +179,17 @@ def _badcase_section(summary: BadCaseSummary) -> list[str]:
     return [*sections, _layer_table(summary.report), _findings_table(summary.report)]
 
 
+def _next_step_section(step: NextStep) -> str:
+    """The reason, the commands as one block to copy, and what they do."""
+    commands = escape("\n".join(step.commands))
+    return (
+        '<h2 id="next-step">Next step</h2>'
+        f"<p>{escape(step.reason)}. Run:</p>"
+        f"<pre>{commands}</pre>"
+        f'<p class="meta">{escape(step.explanation)}</p>'
+    )
+
+
 def _notes(values: Sequence[float | None]) -> str:
     return "".join(f'<p class="meta">{escape(note)}</p>' for note in sqnr_notes(list(values)))
 
@@ -197,6 +211,7 @@ def render_html(
     title: str | None = None,
     sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
     badcases: BadCaseSummary | None = None,
+    next_step: NextStep | None = None,
 ) -> str:
     title = title or f"qlint numeric report: {report.model}"
     counts = {
@@ -211,6 +226,8 @@ def render_html(
         f"{counted(counts['warning'], 'warning')}</div>",
     ]
     sections += [f'<p class="meta">{escape(notice.message)}</p>' for notice in report.notices]
+    if next_step is not None:  # at the top: the report's verdict on the whole model
+        sections.append(_next_step_section(next_step))
     sections.append("<h2>Per-layer SQNR (forward order)</h2>")
     # the legend names the series the chart draws: no "propagated" entry under --modes shadow
     drawn = {mode for mode, _ in sqnr_columns(report.compare_rows())}
@@ -260,12 +277,14 @@ def write_html(
     title: str | None = None,
     sqnr_threshold: float = DEFAULT_SQNR_THRESHOLD_DB,
     badcases: BadCaseSummary | None = None,
+    next_step: NextStep | None = None,
 ) -> Path:
     """Write the report as one self-contained HTML file and return its path.
 
     ``sensitivity``: ``sensitivity()`` tuples or ``sensitivity_rows()`` rows.
     ``histograms``: ``compare.activation_histograms()`` output.
     ``badcases``: ``BadCaseSet.summary()``, the worst inputs and the comparison on them.
+    ``next_step``: ``CompareReport.next_step``, the commands that measure fixes.
     """
     path = Path(path)
     page = render_html(
@@ -275,6 +294,7 @@ def write_html(
         title=title,
         sqnr_threshold=sqnr_threshold,
         badcases=badcases,
+        next_step=next_step,
     )
     path.write_text(page, encoding="utf-8")
     return path
