@@ -69,6 +69,8 @@ class PlanToApply(Protocol):
 
     def dynamic_equalized_modules(self) -> list[str]: ...
 
+    def waiting_rewrites(self) -> list[Any]: ...
+
 
 class QuantizeError(QlintError):
     """prepare_fx, calibration or convert_fx failed under a plan."""
@@ -97,9 +99,26 @@ def rewritten(
         )
     example = as_call(calibration[0], what="calibration batch 0")[0]
     gm, applied = apply_requested_rewrites(model, plan, example)
+    applied += unmatched_plan_rewrites(plan, applied, "this model's graph has no place it applies to")
     refuse_unknown_modules(gm, plan)
     gm, equalized = equalized_by_plan(gm, plan, calibration)
     return gm, applied + equalized
+
+
+def refuse_unapplied(applied: Sequence[AppliedRewrite]) -> None:
+    """QuantizeError naming each rewrite or equalization pair the plan asks for that was not
+    applied (no place for it in this graph, float outputs changed, no calibration range): the
+    int8 model would then not be the one the plan was measured as."""
+    missed = [record for record in applied if record.requested_by_plan and not record.applied]
+    if not missed:
+        return
+    named = "; ".join(f"{r.kind} {'+'.join(r.modules)}: {r.reason or 'refused'}" for r in missed[:3])
+    more = f"; and {len(missed) - 3} more" if len(missed) > 3 else ""
+    raise QuantizeError(
+        f"{len(missed)} of the plan's rewrites could not be applied to this model ({named}{more}), so the "
+        "int8 model would not be the one the plan was measured as; run qlint verify on this model to get "
+        "a plan for it"
+    )
 
 
 def equalized_by_plan(
@@ -232,5 +251,6 @@ __all__ = [
     "fixed_model",
     "quantize_rewritten",
     "quantize_with_plan",
+    "refuse_unapplied",
     "rewritten",
 ]

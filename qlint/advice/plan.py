@@ -39,7 +39,7 @@ import torch.nn as nn
 from pydantic import Field, ValidationError, model_validator
 from torch.ao.quantization import QConfigMapping
 
-from qlint.advice.apply import quantize_with_plan
+from qlint.advice.apply import quantize_with_plan, refuse_unapplied
 from qlint.advice.export import to_equalization_mapping, to_python
 from qlint.advice.pt2e import pt2e_global_specs, to_pt2e_quantizer
 from qlint.core.batches import batches_of
@@ -164,10 +164,13 @@ class QuantPlan(Suggestions):
         then prepare_fx with :meth:`to_qconfig_mapping`, calibration on every batch of
         ``calibration`` (tensors, tuples of positional tensors, or dicts of keyword tensors),
         convert_fx, and the plan's bias correction. ``model``, the batches and the process state are left as they were.
-        Raises a one-line :class:`qlint.advice.apply.QuantizeError` when a torch step fails."""
+        Raises a one-line :class:`qlint.advice.apply.QuantizeError` when a torch step fails, or when
+        a rewrite or equalization pair of the plan cannot be applied to ``model``."""
         batches = list(batches_of(calibration, "calibration data"))
         with preserved_state(model, watch_parameters=False):
-            return quantize_with_plan(model, self, batches).converted
+            quantized = quantize_with_plan(model, self, batches)
+        refuse_unapplied(quantized.rewrites)
+        return quantized.converted
 
     def to_pt2e_quantizer(self) -> Any:
         """A torchao pt2e quantizer applying this plan (needs the extra ``qlint[pt2e]``)."""

@@ -81,7 +81,7 @@ from qlint.advice.verify_session import (
 )
 from qlint.core.ops import is_aten_graph
 from qlint.core.preserve import preserved_state
-from qlint.measure.rewrite import AppliedRewrite, apply_rewrites, rewrite_key
+from qlint.measure.rewrite import AppliedRewrite, applies, apply_rewrites, rewrite_key, unmatched_plan_rewrites
 
 DEFAULT_MAX_TRIALS = 10  # trial quantizations beyond the default, the plan as given and the verified plan
 # Shares of that budget, taken in order (a smaller budget goes to the first steps): bias
@@ -156,8 +156,12 @@ def _layers(fqns: Sequence[str], session: Session, default: Measured, verified: 
 
 def _with_detected_rewrites(plan: QuantPlan, detected: Sequence[AppliedRewrite]) -> QuantPlan:
     """``plan`` plus the float-preserving rewrites found in the graph that it did not list, so
-    that every change verify measures is a decision of the plan (and pruning may drop it)."""
-    rewrites = list(plan.rewrites)
+    that every change verify measures is a decision of the plan (and pruning may drop it). A
+    rewrite the plan lists that this graph has no place for, or whose float check failed, is
+    left out: it changes nothing verify measures, and QuantPlan.quantize refuses a plan whose
+    rewrites do not apply (the report names it, with why). One the plan keeps waiting stays."""
+    waiting = plan.waiting_rewrites()
+    rewrites = [rewrite for rewrite in plan.rewrites if rewrite in waiting or applies(rewrite, detected)]
     for a in detected:
         if a.applied and not a.requested_by_plan:
             rewrites.append(
@@ -394,6 +398,8 @@ def _verify(
         layers=_layers(fqns, session, default, verified),
         decisions=outcomes,
         rewrites=_rewrites_report(detected, current) + session.equalizations(current),
+        left_out_rewrites=[a for a in detected if a.requested_by_plan and not a.applied]
+        + unmatched_plan_rewrites(plan, detected, "this model's graph has no place it applies to"),
         kept_float=kept_float,
         float_layer_fraction=round(1.0 - verified.result.int8_fraction, 4),
         verified_plan=current,

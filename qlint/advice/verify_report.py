@@ -87,6 +87,11 @@ class VerifyReport(_Model):
     layers: list[LayerComparison] = Field(default_factory=list)
     decisions: list[DecisionOutcome] = Field(default_factory=list)
     rewrites: list[AppliedRewrite] = Field(default_factory=list)
+    left_out_rewrites: list[AppliedRewrite] = Field(
+        default_factory=list,
+        description="rewrites the plan lists that could not be applied to this model (no place in its graph, "
+        "or the float outputs changed): the verified plan leaves them out",
+    )
     kept_float: list[str] = Field(default_factory=list)
     float_layer_fraction: float = 0.0
     verified_plan: QuantPlan

@@ -240,6 +240,9 @@ def render_verify(report: Any, width: int | None = 120) -> str:
             f"numbers above from {report.eval_batches} eval batches not used for selection"
         )
     )
+    for rewrite in report.left_out_rewrites:
+        line = f"plan rewrite {rewrite.kind} {'+'.join(rewrite.modules)} NOT applied ({rewrite.reason}): left out"
+        lines += textwrap.wrap(printable(line), width=width or 120, subsequent_indent="    ")
     for rewrite in report.rewrites:
         if rewrite.applied and rewrite.note:  # e.g. channels an equalization drops in int8 by design
             note = f"{rewrite.kind} {' -> '.join(rewrite.modules)}: {rewrite.note}"

@@ -375,6 +375,12 @@ class Suggestions(_Frozen):
                     split.append(fqn)
         return split
 
+    def waiting_rewrites(self) -> list[Rewrite]:
+        """The rewrites this plan keeps but does not apply: a split for dynamic Linears only whose
+        Linears the plan runs otherwise (it applies once a decision makes one dynamic)."""
+        split = set(self.token_split_linears())
+        return [r for r in self.rewrites if r.only_dynamic() and not split.intersection(r.modules)]
+
     def dynamic_equalized_modules(self) -> list[str]:
         """The equalized modules that run dynamic int8 (their own decision or an ancestor's): their
         input is quantized on each call's own range, not on one fixed by calibration."""

@@ -151,10 +151,16 @@ def _asks_for(rewrite: Any, kind: str, modules: Sequence[str], nodes: Sequence[s
     return bool(names & (set(modules) | set(nodes)))
 
 
+def applies(rewrite: Any, tried: Sequence[AppliedRewrite]) -> bool:
+    """Whether the plan's ``rewrite`` is among the rewrites in ``tried`` that were applied."""
+    return any(done.applied and _asks_for(rewrite, done.kind, done.modules, done.nodes) for done in tried)
+
+
 def unmatched_plan_rewrites(plan: Any, tried: Sequence[AppliedRewrite], why: str) -> list[AppliedRewrite]:
     """A refused record, with ``why``, for each rewrite ``plan`` asks for that no rewrite in
     ``tried`` matches: the graph has no place it applies to, so it was never tried, and a report
-    of ``tried`` alone would not name it."""
+    of ``tried`` alone would not name it. A rewrite the plan keeps waiting (``waiting_rewrites``)
+    is not asked for yet."""
     return [
         AppliedRewrite(
             kind=rewrite.kind,
@@ -165,7 +171,8 @@ def unmatched_plan_rewrites(plan: Any, tried: Sequence[AppliedRewrite], why: str
             reason=why,
         )
         for rewrite in plan.rewrites
-        if not any(_asks_for(rewrite, done.kind, done.modules, done.nodes) for done in tried)
+        if rewrite not in plan.waiting_rewrites()
+        and not any(_asks_for(rewrite, done.kind, done.modules, done.nodes) for done in tried)
     ]
 
 
@@ -333,6 +340,7 @@ __all__ = [
     "apply_requested_rewrites",
     "fanout_follows_original",
     "apply_rewrites",
+    "applies",
     "rewrite_key",
     "relative_error",
     "unmatched_plan_rewrites",
