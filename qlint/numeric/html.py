@@ -184,7 +184,7 @@ def _next_step_section(step: NextStep) -> str:
     commands = escape("\n".join(step.commands))
     return (
         '<h2 id="next-step">Next step</h2>'
-        f"<p>{escape(step.reason)}. Run:</p>"
+        f"<p>{escape(step.reason[:1].upper() + step.reason[1:])}. Run:</p>"  # a sentence of its own here
         f"<pre>{commands}</pre>"
         f'<p class="meta">{escape(step.explanation)}</p>'
     )
