@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qlint.numeric import html as report_html  # noqa: E402
-from qlint.numeric.compare import activation_histograms, compare, worst_layers  # noqa: E402
+from qlint.numeric.compare import compare  # noqa: E402
 from qlint.numeric.examples import (  # noqa: E402
     SmallConvNet,
     bad_layer_qconfig_mapping,
@@ -39,6 +39,7 @@ from qlint.numeric.examples import (  # noqa: E402
     quantize_fx_ptq,
     randomize_batch_norm,
 )
+from qlint.numeric.histograms import activation_histograms, worst_layers  # noqa: E402
 from qlint.numeric.sensitivity import sensitivity_rows  # noqa: E402
 
 CHROMIUM_FLAGS = [

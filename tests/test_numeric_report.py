@@ -13,7 +13,7 @@ from rich.console import Console
 
 from qlint.cli.compare import EXIT_FINDINGS, EXIT_USAGE, add_compare_arguments, load_data_arg, run_compare
 from qlint.numeric import html as report_html
-from qlint.numeric.compare import CompareReport, activation_histograms, compare, worst_layers
+from qlint.numeric.compare import CompareReport, compare
 from qlint.numeric.display import format_sqnr
 from qlint.numeric.examples import (
     SmallConvNet,
@@ -22,6 +22,7 @@ from qlint.numeric.examples import (
     quantize_fx_ptq,
     randomize_batch_norm,
 )
+from qlint.numeric.histograms import activation_histograms, worst_layers
 from qlint.numeric.profile import profile_model, profile_table, write_profile_csv
 from qlint.numeric.sensitivity import sensitivity_rows
 

@@ -34,7 +34,7 @@ from qlint.errors import ConfigError, QlintError
 from qlint.linter.findings import CompareRow, Notice, Report, Severity
 from qlint.numeric.badcase_summary import BadCaseSummary
 from qlint.numeric.badcases import compare_badcases, find_badcases
-from qlint.numeric.compare import MODES, CompareReport, activation_histograms, compare_report, worst_layers
+from qlint.numeric.compare import MODES, CompareReport, compare_report
 from qlint.numeric.diagnose import DEFAULT_SQNR_THRESHOLD_DB, DEFAULT_WEIGHT_SQNR_THRESHOLD_DB
 from qlint.numeric.display import (
     badcase_cells,
@@ -52,6 +52,7 @@ from qlint.numeric.display import (
     sqnr_notes,
     worst_inputs_heading,
 )
+from qlint.numeric.histograms import activation_histograms, worst_layers
 from qlint.numeric.html import write_html
 from qlint.numeric.next_step import NextStep
 from qlint.numeric.sensitivity import sensitivity_rows

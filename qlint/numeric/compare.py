@@ -21,7 +21,7 @@ from pydantic import Field
 from torch import nn
 
 from qlint.core.function_paths import function_path
-from qlint.core.nested import first_float, float_tensors, floats_are_finite
+from qlint.core.nested import float_tensors, floats_are_finite
 from qlint.core.preserve import preserved_state
 from qlint.core.sqnr import SqnrSums
 from qlint.errors import DataError, EmptyCalibrationError
@@ -39,8 +39,6 @@ from qlint.numeric.diagnose import (
     DEFAULT_WEIGHT_SQNR_THRESHOLD_DB,
     OTHER_MODEL_KINDS,
     diagnose,
-    inherited_sqnr,
-    local_sqnr,
 )
 from qlint.numeric.display import describe_sqnr
 from qlint.numeric.next_step import NextStep, next_step
@@ -456,89 +454,3 @@ def _function_of(layer: LayerMatch, float_nodes: dict[str, torch.fx.Node]) -> st
     """The public path of the function a functional layer's float node calls (None for a module)."""
     node = float_nodes.get(layer.float_entry.name) if layer.float_entry.kind == NODE_SITE else None
     return function_path(node.target) if node is not None and node.op == "call_function" else None
-
-
-# --- histograms for the HTML report ------------------------------------------------
-@dataclass
-class LayerHistogram:
-    name: str
-    low: float
-    high: float
-    float_counts: list[int]
-    quantized_counts: list[int]
-
-
-def worst_layers(report: Report, count: int) -> list[str]:
-    """The ``count`` layers adding the most error themselves (lowest local SQNR, see diagnose)."""
-    rows = report.compare_rows()
-    propagated = {row.name: row.sqnr_propagated for row in rows if row.sqnr_propagated is not None}
-
-    def local(row: CompareRow) -> float:
-        value, _ = local_sqnr(row, inherited_sqnr(row, propagated)[0])
-        return float("inf") if value is None else value
-
-    return [row.name for row in sorted(rows, key=local)[:count]]
-
-
-def activation_histograms(
-    float_model: nn.Module,
-    quantized_model: nn.Module,
-    data: Iterable,
-    report: Report,
-    layers: Sequence[str] | None = None,
-    *,
-    bins: int = 48,
-    max_batches: int | None = None,
-) -> dict[str, LayerHistogram]:
-    """Float vs quantized output histograms (propagated) of a few layers, in one more pass.
-
-    The bin range comes from the min/max that compare recorded, so the pass
-    streams with fixed-size counters.
-    """
-    with preserved_state(float_model, quantized_model, watch_parameters=False):
-        return _activation_histograms(float_model, quantized_model, data, report, layers, bins, max_batches)
-
-
-def _activation_histograms(
-    float_model: nn.Module,
-    quantized_model: nn.Module,
-    data: Iterable,
-    report: Report,
-    layers: Sequence[str] | None,
-    bins: int,
-    max_batches: int | None,
-) -> dict[str, LayerHistogram]:
-    names = list(layers) if layers is not None else worst_layers(report, 4)
-    rows = {row.name: row for row in report.compare_rows()}
-    match = match_layers(float_model, quantized_model, per_call=True)  # the rows' layers
-    match.layers = [layer for layer in match.layers if layer.name in names and layer.name in rows]
-    histograms: dict[str, LayerHistogram] = {}
-    for layer in match.layers:
-        summary = rows[layer.name].extra.get("propagated") or {}
-        keys = ("float_min", "float_max", "quantized_min", "quantized_max")
-        values = [summary[key] for key in keys if summary.get(key) is not None]
-        if len(values) < len(keys):
-            continue
-        low, high = min(values), max(values)
-        if high <= low:
-            high = low + 1.0
-        histograms[layer.name] = LayerHistogram(layer.name, low, high, [0] * bins, [0] * bins)
-
-    def on_propagated(layer, reference, quantized, scale):
-        histogram = histograms.get(layer.name)
-        if histogram is None:
-            return
-        for counts, tensor in (
-            (histogram.float_counts, first_float(reference)),
-            (histogram.quantized_counts, quantized),
-        ):
-            found = torch.histc(tensor.float().reshape(-1), bins=bins, min=histogram.low, max=histogram.high)
-            for index, value in enumerate(found.tolist()):
-                counts[index] += int(value)
-
-    runner = PairedRunner(float_model, quantized_model, match, shadow=False, on_propagated=on_propagated)
-    with runner:
-        for batch_index, _ in enumerate(runner.run(data)):
-            if max_batches is not None and batch_index + 1 >= max_batches:
-                break
-    return histograms

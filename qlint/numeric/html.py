@@ -282,7 +282,7 @@ def write_html(
     """Write the report as one self-contained HTML file and return its path.
 
     ``sensitivity``: ``sensitivity()`` tuples or ``sensitivity_rows()`` rows.
-    ``histograms``: ``compare.activation_histograms()`` output.
+    ``histograms``: ``histograms.activation_histograms()`` output.
     ``badcases``: ``BadCaseSet.summary()``, the worst inputs and the comparison on them.
     ``next_step``: ``CompareReport.next_step``, the commands that measure fixes.
     """
