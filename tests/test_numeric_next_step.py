@@ -131,3 +131,12 @@ def test_the_step_counts_the_unmeasured_fixes_compare_offers():
     assert report.next_step is not None and report.next_step.fixes_offered == offered
     assert f"its {offered} fix" in report.next_step.reason and "not measured" in report.next_step.reason
     assert report.next_step.commands[0] == "qlint pkg:float_model --calibration DATA --emit-plan plan.json"
+
+
+def test_the_commands_trust_the_model_file_when_compare_did():
+    """QA: with --trust-pickle, compare loaded the file; its first command, without it, refused it."""
+    _, trusted = _run(*SPECS, "--trust-pickle", "--format", "json")
+    commands = CompareReport.model_validate_json(trusted).next_step.commands
+    assert all(f"{SPECS[0]} --trust-pickle" in command for command in commands)
+    _, plain = _run(*SPECS, "--format", "json")
+    assert not any("--trust-pickle" in c for c in CompareReport.model_validate_json(plain).next_step.commands)

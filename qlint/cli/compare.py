@@ -322,6 +322,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> CompareReport:
             model_name=args.float_model,
             backend=args.backend,
             data_name=args.calibration,
+            trust_pickle=args.trust_pickle,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from error

@@ -209,9 +209,11 @@ def compare_report(
     backend: str = "x86",
     match: MatchResult | None = None,
     data_name: str | None = None,
+    trust_pickle: bool = False,
 ) -> CompareReport:
     """:func:`compare`, with the next step decided from the model output's SQNR
-    (:func:`qlint.numeric.next_step.next_step`; ``data_name``: the DATA its commands name).
+    (:func:`qlint.numeric.next_step.next_step`; ``data_name``: the DATA its commands name;
+    ``trust_pickle``: the model files were trusted, so its commands trust them too).
     What ``qlint compare`` reports."""
     propagated, shadow = _check_modes(modes)
     # The paired runner watches parameters while the models run; this guard covers the rest
@@ -231,7 +233,7 @@ def compare_report(
             backend,
             match,
         )
-    step = next_step(output_sqnr_db, sqnr_threshold, report.findings, model_name, data_name)
+    step = next_step(output_sqnr_db, sqnr_threshold, report.findings, model_name, data_name, trust_pickle=trust_pickle)
     return CompareReport(**dict(report), next_step=step)
 
 

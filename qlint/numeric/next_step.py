@@ -45,13 +45,17 @@ def next_step(
     findings: Sequence[Finding],
     model: str,
     data: str | None = None,
+    *,
+    trust_pickle: bool = False,
 ) -> NextStep | None:
     """The next step when the model output is below ``sqnr_threshold``; None when it is not,
     when the outputs did not pair up (no output SQNR), or when QUANT was made from another
     float model (then the fix is comparing against that model, which the findings say).
 
     ``model`` and ``data``: the FLOAT and DATA specs compare was run with, which the commands
-    repeat (lint and verify read the same forms); ``data`` None writes a placeholder."""
+    repeat (lint and verify read the same forms); ``data`` None writes a placeholder.
+    ``trust_pickle``: compare was told to trust the model files, so each command is too (it loads
+    the same file, and would refuse it otherwise)."""
     if output_sqnr_db is None or output_sqnr_db >= sqnr_threshold:
         return None
     if any(finding.data.get("kind") in OTHER_MODEL_KINDS for finding in findings):
@@ -68,6 +72,8 @@ def next_step(
         reason = f"{below}, and compare offers no fix: no QL301/QL302 finding names a layer to change"
     calibration = shlex.quote(data) if data else DATA_PLACEHOLDER
     spec = shlex.quote(model)  # a path with spaces is one argument when the line is pasted
+    if trust_pickle:
+        spec += " --trust-pickle"
     commands = [
         f"qlint {spec} --calibration {calibration} --emit-plan plan.json",
         f"qlint verify {spec} --plan plan.json --calibration {calibration} --eval-data {HELD_OUT_PLACEHOLDER} "
