@@ -48,8 +48,9 @@ class SharedModule(Rule):
     to queries and keys) gets one observer, and so one scale and zero point, for tensors
     with different ranges: the smaller tensor loses resolution and the larger one clips.
     In eager mode this is always true; in FX, weighted modules still share one converted
-    module whose output qparams serve every call. An unused module is dead weight in the
-    converted model, and module-name qconfigs written for it silently do nothing.
+    module whose output qparams serve every call. Module-name qconfigs written for an unused
+    module silently do nothing, and its parameters stay in the nn.Module, in an exported
+    program's state_dict and in an eager-mode quantized model (FX conversion leaves it out).
 
     ## Example
     ```python
@@ -138,10 +139,16 @@ class SharedModule(Rule):
             if not _candidate(info) or used.covers(fqn):
                 continue
             message = (
-                f"module '{fqn}' ({info.kind}) is never called in forward. "
-                + ("Its parameters stay in the converted model as dead weight, and " if info.has_parameters else "")
-                + "qconfigs set for it by name have no effect. Fix: remove it, or call it "
-                "where it was meant to be used (a forgotten QuantStub/DeQuantStub leaves tensors float)."
+                f"module '{fqn}' ({info.kind}) is never called in forward: qconfigs set for it by name have no "
+                "effect. "
+                + (
+                    "Its parameters stay in the nn.Module, in an exported program's state_dict and in an "
+                    "eager-mode quantized model (FX conversion leaves it out). "
+                    if info.has_parameters
+                    else ""
+                )
+                + "Fix: remove it, or call it where it was meant to be used (a forgotten "
+                "QuantStub/DeQuantStub leaves tensors float)."
             )
             yield self.finding(
                 fqn,

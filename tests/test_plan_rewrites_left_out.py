@@ -105,3 +105,36 @@ def test_a_split_waiting_for_a_dynamic_linear_is_not_a_missed_rewrite():
     assert any(
         r.applied and r.kind == "split_leading_token" for r in fixed_model(_TokenMixer(), dynamic, (calibration[0],))[1]
     )
+
+
+class _WithUnusedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.pooler = nn.Linear(8, 8)  # never called, as MiniLM's pooler.dense in its encoder-only use
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def test_an_unused_module_is_a_note_not_a_rewrite_the_plan_cannot_apply():
+    """QA (minilm pooler.dense): QL102 said its parameters stay in the converted model as dead
+    weight (FX conversion leaves it out) and the plan carried a remove_module rewrite that
+    verify then reported as not applied."""
+    import qlint
+    from qlint.advice.plan import plan_from_report
+    from qlint.measure.trial import quantize_fx
+
+    torch.manual_seed(0)
+    model = _WithUnusedHead().eval()
+    calibration = [torch.randn(4, 8) for _ in range(2)]
+    report = qlint.lint(model, (calibration[0],), select=["QL102"])
+    (finding,) = [f for f in report.findings if f.target == "pooler"]
+    assert "FX conversion leaves it out" in finding.message and "dead weight" not in finding.message
+    converted, _ = quantize_fx(model, default_plan("x86").to_qconfig_mapping(), "x86", calibration)
+    assert not any(name.startswith("pooler") for name in converted.state_dict())  # what the message says
+    plan = plan_from_report(report)
+    assert not plan.rewrites and any("remove pooler" in note for note in plan.notes)
+    user = [Provenance(source="user", detail="t")]
+    older = plan.model_copy(update={"rewrites": [Rewrite(kind="remove_module", modules=["pooler"], provenance=user)]})
+    older.quantize(model, calibration)  # a plan written before: tracing already left the module out

@@ -260,7 +260,11 @@ def _apply(b: _Builder, fix: Fix, source: Provenance) -> None:
         case SplitModule():
             _rewrite(b, source, "split_module", [fix.module], {"copies": fix.copies})
         case RemoveModule():
-            _rewrite(b, source, "remove_module", [fix.module], {})
+            # a change to the model's source, not a rewrite: tracing already leaves an unused
+            # module out of the graph the plan quantizes
+            b.note(
+                source, f"remove {fix.module} from the model (it is never called; the FX model already leaves it out)"
+            )
         case ViewToReshape():
             _rewrite(b, source, "view_to_reshape", [fix.node], {"node": fix.node})
         case NormalizeInput():

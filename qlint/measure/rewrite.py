@@ -172,6 +172,7 @@ def unmatched_plan_rewrites(plan: Any, tried: Sequence[AppliedRewrite], why: str
         )
         for rewrite in plan.rewrites
         if rewrite not in plan.waiting_rewrites()
+        and not rewrite.satisfied_by_tracing()
         and not any(_asks_for(rewrite, done.kind, done.modules, done.nodes) for done in tried)
     ]
 
