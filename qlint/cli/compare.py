@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import sys
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
@@ -55,7 +56,7 @@ from qlint.numeric.display import (
 from qlint.numeric.histograms import activation_histograms, worst_layers
 from qlint.numeric.html import write_html
 from qlint.numeric.next_step import NextStep
-from qlint.numeric.sensitivity import sensitivity_rows
+from qlint.numeric.sensitivity import SensitivityRow, sensitivity_rows
 from qlint.render.literal import printable
 from qlint.render.text import literal, make_console
 
@@ -136,7 +137,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         'quantized, JSON: the "sensitivity" list (one entry per '
         "layer, most sensitive first: name, kind, score, output_sqnr_db, local_sqnr_db, flops, "
         "flops_share, params, params_share, calls: a module the model calls several times is ranked once, every "
-        "call together), HTML: the ranking table",
+        "call together; not_measured: why a layer's number could not be measured, that layer ranked last and named "
+        "in a warning), HTML: the ranking table",
     )
     parser.add_argument(
         "--backend",
@@ -231,6 +233,8 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         with user_output_to_stderr():
             report = _compare(args, modes)
     except QlintError as error:
+        if getattr(args, "debug", False):  # the README's promise: --debug shows the traceback
+            traceback.print_exc()
         return _usage_error(error)
     if args.format == "json":
         # without a ranking, bad cases or a next step the document is a plain Report, which Report readers take
@@ -249,7 +253,8 @@ def run_compare(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
                 literal(
                     "sensitivity (most sensitive first; the output SQNR measured with only that layer quantized): "
                     + ", ".join(
-                        f"{ranked_label(row.name, row.calls)} {describe_sqnr(row.output_sqnr_db)}"
+                        f"{ranked_label(row.name, row.calls)} "
+                        + ("not measured" if row.output_sqnr_db is None else describe_sqnr(row.output_sqnr_db))
                         for row in report.sensitivity[:10]
                     )
                 )
@@ -302,6 +307,16 @@ def _note_unranked_functional_layers(report: Report) -> Report:
     return report.model_copy(update={"notices": report.notices + [notice]})
 
 
+def _note_unmeasured_layers(report: Report, ranking: list[SensitivityRow]) -> Report:
+    """Name each layer the sensitivity pass could not measure, and why: the others are ranked."""
+    notices = [
+        Notice(level=Severity.WARNING, message=f"sensitivity of {row.name} not measured: {row.not_measured}")
+        for row in ranking
+        if row.not_measured is not None
+    ]
+    return report.model_copy(update={"notices": report.notices + notices}) if notices else report
+
+
 def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> CompareReport:
     """The report, with the sensitivity ranking and the worst inputs when asked for; runs the user's models."""
     float_model = load_model_arg(args.float_model, args.trust_pickle)
@@ -334,7 +349,7 @@ def _compare(args: argparse.Namespace, modes: tuple[str, ...]) -> CompareReport:
         ranking = sensitivity_rows(
             float_model, data, args.backend, max_batches=args.max_batches, quantized_model=quantized_model
         )
-        report = _note_unranked_functional_layers(report)
+        report = _note_unmeasured_layers(_note_unranked_functional_layers(report), ranking)
     summary = None
     if args.badcases > 0:
         badcases = find_badcases(float_model, quantized_model, data, top=args.badcases, max_batches=args.max_batches)

@@ -12,6 +12,11 @@ ReLU or max-pool running on int8 values) adds no rounding of its own. Run alone 
 its input's rounding, which the layer feeding it made and is charged with; so it is given no error
 (the layers that feed nothing but the model's inputs keep their input rounding: no other layer
 made it).
+
+The quantized output handed to the float model is laid out as the float layer's own output (x86's
+quantized conv returns channels_last: digit_cnn's ``.view`` after its convs raised on it). A layer
+whose substitution still makes the float model raise is not measured, with the reason, and the
+other layers are: one layer's failure does not lose the whole ranking.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 from qlint.core.batches import as_call
 from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.core.sqnr import SqnrSums
+from qlint.errors import ModelRunError
 from qlint.measure.capture import FLOAT_RUN, PairedRunner
 from qlint.measure.match_result import LayerMatch, MatchResult
 from qlint.measure.node_tap import blamed_on
@@ -35,12 +41,22 @@ from qlint.measure.node_tap import blamed_on
 @dataclass
 class OnlyLayerErrors:
     """Per module layer (by name): the model output's error with only that layer quantized, its
-    isolated (local) error, and whether it adds no rounding of its own."""
+    isolated (local) error, whether it adds no rounding of its own, and why it could not be
+    measured (the float model raised with it substituted; its noise power then counts nothing)."""
 
     output_signal_power: float
     output_noise_power: dict[str, float]
     isolated: dict[str, SqnrSums]
     adds_nothing: set[str]
+    not_measured: dict[str, str]
+
+
+def _laid_out_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (same shape) with ``like``'s strides, values unchanged: the float model's code
+    after the layer may need its own layout (``.view`` on a channels_last tensor raises)."""
+    if value.stride() == like.stride():
+        return value
+    return torch.empty_like(like).copy_(value)  # empty_like keeps a dense tensor's strides
 
 
 def _replace_first(value: Any, replacement: torch.Tensor) -> Any:
@@ -119,7 +135,7 @@ class OnlyLayerRunner(PairedRunner):
         if layer.float_exit_relu:
             # the float ReLU runs after this value; keep it where the quantized output is 0
             quantized = torch.where(quantized > 0, quantized, torch.clamp(raw, max=0.0))
-        return _replace_first(value, quantized)
+        return _replace_first(value, _laid_out_like(quantized, raw))
 
     def run_with_only(self, layer: LayerMatch, batch: Any) -> Any:
         """The float model's output on ``batch`` with only ``layer`` quantized: each call of it runs
@@ -131,7 +147,11 @@ class OnlyLayerRunner(PairedRunner):
         args, kwargs = as_call(batch)
         self.phase = FLOAT_RUN
         try:
-            with torch.no_grad(), blamed_on("the float model"):
+            # qlint's substitution made whatever raises here: neither model raises on the data alone
+            with (
+                torch.no_grad(),
+                blamed_on(f"the float model with {layer.name}'s quantized output in place of its own"),
+            ):
                 return self.float_runner(*args, **kwargs)
         finally:
             self.phase, self.substituted = None, None
@@ -149,6 +169,7 @@ def only_layer_errors(
     """For every module layer of ``match``: the output noise power with only it quantized."""
     layers = [layer for layer in match.layers if layer.is_module]
     noise = {layer.name: 0.0 for layer in layers}
+    not_measured: dict[str, str] = {}
     signal = 0.0
     runner = OnlyLayerRunner(float_model, quantized_model, match)
     with runner:
@@ -164,10 +185,21 @@ def only_layer_errors(
             for layer in layers:
                 # a layer exact so far adds nothing in this batch either: its only-L error would be
                 # its input's rounding, made by the layer feeding it
-                if layer.name not in runner.isolated_changed or runner.adds_nothing(layer):
+                if (
+                    layer.name in not_measured
+                    or layer.name not in runner.isolated_changed
+                    or runner.adds_nothing(layer)
+                ):
+                    continue
+                try:
+                    output = runner.run_with_only(layer, batch)
+                except ModelRunError as error:
+                    not_measured[layer.name] = str(error)
                     continue
                 sums = SqnrSums()
-                sums.add(reference, runner.run_with_only(layer, batch))
+                sums.add(reference, output)
                 noise[layer.name] += sums.noise_power
         adds_nothing = {layer.name for layer in layers if runner.adds_nothing(layer)}
-    return OnlyLayerErrors(signal, noise, dict(runner.isolated_sums), adds_nothing)
+    for name in not_measured:
+        noise[name] = 0.0  # the batches before it failed are not its whole error
+    return OnlyLayerErrors(signal, noise, dict(runner.isolated_sums), adds_nothing - set(not_measured), not_measured)

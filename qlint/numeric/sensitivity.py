@@ -41,8 +41,8 @@ class SensitivityRow(BaseModel):
 
     name: str
     kind: str
-    score: float  # output noise power / output signal power with only this layer quantized, measured
-    output_sqnr_db: float  # the model output's SQNR, measured with only this layer quantized
+    score: float  # output noise power / output signal power with only this layer quantized, measured (0 if not)
+    output_sqnr_db: float | None  # the model output's SQNR, measured with only this layer quantized; None if not
     local_sqnr_db: float | None
     flops: float
     flops_share: float
@@ -52,6 +52,12 @@ class SensitivityRow(BaseModel):
         default=1,
         description="How many calls of the module the score covers: a module the model calls several times is "
         "ranked once, as a keep-float or qconfig fix for it changes every call.",
+    )
+    not_measured: str | None = Field(
+        default=None,
+        description="Why the output error with only this layer quantized could not be measured (the float model "
+        "raised with the layer's quantized output in place of its own); the layer is then ranked last, with score 0 "
+        "and no output_sqnr_db.",
     )
 
 
@@ -200,21 +206,23 @@ def _sensitivity_rows(
     for layer in match.layers:
         flops, params = costs.layers.get(layer.name, (0.0, 0))
         noise = measured.output_noise_power[layer.name]
+        failure = measured.not_measured.get(layer.name)
         rows.append(
             SensitivityRow(
                 name=layer.name,
                 kind=layer.kind,
                 score=noise / output_power if output_power > 0 else 0.0,
-                output_sqnr_db=sqnr_db_from_powers(output_power, noise),
+                output_sqnr_db=None if failure else sqnr_db_from_powers(output_power, noise),
                 local_sqnr_db=measured.isolated[layer.name].sqnr_db() if layer.name in measured.isolated else None,
                 flops=flops,
                 flops_share=flops / total_flops,
                 params=params,
                 params_share=params / total_params,
                 calls=layer.calls,
+                not_measured=failure,
             )
         )
-    rows.sort(key=lambda row: row.score, reverse=True)
+    rows.sort(key=lambda row: (row.not_measured is None, row.score), reverse=True)
     return rows
 
 
