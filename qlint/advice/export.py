@@ -101,7 +101,7 @@ def to_python(plan: Suggestions, schema_version: int) -> str:
             "",
             "def build_qconfig_mapping(rewritten=False):",
             '    """For the model as given; rewritten=True for the model the plan\'s rewrites made',
-            "    (`qlint fix MODEL --plan PLAN --output FIXED`), which also gets the decisions made for it:",
+            "    (`qlint fix MODEL --plan PLAN --output FIXED.pt`), which also gets the decisions made for it:",
             "    on the model as given their module names reach other values (a conv's output before",
             '    the BN the rewrite folds into it), where they would do harm."""',
         ]
@@ -185,8 +185,9 @@ def _docstring(plan: Suggestions, title: str, *, rewritten_mapping: bool) -> lis
             "",
             "The plan also changes the model itself, which a QConfigMapping cannot express:",
             *steps,
-            f"Use {call} on the model `qlint fix` wrote; `qlint quantize MODEL --plan PLAN --calibration "
-            "DATA` builds the whole int8 model the plan measured.",
+            f"Use {call} on the .pt model `qlint fix` wrote (prepare_fx quantizes nothing in a .pt2's "
+            "exported graph); `qlint quantize MODEL --plan PLAN --calibration DATA` builds the whole int8 "
+            "model the plan measured.",
         ]
     if len(text) == 1:
         return [repr(title)]

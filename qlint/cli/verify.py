@@ -3,7 +3,7 @@
     qlint verify MODEL --plan plan.json --calibration DATA --eval-data DATA
                  [--target-sqnr DB] [--backend B] [--format text|json] [-o FILE]
                  [--no-prune] [--no-scheme-search] [--max-scheme-trials N]
-    qlint fix MODEL [--plan plan.json] --output out.pt2|out.pt [--emit-qconfig q.py]
+    qlint fix MODEL [--plan plan.json] --output out.pt|out.pt2 [--emit-qconfig q.py (.pt output only)]
               [--input-shape SHAPE | --example-inputs FILE] [--calibration DATA]
 
 MODEL is anything qlint.core.load.load_model reads (module:factory [--weights], .pt2,
@@ -333,9 +333,54 @@ def _fix_parser() -> argparse.ArgumentParser:
         help="FILE_OR_DIR of saved batches, or module:function returning them: the batches the plan's "
         "equalization rescale reads its ranges from (calibrate the fixed model on the same ones)",
     )
-    parser.add_argument("--output", "-o", required=True, metavar="OUT.pt2|OUT.pt")
-    parser.add_argument("--emit-qconfig", metavar="FILE.py", help="write the Python file building the mapping")
+    parser.add_argument(
+        "--output",
+        "-o",
+        required=True,
+        metavar="OUT.pt|OUT.pt2",
+        help=".pt: the GraphModule (torch.load(path, weights_only=False)), for prepare_fx and --emit-qconfig; "
+        ".pt2: torch.export",
+    )
+    parser.add_argument(
+        "--emit-qconfig",
+        metavar="FILE.py",
+        help="write the Python file building the plan's prepare_fx mapping (needs a .pt --output)",
+    )
     return parser
+
+
+def _refuse_aten_mapping(model: str, aten_model: bool) -> None:
+    """prepare_fx quantizes no op of an exported (aten) graph: a .pt2's ``.module()`` quantized
+    with the emitted mapping came out as the float model (silero_vad: 127.9 dB output SQNR, against
+    18.18 dB for the same mapping on the .pt), and nothing said so. ``aten_model``: the model
+    itself is one (then a .pt output is no better), else only the .pt2 output would be."""
+    if not aten_model:
+        raise ConfigError(
+            "--emit-qconfig writes a prepare_fx mapping, and prepare_fx quantizes nothing in a .pt2's exported "
+            "graph: save the fixed model with --output FIXED.pt, or build the int8 model in one step with "
+            "qlint quantize MODEL --plan PLAN --calibration DATA --output int8.pt"
+        )
+    raise ConfigError(
+        f"--emit-qconfig: {printable(model)} is an exported (aten) graph, in which prepare_fx quantizes nothing: "
+        "quantize it with the pt2e flow (qlint quantize MODEL --plan PLAN --calibration DATA --output int8.pt2), "
+        "or run qlint fix on the nn.Module (module:factory)"
+    )
+
+
+def _example_from_calibration(calibration: list[Any]) -> tuple[Any, ...] | None:
+    """The first calibration batch as fix's example inputs, as lint, verify and quantize use it."""
+    from qlint.core.batches import call_parts
+
+    if not calibration:
+        return None
+    args, kwargs = call_parts(calibration[0], "calibration batch 0")
+    if kwargs:
+        raise ConfigError(
+            "calibration batch 0 holds keyword inputs, and qlint fix traces the model with positional ones: "
+            "pass --example-inputs FILE (a tuple of tensors)"
+        )
+    print("note: example inputs: the first calibration batch (pass --example-inputs to choose others)", file=sys.stderr)
+    return args
 
 
 def fix_command(argv: list[str]) -> int:
@@ -357,17 +402,21 @@ def fix_command(argv: list[str]) -> int:
 
     with user_output_to_stderr():
         loaded, plan = load_model_and_plan(args)
-        example = _example(args, loaded)
-        if not example:
-            raise ConfigError("qlint fix needs example inputs: pass --input-shape or --example-inputs")
+        if args.emit_qconfig and (is_aten_graph(loaded.module) or out.suffix == ".pt2"):
+            _refuse_aten_mapping(args.model, aten_model=is_aten_graph(loaded.module))
+        # a plan with no QConfigMapping (pt2e) is refused here, before any file is written
+        mapping_file = plan.to_python() if args.emit_qconfig else None
         calibration = batch_list(load_batches(args.calibration), "calibration") if args.calibration else []
+        example = _example(args, loaded) or _example_from_calibration(calibration)
+        if not example:
+            raise ConfigError("qlint fix needs example inputs: pass --input-shape, --example-inputs or --calibration")
         # with --plan, exactly the plan's rewrites (what QuantPlan.quantize applies), and its equalization
         # when there are batches to read the ranges from; else every rewrite the graph allows
         gm, applied, folded = fixed_model(loaded.module, plan if args.plan else None, example, calibration)
         _save_fixed(gm, example, out)
     done = [r for r in applied if r.applied]
-    if args.emit_qconfig:
-        write_file(args.emit_qconfig, plan.to_python())
+    if args.emit_qconfig and mapping_file is not None:
+        write_file(args.emit_qconfig, mapping_file)
     for r in applied:
         state = "applied" if r.applied else f"refused ({r.reason})"
         print(printable(f"{r.kind} {'+'.join(r.modules)}: {state}"), file=sys.stderr)
