@@ -113,3 +113,23 @@ def test_fix_of_a_pt2_names_the_plan_rewrite_it_cannot_apply_and_exits_1(run_mai
     assert (folder / "fixed.pt2").exists()  # written all the same: the float model, unchanged
     plain = run_main("fix", "net.pt2", "--plan", "plan.json", "-o", "plain.pt2", cwd=folder)
     assert plain.returncode == 0 and "NOT applied" not in plain.stdout, plain.stdout + plain.stderr
+
+
+def test_the_pt2e_int8_pt2_says_what_torch_export_load_needs(run_main, pt2_files):
+    """In a fresh process torch.export.load of the pt2e int8 .pt2 failed (SerializeError: no op
+    quantized_decomposed.dequantize_per_channel) while --help said torch.export.load reads it."""
+    import subprocess
+    import sys
+
+    folder, _ = pt2_files
+    result = run_main("quantize", "net.pt2", "--calibration", "cal.pt", "-o", "int8.pt2", cwd=folder)
+    assert result.returncode == 0, result.stderr
+    assert "torch.export.load reads it after `import torchao`" in result.stdout
+
+    def load(prelude: str) -> subprocess.CompletedProcess:
+        code = f"import torch\n{prelude}\ntorch.export.load({str(folder / 'int8.pt2')!r})"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+    assert load("").returncode != 0  # the claim is needed: plain torch cannot read the file
+    loaded = load("import torchao")
+    assert loaded.returncode == 0, loaded.stderr[-2000:]

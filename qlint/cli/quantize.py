@@ -5,7 +5,8 @@
 A module:factory or .pt model is quantized with ``QuantPlan.quantize`` (prepare_fx) and saved
 as TorchScript (.pt); an exported (aten) graph such as a .pt2 with the pt2e flow, by the code
 verify measures it with (:func:`qlint.advice.verify_pt2e.build_pt2e`), and saved with
-torch.export (.pt2). Every user error is a QlintError: one line on stderr, exit 2.
+torch.export (.pt2), which ``torch.export.load`` reads after ``import torchao``. Every user
+error is a QlintError: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from qlint.cli.common import Parser, check_outputs, user_output_to_stderr, write
 from qlint.cli.verify import load_model_and_plan, model_arguments
 from qlint.errors import ConfigError, QlintError, first_line
 from qlint.render.literal import printable
+
+# torch.export.load of a pt2e int8 .pt2 in a fresh process fails (SerializeError: no op
+# quantized_decomposed.dequantize_per_channel) until something defines those ops; torch's own
+# definitions sit in a private module, torchao's pt2e package (the qlint[pt2e] extra) loads them.
+PT2E_LOAD_IMPORT = "`import torchao`"
 
 
 def _quantize_parser() -> argparse.ArgumentParser:
@@ -34,7 +40,8 @@ def _quantize_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="OUT.pt|OUT.pt2",
         help="the int8 model: .pt, TorchScript (torch.jit.load reads it), for a module:factory or .pt model; "
-        ".pt2, torch.export (torch.export.load reads it), for a .pt2 model, quantized with the pt2e flow",
+        ".pt2, torch.export, for a .pt2 model, quantized with the pt2e flow (torch.export.load reads it after "
+        f"{PT2E_LOAD_IMPORT}: its graph calls quantized_decomposed ops, which torchao registers)",
     )
     parser.add_argument(
         "--eval-data", metavar="DATA", help="batches to report the output SQNR against the float model on"
@@ -177,7 +184,10 @@ def quantize_command(argv: list[str]) -> int:
         sqnr = _output_sqnr(loaded.module, converted, eval_data) if eval_data else None
         if exported:
             _save_exported(converted, calibration[0], loaded.exported_program, out)
-            how = "torch.export of the pt2e flow's model (prepare_pt2e, convert_pt2e)"
+            how = (
+                "torch.export of the pt2e flow's model (prepare_pt2e, convert_pt2e); "
+                f"torch.export.load reads it after {PT2E_LOAD_IMPORT}"
+            )
         else:
             how = "TorchScript, " + _save_int8(converted, calibration[0], out)
     if total and not int8:  # an exact output SQNR then says only that nothing was quantized
