@@ -13,7 +13,8 @@ and for every batch:
    the BN/ReLU the quantized one fused in) on that layer's dequantized input
    (*shadow*, torch NS ``add_shadow_loggers``'s definition), handing both
    outputs to ``on_shadow``: the error this layer adds, given the input it
-   really gets;
+   really gets. A layer whose int8 grid ends inside the range its only consumer
+   clamps to is read after that clamp (:mod:`qlint.measure.consumer_clamp`);
 4. for a layer fed by no other layer (its inputs are the model's), hands the
    float layer's input, the quantized layer's input and the grid the quantized
    model put that input on to ``on_input_grid``: whether the two models feed the
@@ -47,6 +48,7 @@ from qlint.core.exported import put_in_eval
 from qlint.core.nested import first_float, first_tensor, map_tensors
 from qlint.core.preserve import preserved_state
 from qlint.measure.call_sites import CallCounter, watched_calls
+from qlint.measure.consumer_clamp import within
 from qlint.measure.match_result import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult, Site
 from qlint.measure.metrics import quantization_scale
 from qlint.measure.node_tap import NodeTap, blamed_on
@@ -125,6 +127,7 @@ class PairedRunner:
         self.frozen: dict[str, FrozenQuantizer] = {}
         self.quant_overrides: dict[str, Callable] = {}
         self.simulated_weights: dict[str, dict[str, torch.Tensor]] = {}
+        self.read_after_clamp: set[str] = set()  # layers compared after their consumer's clamp
 
     # -- setup ----------------------------------------------------------
     def __enter__(self) -> PairedRunner:
@@ -332,11 +335,12 @@ class PairedRunner:
             if quantized is None:
                 return
             scale = quantization_scale(value) or self._frozen_scale(layer)
+            grid = self._output_grid(layer, value)
             if self.shadow:
-                self._run_shadow(layer, quantized, scale)
+                self._run_shadow(layer, quantized, scale, grid)
             outputs = self.float_outputs.get(layer.name, [])
             if self.propagated and index < len(outputs):
-                reference = self.float_value(layer, outputs[index])
+                reference = self.float_value(layer, outputs[index], grid)
                 if reference is not None and reference.shape == quantized.shape:
                     self.on_propagated(layer, reference, quantized, scale)
 
@@ -379,13 +383,22 @@ class PairedRunner:
         """Whether a capture hook of ``phase``'s model acts on the call now running (of ``site``)."""
         return self.phase == phase and not self.in_own_call and (site is None or self.module_calls.at(phase, site))
 
-    @staticmethod
-    def float_value(layer: LayerMatch, raw: Any) -> torch.Tensor | None:
-        """The float value to compare: the stored output, with the fused ReLU applied if needed."""
+    def float_value(self, layer: LayerMatch, raw: Any, grid: QuantGrid | None = None) -> torch.Tensor | None:
+        """The float value to compare: the stored output, with the fused ReLU applied if needed, and
+        after the clamp that alone consumes it where ``grid`` ends inside its range (consumer_clamp)."""
         tensor = first_float(raw)
         if tensor is not None and layer.float_exit_relu:
             tensor = torch.relu(tensor)
+        clamp = layer.consumer_clamp
+        if tensor is not None and clamp is not None and within(grid, clamp):
+            self.read_after_clamp.add(layer.name)
+            tensor = tensor.clamp(clamp.low, clamp.high)
         return tensor
+
+    def _output_grid(self, layer: LayerMatch, value: Any) -> QuantGrid | None:
+        """A layer's quantized output grid: the tensor's own, or its frozen quantizer's; None: unknown (pt2e)."""
+        frozen = self.frozen.get(layer.quant_output_quantizer or "")
+        return grid_of(first_tensor(value)) or (frozen.grid if frozen is not None else None)
 
     def _frozen_scale(self, layer: LayerMatch) -> float | None:
         """The step of the layer's output grid where its value is not a quantized tensor: a
@@ -423,7 +436,9 @@ class PairedRunner:
             self.phase = None
         return float_output, quant_output
 
-    def _run_shadow(self, layer: LayerMatch, quantized: torch.Tensor, scale: float | None) -> None:
+    def _run_shadow(
+        self, layer: LayerMatch, quantized: torch.Tensor, scale: float | None, grid: QuantGrid | None
+    ) -> None:
         """torch NS's shadow: the float layer run on the quantized layer's (dequantized) input.
 
         Both sides then start from the same input, so the difference is the error
@@ -441,7 +456,7 @@ class PairedRunner:
                     value = self.float_modules[name](value)
         finally:
             self.replaying = False
-        reference = self.float_value(layer, value)
+        reference = self.float_value(layer, value, grid)
         if reference is not None and reference.shape == quantized.shape and self.on_shadow is not None:
             self.on_shadow(layer, reference, quantized, scale)
 
@@ -473,7 +488,7 @@ class PairedRunner:
                 finally:
                     self.replaying = False
                 quantized = first_float(value)
-                reference = self.float_value(layer, outputs[call_index])
+                reference = self.float_value(layer, outputs[call_index], self._output_grid(layer, value))
                 if quantized is not None and reference is not None and quantized.shape == reference.shape:
                     self.on_isolated(
                         layer, reference, quantized, quantization_scale(value) or self._frozen_scale(layer)

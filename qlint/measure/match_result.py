@@ -45,6 +45,16 @@ class Site:
     call: int | None = None
 
 
+@dataclass(frozen=True)
+class ConsumerClamp:
+    """The clamp that is the only consumer of a layer's float output (a ReLU6 after a conv the
+    backend does not fuse with it): ``node`` is its float FX node, [low, high] its range."""
+
+    node: str
+    low: float
+    high: float
+
+
 @dataclass
 class LayerMatch:
     name: str  # float module fqn, or float node name for functional ops
@@ -72,6 +82,9 @@ class LayerMatch:
     # How many times the float model calls the module (its FX call sites; 1 when not traced).
     # More than 1 with float_entry.call None: this layer pools every call.
     calls: int = 1
+    # The clamp that alone consumes the float output; where the layer's int8 grid lies inside
+    # its range, the float side is read after it (qlint.measure.consumer_clamp).
+    consumer_clamp: ConsumerClamp | None = None
 
     @property
     def is_module(self) -> bool:

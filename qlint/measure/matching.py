@@ -38,6 +38,7 @@ from qlint.core.ops import (
 from qlint.core.trace import symbolic_graph
 from qlint.errors import TraceError
 from qlint.measure.call_sites import chain_nodes, module_calls, split_calls
+from qlint.measure.consumer_clamp import attach_consumer_clamps
 from qlint.measure.functional_matching import is_relu_node, match_functional, upstream_of
 from qlint.measure.match_result import MODULE_SITE, NODE_SITE, CounterpartKind, LayerMatch, MatchResult, Site
 from qlint.measure.pt2e_outputs import quantized_outputs
@@ -217,6 +218,7 @@ def match_layers(float_model: nn.Module, quantized_model: nn.Module, *, per_call
         taken = set(float_modules) | set(layers)
         split = split_calls(layers.values(), float_graph, quant_graph, taken, notes, per_call=per_call)
         layers = {layer.name: layer for layer in split}
+        attach_consumer_clamps(layers.values(), float_graph)
     if quant_graph is not None:
         _attach_quantizers(quant_graph, layers, quant_modules)
     if quant_graph is not None and counterpart is CounterpartKind.CONVERTED_PT2E:

@@ -294,7 +294,7 @@ def _compare(
                 break
     elapsed = time.perf_counter() - started
 
-    rows = build_rows(match, stats)
+    rows = build_rows(match, stats, runner.read_after_clamp)
     findings = diagnose(
         rows,
         sqnr_threshold=sqnr_threshold,
@@ -303,6 +303,8 @@ def _compare(
         unfused_norms=unfused_norms(match.float_graph),
     )
     notices = [Notice(message=note) for note in match.notes]
+    if runner.read_after_clamp:
+        notices.append(Notice(message=_after_clamp_note(match, runner.read_after_clamp)))
     notices.append(
         Notice(
             message=(
@@ -403,7 +405,25 @@ def _format_float(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[CompareRow]:
+def _after_clamp_note(match: MatchResult, names: set[str]) -> str:
+    """Which layers were read after their consumer's clamp (qlint.measure.consumer_clamp), and why."""
+    pairs = [
+        (layer.name, layer.consumer_clamp.node)
+        for layer in match.layers
+        if layer.name in names and layer.consumer_clamp
+    ]
+    shown = ", ".join(f"{name} (then {clamp})" for name, clamp in pairs[:5])
+    more = f" and {len(pairs) - 5} more" if len(pairs) > 5 else ""
+    return (
+        f"{len(pairs)} layers are compared after the clamp that alone consumes their output: {shown}{more}. "
+        "Their int8 output grid lies inside that clamp's range, so values beyond it never reach the model "
+        "in either model (torch's numeric suite compares them raw; see docs/numeric-suite.md)"
+    )
+
+
+def build_rows(
+    match: MatchResult, stats: dict[str, LayerStats], read_after_clamp: set[str] | None = None
+) -> list[CompareRow]:
     rows = []
     float_nodes = {node.name: node for node in match.float_graph.graph.nodes} if match.float_graph else {}
     for layer in match.layers:
@@ -420,6 +440,8 @@ def build_rows(match: MatchResult, stats: dict[str, LayerStats]) -> list[Compare
         }
         if layer.quant_exit is not None:  # pt2e: the dequantize of the op's output pair, where it is read
             extra["quantized_exit"] = layer.quant_exit
+        if read_after_clamp and layer.name in read_after_clamp and layer.consumer_clamp is not None:
+            extra["read_after_clamp"] = layer.consumer_clamp.node  # both sides compared after this clamp
         for label, accumulated in (
             ("propagated", layer_stats.propagated),
             ("shadow", layer_stats.shadow),
