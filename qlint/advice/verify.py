@@ -17,13 +17,16 @@ users: the plan's float-preserving rewrites, equalization and mapping, calibrate
 A model whose default quantization fails (``.view`` on a quantized tensor, a missing
 kernel) is reported as failed, and the plan is still measured.
 
-Then it improves the plan within a budget of ``max_trials`` trial quantizations, shared
-in order (``max_prune_trials`` for the first two steps, ``max_scheme_trials`` for the third,
-the rest for the last):
+Then it improves the plan within a budget of ``max_trials`` trial quantizations, taken in
+order: bias correction one, 8-bit activations (on a VNNI CPU) up to five, pruning half of
+what is then left (all of it when no later step will spend any), the scheme search up to
+``max_scheme_trials`` of the rest, the target fallback the rest. A step that needs fewer
+leaves them to the next, so a larger ``max_trials`` buys pruning and the later steps:
 
-1. **bias correction**: one trial, kept when it gains more than 0.1 dB;
+1. **bias correction**: one trial, kept when it gains more than 0.1 dB; on a CPU with VNNI,
+   8-bit activations next (:func:`qlint.advice.verify_search.activation_bits_step`);
 2. **prune**: each decision (module decision, equalization pair, rewrite) is dropped when
-   removing it does not lower SQNR. Decisions are tried from the least measured gain up
+   removing it lowers neither SQNR nor int8 coverage (a layer left float never costs SQNR). Decisions are tried from the least measured gain up
    (lint measured each finding's fix; unmeasured decisions come first), so the budget goes
    where a decision is most likely useless. A plan that as a whole loses to the default is
    replaced by it (no trial: the default is measured anyway).
@@ -69,7 +72,13 @@ from qlint.advice.verify_provenance import KeptFlip, reconciled
 from qlint.advice.verify_prune import Decision, prune_decisions, rounded
 from qlint.advice.verify_pt2e import verify_pt2e
 from qlint.advice.verify_report import SQNR_TOLERANCE_DB, DecisionOutcome, LayerComparison, RunResult, VerifyReport
-from qlint.advice.verify_search import activation_bits_step, bias_correction_step, float_fallback, scheme_search
+from qlint.advice.verify_search import (
+    activation_bits_step,
+    bias_correction_step,
+    float_fallback,
+    scheme_candidates,
+    scheme_search,
+)
 from qlint.advice.verify_session import (
     Measured,
     Progress,
@@ -84,10 +93,13 @@ from qlint.core.preserve import preserved_state
 from qlint.measure.rewrite import AppliedRewrite, applies, apply_rewrites, rewrite_key, unmatched_plan_rewrites
 
 DEFAULT_MAX_TRIALS = 10  # trial quantizations beyond the default, the plan as given and the verified plan
-# Shares of that budget, taken in order (a smaller budget goes to the first steps): bias
-# correction and pruning, then the scheme search, then the target-SQNR fallback (the rest).
-DEFAULT_PRUNE_TRIALS = 5
+# The scheme search's share of that budget. Bias correction (1) and 8-bit activations (up to 5)
+# come first; pruning then takes half of what is left, or all of it when no later step will
+# spend any (:func:`_prune_until`); the target-SQNR fallback takes the rest.
 DEFAULT_SCHEME_TRIALS = 4
+# The share that bias correction, 8-bit activations and pruning shared before pruning's share
+# scaled with max_trials. Only qlint/cli/verify.py's --max-trials help still names it.
+DEFAULT_PRUNE_TRIALS = 5
 SELECTION_BATCHES = 4  # calibration batches (the last ones) that select decisions by default
 
 
@@ -210,7 +222,7 @@ def verify(
     equalization_qconfig: Any = None,
     prune: bool = True,
     max_trials: int = DEFAULT_MAX_TRIALS,
-    max_prune_trials: int = DEFAULT_PRUNE_TRIALS,
+    max_prune_trials: int | None = None,
     max_float_fraction: float = 1.0,
     max_sensitivity_trials: int = DEFAULT_MAX_TRIALS,
     search_schemes: bool = True,
@@ -225,10 +237,11 @@ def verify(
     tensor, a tuple of positional tensors, or a dict of keyword tensors). Decisions are
     chosen on ``selection_data`` (default: the last ``SELECTION_BATCHES`` calibration
     batches) and the report's numbers come from ``eval_data``. ``max_trials`` bounds the
-    trial quantizations of every step together; within it, bias correction and pruning take
-    at most ``max_prune_trials``, the scheme search ``max_scheme_trials``, and the target
-    fallback what is left (at most ``max_sensitivity_trials``). ``eval_fn(quantized_model,
-    eval_data) -> float`` adds the user's metric (also computed for the float model).
+    trial quantizations of every step together; within it, bias correction takes one,
+    8-bit activations up to five, pruning half of what is then left (all of it when no later
+    step will spend any; at most ``max_prune_trials`` when given), the scheme search at most
+    ``max_scheme_trials``, and the target fallback what is left (at most
+    ``max_sensitivity_trials``). ``eval_fn(quantized_model, eval_data) -> float`` adds the user's metric (also computed for the float model).
     The plan's equalization pairs are realized by :func:`qlint.measure.equalization.apply_equalization`
     (a float-preserving cross-layer rescale using calibration ranges); pass torch's
     ``equalization_qconfig`` to use prepare_fx's ``_equalization_config`` instead.
@@ -306,6 +319,24 @@ def _selected_on(selection: list[Any], calibration: list[Any], given: bool) -> s
     return f"the last {len(selection)} of {len(calibration)} calibration batches"
 
 
+# With the default selection of 4 or fewer calibration batches, every batch selects.
+IN_SAMPLE_NOTE = (
+    "8-bit activations were judged on the batches they were calibrated on: {n} calibration batch(es) "
+    f"leave none to hold apart from the selection batches; more than {SELECTION_BATCHES} calibration "
+    "batches (or separate selection batches) give a held-out check"
+)
+
+
+def _prune_until(session: Session, max_prune_trials: int | None, *, later_steps: bool) -> int:
+    """The trial count at which pruning stops: half of the trials left (rounded up), or all of
+    them when no later step (scheme search, target fallback) will spend any; at most
+    ``max_prune_trials`` when given. A fixed share could not grow with ``max_trials``: on a VNNI
+    CPU, bias correction and 8-bit activations used all of it, and pruning never ran."""
+    left = session.left()
+    share = (left + 1) // 2 if later_steps else left
+    return session.share(share if max_prune_trials is None else min(share, max_prune_trials))
+
+
 def _verify(
     session: Session,
     plan: QuantPlan,
@@ -313,7 +344,7 @@ def _verify(
     selected_on: str,
     target_sqnr: float | None,
     prune: bool,
-    max_prune_trials: int,
+    max_prune_trials: int | None,
     max_float_fraction: float,
     max_sensitivity_trials: int,
     search_schemes: bool,
@@ -335,17 +366,22 @@ def _verify(
     given = session.measure("plan as given", given_plan)
     current, best = given_plan, given.selection_sqnr
 
-    # 2. bias correction (one trial, first in the budget; --no-prune keeps a plan's own), then pruning
+    # 2. bias correction (one trial, first in the budget; --no-prune keeps a plan's own),
+    # 8-bit activations, then pruning with its share of what they left
     outcomes: list[DecisionOutcome] = []
-    until = session.share(max_prune_trials)
     dropped: list[Decision] = []
     flips: list[KeptFlip] = []
     if bias_correction and (prune or current.bias_correction is None):
-        current, best, outcomes = bias_correction_step(session, current, best, until)
+        current, best, outcomes = bias_correction_step(session, current, best)
     bias_rejected = bias_correction and prune and current.bias_correction is None and bool(outcomes)
     if prune:
-        current, best, tried = activation_bits_step(session, current, best, until)
+        current, best, tried = activation_bits_step(session, current, best)
         outcomes += tried
+        notes += [IN_SAMPLE_NOTE.format(n=len(session.calibration))] if tried and session.judged_in_sample else []
+        later = target_sqnr is not None or (
+            search_schemes and bool(scheme_candidates(session.traced, current, current.backend))
+        )
+        until = _prune_until(session, max_prune_trials, later_steps=later)
         current, best, dropped = prune_decisions(session, current, best, default, outcomes, notes, until)
 
     # 3. scheme search, what it makes worth trying again, then the target-SQNR fallback

@@ -162,7 +162,7 @@ def verify_pt2e(
     selected_on: str,
     prune: bool,
     max_trials: int,
-    max_prune_trials: int,
+    max_prune_trials: int | None,
     eval_fn: Callable[[nn.Module, Any], float] | None,
     skipped: list[str],
     model_name: str,
@@ -185,7 +185,8 @@ def verify_pt2e(
     current, best = given_plan, given.selection_sqnr
     outcomes: list[DecisionOutcome] = []
     if prune:
-        until = session.share(max_prune_trials)
+        # no step after pruning here: it may take every trial (at most max_prune_trials when given)
+        until = session.share(session.left() if max_prune_trials is None else max_prune_trials)
         current, best, _dropped = prune_decisions(session, current, best, default, outcomes, notes, until)
     verified = session.measure("verified plan", current, layers=list(layers))
     floats = verified.result.float_modules

@@ -56,6 +56,8 @@ from qlint.core.sqnr import predicted_gain_db
 # float under a static mapping, so there is nothing to flip from.
 _DYNAMIC_KINDS = ("linear",)
 BIAS_CORRECTION_MIN_GAIN_DB = 0.1
+# The most trials the 8-bit activations step takes: 8 and 7 bits on two folds, then 8 on every batch.
+ACTIVATION_BITS_TRIALS = 5
 
 
 def scheme_candidates(gm: fx.GraphModule, plan: QuantPlan, backend: str, frozen: Sequence[str] = ()) -> list[str]:
@@ -169,17 +171,23 @@ def activation_bits_step(
     decision says which CPUs it needs. The fixed ranges QL101 chose at 7 bits move to 8 with
     the rest, over the same real range (their levels follow the plan's activation bits)."""
     vnni = host_vnni()
-    if vnni is None or not backend_info(plan.backend).wants_reduce_range or not session.can_try(until):
+    if vnni is None or not backend_info(plan.backend).wants_reduce_range:
         return plan, best, []
     trial = _full_range(plan)
-    if trial == plan:
+    held_apart = session.fit is not session.calibration
+    # every trial it may take, or none: 8-bit and 7-bit on each fold, then 8-bit on every batch
+    if trial == plan or session.left(until) < (ACTIVATION_BITS_TRIALS if held_apart else 1):
         return plan, best, []
-    apart = "calibrated apart from the selection batches"
-    value = session.fitted_trial(f"8-bit activations ({apart})", trial)
-    before = session.fitted_trial(f"7-bit activations ({apart})", plan)
+    if session.judged_in_sample:
+        how = "calibrated and judged on the same batches"
+        detail = "reduce_range=False, judged on the calibration batches themselves (too few to hold any apart)"
+    else:
+        how = "calibrated apart from the selection batches"
+        detail = "reduce_range=False, judged on batches it was not calibrated on"
+    value = session.fitted_trial(f"8-bit activations ({how})", trial)
+    before = session.fitted_trial(f"7-bit activations ({how})", plan)
     keep = value > before + SQNR_TOLERANCE_DB
-    detail = "reduce_range=False, judged on batches it was not calibrated on"
-    if keep and session.fit is not session.calibration:
+    if keep and held_apart:
         # An observer's range is what this decision changes, and a few batches' worth of range
         # is noisy: it must also gain with the two halves of the calibration data swapped.
         other = session.fitted_trial("8-bit activations (folds swapped)", trial, swapped=True)

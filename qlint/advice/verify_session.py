@@ -347,6 +347,16 @@ class Session:
         it: the trial count at which that step stops)."""
         return self.trials < (self.max_trials if until is None else min(until, self.max_trials))
 
+    def left(self, until: int | None = None) -> int:
+        """Trials the budget still allows (with ``until``, within a step's share)."""
+        return max(0, (self.max_trials if until is None else min(until, self.max_trials)) - self.trials)
+
+    @property
+    def judged_in_sample(self) -> bool:
+        """Whether :meth:`fitted_trial` judges on batches it also calibrated on: the default
+        selection (the last 4 calibration batches) of 4 or fewer batches leaves none to hold apart."""
+        return self.fit is self.calibration and any(s is c for s in self.selection for c in self.calibration)
+
     def share(self, trials: int) -> int:
         """The trial count at which a step given ``trials`` more trials stops (within the budget)."""
         return min(self.trials + max(0, trials), self.max_trials)
