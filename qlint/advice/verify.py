@@ -97,9 +97,6 @@ DEFAULT_MAX_TRIALS = 10  # trial quantizations beyond the default, the plan as g
 # come first; pruning then takes half of what is left, or all of it when no later step will
 # spend any (:func:`_prune_until`); the target-SQNR fallback takes the rest.
 DEFAULT_SCHEME_TRIALS = 4
-# The share that bias correction, 8-bit activations and pruning shared before pruning's share
-# scaled with max_trials. Only qlint/cli/verify.py's --max-trials help still names it.
-DEFAULT_PRUNE_TRIALS = 5
 SELECTION_BATCHES = 4  # calibration batches (the last ones) that select decisions by default
 
 

@@ -120,7 +120,8 @@ def trial_progress() -> Iterator[Callable[[str, int, int], None]]:
 
 
 def _verify_parser() -> argparse.ArgumentParser:
-    from qlint.advice.verify import DEFAULT_MAX_TRIALS, DEFAULT_PRUNE_TRIALS, DEFAULT_SCHEME_TRIALS
+    from qlint.advice.verify import DEFAULT_MAX_TRIALS, DEFAULT_SCHEME_TRIALS
+    from qlint.advice.verify_search import ACTIVATION_BITS_TRIALS
 
     parser = Parser(
         prog="qlint verify",
@@ -150,9 +151,11 @@ def _verify_parser() -> argparse.ArgumentParser:
         type=non_negative_int,
         default=DEFAULT_MAX_TRIALS,
         metavar="N",
-        help=f"at most N trial quantizations in all (default {DEFAULT_MAX_TRIALS}): up to "
-        f"{DEFAULT_PRUNE_TRIALS} for bias correction, 8-bit activations and pruning, up to --max-scheme-trials for the scheme "
-        "search, the rest for the --target-sqnr fallback; each costs about one prepare + calibrate + convert",
+        help=f"at most N trial quantizations in all (default {DEFAULT_MAX_TRIALS}), taken in order: 1 for bias "
+        f"correction, up to {ACTIVATION_BITS_TRIALS} for 8-bit activations (VNNI CPUs), half of what is left for "
+        "pruning (all of it when no "
+        "later step runs), up to --max-scheme-trials for the scheme search, the rest for the --target-sqnr fallback; "
+        "each costs about one prepare + calibrate + convert",
     )
     parser.add_argument("--target-sqnr", type=finite_float, metavar="DB")
     parser.add_argument(
