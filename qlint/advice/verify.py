@@ -26,9 +26,9 @@ leaves them to the next, so a larger ``max_trials`` buys pruning and the later s
 1. **bias correction**: one trial, kept when it gains more than 0.1 dB; on a CPU with VNNI,
    8-bit activations next (:func:`qlint.advice.verify_search.activation_bits_step`);
 2. **prune**: each decision (module decision, equalization pair, rewrite) is dropped when
-   removing it lowers neither SQNR nor int8 coverage (a layer left float never costs SQNR). Decisions are tried from the least measured gain up
-   (lint measured each finding's fix; unmeasured decisions come first), so the budget goes
-   where a decision is most likely useless. A plan that as a whole loses to the default is
+   removing it lowers neither SQNR nor int8 coverage (a layer left float never costs SQNR).
+   Decisions are tried from the least measured gain up (lint measured each finding's fix;
+   unmeasured decisions come first), so the budget goes where a decision is most likely useless. A plan that as a whole loses to the default is
    replaced by it (no trial: the default is measured anyway).
 3. **scheme search**: Linears flipped static <-> dynamic where that raises SQNR
    (:func:`qlint.advice.verify_search.scheme_search`). When a flip is kept, what the two
@@ -238,7 +238,8 @@ def verify(
     8-bit activations up to five, pruning half of what is then left (all of it when no later
     step will spend any; at most ``max_prune_trials`` when given), the scheme search at most
     ``max_scheme_trials``, and the target fallback what is left (at most
-    ``max_sensitivity_trials``). ``eval_fn(quantized_model, eval_data) -> float`` adds the user's metric (also computed for the float model).
+    ``max_sensitivity_trials``). ``eval_fn(quantized_model, eval_data) -> float`` adds the
+    user's metric (also computed for the float model).
     The plan's equalization pairs are realized by :func:`qlint.measure.equalization.apply_equalization`
     (a float-preserving cross-layer rescale using calibration ranges); pass torch's
     ``equalization_qconfig`` to use prepare_fx's ``_equalization_config`` instead.

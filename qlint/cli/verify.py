@@ -153,9 +153,8 @@ def _verify_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"at most N trial quantizations in all (default {DEFAULT_MAX_TRIALS}), taken in order: 1 for bias "
         f"correction, up to {ACTIVATION_BITS_TRIALS} for 8-bit activations (VNNI CPUs), half of what is left for "
-        "pruning (all of it when no "
-        "later step runs), up to --max-scheme-trials for the scheme search, the rest for the --target-sqnr fallback; "
-        "each costs about one prepare + calibrate + convert",
+        "pruning (all of it when no later step runs), up to --max-scheme-trials for the scheme search, the rest for "
+        "the --target-sqnr fallback; each costs about one prepare + calibrate + convert",
     )
     parser.add_argument("--target-sqnr", type=finite_float, metavar="DB")
     parser.add_argument(
@@ -370,22 +369,6 @@ def _refuse_aten_mapping(model: str, aten_model: bool) -> None:
     )
 
 
-def _example_from_calibration(calibration: list[Any]) -> tuple[Any, ...] | None:
-    """The first calibration batch as fix's example inputs, as lint, verify and quantize use it."""
-    from qlint.core.batches import call_parts
-
-    if not calibration:
-        return None
-    args, kwargs = call_parts(calibration[0], "calibration batch 0")
-    if kwargs:
-        raise ConfigError(
-            "calibration batch 0 holds keyword inputs, and qlint fix traces the model with positional ones: "
-            "pass --example-inputs FILE (a tuple of tensors)"
-        )
-    print("note: example inputs: the first calibration batch (pass --example-inputs to choose others)", file=sys.stderr)
-    return args
-
-
 def fix_command(argv: list[str]) -> int:
     args = _fix_parser().parse_args(argv)
     from qlint.advice.apply import fixed_model
@@ -400,6 +383,7 @@ def fix_command(argv: list[str]) -> int:
     if args.input_shape and args.example_inputs:
         raise ConfigError("--input-shape and --example-inputs both give the example inputs: pass one")
     from qlint.advice.verify_session import batch_list
+    from qlint.core.batches import first_batch_as_example
     from qlint.core.load import load_batches
     from qlint.core.ops import is_aten_graph
 
@@ -410,9 +394,19 @@ def fix_command(argv: list[str]) -> int:
         # a plan with no QConfigMapping (pt2e) is refused here, before any file is written
         mapping_file = plan.to_python() if args.emit_qconfig else None
         calibration = batch_list(load_batches(args.calibration), "calibration") if args.calibration else []
-        example = _example(args, loaded) or _example_from_calibration(calibration)
+        example = _example(args, loaded)
+        if not example and calibration:
+            example = first_batch_as_example(calibration)  # as lint, verify and quantize take it
+            if example:
+                print(
+                    "note: example inputs: the first calibration batch (pass --example-inputs to choose others)",
+                    file=sys.stderr,
+                )
         if not example:
-            raise ConfigError("qlint fix needs example inputs: pass --input-shape, --example-inputs or --calibration")
+            raise ConfigError(
+                "qlint fix needs example inputs: pass --input-shape, --example-inputs or --calibration (whose first "
+                "batch, if it holds positional inputs, serves as them)"
+            )
         # with --plan, exactly the plan's rewrites (what QuantPlan.quantize applies), and its equalization
         # when there are batches to read the ranges from; else every rewrite the graph allows
         gm, applied, folded = fixed_model(loaded.module, plan if args.plan else None, example, calibration)

@@ -58,6 +58,19 @@ def call_model(model: Callable[..., Any], batch: Any) -> Any:
     return model(*args, **kwargs)
 
 
+def first_batch_as_example(calibration: Any) -> tuple[Any, ...] | None:
+    """The first calibration batch as positional example inputs; None where reading it would
+    use it up (a one-shot iterator), or it is not a batch of positional inputs."""
+    try:
+        if not isinstance(calibration, (torch.Tensor, Mapping)) and iter(calibration) is calibration:
+            return None
+        first = next(batches_of(calibration, "calibration data"), None)
+        args, kwargs = as_call(first) if first is not None else ((), {})
+    except (TypeError, QlintError):  # not iterable, or not a batch: calibration says so in its own words
+        return None
+    return args if args and not kwargs else None
+
+
 def batch_size(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (1 for a scalar, 0 for none)."""
     first = first_tensor(batch)

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.ao.quantization import QConfigMapping
 
 from qlint.core.backends import BACKENDS, backend_info
-from qlint.core.batches import as_call, batches_of
+from qlint.core.batches import first_batch_as_example
 from qlint.core.graph import ModelGraph, OpNode
 from qlint.core.graph_builder import GraphBuilder
 from qlint.core.intent import (
@@ -368,7 +368,7 @@ def lint(
         raise QlintError(f"expected an nn.Module or a torch.export.ExportedProgram, got {type(model).__name__}")
     example_note = None
     if example is None and calibration is not None:
-        example = _first_batch_as_example(calibration)
+        example = first_batch_as_example(calibration)
         if example is not None:
             example_note = "example inputs: the first calibration batch (pass example inputs to choose others)"
     # Each stage that runs forward (tracing, shapes, eager fallback, calibration) opens a
@@ -388,19 +388,6 @@ def lint(
             start,
             example_note,
         )
-
-
-def _first_batch_as_example(calibration: Any) -> tuple[Any, ...] | None:
-    """The first calibration batch as positional example inputs; None where reading it would
-    use it up (a one-shot iterator), or it is not a batch of positional inputs."""
-    try:
-        if not isinstance(calibration, (torch.Tensor, Mapping)) and iter(calibration) is calibration:
-            return None
-        first = next(batches_of(calibration, "calibration data"), None)
-        args, kwargs = as_call(first) if first is not None else ((), {})
-    except (TypeError, QlintError):  # not iterable, or not a batch: calibration says so in its own words
-        return None
-    return args if args and not kwargs else None
 
 
 def _lint(

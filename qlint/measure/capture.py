@@ -396,7 +396,10 @@ class PairedRunner:
         return tensor
 
     def _output_grid(self, layer: LayerMatch, value: Any) -> QuantGrid | None:
-        """A layer's quantized output grid: the tensor's own, or its frozen quantizer's; None: unknown (pt2e)."""
+        """A layer's quantized output grid: the tensor's own, or its frozen quantizer's; None: unknown
+        (pt2e), or not needed (only a layer with a consumer clamp reads it, on every batch)."""
+        if layer.consumer_clamp is None:
+            return None
         frozen = self.frozen.get(layer.quant_output_quantizer or "")
         return grid_of(first_tensor(value)) or (frozen.grid if frozen is not None else None)
 
