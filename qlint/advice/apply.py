@@ -99,7 +99,7 @@ def rewritten(
         )
     example = as_call(calibration[0], what="calibration batch 0")[0]
     gm, applied = apply_requested_rewrites(model, plan, example)
-    applied += unmatched_plan_rewrites(plan, applied, "this model's graph has no place it applies to")
+    applied += unmatched_plan_rewrites(plan, applied)
     refuse_unknown_modules(gm, plan)
     gm, equalized = equalized_by_plan(gm, plan, calibration)
     return gm, applied + equalized
@@ -224,7 +224,7 @@ def fixed_model(
     else:
         gm, applied = apply_requested_rewrites(model, plan, example_inputs)
         where = "this exported (aten) graph" if is_aten_graph(model) else "this model's graph"
-        applied = applied + unmatched_plan_rewrites(plan, applied, f"{where} has no place it applies to")
+        applied = applied + unmatched_plan_rewrites(plan, applied, where)
         if calibration:
             refuse_unknown_modules(gm, plan)  # a pair naming no module would silently equalize nothing
             gm, equalized = equalized_by_plan(gm, plan, calibration)

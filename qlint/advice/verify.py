@@ -433,7 +433,7 @@ def _verify(
         decisions=outcomes,
         rewrites=_rewrites_report(detected, current) + session.equalizations(current),
         left_out_rewrites=[a for a in detected if a.requested_by_plan and not a.applied]
-        + unmatched_plan_rewrites(plan, detected, "this model's graph has no place it applies to"),
+        + unmatched_plan_rewrites(plan, detected),
         kept_float=kept_float,
         float_layer_fraction=round(1.0 - verified.result.int8_fraction, 4),
         verified_plan=current,

@@ -156,11 +156,13 @@ def applies(rewrite: Any, tried: Sequence[AppliedRewrite]) -> bool:
     return any(done.applied and _asks_for(rewrite, done.kind, done.modules, done.nodes) for done in tried)
 
 
-def unmatched_plan_rewrites(plan: Any, tried: Sequence[AppliedRewrite], why: str) -> list[AppliedRewrite]:
-    """A refused record, with ``why``, for each rewrite ``plan`` asks for that no rewrite in
-    ``tried`` matches: the graph has no place it applies to, so it was never tried, and a report
-    of ``tried`` alone would not name it. A rewrite the plan keeps waiting (``waiting_rewrites``)
-    is not asked for yet."""
+def unmatched_plan_rewrites(
+    plan: Any, tried: Sequence[AppliedRewrite], graph: str = "this model's graph"
+) -> list[AppliedRewrite]:
+    """A refused record for each rewrite ``plan`` asks for that no rewrite in ``tried`` matches:
+    ``graph`` has no place it applies to, so it was never tried, and a report of ``tried`` alone
+    would not name it. A rewrite the plan keeps waiting (``waiting_rewrites``) is not asked for yet."""
+    waiting = plan.waiting_rewrites()
     return [
         AppliedRewrite(
             kind=rewrite.kind,
@@ -168,10 +170,10 @@ def unmatched_plan_rewrites(plan: Any, tried: Sequence[AppliedRewrite], why: str
             nodes=[],
             applied=False,
             requested_by_plan=True,
-            reason=why,
+            reason=f"{graph} has no place it applies to",
         )
         for rewrite in plan.rewrites
-        if rewrite not in plan.waiting_rewrites()
+        if rewrite not in waiting
         and not rewrite.satisfied_by_tracing()
         and not any(_asks_for(rewrite, done.kind, done.modules, done.nodes) for done in tried)
     ]
